@@ -1,0 +1,30 @@
+# One command runs the main job (`make run`), one command passes the tests (`make test`).
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+# The CPU wheel of torch that the package index serves offline here; override for a CUDA build.
+TORCH_SPEC ?= torch==2.13.0
+RUN_ARGS ?=
+
+.PHONY: venv run test test-fast images clean
+
+venv: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -q --disable-pip-version-check --upgrade pip
+	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/pip install -q --disable-pip-version-check "$(TORCH_SPEC)"
+	$(BIN)/pip install -q --disable-pip-version-check -e ".[test]"
+	touch $@
+
+run: venv
+	$(BIN)/grpo train --config configs/default.yaml $(RUN_ARGS)
+
+test: venv
+	$(BIN)/python -m pytest -q
+
+test-fast: venv
+	$(BIN)/python -m pytest -q -m "not slow"
+
+clean:
+	rm -rf runs .pytest_cache

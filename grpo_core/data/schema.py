@@ -1,0 +1,112 @@
+"""One schema for every training or evaluation task, whatever its source.
+
+A task is a small JSON-able record. Stages exchange tasks as JSONL files (one record a line).
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import tempfile
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Iterable, Iterator
+
+KINDS = ("math", "python", "rust")
+
+
+class TaskValidationError(ValueError):
+    """A task record is malformed; the message names the field and the fix."""
+
+
+@dataclass
+class Task:
+    id: str                      # stable, unique id (e.g. "arith-2d-+-000123" or "humaneval/HumanEval_0")
+    kind: str                    # "math" | "python" | "rust"
+    source: str                  # generator or dataset name, e.g. "arithmetic", "humaneval", "gsm_symbolic"
+    prompt: str                  # the question shown to the model (user turn, no chat template applied)
+    answer: str | None = None    # gold final answer for math tasks (compared after normalisation)
+    tests: dict[str, Any] | None = None   # hidden tests for code tasks (never shown to the model)
+    entry_point: str | None = None        # function name for code tasks
+    reference_solution: str | None = None
+    difficulty: float | None = None       # generator level or measured 1 - pass rate, in [0, 1] when known
+    license: str = "unknown"
+    provenance: str = ""                  # where the item came from (package, file, generator + seed)
+    meta: dict[str, Any] = field(default_factory=dict)
+
+    def validate(self) -> "Task":
+        if not self.id or not isinstance(self.id, str):
+            raise TaskValidationError("task field 'id' must be a non-empty string")
+        if self.kind not in KINDS:
+            raise TaskValidationError(
+                f"task {self.id!r}: field 'kind' is {self.kind!r}; use one of {', '.join(KINDS)}")
+        if not isinstance(self.prompt, str) or not self.prompt.strip():
+            raise TaskValidationError(f"task {self.id!r}: field 'prompt' must be a non-empty string")
+        if self.kind == "math" and (self.answer is None or not str(self.answer).strip()):
+            raise TaskValidationError(f"task {self.id!r}: math tasks need a non-empty 'answer'")
+        if self.kind in ("python", "rust") and not self.tests:
+            raise TaskValidationError(f"task {self.id!r}: {self.kind} tasks need hidden 'tests'")
+        return self
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, row: dict[str, Any]) -> "Task":
+        if not isinstance(row, dict):
+            raise TaskValidationError(f"a task row must be a JSON object, got {type(row).__name__}")
+        unknown = set(row) - set(cls.__dataclass_fields__)
+        if unknown:
+            raise TaskValidationError(
+                f"task row {row.get('id', '?')!r} has unknown field(s) {sorted(unknown)}; "
+                f"allowed: {sorted(cls.__dataclass_fields__)}")
+        missing = [k for k in ("id", "kind", "source", "prompt") if k not in row]
+        if missing:
+            raise TaskValidationError(f"task row {row.get('id', '?')!r} lacks required field(s) {missing}")
+        return cls(**row).validate()
+
+    def content_hash(self) -> str:
+        """Hash of what defines the task (not its id or provenance): stable across runs and machines."""
+        core = {"kind": self.kind, "prompt": self.prompt, "answer": self.answer, "tests": self.tests,
+                "entry_point": self.entry_point}
+        return hashlib.sha256(json.dumps(core, sort_keys=True).encode()).hexdigest()
+
+
+def atomic_write_text(path: str | os.PathLike, text: str) -> Path:
+    """Write a file so that readers see either the old content or the whole new content."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return path
+
+
+def write_jsonl(path: str | os.PathLike, rows: Iterable[dict[str, Any]]) -> Path:
+    return atomic_write_text(path, "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows))
+
+
+def read_jsonl(path: str | os.PathLike) -> Iterator[dict[str, Any]]:
+    with open(path, encoding="utf-8") as f:
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                yield json.loads(line)
+            except json.JSONDecodeError as e:
+                raise TaskValidationError(f"{path}:{lineno}: not valid JSON ({e.msg}); fix or remove the line") from e
+
+
+def write_tasks(path: str | os.PathLike, tasks: Iterable[Task]) -> Path:
+    return write_jsonl(path, (t.to_dict() for t in tasks))
+
+
+def read_tasks(path: str | os.PathLike) -> list[Task]:
+    return [Task.from_dict(r) for r in read_jsonl(path)]

@@ -1,0 +1,88 @@
+"""Rule-based rewards. Each reward function scores a batch: (completions, tasks) -> list of float | None.
+
+None means "could not be scored" (e.g. the sandbox failed): the caller leaves that sample out of its
+group rather than pretending it earned 0.
+"""
+from __future__ import annotations
+
+import re
+from fractions import Fraction
+from typing import Callable, Sequence
+
+from grpo_core.data.schema import Task
+
+RewardFn = Callable[[Sequence[str], Sequence[Task]], list]
+
+# The whole completion: optional reasoning, then exactly one non-empty answer block, nothing after it.
+FORMAT_RE = re.compile(r"^(?:(?!<answer>|</answer>).)*<answer>(?:(?!<answer>|</answer>).)*\S(?:(?!<answer>|</answer>).)*</answer>\s*$",
+                       re.DOTALL)
+ANSWER_RE = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
+
+
+def extract_answer(completion: str) -> str | None:
+    """The content of the single <answer> block, or None if there is not exactly one."""
+    found = ANSWER_RE.findall(completion)
+    if len(found) != 1 or completion.count("<answer>") != 1:
+        return None
+    return found[0].strip()
+
+
+def _to_number(text: str) -> Fraction | None:
+    s = text.strip().strip("$").replace(",", "").replace(" ", "").rstrip(".")
+    try:
+        return Fraction(s)
+    except (ValueError, ZeroDivisionError):
+        return None
+
+
+def math_answers_match(predicted: str | None, gold: str) -> bool:
+    """Numeric equality when both parse as numbers, else normalised string equality."""
+    if predicted is None or not predicted.strip():
+        return False
+    p, g = _to_number(predicted), _to_number(gold)
+    if p is not None and g is not None:
+        return p == g
+    norm = lambda s: re.sub(r"\s+", " ", s.strip().lower().rstrip("."))
+    return norm(predicted) == norm(gold)
+
+
+def format_reward(completions: Sequence[str], tasks: Sequence[Task]) -> list[float]:
+    """1 if the completion ends with exactly one non-empty <answer>...</answer> block, else 0."""
+    return [1.0 if FORMAT_RE.match(c) else 0.0 for c in completions]
+
+
+def accuracy_reward(completions: Sequence[str], tasks: Sequence[Task]) -> list[float | None]:
+    """Correctness: the tagged answer for math tasks; hidden tests in the sandbox for code tasks."""
+    out: list[float | None] = [None] * len(completions)
+    code_idx = []
+    for i, (c, t) in enumerate(zip(completions, tasks)):
+        if t.kind == "math":
+            out[i] = 1.0 if math_answers_match(extract_answer(c), str(t.answer)) else 0.0
+        else:
+            code_idx.append(i)
+    if code_idx:
+        from grpo_core.code_rewards import code_accuracy  # imported only when code tasks are present
+        scores = code_accuracy([completions[i] for i in code_idx], [tasks[i] for i in code_idx])
+        for i, s in zip(code_idx, scores):
+            out[i] = s
+    return out
+
+
+REWARD_FUNCS: dict[str, RewardFn] = {
+    "accuracy": accuracy_reward,
+    "format": format_reward,
+}
+
+# The reward whose value is raw correctness (used for pass rates and dynamic sampling, never the shaped total).
+CORRECTNESS_FUNC = "accuracy"
+
+
+def compute_rewards(completions: Sequence[str], tasks: Sequence[Task], funcs: Sequence[str],
+                    weights: Sequence[float]) -> tuple[list[float | None], dict[str, list[float | None]]]:
+    """Weighted total per completion (None if any function could not score it) and each function's scores."""
+    per_func = {name: REWARD_FUNCS[name](completions, tasks) for name in funcs}
+    totals: list[float | None] = []
+    for i in range(len(completions)):
+        vals = [per_func[name][i] for name in funcs]
+        totals.append(None if any(v is None for v in vals) else sum(w * v for w, v in zip(weights, vals)))
+    return totals, per_func

@@ -1,0 +1,41 @@
+"""curate: build the iteration's training prompts (and, once per run, the held-out split)."""
+from __future__ import annotations
+
+from pathlib import Path
+
+from prefect import task
+
+from grpo_core.config import GRPOConfig
+from grpo_core.data import arithmetic
+from grpo_core.data.schema import read_tasks, write_tasks
+from tasks.common import cfg_of, completed_record, finish_stage, input_key, iter_dir
+
+
+def eval_split_path(run_dir: str | Path) -> Path:
+    return Path(run_dir) / "data" / "eval.jsonl"
+
+
+def ensure_eval_split(cfg: GRPOConfig, run_dir: str | Path) -> Path:
+    """The run's held-out tasks, written once; every later stage reads the same file."""
+    path = eval_split_path(run_dir)
+    if not path.exists():
+        d = cfg.data
+        write_tasks(path, arithmetic.eval_tasks(d.eval_size, d.min_digits, d.max_digits, d.operations))
+    return path
+
+
+@task(name="curate")
+def curate(config: dict, run_dir: str, iteration: int) -> dict:
+    cfg = cfg_of(config)
+    key = input_key(data=config["data"], seed=cfg.seed, iteration=iteration)
+    if (done := completed_record(run_dir, iteration, "curate", key)):
+        return done
+    eval_path = ensure_eval_split(cfg, run_dir)
+    exclude = {t.id for t in read_tasks(eval_path)}
+    d = cfg.data
+    prompts = arithmetic.train_tasks(d.prompts_per_iteration, d.min_digits, d.max_digits, d.operations,
+                                     seed=cfg.seed * 100_003 + iteration, exclude=exclude)
+    out = write_tasks(iter_dir(run_dir, iteration) / "prompts.jsonl", prompts)
+    return finish_stage(run_dir, iteration, "curate", key, {
+        "prompts": str(out), "eval": str(eval_path), "num_prompts": len(prompts),
+        "sources": {"arithmetic": len(prompts)}})

@@ -42,15 +42,46 @@ def _load(args) -> "GRPOConfig":  # noqa: F821
 
 
 def format_eval_table(evals: dict) -> str:
-    """Before/after table of held-out metrics, iteration 0 = base model."""
+    """Compact before/after table of held-out metrics (iteration 0 = base model): overall metrics,
+    pass@1 per source, and the monitors; at most 6 iteration columns (first + last 5) and the change."""
     if not evals:
         return "(evaluation disabled)"
-    keys = sorted({k for m in evals.values() for k in m if k.count("/") == 2})
     iters = sorted(evals, key=int)
-    head = f"{'metric':<34}" + "".join(f"{'iter ' + str(i):>10}" for i in iters)
+    shown = iters if len(iters) <= 6 else [iters[0], *iters[-5:]]
+    keys = {k for m in evals.values() for k in m}
+    modes = ("greedy", "sampled")
+
+    def rank(k: str):
+        parts = k.split("/")
+        if len(parts) >= 3 and parts[1] in modes:                       # overall: eval/<mode>/<metric>
+            metric = "/".join(parts[2:])
+            if metric == "accuracy":                                     # older alias of pass_at_1
+                return None
+            order = ((0, int(metric[8:])) if metric.startswith("pass_at_") and metric[8:].isdigit() else
+                     (1, 0) if metric.startswith("reward/") else (2, 0))
+            return (0, modes.index(parts[1]), order, metric)
+        if len(parts) == 4 and parts[2] in modes and parts[3] == "pass_at_1":   # per source / kind
+            return (1, parts[1], modes.index(parts[2]), "")
+        if parts[1:2] == ["monitor"] and (parts[-1].endswith("_frac") or parts[-1] in ("length_ratio", "tripped_count")) \
+                and len(parts) == 3:
+            return (2, 0, 0, parts[2])
+        return None
+
+    sources = {k.split("/")[1] for k in keys if rank(k) and rank(k)[0] == 1}
+    rows = sorted((k for k in keys if rank(k) is not None and not (rank(k)[0] == 1 and len(sources) < 2)
+                   and not (k.endswith("/unscored_frac") and not any(evals[i].get(k) for i in iters))), key=rank)
+    if not rows:
+        return "(no evaluation metrics)"
+    width = max(len(k) for k in rows) + 2
+    head = f"{'metric':<{width}}" + "".join(f"{'iter ' + str(i):>10}" for i in shown)
+    head += f"{'change':>10}" if len(shown) > 1 else ""
     lines = [head, "-" * len(head)]
-    for k in keys:
-        lines.append(f"{k:<34}" + "".join(f"{evals[i].get(k, float('nan')):>10.3f}" for i in iters))
+    for k in rows:
+        vals = [evals[i].get(k) for i in shown]
+        cells = "".join(f"{v:>10.3f}" if v is not None else f"{'-':>10}" for v in vals)
+        if len(shown) > 1:
+            cells += f"{vals[-1] - vals[0]:>+10.3f}" if vals[0] is not None and vals[-1] is not None else f"{'':>10}"
+        lines.append(f"{k:<{width}}" + cells)
     return "\n".join(lines)
 
 
@@ -117,6 +148,14 @@ def build_parser() -> argparse.ArgumentParser:
     f = msub.add_parser("fetch", help="fetch and convert a built-in model into $GRPO_HOME (done on first use anyway)")
     f.add_argument("model", nargs="?", default="smollm2-135m-instruct")
     f.set_defaults(func=cmd_model_fetch)
+
+    # Areas that own their subcommands (each module: register(subparsers)).
+    from flows.eval_cli import register as register_eval
+    from flows.ops_cli import register as register_ops
+    from grpo_core.data.cli import register as register_data
+    from sandbox.cli import register as register_sandbox
+    for register in (register_eval, register_ops, register_data, register_sandbox):
+        register(sub)
     return p
 
 

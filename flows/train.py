@@ -2,14 +2,18 @@
 curate -> rollout -> score -> update -> evaluate, each stage a retryable Prefect task."""
 from __future__ import annotations
 
+import shutil
+import time
 from pathlib import Path
 
 from prefect import flow
 from prefect.runtime import flow_run
 
-from grpo_core.config import GRPOConfig
+from grpo_core.config import ConfigError, GRPOConfig
+from grpo_core.data.schema import atomic_write_text
 from tasks import tracking
-from tasks.common import write_json
+from tasks.common import (mark_running, read_json, retry_transient_only, semantic_config, update_run_state,
+                          write_json)
 from tasks.curate import curate
 from tasks.evaluate import evaluate
 from tasks.rollout import rollout
@@ -17,13 +21,59 @@ from tasks.score import score
 from tasks.update import update
 
 
+GPU_STAGES = ("rollout", "update", "evaluate")
+
+
 def _with_retries(task_fn, cfg: GRPOConfig, stage: str):
+    """The stage task with its configured retries: exponential backoff, transient errors only, and the
+    GPU concurrency tag on the stages that use the accelerator."""
     policy = getattr(cfg.stages, stage)
-    return task_fn.with_options(retries=policy.retries, retry_delay_seconds=policy.retry_delay_seconds)
+    opts = dict(retries=policy.retries, retry_delay_seconds=policy.delays() or 0,
+                retry_jitter_factor=policy.retry_jitter_factor, retry_condition_fn=retry_transient_only)
+    if stage in GPU_STAGES and cfg.stages.gpu_concurrency_tag:
+        opts["tags"] = {cfg.stages.gpu_concurrency_tag}
+    return task_fn.with_options(**opts)
 
 
 def run_dir_of(cfg: GRPOConfig) -> Path:
     return Path(cfg.output_dir) / cfg.run_name
+
+
+def _dynamic_sampling(cfg: GRPOConfig, config: dict, run_dir: str, iteration: int, checkpoint: str | None,
+                      ro: dict, sc: dict) -> tuple[str, str, dict]:
+    """DAPO dynamic sampling: while fewer than data.prompts_per_iteration groups have mixed raw correctness,
+    run up to max_extra_rollouts extra curate -> rollout -> score rounds (fresh prompts, fresh seed) in
+    iter-<k>/dynamic-<r>/, then merge the informative groups into iter-<k>/{samples,scores}.dynamic.jsonl.
+    Each round is made of the ordinary stage tasks, so it is retried and resumed like them."""
+    from grpo_core import dynamic_sampling as dsamp
+    from grpo_core.data.schema import read_jsonl, write_jsonl
+    stage = lambda fn, name: _with_retries(fn, cfg, name)
+    target = cfg.data.prompts_per_iteration
+    rounds = [(list(read_jsonl(ro["samples"])), list(read_jsonl(sc["scores"])))]
+    informative = dsamp.count_informative(*rounds[0])
+    it_dir = Path(run_dir) / f"iter-{iteration}"
+    for r in range(1, cfg.max_extra_rollouts + 1):
+        if informative >= target:
+            break
+        sub = it_dir / f"dynamic-{r}"
+        sub.mkdir(parents=True, exist_ok=True)
+        if not (sub / "data").exists() and (Path(run_dir) / "data").exists():
+            (sub / "data").symlink_to((Path(run_dir) / "data").resolve(), target_is_directory=True)
+        xconfig = {**config, "seed": dsamp.extra_round_seed(cfg.seed, iteration, r)}
+        xc = stage(curate, "curate")(xconfig, str(sub), iteration)
+        xr = stage(rollout, "rollout")(xconfig, str(sub), iteration, xc["prompts"], checkpoint)
+        xs = stage(score, "score")(xconfig, str(sub), iteration, xc["prompts"], xr["samples"])
+        rounds.append((list(read_jsonl(xr["samples"])), list(read_jsonl(xs["scores"]))))
+        informative += dsamp.count_informative(*rounds[-1])
+    merged_s, merged_c, stats = dsamp.merge_rounds(rounds, target)
+    samples = write_jsonl(it_dir / "samples.dynamic.jsonl", merged_s)
+    scores = write_jsonl(it_dir / "scores.dynamic.jsonl", merged_c)
+    try:
+        run_id = read_json(Path(run_dir) / "run.json")["mlflow_run_id"]
+        tracking.log_metrics(cfg, run_id, {f"dynamic_sampling/{k}": v for k, v in stats.items()}, iteration)
+    except (OSError, KeyError):
+        pass        # no MLflow run (iteration_flow called on its own): the stats are still returned
+    return str(samples), str(scores), stats
 
 
 @flow(name="grpo-iteration")
@@ -34,38 +84,152 @@ def iteration_flow(config: dict, run_dir: str, iteration: int, checkpoint: str |
     cur = stage(curate, "curate")(config, run_dir, iteration)
     ro = stage(rollout, "rollout")(config, run_dir, iteration, cur["prompts"], checkpoint)
     sc = stage(score, "score")(config, run_dir, iteration, cur["prompts"], ro["samples"])
-    up = stage(update, "update")(config, run_dir, iteration, ro["samples"], sc["scores"], checkpoint, state)
+    samples, scores, ds = ro["samples"], sc["scores"], None
+    if cfg.dynamic_sampling:
+        samples, scores, ds = _dynamic_sampling(cfg, config, run_dir, iteration, checkpoint, ro, sc)
+    up = stage(update, "update")(config, run_dir, iteration, samples, scores, checkpoint, state)
     ev = None
     if cfg.eval.enabled and (iteration % cfg.eval.every == 0 or iteration == cfg.pipeline_iterations):
         ev = stage(evaluate, "evaluate")(config, run_dir, iteration, up["checkpoint"])
-    return {"curate": cur, "rollout": ro, "score": sc, "update": up, "evaluate": ev}
+    return {"curate": cur, "rollout": ro, "score": sc, "update": up, "evaluate": ev, "dynamic_sampling": ds}
+
+
+def _default_run_name() -> str:
+    """Scheduled/deployed runs get a name from their flow run, stable across `prefect flow-run retry`."""
+    name = flow_run.get_name()
+    start = flow_run.get_scheduled_start_time()
+    stamp = start.strftime("%Y%m%d-%H%M%S") if start else time.strftime("%Y%m%d-%H%M%S")
+    return f"run-{stamp}-{name}" if name else f"run-{stamp}"
+
+
+def _check_same_config(cfg: GRPOConfig, run_dir: Path) -> None:
+    """Resuming with a config that changes what is computed would mix two runs in one: refuse.
+    Operational fields (retries, tracking, paths) may change."""
+    prev_path = run_dir / "config.yaml"
+    if not prev_path.exists():
+        return
+    import yaml
+    try:
+        prev = GRPOConfig.model_validate(yaml.safe_load(prev_path.read_text()) or {}).model_dump(mode="json")
+    except ValueError:
+        return        # an older, now-invalid config: the stage keys decide what re-runs
+    from grpo_core.config import flatten
+    a, b = flatten(semantic_config(prev)), flatten(semantic_config(cfg.model_dump(mode="json")))
+    diff = sorted(k for k in a.keys() | b.keys() if a.get(k) != b.get(k))
+    if diff:
+        raise ConfigError(
+            f"run {run_dir.name!r} already exists with a different config ({', '.join(f'{k}: {a.get(k)!r} -> {b.get(k)!r}' for k in diff[:6])}"
+            f"{' ...' if len(diff) > 6 else ''}); resume it unchanged with `grpo resume {run_dir.name}` "
+            f"or start a new run with another --run-name")
+
+
+def preflight(cfg: GRPOConfig) -> None:
+    """Checks to run before starting the flow (fail in a second, not after the engine starts): an existing
+    run of the same name must have the same config."""
+    if cfg.run_name:
+        _check_same_config(cfg, run_dir_of(cfg))
+
+
+def _init_checkpoint(cfg: GRPOConfig, run_dir: Path, run_id: str) -> str | None:
+    """Resolve config.init_adapter once per run into run_dir/init_adapter (a stable path = stable stage keys)."""
+    if not cfg.init_adapter:
+        return None
+    state = read_json(run_dir / "run.json")
+    if state.get("init_adapter_path") and Path(state["init_adapter_path"]).exists():
+        return state["init_adapter_path"]
+    uri = cfg.init_adapter
+    if uri == "previous":
+        uri = tracking.previous_best_adapter(cfg, exclude_run_id=run_id)
+        if uri is None:
+            update_run_state(run_dir, init_adapter_uri=None)
+            return None        # first run of a schedule: start from the base model
+    local = tracking.download_adapter(uri, run_dir / ".init_adapter_download", tracking.tracking_uri(cfg))
+    dst = run_dir / "init_adapter"
+    if local.resolve() != dst.resolve():
+        if dst.exists():
+            shutil.rmtree(dst)
+        shutil.copytree(local, dst)
+        shutil.rmtree(run_dir / ".init_adapter_download", ignore_errors=True)
+    update_run_state(run_dir, init_adapter_uri=uri, init_adapter_path=str(dst))
+    tracking.set_tags(cfg, run_id, {"init_adapter": uri})
+    return str(dst)
+
+
+def _dataset_hash(cfg: GRPOConfig, run_dir: Path) -> str:
+    files = sorted((run_dir / "data").glob("*.jsonl"))
+    return tracking.file_hash(*files, extra={"data": cfg.data.model_dump(mode="json"), "seed": cfg.seed})
+
+
+def _numbers(d: dict | None, prefix: str) -> dict[str, float]:
+    out = {}
+    for k, v in (d or {}).items():
+        if isinstance(v, bool) or not isinstance(v, (int, float)):
+            continue
+        out[k if "/" in k else f"{prefix}{k}"] = float(v)
+    return out
 
 
 @flow(name="grpo-training-run")
 def training_run(config: dict) -> dict:
-    """A whole training run. `config` is a GRPOConfig as a dict (with run_name set)."""
+    """A whole training run. `config` is a GRPOConfig as a dict. Re-running it with the same run_name (or
+    `grpo resume`) continues the run: completed stages are skipped, the same MLflow run is reopened."""
     cfg = GRPOConfig.model_validate(config)
     if not cfg.run_name:
-        raise ValueError("training_run needs config.run_name set")
+        cfg.run_name = _default_run_name()
+        config = cfg.model_dump(mode="json")
     run_dir = run_dir_of(cfg)
+    _check_same_config(cfg, run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "config.yaml").write_text(cfg.to_yaml())
-    run_id = tracking.start_or_resume_run(cfg, run_dir, flow_run.get_id())
+    atomic_write_text(run_dir / "config.yaml", cfg.to_yaml())
+    mark_running(run_dir, flow_run.get_id())
     try:
-        evals = {}
+        run_id = tracking.start_or_resume_run(cfg, run_dir, flow_run.get_id())
+    except BaseException as e:      # e.g. the tracking server is down: say so in `grpo runs`
+        update_run_state(run_dir, status="failed", error=f"MLflow: {type(e).__name__}: {e}"[:500])
+        raise
+    evals, checkpoint, state, registered = {}, None, None, None
+    try:
+        checkpoint = _init_checkpoint(cfg, run_dir, run_id)
         if cfg.eval.enabled:
-            evals[0] = _with_retries(evaluate, cfg, "evaluate")(config, str(run_dir), 0, None)["metrics"]
-        checkpoint = state = None
+            evals[0] = _with_retries(evaluate, cfg, "evaluate")(config, str(run_dir), 0, checkpoint)["metrics"]
         for k in range(1, cfg.pipeline_iterations + 1):
+            t0 = time.perf_counter()
             res = iteration_flow(config, str(run_dir), k, checkpoint, state)
             checkpoint, state = res["update"]["checkpoint"], res["update"]["state"]
-            if res["evaluate"]:
+            if res.get("evaluate"):
                 evals[k] = res["evaluate"]["metrics"]
-    except BaseException:
+            cur = res.get("curate") or {}
+            metrics = {**_numbers(cur.get("metrics"), "data/"), **_numbers(cur.get("sources"), "data/source/"),
+                       "sys/iteration_seconds": time.perf_counter() - t0}
+            if "num_prompts" in cur:
+                metrics["data/num_prompts"] = cur["num_prompts"]
+            tracking.log_metrics(cfg, run_id, metrics, step=k)
+            if k == 1:
+                tracking.set_tags(cfg, run_id, {"dataset_hash": _dataset_hash(cfg, run_dir)})
+        registered = read_json(run_dir / "run.json").get("registered_model")
+        if registered is None:         # once per run: a re-run of a finished run does not add a version
+            registered = _register(cfg, run_id, evals)
+            update_run_state(run_dir, registered_model=registered)
+    except BaseException as e:
+        update_run_state(run_dir, status="failed", error=f"{type(e).__name__}: {e}"[:500],
+                         updated=time.strftime("%Y-%m-%dT%H:%M:%S%z"))
         tracking.end_run(cfg, run_id, "FAILED")
         raise
     tracking.end_run(cfg, run_id, "FINISHED")
     summary = {"run_dir": str(run_dir), "mlflow_run_id": run_id, "final_checkpoint": checkpoint,
-               "evals": evals, "tracking_uri": tracking.tracking_uri(cfg)}
+               "evals": evals, "tracking_uri": tracking.tracking_uri(cfg), "registered_model": registered}
     write_json(run_dir / "summary.json", summary)
+    update_run_state(run_dir, status="finished", error=None, updated=time.strftime("%Y-%m-%dT%H:%M:%S%z"))
     return summary
+
+
+def _register(cfg: GRPOConfig, run_id: str, evals: dict) -> dict | None:
+    """Register the best-by-eval (or the final) iteration's adapter in the MLflow Model Registry."""
+    if cfg.tracking.register_adapter == "none" or not cfg.tracking.registered_model_name:
+        return None
+    final = cfg.pipeline_iterations
+    it = final
+    scored = {k: m[cfg.tracking.best_metric] for k, m in evals.items() if k >= 1 and cfg.tracking.best_metric in m}
+    if cfg.tracking.register_adapter == "best" and scored:
+        it = max(scored, key=lambda k: (scored[k], k))     # ties: the later iteration
+    return tracking.register_adapter(cfg, run_id, it, evals.get(it))

@@ -35,11 +35,13 @@ def zero_std_groups(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
 
 
 def token_logprobs(logits: torch.Tensor, ids: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
-    """log softmax(logits / T)[ids] without materialising the full [B, L, V] log-softmax.
+    """log softmax(logits / T)[ids] = logit[id]/T - logsumexp(logits/T), never the full log-softmax.
 
-    logits: [B, L, V], ids: [B, L] -> [B, L]
+    logits: [B, L, V], ids: [B, L] -> [B, L] (fp32)
     """
-    logits = logits.float() / temperature
+    logits = logits.float()
+    if temperature != 1.0:
+        logits = logits / temperature
     picked = logits.gather(-1, ids.unsqueeze(-1)).squeeze(-1)            # [B, L]
     return picked - torch.logsumexp(logits, dim=-1)                      # [B, L]
 
@@ -48,6 +50,39 @@ def token_entropy(logits: torch.Tensor, temperature: float = 1.0) -> torch.Tenso
     """Entropy of softmax(logits / T) per position. [B, L, V] -> [B, L]."""
     logp = F.log_softmax(logits.float() / temperature, dim=-1)
     return -(logp.exp() * logp).sum(-1)
+
+
+def _head_chunk(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, ids: torch.Tensor,
+                temperature: float, with_entropy: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """One chunk of rows: hidden [b, L, H] -> (logp [b, L], entropy [b, L] or empty) via the LM head."""
+    logits = F.linear(hidden, weight, bias)                               # [b, L, V]
+    logp = token_logprobs(logits, ids, temperature)                       # [b, L]
+    if not with_entropy:
+        return logp, logp.new_zeros(0)
+    with torch.no_grad():
+        return logp, token_entropy(logits, temperature)
+
+
+def head_logprobs(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, ids: torch.Tensor,
+                  temperature: float = 1.0, chunk_rows: int = 4,
+                  with_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Per-token log-probs (and entropy) from final hidden states, `chunk_rows` sequences at a time.
+
+    Only [chunk_rows, L, V] logits exist at once. With autograd on, each chunk is checkpointed: the
+    backward pass recomputes that chunk's logits instead of keeping [B, L, V] of them alive.
+    hidden: [B, L, H], weight: [V, H], ids: [B, L] -> logp [B, L], entropy [B, L] (detached) or None.
+    """
+    from torch.utils.checkpoint import checkpoint
+    lps, ents = [], []
+    for s in range(0, hidden.size(0), chunk_rows):
+        args = (hidden[s:s + chunk_rows], weight, bias, ids[s:s + chunk_rows], temperature, with_entropy)
+        if torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad):
+            lp, ent = checkpoint(_head_chunk, *args, use_reentrant=False)
+        else:
+            lp, ent = _head_chunk(*args)
+        lps.append(lp)
+        ents.append(ent)
+    return torch.cat(lps), (torch.cat(ents).detach() if with_entropy else None)
 
 
 def kl_k3(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
@@ -119,3 +154,38 @@ def completion_logits(model, input_ids: torch.Tensor, attention_mask: torch.Tens
     out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                 logits_to_keep=completion_len + 1, use_cache=False)
     return out.logits[:, :-1, :]                                          # [B, Lc, V]
+
+
+def _decoder_and_head(model):
+    """(decoder trunk, LM head) of a causal LM, through a PEFT wrapper; (None, None) if not split that way."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    get_dec = getattr(base, "get_decoder", None)
+    head = base.get_output_embeddings() if hasattr(base, "get_output_embeddings") else None
+    decoder = get_dec() if callable(get_dec) else None
+    if decoder is None or not isinstance(head, torch.nn.Linear):
+        return None, None
+    return decoder, head
+
+
+def completion_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, completion_len: int,
+                        temperature: float = 1.0, with_entropy: bool = False,
+                        chunk_rows: int = 4) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Log-probs of the last `completion_len` tokens of each row (and their entropy). -> [B, Lc] each.
+
+    Runs the decoder trunk once, then the LM head chunk by chunk (`head_logprobs`), so the full
+    [B, Lc, V] logits never exist at once. Models without a trunk/head split fall back to full logits.
+    """
+    ids = input_ids[:, -completion_len:]                                  # [B, Lc]
+    decoder, head = _decoder_and_head(model)
+    if decoder is None or getattr(getattr(model, "config", None), "final_logit_softcapping", None):
+        logits = completion_logits(model, input_ids, attention_mask, completion_len)
+        ent = token_entropy(logits.detach(), temperature) if with_entropy else None
+        return token_logprobs(logits, ids, temperature), ent
+    position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)     # [B, T]
+    hidden = decoder(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                     use_cache=False).last_hidden_state                    # [B, T, H]
+    hidden = hidden[:, -completion_len - 1:-1, :]                         # [B, Lc, H] predicts ids
+    scale = getattr(model.config, "logits_scaling", None) if hasattr(model, "config") else None
+    if scale:                                                             # e.g. Granite divides logits
+        temperature = temperature * scale
+    return head_logprobs(hidden, head.weight, head.bias, ids, temperature, chunk_rows, with_entropy)

@@ -31,8 +31,27 @@ class DataConfig(_Section):
     max_digits: int = Field(1, ge=1, le=9, description="largest operand size of the arithmetic curriculum")
     operations: list[Literal["+", "-", "*"]] = Field(default_factory=lambda: ["+"])
     eval_size: int = Field(40, ge=1, description="held-out questions, disjoint from training prompts")
-    system_prompt: str = ("Answer the question. Think briefly, then give only the final number "
-                          "inside <answer></answer> tags.")
+    system_prompt: str = Field("Give only the final number inside <answer></answer> tags.",
+                               description="system message for math questions")
+    few_shot: list[tuple[str, str]] = Field(default_factory=lambda: [("What is 12 + 5?", "<answer>17</answer>")],
+                                            description="worked (question, answer) exchanges before math questions")
+    response_prefix: str = Field("<answer>", description="text that opens the answer of math questions (part of "
+                                 "the prompt, judged as the start of the completion)")
+    # -- curated data (grpo_core.data; `grpo data build`) ------------------------------------------
+    curated: str | None = Field(None, description="train on curated data instead of arithmetic: a dataset dir "
+                                "from `grpo data build`, a .parquet/.jsonl task file, or a curation YAML "
+                                "(built once into the run dir)")
+    weights: dict[str, float] = Field(default_factory=dict, description="per-iteration mix over curated sources "
+                                      "or groups (synthetic/community/user); empty: uniform over tasks")
+    pass_rate_band: list[float] = Field(default_factory=lambda: [0.1, 0.9], description="keep curated prompts "
+                                        "whose pass rate in earlier iterations lies in [low, high]")
+    recalibrate: bool = Field(True, description="re-measure curated prompts' pass rates from earlier "
+                              "iterations' scores and drop those outside pass_rate_band")
+
+    @property
+    def prompt_format(self):
+        from grpo_core.rollout import PromptFormat
+        return PromptFormat(self.system_prompt, tuple(map(tuple, self.few_shot)), self.response_prefix)
 
     @model_validator(mode="after")
     def _digits_order(self):
@@ -40,13 +59,54 @@ class DataConfig(_Section):
             raise ValueError(f"data.min_digits ({self.min_digits}) must be <= data.max_digits ({self.max_digits})")
         return self
 
+    @model_validator(mode="after")
+    def _band_order(self):
+        b = self.pass_rate_band
+        if len(b) != 2 or not 0 <= b[0] <= b[1] <= 1:
+            raise ValueError(f"data.pass_rate_band must be [low, high] with 0 <= low <= high <= 1, got {b}")
+        return self
+
+
+class MonitorConfig(_Section):
+    """Reward-hacking monitors: thresholds at which a warning is printed and logged."""
+    min_delta: float = Field(0.05, ge=0, le=1, description="format up and pass@1 down by at least this much "
+                             "since the previous evaluation trips 'format_up_accuracy_down'")
+    length_collapse_ratio: float = Field(0.5, ge=0, description="mean completion length below this x iteration 0 trips")
+    length_blowup_ratio: float = Field(2.0, ge=1, description="mean completion length above this x iteration 0 trips")
+    max_empty_frac: float = Field(0.2, ge=0, le=1, description="empty or tag-only completions above this fraction trip")
+    max_code_flag_frac: float = Field(0.05, ge=0, le=1, description="code completions flagged by the static scan "
+                                      "(exit calls, test-runner access, lint suppression) above this fraction trip")
+
 
 class EvalConfig(_Section):
     """Held-out evaluation, run before training (iteration 0) and after each iteration."""
     enabled: bool = True
-    greedy: bool = True
-    num_samples: int = Field(1, ge=0, description="sampled answers per question at the training temperature (0: none)")
+    greedy: bool = Field(True, description="greedy pass@1")
+    num_samples: int = Field(1, ge=0, description="sampled answers per question (n of pass@k; 0: none)")
+    pass_k: list[int] | None = Field(None, description="k values of sampled pass@k (each <= num_samples); "
+                                     "default 1, 4, 8, ... up to num_samples, and num_samples")
+    temperature: float | None = Field(None, gt=0, description="sampling temperature; default: the training temperature")
+    max_completion_length: int | None = Field(None, ge=1, description="default: the training max_completion_length")
+    seed: int | None = Field(None, description="generation seed; default seed + 12345 (same for every iteration)")
     every: int = Field(1, ge=1, description="evaluate every N iterations (the last one always)")
+    table_rows: int = Field(200, ge=0, description="completions per iteration in the MLflow sample table (0: none)")
+    plots: bool = Field(True, description="log PNG plots (accuracy/reward curves, length distribution) to MLflow")
+    monitors: MonitorConfig = Field(default_factory=MonitorConfig)
+
+    @model_validator(mode="after")
+    def _ks(self):
+        if self.pass_k is not None:
+            bad = [k for k in self.pass_k if k < 1 or k > self.num_samples]
+            if bad:
+                raise ValueError(f"eval.pass_k has k={bad} but needs 1 <= k <= eval.num_samples "
+                                 f"({self.num_samples}); raise eval.num_samples or drop those k")
+        return self
+
+    @property
+    def ks(self) -> list[int]:
+        """The pass@k values computed from the sampled answers."""
+        from grpo_core.passk import default_ks
+        return sorted(set(self.pass_k)) if self.pass_k is not None else default_ks(self.num_samples)
 
 
 class SandboxConfig(_Section):
@@ -55,8 +115,16 @@ class SandboxConfig(_Section):
 
 
 class StageRetryConfig(_Section):
-    retries: int = Field(1, ge=0, le=10)
-    retry_delay_seconds: float = Field(2.0, ge=0)
+    """Retry policy of one stage. Only transient errors (I/O, connection, timeout, container engine,
+    CUDA out-of-memory) are retried; bad input (invalid config, malformed data) fails at once."""
+    retries: int = Field(1, ge=0, le=10, description="extra attempts after a transient failure")
+    retry_delay_seconds: float = Field(2.0, ge=0, description="wait before the first retry")
+    backoff_factor: float = Field(2.0, ge=1, description="each later retry waits this many times longer")
+    retry_jitter_factor: float | None = Field(None, ge=0, description="random jitter on the delays (Prefect)")
+
+    def delays(self) -> list[float]:
+        """The wait before each retry: retry_delay_seconds * backoff_factor**i."""
+        return [self.retry_delay_seconds * self.backoff_factor ** i for i in range(self.retries)]
 
 
 class StagesConfig(_Section):
@@ -66,11 +134,20 @@ class StagesConfig(_Section):
     score: StageRetryConfig = Field(default_factory=lambda: StageRetryConfig(retries=2))
     update: StageRetryConfig = Field(default_factory=StageRetryConfig)
     evaluate: StageRetryConfig = Field(default_factory=StageRetryConfig)
+    gpu_concurrency_tag: str | None = Field(
+        "gpu", description="Prefect tag on the stages that use the accelerator (rollout, update, evaluate); "
+                           "`prefect concurrency-limit create gpu 1` then lets one such stage run at a time")
 
 
 class TrackingConfig(_Section):
+    """MLflow: where runs are logged and where the trained adapter is registered."""
     tracking_uri: str | None = Field(None, description="MLflow URI; default $MLFLOW_TRACKING_URI, else sqlite under output_dir")
     experiment_name: str = "grpo-pipeline"
+    registered_model_name: str | None = Field(
+        "grpo-adapter", description="Model Registry name for the run's adapter (None: do not register)")
+    register_adapter: Literal["best", "final", "none"] = Field(
+        "best", description="which adapter to register at the end: best by eval, the final one, or none")
+    best_metric: str = Field("eval/greedy/pass_at_1", description="eval metric (higher is better) that picks 'best'")
 
 
 class GRPOConfig(_Section):
@@ -83,6 +160,9 @@ class GRPOConfig(_Section):
     # -- model ------------------------------------------------------------------------------
     model: str = Field("smollm2-135m-instruct",
                        description="'smollm2-135m-instruct' (fetched from PyPI), 'tiny-random', or a local HF model dir")
+    init_adapter: str | None = Field(
+        None, description="start from this LoRA adapter: a local dir, an MLflow 'models:/NAME/VERSION' or 'runs:/ID/PATH' "
+                          "URI, or 'previous' (the best adapter of the last finished run in the experiment)")
     device: Literal["auto", "cpu", "cuda"] = "auto"
     dtype: Literal["auto", "float32", "bfloat16"] = "auto"
     use_peft: bool = True
@@ -99,6 +179,9 @@ class GRPOConfig(_Section):
     top_p: float = Field(1.0, gt=0, le=1)
     top_k: int = Field(0, ge=0, description="0 disables top-k")
     generation_batch_size: int = Field(64, ge=1, description="sequences generated at once")
+    rollout_backend: Literal["static", "hf", "vllm"] = Field(
+        "static", description="sampler: 'static' (own KV-cache loop, fastest on CPU), 'hf' (transformers "
+                              "generate), 'vllm' (GPU, needs the vllm extra)")
     # -- optimisation -----------------------------------------------------------------------
     learning_rate: float = Field(2e-4, gt=0)
     weight_decay: float = Field(0.0, ge=0)
@@ -116,7 +199,16 @@ class GRPOConfig(_Section):
     loss_type: Literal["grpo", "bnpo", "dr_grpo", "dapo"] = "grpo"
     scale_rewards: Literal["group", "batch", "none"] = "group"
     num_iterations: int = Field(1, ge=1, description="mu: updates per rollout batch (old log-probs stored when > 1)")
-    mask_truncated_completions: bool = False
+    mask_truncated_completions: bool = Field(False, description="truncated completions get no loss (TRL)")
+    dynamic_sampling: bool = Field(False, description="DAPO: drop groups whose raw correctness is all-equal and "
+                                   "refill with fresh prompts")
+    max_extra_rollouts: int = Field(2, ge=0, description="dynamic sampling: at most this many extra rollout rounds "
+                                    "(of fresh prompts) per iteration to refill dropped groups")
+    overlong_buffer_length: int | None = Field(None, ge=1, description="reward 'overlong' (DAPO soft penalty): "
+                                               "penalty ramps from 0 to -1 over the last N tokens before "
+                                               "max_completion_length; default max_completion_length // 4")
+    logit_chunk_rows: int = Field(4, ge=1, description="sequences whose full-vocabulary logits exist at once in "
+                                  "the update (memory vs speed)")
     reward_funcs: list[str] = Field(default_factory=lambda: ["accuracy", "format"])
     reward_weights: list[float] | None = Field(None, description="one weight per reward_funcs entry; default all 1")
     # -- sections ---------------------------------------------------------------------------

@@ -1,48 +1,167 @@
-"""Held-out evaluation: greedy accuracy and sampled accuracy at the training temperature, per source."""
+"""Held-out evaluation, shared by the `evaluate` stage and the standalone `grpo eval` command.
+
+For every held-out task: one greedy answer (pass@1) and `eval.num_samples` sampled answers (unbiased
+pass@k for every k in `eval.ks`). Each completion is scored by the run's reward functions (plus the
+correctness function, always). Metrics, per mode (greedy / sampled), overall and per source (and per
+task kind when the set mixes kinds):
+
+    eval/<mode>/pass_at_<k>          greedy: k=1; sampled: every k in eval.ks
+    eval/<mode>/reward/<func>        mean reward of each reward function (unscored samples left out)
+    eval/<mode>/reward/total         mean weighted total reward
+    eval/<mode>/completion_length    mean completion tokens
+    eval/<mode>/truncated_frac       fraction that hit the token limit
+    eval/<mode>/unscored_frac        fraction the reward functions could not score (sandbox failures)
+    eval/<mode>/accuracy             fraction of completions fully correct (older name; greedy: = pass_at_1)
+    eval/<source>/<mode>/...         the same per source;  eval/kind_<kind>/<mode>/... per kind
+    eval/num_questions, eval/<source>/num_questions
+    eval/monitor/...                 reward-hacking monitors (see grpo_core.monitors)
+
+Deterministic given the seed: generation is seeded per mode, tasks keep their file order.
+"""
 from __future__ import annotations
 
+import re
 from collections import defaultdict
 from statistics import mean
 from typing import Sequence
 
 from grpo_core.config import GRPOConfig
 from grpo_core.data.schema import Task
+from grpo_core.monitors import completion_flags, text_monitor_metrics
+from grpo_core.passk import mean_pass_at_k
 from grpo_core.policy import Policy
-from grpo_core.rewards import compute_rewards
-from grpo_core.rollout import HFBackend, SamplingParams, rollout
+from grpo_core.rewards import CORRECTNESS_FUNC, compute_rewards
+from grpo_core.rollout import SamplingParams, make_backend, rollout
+
+MODES = ("greedy", "sampled")
 
 
-def evaluate_policy(policy: Policy, tasks: Sequence[Task], cfg: GRPOConfig, seed: int) -> tuple[dict, list[dict]]:
-    """Metrics (overall and per source) and per-completion rows. Deterministic given `seed`."""
-    backend = HFBackend(policy.model, policy.tokenizer, policy.device, cfg.generation_batch_size)
+def eval_seed(cfg: GRPOConfig) -> int:
+    """The generation seed of every evaluation of a run (the same each iteration: comparable numbers)."""
+    return cfg.eval.seed if cfg.eval.seed is not None else cfg.seed + 12_345
+
+
+def metric_name(part: str) -> str:
+    """A source or kind name made safe for an MLflow metric key (one path segment)."""
+    name = re.sub(r"[^\w.\- ]", "_", part) or "_"
+    return f"src_{name}" if name in _RESERVED or name.startswith("kind_") else name
+
+
+_RESERVED = {*MODES, "monitor", "num_questions"}
+
+
+def eval_modes(cfg: GRPOConfig, seed: int) -> list[tuple[str, int, SamplingParams]]:
+    e = cfg.eval
+    max_new = e.max_completion_length or cfg.max_completion_length
     modes = []
-    if cfg.eval.greedy:
-        modes.append(("greedy", 1, SamplingParams(max_new_tokens=cfg.max_completion_length, greedy=True, seed=seed)))
-    if cfg.eval.num_samples > 0:
-        modes.append(("sampled", cfg.eval.num_samples, SamplingParams(
-            max_new_tokens=cfg.max_completion_length, temperature=cfg.temperature, top_p=cfg.top_p,
-            top_k=cfg.top_k, seed=seed)))
+    if e.greedy:
+        modes.append(("greedy", 1, SamplingParams(max_new_tokens=max_new, greedy=True, seed=seed)))
+    if e.num_samples > 0:
+        modes.append(("sampled", e.num_samples, SamplingParams(
+            max_new_tokens=max_new, temperature=e.temperature or cfg.temperature, top_p=cfg.top_p,
+            top_k=cfg.top_k, seed=seed + 1)))
+    return modes
+
+
+def _verdict(acc: float | None) -> str:
+    if acc is None:
+        return "unscored"
+    return "correct" if acc >= 1.0 else ("partial" if acc > 0 else "wrong")
+
+
+def score_samples(samples, tasks_by_id: dict[str, Task], cfg: GRPOConfig, mode: str) -> list[dict]:
+    """One row per completion: what the sample table shows and what the metrics are computed from."""
+    funcs = list(cfg.reward_funcs)
+    weights = list(cfg.weights)
+    if CORRECTNESS_FUNC not in funcs:          # correctness is always measured, never weighted in
+        funcs.append(CORRECTNESS_FUNC)
+        weights.append(0.0)
+    sample_tasks = [tasks_by_id[s.task_id] for s in samples]
+    context = {"completion_lengths": [len(s.completion_ids) for s in samples],     # as the score stage does
+               "max_completion_length": cfg.max_completion_length,
+               "overlong_buffer_length": getattr(cfg, "overlong_buffer_length", None)}
+    totals, per_func = compute_rewards([s.completion for s in samples], sample_tasks, funcs, weights, context)
+    rows, seen = [], defaultdict(int)
+    for i, (s, t) in enumerate(zip(samples, sample_tasks)):
+        acc = per_func[CORRECTNESS_FUNC][i]
+        flags = completion_flags(s.completion, t.kind)
+        verdict = _verdict(acc) + (f" [{', '.join(flags)}]" if flags else "")
+        rows.append({"mode": mode, "task_id": t.id, "source": t.source, "kind": t.kind, "sample": seen[t.id],
+                     "prompt": t.prompt, "answer": t.answer, "completion": s.completion,
+                     "rewards": {f: per_func[f][i] for f in funcs}, "reward_total": totals[i],
+                     "correct": None if acc is None else acc >= 1.0, "verdict": verdict, "flags": flags,
+                     "length": len(s.completion_ids), "truncated": s.truncated})
+        seen[t.id] += 1
+    return rows
+
+
+def _mean(xs: list) -> float | None:
+    xs = [x for x in xs if x is not None]
+    return mean(xs) if xs else None
+
+
+def _mode_metrics(rows: list[dict], mode: str, ks: Sequence[int], funcs: Sequence[str]) -> dict[str, float]:
+    m: dict[str, float | None] = {}
+    per_q: dict[str, list] = defaultdict(list)
+    for r in rows:
+        per_q[r["task_id"]].append(r["correct"])
+    counts = [(sum(c is not None for c in cs), sum(c is True for c in cs)) for cs in per_q.values()]
+    for k in ([1] if mode == "greedy" else ks):
+        m[f"pass_at_{k}"] = mean_pass_at_k(counts, k)
+    for f in funcs:
+        m[f"reward/{f}"] = _mean([r["rewards"].get(f) for r in rows])
+    m["reward/total"] = _mean([r["reward_total"] for r in rows])
+    m["completion_length"] = mean(r["length"] for r in rows)
+    m["truncated_frac"] = mean(float(r["truncated"]) for r in rows)
+    m["unscored_frac"] = mean(float(r["correct"] is None) for r in rows)
+    # fraction of completions fully correct (kept for dashboards that predate pass@k; = greedy pass@1)
+    m["accuracy"] = _mean([None if r["correct"] is None else float(r["correct"]) for r in rows])
+    return {k: v for k, v in m.items() if v is not None}
+
+
+def summarize(rows: Sequence[dict], ks: Sequence[int]) -> dict[str, float]:
+    """All eval metrics from the per-completion rows (pure; the rows alone determine the numbers)."""
+    if not rows:
+        return {}
+    funcs = list(dict.fromkeys(f for r in rows for f in r["rewards"]))
+    kinds = sorted({r["kind"] for r in rows})
+    groups: dict[str, list[dict]] = defaultdict(list)
+    for r in rows:
+        groups["eval"].append(r)
+        groups[f"eval/{metric_name(r['source'])}"].append(r)
+        if len(kinds) > 1:
+            groups[f"eval/kind_{metric_name(r['kind'])}"].append(r)
     metrics: dict[str, float] = {}
-    rows: list[dict] = []
+    for prefix, grows in groups.items():
+        metrics[f"{prefix}/num_questions"] = float(len({r["task_id"] for r in grows}))
+        for mode in MODES:
+            mrows = [r for r in grows if r["mode"] == mode]
+            if mrows:
+                metrics.update({f"{prefix}/{mode}/{k}": v for k, v in _mode_metrics(mrows, mode, ks, funcs).items()})
+    metrics.update(text_monitor_metrics([r["completion"] for r in rows], [r["kind"] for r in rows]))
+    return metrics
+
+
+def evaluate_policy(policy: Policy, tasks: Sequence[Task], cfg: GRPOConfig, seed: int | None = None,
+                    progress: bool = True) -> tuple[dict, list[dict]]:
+    """Metrics (overall, per source, per kind) and per-completion rows. Deterministic given `seed`
+    (default: eval_seed(cfg))."""
+    seed = eval_seed(cfg) if seed is None else seed
+    backend = make_backend(cfg, policy, progress=progress)      # the sampler the rollout stage uses
     by_id = {t.id: t for t in tasks}
-    for mode, n, params in modes:
-        samples = rollout(backend, policy.tokenizer, tasks, n, params, cfg.data.system_prompt, cfg.max_prompt_length)
-        sample_tasks = [by_id[s.task_id] for s in samples]
-        _, per_func = compute_rewards([s.completion for s in samples], sample_tasks, ["accuracy", "format"], [1, 1])
-        groups: dict[str, list[int]] = defaultdict(list)
-        for i, t in enumerate(sample_tasks):
-            groups["all"].append(i)
-            groups[t.source].append(i)
-        for name, idx in groups.items():
-            acc = [per_func["accuracy"][i] for i in idx if per_func["accuracy"][i] is not None]
-            prefix = f"eval/{mode}" if name == "all" else f"eval/{name}/{mode}"
-            metrics[f"{prefix}/accuracy"] = mean(acc) if acc else 0.0
-            metrics[f"{prefix}/format"] = mean(per_func["format"][i] for i in idx)
-            metrics[f"{prefix}/completion_length"] = mean(len(samples[i].completion_ids) for i in idx)
-            metrics[f"{prefix}/truncated_frac"] = mean(float(samples[i].truncated) for i in idx)
-        for i, s in enumerate(samples):
-            rows.append({"mode": mode, "task_id": s.task_id, "source": sample_tasks[i].source,
-                         "prompt": sample_tasks[i].prompt, "completion": s.completion,
-                         "accuracy": per_func["accuracy"][i], "format": per_func["format"][i],
-                         "truncated": s.truncated})
-    return metrics, rows
+    if len(by_id) != len(tasks):
+        raise ValueError("held-out tasks must have unique ids")
+    rows: list[dict] = []
+    for mode, n, params in eval_modes(cfg, seed):
+        samples = rollout(backend, policy.tokenizer, tasks, n, params, cfg.data.prompt_format, cfg.max_prompt_length)
+        rows.extend(score_samples(samples, by_id, cfg, mode))
+    return summarize(rows, cfg.eval.ks), rows
+
+
+def evaluate_checkpoint(cfg: GRPOConfig, tasks: Sequence[Task], checkpoint: str | None,
+                        seed: int | None = None, progress: bool = True) -> tuple[dict, list[dict]]:
+    """The one implementation behind the stage and `grpo eval`: load the base model (+ adapter) and
+    evaluate it. `checkpoint=None` is the base model (iteration 0)."""
+    from grpo_core.policy import load_policy
+    policy = load_policy(cfg, checkpoint, need_reference=False)
+    return evaluate_policy(policy, tasks, cfg, seed, progress=progress)

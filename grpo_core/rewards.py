@@ -68,19 +68,49 @@ def accuracy_reward(completions: Sequence[str], tasks: Sequence[Task]) -> list[f
     return out
 
 
+def overlong_penalty(length: int, max_completion_length: int, buffer_length: int) -> float:
+    """DAPO's soft overlong punishment for a completion of `length` tokens (L_max, L_cache = buffer):
+    0 up to L_max - L_cache, then linearly down to -1 at L_max, and -1 beyond it."""
+    expected = max_completion_length - buffer_length
+    if length <= expected:
+        return 0.0
+    if length <= max_completion_length:
+        return (expected - length) / buffer_length
+    return -1.0
+
+
+def overlong_reward(completions: Sequence[str], tasks: Sequence[Task], *,
+                    completion_lengths: Sequence[int] | None = None, max_completion_length: int | None = None,
+                    overlong_buffer_length: int | None = None) -> list[float]:
+    """DAPO overlong soft penalty in [-1, 0] from each completion's token count (weight it with
+    reward_weights). Needs the token counts (the score stage passes them); without them it is 0."""
+    if completion_lengths is None or not max_completion_length:
+        return [0.0] * len(completions)
+    buf = overlong_buffer_length or max(1, max_completion_length // 4)
+    return [overlong_penalty(n, max_completion_length, buf) for n in completion_lengths]
+
+
 REWARD_FUNCS: dict[str, RewardFn] = {
     "accuracy": accuracy_reward,
     "format": format_reward,
+    "overlong": overlong_reward,
 }
+
+# Reward functions that take keyword context from the caller (token counts, limits) besides the text.
+CONTEXT_FUNCS = {"overlong"}
 
 # The reward whose value is raw correctness (used for pass rates and dynamic sampling, never the shaped total).
 CORRECTNESS_FUNC = "accuracy"
 
 
 def compute_rewards(completions: Sequence[str], tasks: Sequence[Task], funcs: Sequence[str],
-                    weights: Sequence[float]) -> tuple[list[float | None], dict[str, list[float | None]]]:
-    """Weighted total per completion (None if any function could not score it) and each function's scores."""
-    per_func = {name: REWARD_FUNCS[name](completions, tasks) for name in funcs}
+                    weights: Sequence[float], context: dict | None = None
+                    ) -> tuple[list[float | None], dict[str, list[float | None]]]:
+    """Weighted total per completion (None if any function could not score it) and each function's scores.
+
+    `context` (e.g. completion_lengths, max_completion_length) goes to the functions in CONTEXT_FUNCS."""
+    per_func = {name: REWARD_FUNCS[name](completions, tasks, **(context or {})) if name in CONTEXT_FUNCS
+                else REWARD_FUNCS[name](completions, tasks) for name in funcs}
     totals: list[float | None] = []
     for i in range(len(completions)):
         vals = [per_func[name][i] for name in funcs]

@@ -5,6 +5,7 @@ is the default backend.
 """
 from __future__ import annotations
 
+import contextlib
 from dataclasses import asdict, dataclass, field
 from typing import Protocol, Sequence
 
@@ -44,16 +45,35 @@ class RolloutBackend(Protocol):
         """For each prompt (token ids), n completions (token ids, EOS included if emitted)."""
 
 
-def chat_prompt_ids(tokenizer, task: Task, system_prompt: str, max_prompt_length: int) -> list[int]:
-    """The task's prompt in the model's chat format, as token ids (left-truncated to max_prompt_length)."""
-    messages = ([{"role": "system", "content": system_prompt}] if system_prompt else []) + \
-               [{"role": "user", "content": task.prompt}]
+@dataclass(frozen=True)
+class PromptFormat:
+    """How a math question is put to the model: system prompt, worked examples, and a response prefix
+    (e.g. "<answer>") that opens the assistant turn. Code tasks carry their own instructions and get
+    only their prompt."""
+    system_prompt: str = ""
+    few_shot: tuple[tuple[str, str], ...] = ()      # (question, answer) exchanges shown before the question
+    response_prefix: str = ""                       # part of the prompt; counted as the completion's start
+
+    @classmethod
+    def of(cls, fmt: "PromptFormat | str") -> "PromptFormat":
+        return fmt if isinstance(fmt, PromptFormat) else cls(system_prompt=fmt)
+
+    def for_task(self, task: Task) -> "PromptFormat":
+        return self if task.kind == "math" else PromptFormat()
+
+
+def chat_prompt_ids(tokenizer, task: Task, fmt: PromptFormat | str, max_prompt_length: int) -> list[int]:
+    """The task's prompt in the model's chat format (+ response prefix), as token ids (left-truncated)."""
+    fmt = PromptFormat.of(fmt).for_task(task)
+    messages = [{"role": "system", "content": fmt.system_prompt}] if fmt.system_prompt else []
+    for q, a in fmt.few_shot:
+        messages += [{"role": "user", "content": q}, {"role": "assistant", "content": a}]
+    messages.append({"role": "user", "content": task.prompt})
     if getattr(tokenizer, "chat_template", None):
-        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-        if isinstance(ids, dict) or hasattr(ids, "input_ids"):
-            ids = ids["input_ids"]
+        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
     else:
-        ids = tokenizer(f"{system_prompt}\n\n{task.prompt}\n", add_special_tokens=True)["input_ids"]
+        text = "\n\n".join(m["content"] for m in messages) + "\n"
+    ids = tokenizer(text + fmt.response_prefix, add_special_tokens=False)["input_ids"]
     return list(ids)[-max_prompt_length:]
 
 
@@ -105,16 +125,132 @@ class HFBackend:
         return [out[k * n:(k + 1) * n] for k in range(len(prompts))]
 
 
+def sample_next(logits: torch.Tensor, temperature: float, top_k: int, top_p: float, greedy: bool,
+                generator: torch.Generator | None) -> torch.Tensor:
+    """One token per row from the last-position logits [B, V] -> [B] (temperature, top-k, then top-p)."""
+    if greedy:
+        return logits.argmax(-1)
+    logits = logits.float() / temperature
+    if top_k and top_k < logits.size(-1):
+        kth = torch.topk(logits, top_k, dim=-1).values[:, -1:]                # [B, 1]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p < 1.0:
+        sorted_logits, order = logits.sort(dim=-1, descending=True)            # [B, V]
+        cum = sorted_logits.softmax(-1).cumsum(-1)
+        drop = cum - sorted_logits.softmax(-1) >= top_p                        # keep the smallest set reaching top_p
+        sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+        logits = torch.full_like(logits, float("-inf")).scatter(-1, order, sorted_logits)
+    probs = logits.softmax(-1)
+    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+
+
+@contextlib.contextmanager
+def merged_lora(model, enabled: bool = True):
+    """Fold a LoRA adapter into the base weights for the duration (one matmul per projection while
+    sampling, instead of three), then unfold it. Exact up to float rounding; only used in fp32."""
+    can = enabled and hasattr(model, "merge_adapter") and next(model.parameters()).dtype == torch.float32
+    if can:
+        model.merge_adapter()
+    try:
+        yield model
+    finally:
+        if can:
+            model.unmerge_adapter()
+
+
+class StaticBackend:
+    """Our own sampling loop: one prefill, then one cached forward per token; rows that have ended are
+    dropped from the batch (and from the KV cache) so late steps run only the long answers; stops when
+    every row has ended. No logits-processor stack, no per-step Python overhead beyond one forward."""
+
+    def __init__(self, model, tokenizer, device: torch.device, batch_size: int = 64, progress: bool = True,
+                 merge_lora: bool = True):
+        self.model, self.tokenizer, self.device = model, tokenizer, device
+        self.batch_size, self.progress, self.merge_lora = batch_size, progress, merge_lora
+
+    @torch.inference_mode()
+    def _generate_batch(self, rows: list[list[int]], params: SamplingParams, generator) -> list[list[int]]:
+        from transformers import DynamicCache
+        pad, eos = self.tokenizer.pad_token_id, self.tokenizer.eos_token_id
+        B, width = len(rows), max(len(r) for r in rows)
+        input_ids = torch.full((B, width), pad, dtype=torch.long)
+        attn = torch.zeros((B, width), dtype=torch.long)
+        for r, ids in enumerate(rows):
+            input_ids[r, width - len(ids):] = torch.tensor(ids)
+            attn[r, width - len(ids):] = 1
+        input_ids, attn = input_ids.to(self.device), attn.to(self.device)
+        pos = (attn.cumsum(-1) - 1).clamp(min=0)                                  # [B, T]
+        cache = DynamicCache(config=self.model.config)
+        out = self.model(input_ids=input_ids, attention_mask=attn, position_ids=pos, past_key_values=cache,
+                         use_cache=True, logits_to_keep=1)
+        logits = out.logits[:, -1, :]                                              # [B, V]
+        next_pos = pos[:, -1] + 1                                                  # [B]
+        alive = torch.arange(B, device=self.device)                                # original row of each live row
+        produced: list[list[int]] = [[] for _ in range(B)]
+        for t in range(params.max_new_tokens):
+            tok = sample_next(logits, params.temperature, params.top_k, params.top_p, params.greedy, generator)
+            tok_list, alive_list = tok.tolist(), alive.tolist()
+            for r, tk in zip(alive_list, tok_list):
+                produced[r].append(tk)
+            done = tok == eos                                                      # [b]
+            if t == params.max_new_tokens - 1:
+                break
+            if bool(done.any()):
+                keep = (~done).nonzero().squeeze(-1)
+                if keep.numel() == 0:
+                    break
+                cache.batch_select_indices(keep)
+                alive, tok, attn, next_pos = alive[keep], tok[keep], attn[keep], next_pos[keep]
+            attn = torch.cat([attn, attn.new_ones(attn.size(0), 1)], dim=1)       # [b, T+1]
+            out = self.model(input_ids=tok.unsqueeze(1), attention_mask=attn, position_ids=next_pos.unsqueeze(1),
+                             past_key_values=cache, use_cache=True)
+            logits = out.logits[:, -1, :]
+            next_pos = next_pos + 1
+        return produced
+
+    def generate(self, prompts, n, params):
+        rows = [p for p in prompts for _ in range(n)]                       # prompt-major: groups contiguous
+        order = sorted(range(len(rows)), key=lambda i: len(rows[i]))       # bucket by length: less padding
+        out: list[list[int] | None] = [None] * len(rows)
+        generator = torch.Generator(device=self.device).manual_seed(params.seed)
+        was_training = self.model.training
+        self.model.eval()
+        bar = tqdm(total=len(rows), desc="generate", unit="seq", disable=not self.progress, leave=False)
+        with merged_lora(self.model, self.merge_lora):
+            for start in range(0, len(rows), self.batch_size):
+                idx = order[start:start + self.batch_size]
+                for i, ids in zip(idx, self._generate_batch([rows[i] for i in idx], params, generator)):
+                    out[i] = ids
+                bar.update(len(idx))
+        bar.close()
+        self.model.train(was_training)
+        return [out[k * n:(k + 1) * n] for k in range(len(prompts))]
+
+
+def make_backend(cfg, policy, progress: bool = True, merge_lora: bool = True) -> RolloutBackend:
+    """The rollout backend `cfg.rollout_backend` names, around the policy's model."""
+    if cfg.rollout_backend == "vllm":
+        from grpo_core.vllm_backend import VLLMBackend      # optional extra, imported only when chosen
+        return VLLMBackend.from_policy(policy, cfg)
+    cls = StaticBackend if cfg.rollout_backend == "static" else HFBackend
+    kwargs = {"merge_lora": merge_lora} if cls is StaticBackend else {}
+    return cls(policy.model, policy.tokenizer, policy.device, cfg.generation_batch_size, progress=progress, **kwargs)
+
+
 def rollout(backend: RolloutBackend, tokenizer, tasks: Sequence[Task], n: int, params: SamplingParams,
-            system_prompt: str, max_prompt_length: int) -> list[Sample]:
-    """n completions for every task, as Samples (groups contiguous, in task order)."""
-    prompt_ids = [chat_prompt_ids(tokenizer, t, system_prompt, max_prompt_length) for t in tasks]
+            fmt: PromptFormat | str, max_prompt_length: int) -> list[Sample]:
+    """n completions for every task, as Samples (groups contiguous, in task order).
+
+    `completion` is the response prefix (if any) + the decoded sampled tokens: what rewards judge."""
+    fmt = PromptFormat.of(fmt)
+    prompt_ids = [chat_prompt_ids(tokenizer, t, fmt, max_prompt_length) for t in tasks]
     completions = backend.generate(prompt_ids, n, params)
     eos = tokenizer.eos_token_id
     samples = []
     for g, (task, p_ids, group) in enumerate(zip(tasks, prompt_ids, completions)):
+        prefix = fmt.for_task(task).response_prefix
         for c_ids in group:
             samples.append(Sample(task_id=task.id, group=g, prompt_ids=p_ids, completion_ids=c_ids,
-                                  completion=tokenizer.decode(c_ids, skip_special_tokens=True),
+                                  completion=prefix + tokenizer.decode(c_ids, skip_special_tokens=True),
                                   truncated=not (c_ids and c_ids[-1] == eos)))
     return samples

@@ -12,8 +12,7 @@ from typing import Sequence
 
 import torch
 
-from grpo_core.algorithm import (completion_logits, grpo_loss, group_advantages, token_entropy,
-                                 token_logprobs, zero_std_groups)
+from grpo_core.algorithm import completion_logprobs, grpo_loss, group_advantages, zero_std_groups
 from grpo_core.config import GRPOConfig
 from grpo_core.policy import Policy
 
@@ -88,10 +87,37 @@ def pad_batch(samples: Sequence[ScoredSample], pad_id: int, device: torch.device
 
 
 @torch.no_grad()
-def _logprobs_no_grad(model, batch, temperature: float) -> torch.Tensor:
+def _logprobs_no_grad(model, batch, temperature: float, chunk_rows: int) -> torch.Tensor:
     input_ids, attn, c_mask = batch
-    logits = completion_logits(model, input_ids, attn, c_mask.size(1))
-    return token_logprobs(logits, input_ids[:, -c_mask.size(1):], temperature)
+    return completion_logprobs(model, input_ids, attn, c_mask.size(1), temperature, chunk_rows=chunk_rows)[0]
+
+
+def peak_memory_gb(device: torch.device) -> float:
+    """Peak accelerator memory allocated (CUDA) or peak resident set size of this process (CPU), in GB."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 1e9
+    import resource
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6      # Linux reports KiB
+
+
+def plan_steps(kept: Sequence[ScoredSample], G: int, steps_per_iteration: int, grad_accum: int,
+               seed: int) -> list[list[list[int]]]:
+    """Whole groups -> optimizer steps -> micro-batches of sample indices.
+
+    Groups are shuffled into `steps_per_iteration` steps; inside a step they are sorted by length and
+    cut into `grad_accum` contiguous micro-batches, so each micro-batch pads to similar lengths.
+    """
+    groups = list(range(len(kept) // G))
+    random.Random(seed).shuffle(groups)
+    steps = [groups[i::steps_per_iteration] for i in range(steps_per_iteration)]
+    plan = []
+    for step_groups in (s for s in steps if s):
+        step_groups = sorted(step_groups, key=lambda g: max(len(kept[g * G + j].completion_ids) for j in range(G)))
+        n = len(step_groups)
+        cuts = [round(i * n / grad_accum) for i in range(grad_accum + 1)]
+        chunks = [step_groups[cuts[i]:cuts[i + 1]] for i in range(grad_accum)]
+        plan.append([[g * G + j for g in chunk for j in range(G)] for chunk in chunks if chunk])
+    return plan
 
 
 def grpo_update(policy: Policy, optimizer, scheduler, samples: Sequence[ScoredSample | None],
@@ -102,46 +128,60 @@ def grpo_update(policy: Policy, optimizer, scheduler, samples: Sequence[ScoredSa
     scorable) removes its whole group. Returns (per-step metrics, batch-level metrics).
     """
     G = cfg.num_generations
+    device = policy.device
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
     kept = keep_complete_groups(samples, G)
     n_groups_in = len(samples) // G
-    rewards_all = torch.tensor([s.reward for s in kept], dtype=torch.float32)
     batch_stats = {"groups_total": float(n_groups_in), "groups_unscorable": float(n_groups_in - len(kept) // G)}
     if not kept:
         return [], batch_stats
-    batch_stats["frac_reward_zero_std"] = zero_std_groups(rewards_all, G).float().mean().item()
+    rewards_all = torch.tensor([s.reward for s in kept], dtype=torch.float32)             # [N]
+    lengths = [len(s.completion_ids) for s in kept]
+    batch_stats.update({
+        "frac_reward_zero_std": zero_std_groups(rewards_all, G).float().mean().item(),
+        "reward_std": rewards_all.std().item() if len(kept) > 1 else 0.0,
+        "completion_length_mean": sum(lengths) / len(lengths), "completion_length_min": float(min(lengths)),
+        "completion_length_max": float(max(lengths)),
+        "truncated_frac": sum(s.truncated for s in kept) / len(kept)})
     advantages = group_advantages(rewards_all, G, cfg.scale_rewards)                       # [N]
-
-    # Split whole groups into steps_per_iteration mini-batches, then into gradient-accumulation micro-batches.
-    groups = list(range(len(kept) // G))
-    random.Random(seed).shuffle(groups)
-    steps = [groups[i::cfg.steps_per_iteration] for i in range(cfg.steps_per_iteration)]
-    steps = [s for s in steps if s]
-    device, pad_id = policy.device, policy.tokenizer.pad_token_id
+    pad_id = policy.tokenizer.pad_token_id
     model = policy.model
+    chunk = cfg.logit_chunk_rows
 
-    def micro_batches(step_groups):
-        chunks = [step_groups[i::cfg.gradient_accumulation_steps] for i in range(cfg.gradient_accumulation_steps)]
-        for chunk in (c for c in chunks if c):
-            idx = [g * G + j for g in sorted(chunk) for j in range(G)]
-            rows = [kept[i] for i in idx]
-            batch = pad_batch(rows, pad_id, device)
-            if cfg.mask_truncated_completions:
-                trunc = torch.tensor([r.truncated for r in rows], device=device)
-                batch = (batch[0], batch[1], batch[2] * (~trunc).float().unsqueeze(1))
-            yield idx, batch
+    def batch_of(idx: list[int]):
+        rows = [kept[i] for i in idx]
+        batch = pad_batch(rows, pad_id, device)
+        if cfg.mask_truncated_completions:                      # truncated answers: no loss, no token count
+            trunc = torch.tensor([r.truncated for r in rows], device=device)
+            batch = (batch[0], batch[1], batch[2] * (~trunc).float().unsqueeze(1))
+        return batch
 
-    # Old log-probs are needed only when a batch is reused (mu > 1); reference only when beta > 0.
-    plan = [list(micro_batches(s)) for s in steps]
+    plan = plan_steps(kept, G, cfg.steps_per_iteration, cfg.gradient_accumulation_steps, seed)
+    # DAPO normalises by the completion tokens of the whole generation batch, spread evenly over the
+    # optimizer steps it feeds (TRL: num_items_in_batch * grad_accum / steps_per_generation).
+    batches = {tuple(idx): batch_of(idx) for step in plan for idx in step}
+    total_tokens = sum(b[2].sum().item() for b in batches.values())
+    dapo_norm = max(total_tokens, 1.0) / len(plan)
+
+    # Old log-probs only when the policy moves before a sample is used (mu > 1 or several steps per
+    # rollout); otherwise the ratio is exactly 1 and logp.detach() stands in. Reference only when beta > 0.
+    need_old = cfg.num_iterations > 1 or len(plan) > 1
     old_lp: dict[tuple, torch.Tensor] = {}
     ref_lp: dict[tuple, torch.Tensor] = {}
-    for step_mbs in plan:
-        for idx, batch in step_mbs:
-            key = tuple(idx)
-            if cfg.num_iterations > 1:
-                old_lp[key] = _logprobs_no_grad(model, batch, cfg.temperature)
-            if cfg.beta != 0.0:
-                with policy.reference() as ref_model:
-                    ref_lp[key] = _logprobs_no_grad(ref_model, batch, cfg.temperature)
+    t_old = t_ref = 0.0
+    model.eval()
+    for key, batch in batches.items():
+        if need_old:
+            t = time.perf_counter()
+            old_lp[key] = _logprobs_no_grad(model, batch, cfg.temperature, chunk)
+            t_old += time.perf_counter() - t
+        if cfg.beta != 0.0:
+            t = time.perf_counter()
+            with policy.reference() as ref_model:
+                ref_lp[key] = _logprobs_no_grad(ref_model, batch, cfg.temperature, chunk)
+            t_ref += time.perf_counter() - t
+    batch_stats.update({"reference_seconds": t_ref, "old_logprob_seconds": t_old, "num_tokens": total_tokens})
 
     model.train()
     step_metrics = []
@@ -150,35 +190,35 @@ def grpo_update(policy: Policy, optimizer, scheduler, samples: Sequence[ScoredSa
         for step_mbs in plan:
             t0 = time.perf_counter()
             optimizer.zero_grad(set_to_none=True)
-            step_tokens = sum(b[2].sum().item() for _, b in step_mbs)
+            step_tokens = sum(batches[tuple(idx)][2].sum().item() for idx in step_mbs)
             acc: dict[str, float] = {}
             n_mb = len(step_mbs)
-            for idx, batch in step_mbs:
-                input_ids, attn, c_mask = batch
-                logits = completion_logits(model, input_ids, attn, c_mask.size(1))           # [b, Lc, V]
-                logp = token_logprobs(logits, input_ids[:, -c_mask.size(1):], cfg.temperature)
+            for idx in step_mbs:
                 key = tuple(idx)
-                old = old_lp[key] if key in old_lp else logp.detach()
+                input_ids, attn, c_mask = batches[key]
+                logp, ent = completion_logprobs(model, input_ids, attn, c_mask.size(1), cfg.temperature,
+                                                with_entropy=True, chunk_rows=chunk)        # [b, Lc] each
+                old = old_lp[key] if need_old else logp.detach()
                 loss, stats = grpo_loss(
                     logp, old, ref_lp.get(key), advantages[idx].to(device), c_mask, beta=cfg.beta,
                     epsilon_low=cfg.epsilon, epsilon_high=cfg.epsilon_upper, loss_type=cfg.loss_type,
-                    max_completion_length=cfg.max_completion_length, num_tokens_in_batch=step_tokens)
-                # dapo already normalises by the tokens of the whole step; the others average micro-batches.
+                    max_completion_length=cfg.max_completion_length, num_tokens_in_batch=dapo_norm)
+                # grpo/bnpo/dr_grpo average over accumulated micro-batches (TRL divides by grad-accum
+                # steps); dapo's normaliser already counts the tokens of the whole step.
                 (loss if cfg.loss_type == "dapo" else loss / n_mb).backward()
-                with torch.no_grad():
-                    ent = token_entropy(logits.detach(), cfg.temperature)
-                    stats["entropy"] = ((ent * c_mask).sum() / c_mask.sum().clamp(min=1)).item()
+                stats["entropy"] = ((ent * c_mask).sum() / c_mask.sum().clamp(min=1)).item()
                 stats["loss"] = loss.item() * (n_mb if cfg.loss_type == "dapo" else 1)  # dapo: sum of parts
                 for k, v in stats.items():
                     acc[k] = acc.get(k, 0.0) + v / n_mb
-                del logits, logp, loss
+                del logp, loss
             grad_norm = torch.nn.utils.clip_grad_norm_(
                 params, cfg.max_grad_norm if cfg.max_grad_norm > 0 else float("inf")).item()
             optimizer.step()
             scheduler.step()
             dt = time.perf_counter() - t0
             acc.update({"grad_norm": grad_norm, "learning_rate": scheduler.get_last_lr()[0],
-                        "step_seconds": dt, "step_tokens": step_tokens})
+                        "step_seconds": dt, "step_tokens": step_tokens,
+                        "peak_memory_gb": peak_memory_gb(device)})
             step_metrics.append(acc)
             if progress is not None:
                 progress.update(1)

@@ -15,6 +15,11 @@ and returns one verdict per job, in order. It never raises for a bad completion;
 *task* (bad ``tests`` dict) becomes a verdict with status ``"infra_error"`` and a ``detail`` that
 names the field and the fix (call :func:`validate_tests` up front to get an exception instead).
 
+``check_reference(code, tests, kind, entry_point=None, backend="auto") -> ReferenceCheck`` and
+``check_references([(code, tests, kind, entry_point), ...])`` are for dataset curation:
+``.passed`` is True iff every hidden test passed (Rust: clippy not required, see
+``.clippy_clean``); ``.infra_error`` says the sandbox failed (status unknown, retry later).
+
 ``backend``: ``"docker"`` (containers; needs an engine and the images from
 ``python -m sandbox.images build``), ``"local"`` (subprocess + rlimits + bubblewrap when
 available; weaker, warns loudly), or ``"auto"`` (docker when an engine answers and the images
@@ -39,7 +44,10 @@ The ``tests`` formats (the hidden tests of a task; never shown to the model)
         "check": "def check(candidate):\\n    assert candidate(1, 2) == 3\\n ..."}
 
    The source may have module-level imports/constants (like HumanEval's ``METADATA``) and must
-   define ``check(candidate)``. The host rewrites every ``assert`` that calls ``candidate`` into
+   define ``check(candidate)``. Optional ``"setup": "<source>"``: trusted helpers the check
+   uses, run on the host first (for HumanEval pass the ``prompt``: some checks call helpers
+   defined there, e.g. ``poly``). Inside the check, the entry point's name is also bound to the
+   candidate. ``random`` is seeded identically for planning and judging. The host rewrites every ``assert`` that calls ``candidate`` into
    call/expected pairs: it evaluates the call arguments on the host, sends only the arguments
    into the box, then evaluates each assert on the host with the returned (plain, strictly
    decoded) values. Each executed assert is one test. Checks that use ``candidate`` outside an
@@ -125,6 +133,7 @@ class Job:
 @dataclass
 class TestResult:
     """One test: an io case, one executed assert, or one Rust ``#[test]`` fn."""
+    __test__ = False  # not a pytest class
     name: str
     passed: bool
     detail: str = ""            # e.g. "expected 3 (int), got '3' (str)" or a panic message
@@ -208,3 +217,39 @@ def score_batch(jobs: Sequence[Job], backend: Any = "auto", workers: int | None 
 def score(job: Job, backend: Any = "auto") -> Verdict:
     """Run one job; see :func:`score_batch`."""
     return score_batch([job], backend=backend, workers=1)[0]
+
+
+@dataclass
+class ReferenceCheck:
+    """Result of running a task's reference solution (dataset curation)."""
+    passed: bool                # every hidden test passed (Rust: build ok too; clippy not required)
+    detail: str
+    clippy_clean: bool | None   # Rust only: the reference passes the -F clippy::all gate
+    infra_error: bool           # the sandbox failed: the task's status is unknown, not bad
+    verdict: Verdict
+
+
+def _as_reference_check(v: Verdict) -> ReferenceCheck:
+    all_ok = v.total > 0 and v.passed == v.total and v.status in ("pass", "fail")
+    clippy = v.stages.get("clippy")
+    clippy_clean = None if clippy is None else clippy.status == "pass"
+    detail = v.detail
+    if not all_ok and not detail:
+        detail = "; ".join(f"{t.name}: {t.detail}" for t in v.tests if not t.passed)[:500]
+    return ReferenceCheck(passed=all_ok, detail=detail or v.status, clippy_clean=clippy_clean,
+                          infra_error=v.status == "infra_error", verdict=v)
+
+
+def check_references(items: Sequence[tuple[str, dict, str, str | None]], backend: Any = "auto",
+                     workers: int | None = None) -> list[ReferenceCheck]:
+    """Batch form of :func:`check_reference`: items are (code, tests, kind, entry_point)."""
+    jobs = [Job(language=kind, code=code or "", tests=tests or {}, entry_point=ep, id=f"ref{i}")
+            for i, (code, tests, kind, ep) in enumerate(items)]
+    return [_as_reference_check(v) for v in score_batch(jobs, backend=backend, workers=workers)]
+
+
+def check_reference(code: str, tests: dict, kind: str, entry_point: str | None = None,
+                    backend: Any = "auto") -> ReferenceCheck:
+    """Run a reference solution in the sandbox. ``.passed`` is True iff every test passed (a Rust
+    reference need not be clippy-clean; see ``.clippy_clean``)."""
+    return check_references([(code, tests, kind, entry_point)], backend=backend, workers=1)[0]

@@ -7,7 +7,7 @@ from prefect import task
 
 from grpo_core.data.schema import read_tasks, write_jsonl
 from grpo_core.policy import load_policy
-from grpo_core.rollout import HFBackend, SamplingParams, rollout as sample_groups
+from grpo_core.rollout import SamplingParams, make_backend, rollout as sample_groups
 from tasks.common import cfg_of, completed_record, finish_stage, input_key, iter_dir
 
 
@@ -19,12 +19,12 @@ def rollout(config: dict, run_dir: str, iteration: int, prompts: str, checkpoint
         return done
     tasks = read_tasks(prompts)
     policy = load_policy(cfg, checkpoint, need_reference=False)
-    backend = HFBackend(policy.model, policy.tokenizer, policy.device, cfg.generation_batch_size)
+    backend = make_backend(cfg, policy)           # cfg.rollout_backend: static (default) | hf | vllm
     params = SamplingParams(max_new_tokens=cfg.max_completion_length, temperature=cfg.temperature,
                             top_p=cfg.top_p, top_k=cfg.top_k, seed=cfg.seed * 7919 + iteration)
     t0 = time.perf_counter()
     samples = sample_groups(backend, policy.tokenizer, tasks, cfg.num_generations, params,
-                            cfg.data.system_prompt, cfg.max_prompt_length)
+                            cfg.data.prompt_format, cfg.max_prompt_length)
     seconds = time.perf_counter() - t0
     tokens = sum(len(s.completion_ids) for s in samples)
     out = write_jsonl(iter_dir(run_dir, iteration) / "samples.jsonl", (s.to_dict() for s in samples))

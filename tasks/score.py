@@ -21,7 +21,9 @@ def score(config: dict, run_dir: str, iteration: int, prompts: str, samples: str
     rows = list(read_jsonl(samples))
     completions = [r["completion"] for r in rows]
     row_tasks = [tasks[r["task_id"]] for r in rows]
-    totals, per_func = compute_rewards(completions, row_tasks, cfg.reward_funcs, cfg.weights)
+    context = {"completion_lengths": [len(r["completion_ids"]) for r in rows],
+               "max_completion_length": cfg.max_completion_length, "overlong_buffer_length": cfg.overlong_buffer_length}
+    totals, per_func = compute_rewards(completions, row_tasks, cfg.reward_funcs, cfg.weights, context)
     funcs = list(per_func)
     correctness = per_func.get(CORRECTNESS_FUNC) or compute_rewards(
         completions, row_tasks, [CORRECTNESS_FUNC], [1.0])[1][CORRECTNESS_FUNC]

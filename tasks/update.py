@@ -16,26 +16,46 @@ from grpo_core.data.schema import read_jsonl
 from grpo_core.policy import load_policy
 from grpo_core.update import ScoredSample, grpo_update, make_optimizer, make_scheduler
 from tasks import tracking
-from tasks.common import cfg_of, completed_record, finish_stage, input_key, iter_dir, read_json
+from tasks.common import cfg_of, completed_record, fault_point, finish_stage, input_key, iter_dir, read_json
 
 
 def _rng_state() -> dict:
-    return {"python": random.getstate(), "torch": torch.get_rng_state()}
+    state = {"python": random.getstate(), "torch": torch.get_rng_state()}
+    try:
+        import numpy as np
+        state["numpy"] = np.random.get_state()
+    except ImportError:
+        pass
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
 
 
-def _save_state(path: Path, optimizer, scheduler, global_step: int) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    torch.save({"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
-                "rng": _rng_state(), "global_step": global_step}, tmp)
-    os.replace(tmp, path)
+def _set_rng_state(state: dict) -> None:
+    """Continue the random streams exactly where the previous update left them (resume = no resume)."""
+    random.setstate(state["python"])
+    torch.set_rng_state(state["torch"])
+    if "numpy" in state:
+        import numpy as np
+        np.random.set_state(state["numpy"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
 
 
-def _save_checkpoint(policy, out: Path) -> Path:
-    if out.exists():
-        shutil.rmtree(out)
+def _save_outputs(policy, optimizer, scheduler, global_step: int, out: Path) -> Path:
+    """Adapter (out/checkpoint/) and optimizer + scheduler + RNG (out/trainer_state.pt), all or nothing:
+    both are written into a temp dir that is renamed into place; the stage record is written after."""
     tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}."))
-    policy.save(tmp)
-    os.replace(tmp, out)
+    try:
+        policy.save(tmp / "checkpoint")
+        torch.save({"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
+                    "rng": _rng_state(), "global_step": global_step}, tmp / "trainer_state.pt")
+        if out.exists():
+            shutil.rmtree(out)
+        os.replace(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
     return out
 
 
@@ -56,6 +76,8 @@ def update(config: dict, run_dir: str, iteration: int, samples: str, scores: str
         optimizer.load_state_dict(saved["optimizer"])
         scheduler.load_state_dict(saved["scheduler"])
         global_step = saved["global_step"]
+        if "rng" in saved:
+            _set_rng_state(saved["rng"])
 
     rows = list(read_jsonl(samples))
     scored = list(read_jsonl(scores))
@@ -68,11 +90,9 @@ def update(config: dict, run_dir: str, iteration: int, samples: str, scores: str
         steps, batch_stats = grpo_update(policy, optimizer, scheduler, batch, cfg, seed=cfg.seed + iteration,
                                          progress=bar)
 
-    out_dir = iter_dir(run_dir, iteration) / "update"
-    out_dir.mkdir(exist_ok=True)
-    ckpt = _save_checkpoint(policy, out_dir / "checkpoint")
-    state_path = out_dir / "trainer_state.pt"
-    _save_state(state_path, optimizer, scheduler, global_step + len(steps))
+    out_dir = _save_outputs(policy, optimizer, scheduler, global_step + len(steps),
+                            iter_dir(run_dir, iteration) / "update")
+    ckpt, state_path = out_dir / "checkpoint", out_dir / "trainer_state.pt"
 
     # Per-step metrics, one batched MLflow call per step; skip steps already logged (resume).
     score_metrics = read_json(Path(run_dir) / f"iter-{iteration}" / "score.json")["metrics"]
@@ -96,6 +116,7 @@ def update(config: dict, run_dir: str, iteration: int, samples: str, scores: str
                             "sys/rollout_seconds": rollout_rec["seconds"]})
         tracking.log_metrics(cfg, run_id, metrics, step)
     tracking.log_artifacts(cfg, run_id, ckpt, f"adapters/iter-{iteration}")
+    fault_point("update:saved", iteration)   # test-only: a kill here leaves outputs + metrics but no record
     last = steps[-1] if steps else {}
     return finish_stage(run_dir, iteration, "update", key, {
         "checkpoint": str(ckpt), "state": str(state_path), "global_step": global_step + len(steps),

@@ -70,11 +70,11 @@ def run_python(solution: str, tests: dict[str, Any], entry_point: str | None,
     fmt = tests.get("format")
     with tempfile.TemporaryDirectory(prefix="grpo-ref-") as d:
         wd = Path(d)
-        if fmt == "python_io":
+        if fmt == "io":
             (wd / "solution.py").write_text(solution)
             (wd / "cases.json").write_text(json.dumps({"entry_point": entry_point, "cases": tests["cases"]}))
             (wd / "main.py").write_text(_IO_RUNNER)
-        elif fmt == "humaneval":
+        elif fmt == "assert":
             (wd / "main.py").write_text(f"{solution}\n\n{tests['check']}\n\ncheck({entry_point})\n"
                                         "print('RESULT [true]')\n")
         elif fmt == "python_script":
@@ -98,18 +98,26 @@ def rust_available() -> bool:
 
 
 def run_rust_tests(source: str, tests: str, timeout: float = RUST_TIMEOUT_S, edition: str = "2021") -> RunResult:
-    """Compile `source + tests` as a libtest binary with the host rustc and run it."""
+    """Emulate the sandbox's Rust layout: `source` is crate `solution` (lib, unsafe forbidden); `tests`
+    are top-level #[test] fns compiled into a separate test crate that does `use solution::*`."""
     if not rust_available():
         return RunResult(False, "rustc not found on this host")
     with tempfile.TemporaryDirectory(prefix="grpo-ref-rs-") as d:
         wd = Path(d)
-        (wd / "lib.rs").write_text(f"#![forbid(unsafe_code)]\n#![allow(dead_code)]\n{source}\n\n{tests}\n")
-        proc = _run(["rustc", "--edition", edition, "--test", "-O", "--crate-name", "t", "lib.rs", "-o", "t"],
-                    wd, timeout)
+        (wd / "lib.rs").write_text(f"#![forbid(unsafe_code)]\n{source}\n")
+        (wd / "tests.rs").write_text(f"#[allow(unused_imports)]\nuse solution::*;\n{tests}\n")
+        proc = _run(["rustc", "--edition", edition, "--crate-type", "rlib", "--crate-name", "solution",
+                     "-O", "lib.rs", "-o", "libsolution.rlib"], wd, timeout)
         if proc is None:
             return RunResult(False, "compile timeout")
         if proc.returncode != 0:
             return RunResult(False, "compile error: " + _first_error(proc.stderr))
+        proc = _run(["rustc", "--edition", edition, "--test", "-O", "--crate-name", "hidden_tests", "tests.rs",
+                     "--extern", "solution=libsolution.rlib", "-L", ".", "-o", "t"], wd, timeout)
+        if proc is None:
+            return RunResult(False, "test compile timeout")
+        if proc.returncode != 0:
+            return RunResult(False, "tests do not compile against the solution: " + _first_error(proc.stderr))
         proc = _run(["./t", "--test-threads=1"], wd, timeout)
     if proc is None:
         return RunResult(False, "test timeout")
@@ -120,13 +128,13 @@ def run_rust_tests(source: str, tests: str, timeout: float = RUST_TIMEOUT_S, edi
     return RunResult(True, "tests passed")
 
 
-def check_rust(source: str, crate_type: str = "lib", clippy_lint: str | None = None,
+def check_rust(source: str, crate_type: str = "lib", deny: list[str] | None = None,
                timeout: float = RUST_TIMEOUT_S, edition: str = "2021") -> tuple[bool, str]:
-    """Type-check `source` (no codegen). With `clippy_lint`, run clippy-driver denying that lint.
+    """Type-check `source` (no codegen); with `deny` (e.g. ["clippy::all"]) run clippy denying those lints.
 
     Returns (compiles_cleanly, stderr). Used to confirm a broken example is broken and its fix is not.
     """
-    tool = "clippy-driver" if clippy_lint else "rustc"
+    tool = "clippy-driver" if deny else "rustc"
     if not shutil.which(tool):
         return False, f"{tool} not found on this host"
     with tempfile.TemporaryDirectory(prefix="grpo-ref-chk-") as d:
@@ -134,8 +142,8 @@ def check_rust(source: str, crate_type: str = "lib", clippy_lint: str | None = N
         (wd / "src.rs").write_text(source)
         cmd = [tool, "--edition", edition, "--crate-type", crate_type, "--emit=metadata", "--crate-name", "chk",
                "-o", "out.rmeta", "src.rs"]
-        if clippy_lint:
-            cmd += ["-W", "clippy::all", "-D", f"clippy::{clippy_lint}"]
+        for lint in deny or []:
+            cmd += ["-D", lint]
         proc = _run(cmd, wd, timeout)
     if proc is None:
         return False, "timeout"

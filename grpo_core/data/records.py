@@ -13,6 +13,7 @@ REASONS: dict[str, str] = {
     "reference_failed": "the reference solution does not pass its own tests",
     "empty_tests": "the hidden tests are empty, so nothing would be checked",
     "sandbox_unavailable": "no sandbox or local runner could execute the tests",
+    "tests_unsupported": "the sandbox cannot run these tests in its format (malformed for it)",
     "not_verifiable": "not automatically verifiable: GRPO needs a rule-based check (see detail)",
     "no_accepted_answer": "community question without an accepted answer",
     "low_score": "community question below the configured minimum score",

@@ -6,6 +6,7 @@ and rejects code tasks with `sandbox_unavailable` when it cannot run; `backend="
 """
 from __future__ import annotations
 
+import logging
 import re
 import threading
 from concurrent.futures import ThreadPoolExecutor
@@ -29,9 +30,13 @@ def _number(text: str) -> Fraction | None:
 
 
 def math_answer_parses(answer: str, timeout_s: float = 5.0) -> bool:
-    """A plain number, or an expression math-verify can parse (run off the main thread, timed here)."""
+    """A plain number, or an expression with digits or LaTeX that math-verify can parse (run off the
+    main thread, timed here). Free-text answers ("twelve-ish") do not parse."""
     if _number(str(answer)) is not None:
         return True
+    if not re.search(r"\d|\\[a-zA-Z]+", str(answer)) or re.search(r"[a-zA-Z]{4,}", re.sub(r"\\[a-zA-Z]+", "", str(answer))):
+        return False
+    logging.getLogger("math_verify").setLevel(logging.ERROR)
     try:
         from math_verify import parse  # optional dependency (extra "data")
     except ImportError:
@@ -70,76 +75,103 @@ def check_static(task: Task) -> Rejection | None:
 
 
 # -- running references ------------------------------------------------------------------------------
-def _sandbox_runner() -> Callable[[Task], tuple[bool, str]] | None:
-    """A per-task reference checker backed by sandbox.api, or None when it is absent or has no engine."""
+# A batch checker takes tasks and returns one (passed, detail, clippy_clean, infra_error) per task.
+Check = tuple[bool, str, "bool | None", bool]
+BatchChecker = Callable[[Sequence[Task]], list[Check]]
+
+
+def _sandbox_checker(workers: int) -> BatchChecker | None:
+    """Reference checks through `sandbox.api.check_references`, or None when the sandbox is absent."""
     try:
         from sandbox import api  # owned by the sandbox package
+        check_references = api.check_references
     except Exception:  # noqa: BLE001 - any import failure means "no sandbox"
         return None
-    run = getattr(api, "check_reference", None)
-    if run is None:
-        return None
 
-    def check(task: Task) -> tuple[bool, str]:
-        verdict = run(task.reference_solution, task.tests, kind=task.kind, entry_point=task.entry_point)
-        return bool(getattr(verdict, "passed", verdict)), str(getattr(verdict, "detail", ""))
-    return check
+    def run(tasks: Sequence[Task]) -> list[Check]:
+        items = [(t.reference_solution, t.tests, t.kind, t.entry_point) for t in tasks]
+        return [(r.passed, r.detail, r.clippy_clean, r.infra_error)
+                for r in check_references(items, workers=workers)]
+    return run
 
 
-def _local_check(task: Task) -> tuple[bool, str]:
+def _local_one(task: Task) -> Check:
     tests = task.tests or {}
     if task.kind == "python":
         r = localrun.run_python(task.reference_solution or "", tests, task.entry_point)
-    elif tests.get("format") == "rust_tests":
+        return r.ok, r.detail, None, False
+    if tests.get("format") == "rust":
         if not localrun.rust_available():
-            raise RuntimeError("rustc not on PATH")
+            return False, "rustc not on PATH", None, True
         r = localrun.run_rust_tests(task.reference_solution or "", tests["tests"])
-    else:
-        return False, f"unknown test format {tests.get('format')!r}"
-    return r.ok, r.detail
+        clean = localrun.check_rust(task.reference_solution or "", "lib", deny=["clippy::all"])[0] if r.ok else None
+        return r.ok, r.detail, clean, False
+    return False, f"unknown test format {tests.get('format')!r}", None, False
 
 
-def pick_runner(backend: str) -> tuple[Callable[[Task], tuple[bool, str]] | None, str]:
+def _local_checker(workers: int) -> BatchChecker:
+    def run(tasks: Sequence[Task]) -> list[Check]:
+        with ThreadPoolExecutor(max_workers=max(1, workers)) as pool:
+            return list(pool.map(_local_one, tasks))
+    return run
+
+
+def pick_checker(backend: str, workers: int = 2) -> tuple[BatchChecker | None, str]:
     """(checker, name). checker None means code tasks cannot be run with this backend."""
     if backend not in BACKENDS:
         raise ValueError(f"validation backend {backend!r} is unknown; use one of {', '.join(BACKENDS)}")
     if backend == "none":
         return None, "none"
-    sb = _sandbox_runner() if backend in ("auto", "sandbox") else None
+    sb = _sandbox_checker(workers) if backend in ("auto", "sandbox") else None
     if sb is not None:
         return sb, "sandbox"
     if backend == "sandbox":
         return None, "sandbox"
-    return _local_check, "local"
+    return _local_checker(workers), "local"
 
 
 def validate(tasks: Sequence[Task], backend: str = "auto", workers: int = 2,
-             progress: Progress | None = None) -> tuple[list[Task], list[Rejection]]:
-    """Keep tasks that pass the static checks and whose reference passes its tests (order preserved)."""
-    runner, runner_name = pick_runner(backend)
+             progress: Progress | None = None, chunk: int = 32) -> tuple[list[Task], list[Rejection]]:
+    """Keep tasks that pass the static checks and whose reference passes its tests (order preserved).
+
+    The curation-only `python_script` format always runs on the local reference runner (the sandbox
+    does not score it)."""
+    checker, name = pick_checker(backend, workers)
     verdicts: list[Rejection | None] = [check_static(t) for t in tasks]
-    to_run = [i for i, t in enumerate(tasks) if verdicts[i] is None and t.kind != "math"]
-
-    def run_one(i: int) -> Rejection | None:
-        t = tasks[i]
-        if runner is None:
-            if runner_name == "none":
-                return None
-            return Rejection(t.id, t.source, "sandbox_unavailable", f"backend {backend!r} found no sandbox engine")
-        try:
-            ok, detail = runner(t)
-        except Exception as e:  # noqa: BLE001 - an infrastructure failure is a reason, not a crash
-            return Rejection(t.id, t.source, "sandbox_unavailable", f"{type(e).__name__}: {e}"[:300])
-        t.meta["validated_by"] = runner_name
-        return None if ok else Rejection(t.id, t.source, "reference_failed", detail[:300])
-
-    with ThreadPoolExecutor(max_workers=max(1, workers)) as pool:
-        for i, verdict in zip(to_run, pool.map(run_one, to_run)):
-            verdicts[i] = verdict
-            if progress:
-                progress(1)
     if progress:
-        progress(len(tasks) - len(to_run))
+        progress(sum(1 for t, v in zip(tasks, verdicts) if v is not None or t.kind == "math"))
+    code = [i for i, t in enumerate(tasks) if verdicts[i] is None and t.kind != "math"]
+    routes: dict[str, tuple[BatchChecker | None, list[int]]] = {
+        name: (checker, [i for i in code if (tasks[i].tests or {}).get("format") != "python_script"]),
+        "local-script": (_local_checker(workers) if name != "none" else None,
+                         [i for i in code if (tasks[i].tests or {}).get("format") == "python_script"])}
+    for route, (run, idx) in routes.items():
+        for start in range(0, len(idx), chunk):
+            part = idx[start:start + chunk]
+            if run is None:
+                for i in part:
+                    t = tasks[i]
+                    if name != "none":
+                        verdicts[i] = Rejection(t.id, t.source, "sandbox_unavailable",
+                                                f"backend {backend!r} found no sandbox (sandbox.api not importable)")
+            else:
+                try:
+                    results = run([tasks[i] for i in part])
+                except Exception as e:  # noqa: BLE001 - an infrastructure failure is a reason, not a crash
+                    results = [(False, f"{type(e).__name__}: {e}"[:300], None, True)] * len(part)
+                for i, (ok, detail, clean, infra) in zip(part, results):
+                    t = tasks[i]
+                    t.meta["validated_by"] = route.split("-")[0] if route != name else name
+                    if clean is not None:
+                        t.meta["reference_clippy_clean"] = bool(clean)
+                    if infra and str(detail).startswith("malformed task"):
+                        verdicts[i] = Rejection(t.id, t.source, "tests_unsupported", str(detail)[:300])
+                    elif infra:
+                        verdicts[i] = Rejection(t.id, t.source, "sandbox_unavailable", str(detail)[:300])
+                    elif not ok:
+                        verdicts[i] = Rejection(t.id, t.source, "reference_failed", str(detail)[:300])
+            if progress:
+                progress(len(part))
     kept = [t for t, v in zip(tasks, verdicts) if v is None]
     return kept, [v for v in verdicts if v is not None]
 

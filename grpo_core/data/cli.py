@@ -1,0 +1,135 @@
+"""`grpo data ...`: build a curated dataset, print its statistics, list the sources.
+
+The pipeline CLI (`flows/cli.py`) calls `register(subparsers)`; each command sets `func(args) -> int`.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from grpo_core.data.records import REASONS
+from grpo_core.data.sources import SOURCE_NAMES, get_loader
+
+BUILD_EPILOG = """\
+The config is YAML (a standalone file, or a training config with a `curation:` section):
+
+  name: rust-mix
+  out_dir: data/built
+  sources:
+    - {name: reasoning_gym, datasets: {gsm_symbolic: {size: 200}}}
+    - {name: gen_rust, n: 40}
+    - {name: humaneval_rust}
+    - {name: stackexchange, path: dumps/rust/Posts.xml, tags: [rust]}
+  weights: {synthetic: 0.7, community: 0.3}
+  total: 300
+  calibration: {band: [0.1, 0.9], rollouts: runs/r1/iter-2/scores.jsonl}
+
+Output: <out_dir>/<name>-<hash12>/ with train.parquet, eval.parquet, report.json, rejections.jsonl.
+Run `grpo data sources` for the source names and their options."""
+
+
+def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    """Add `data build`, `data stats` and `data sources` under a `data` command."""
+    d = subparsers.add_parser("data", help="curate datasets: build, stats, sources",
+                              description="Curate training data: load sources, validate, deduplicate, "
+                                          "decontaminate, split, calibrate difficulty, mix.")
+    dsub = d.add_subparsers(dest="data_command", metavar="<action>", required=True)
+
+    b = dsub.add_parser("build", help="build a versioned dataset and its curation report",
+                        epilog=BUILD_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    b.add_argument("--config", "-c", required=True, metavar="YAML", help="curation config (see below)")
+    b.add_argument("--out-dir", help="override out_dir")
+    b.add_argument("--backend", choices=("auto", "sandbox", "local", "none"),
+                   help="override validation.backend (how reference solutions are run)")
+    b.add_argument("--no-progress", action="store_true", help="no progress bars")
+    b.set_defaults(func=cmd_build)
+
+    s = dsub.add_parser("stats", help="print statistics of a built dataset directory or a task file")
+    s.add_argument("path", help="dataset directory, .parquet or .jsonl")
+    s.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    s.set_defaults(func=cmd_stats)
+
+    ls = dsub.add_parser("sources", help="list data sources and rejection reasons")
+    ls.set_defaults(func=cmd_sources)
+    return d
+
+
+def cmd_build(args) -> int:
+    from grpo_core.data.build import build, load_build_config
+    overrides = {}
+    if args.out_dir:
+        overrides["out_dir"] = args.out_dir
+    try:
+        cfg = load_build_config(args.config, overrides)
+        if args.backend:
+            cfg.validation.backend = args.backend
+        result = build(cfg, progress=not args.no_progress)
+    except (FileNotFoundError, ValueError, KeyError, RuntimeError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    rep = result.report
+    print(f"dataset {result.path}")
+    print(f"  train {len(result.train)}  eval {len(result.eval)}  hash {rep['dataset_hash'][:12]}")
+    _print_sources(rep["sources"])
+    print("  rejections: " + (", ".join(f"{k}={v}" for k, v in rep["rejections"].items()) or "none"))
+    print(f"  report: {result.path / 'report.json'}")
+    return 0
+
+
+def _print_sources(sources: dict) -> None:
+    print(f"  {'source':<16}{'group':<11}{'loaded':>7}{'valid':>7}{'train':>7}{'eval':>6}  rejected")
+    for name, v in sources.items():
+        rej = ", ".join(f"{k}={n}" for k, n in v["rejected"].items())
+        print(f"  {name:<16}{v['group']:<11}{v['loaded']:>7}{v['valid']:>7}{v['train']:>7}{v['eval']:>6}  {rej}")
+
+
+def cmd_stats(args) -> int:
+    from grpo_core.data.build import stats
+    try:
+        st = stats(args.path)
+    except (FileNotFoundError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    if args.json:
+        print(json.dumps(st, indent=2))
+        return 0
+    print(st["path"])
+    for k, v in st.get("metadata", {}).items():
+        print(f"  {k}: {v}")
+    for split_name, v in st.items():
+        if not isinstance(v, dict) or "tasks" not in v:
+            continue
+        print(f"{split_name}: {v['tasks']} tasks")
+        for key in ("sources", "kinds", "groups", "prompt_chars"):
+            print(f"  {key}: " + ", ".join(f"{a}={b}" for a, b in v[key].items()))
+        hist = v["pass_rate_histogram"]
+        if any(hist.values()):
+            print("  pass rate: " + ", ".join(f"{a}:{b}" for a, b in hist.items()))
+    if st.get("rejections"):
+        print("rejections: " + ", ".join(f"{k}={n}" for k, n in st["rejections"].items()))
+    return 0
+
+
+def cmd_sources(args) -> int:
+    print("sources (name, group, what):")
+    for name in SOURCE_NAMES:
+        loader, group = get_loader(name)
+        doc = (sys.modules[loader.__module__].__doc__ or "").strip().splitlines()[0]
+        print(f"  {name:<16}{group:<11}{doc}")
+    print("rejection reasons:")
+    for r, text in REASONS.items():
+        print(f"  {r:<21}{text}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Standalone entry point (`python -m grpo_core.data.cli build --config ...`)."""
+    p = argparse.ArgumentParser(prog="grpo")
+    register(p.add_subparsers(dest="command", required=True))
+    args = p.parse_args(["data", *(argv if argv is not None else sys.argv[1:])])
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

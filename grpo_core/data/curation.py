@@ -1,0 +1,315 @@
+"""The curation steps after loading: normalise, deduplicate, decontaminate, split, calibrate, mix.
+
+Every step is a pure function over lists of `Task`s that returns what it keeps plus a `Rejection` per
+dropped item, so the report can say what happened to each task and why.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+import unicodedata
+from collections import defaultdict
+from pathlib import Path
+from typing import Callable, Iterable, Sequence
+
+import numpy as np
+
+from grpo_core.data.records import Rejection
+from grpo_core.data.schema import Task, read_jsonl
+
+# -- normalise ----------------------------------------------------------------------------------------
+
+
+def normalise(task: Task) -> Task:
+    """Canonical text (NFC, \\n line ends, no trailing spaces) and a difficulty clamped to [0, 1]."""
+    def clean(s: str | None) -> str | None:
+        if s is None:
+            return None
+        s = unicodedata.normalize("NFC", s).replace("\r\n", "\n").replace("\r", "\n")
+        return "\n".join(line.rstrip() for line in s.split("\n")).strip("\n")
+    task.prompt = clean(task.prompt) or ""
+    task.answer = None if task.answer is None else clean(str(task.answer)).strip()
+    if task.difficulty is not None:
+        task.difficulty = min(1.0, max(0.0, float(task.difficulty)))
+    return task
+
+
+def text_key(text: str) -> str:
+    """Lower-case NFKC text as space-separated tokens (words, and symbols such as + - * kept one by one),
+    used for duplicate and overlap checks: "3 + 4" and "3 - 4" stay different."""
+    text = unicodedata.normalize("NFKC", text).lower()
+    return " ".join(re.findall(r"\w+|[^\w\s]", text))
+
+
+def stable_hash(*parts: str) -> int:
+    return int.from_bytes(hashlib.blake2b("\x1f".join(parts).encode(), digest_size=8).digest(), "big")
+
+
+# -- deduplicate ----------------------------------------------------------------------------------------
+
+
+def shingles(text: str, k: int = 5) -> set[int]:
+    words = text_key(text).split()
+    if len(words) < k:
+        return {stable_hash(" ".join(words))} if words else set()
+    return {stable_hash(" ".join(words[i:i + k])) for i in range(len(words) - k + 1)}
+
+
+_MERSENNE = (1 << 61) - 1
+
+
+def minhash(sh: set[int], num_perm: int = 64, seed: int = 1) -> np.ndarray:
+    """MinHash signature with universal hashes (a*x + b) mod 2^61-1, computed with Python ints per perm."""
+    rng = np.random.default_rng(seed)
+    a = rng.integers(1, 1 << 60, size=num_perm, dtype=np.int64)
+    b = rng.integers(0, 1 << 60, size=num_perm, dtype=np.int64)
+    if not sh:
+        return np.full(num_perm, _MERSENNE, dtype=np.uint64)
+    xs = [x % _MERSENNE for x in sh]
+    return np.array([min((int(ai) * x + int(bi)) % _MERSENNE for x in xs) for ai, bi in zip(a, b)],
+                    dtype=np.uint64)
+
+
+def dedupe(tasks: Sequence[Task], near_threshold: float = 0.85, k: int = 5, num_perm: int = 64,
+           bands: int = 16) -> tuple[list[Task], list[Rejection]]:
+    """Drop exact duplicates (same content hash or same normalised prompt) and near-duplicates
+    (MinHash LSH candidates confirmed by exact shingle Jaccard >= near_threshold). First seen wins."""
+    kept: list[Task] = []
+    rejected: list[Rejection] = []
+    seen_content: dict[str, str] = {}
+    seen_prompt: dict[str, str] = {}
+    buckets: dict[tuple[int, bytes], list[int]] = defaultdict(list)
+    kept_shingles: list[set[int]] = []
+    rows = num_perm // bands
+    for t in tasks:
+        ch, pk = t.content_hash(), hashlib.sha256(text_key(t.prompt).encode()).hexdigest()
+        first = seen_content.get(ch) or seen_prompt.get(pk)
+        if first:
+            rejected.append(Rejection(t.id, t.source, "duplicate_exact", f"same as {first}"))
+            continue
+        sh = shingles(t.prompt, k)
+        sig = minhash(sh, num_perm) if near_threshold < 1.0 else None
+        match = None
+        if sig is not None:
+            cands = {j for bnd in range(bands) for j in buckets.get((bnd, sig[bnd * rows:(bnd + 1) * rows].tobytes()), [])}
+            for j in sorted(cands):
+                other = kept_shingles[j]
+                jac = len(sh & other) / max(1, len(sh | other))
+                if jac >= near_threshold:
+                    match = (j, jac)
+                    break
+        if match:
+            rejected.append(Rejection(t.id, t.source, "duplicate_near",
+                                      f"Jaccard {match[1]:.2f} with {kept[match[0]].id}"))
+            continue
+        seen_content[ch], seen_prompt[pk] = t.id, t.id
+        if sig is not None:
+            for bnd in range(bands):
+                buckets[(bnd, sig[bnd * rows:(bnd + 1) * rows].tobytes())].append(len(kept))
+        kept_shingles.append(sh)
+        kept.append(t)
+    return kept, rejected
+
+
+# -- split --------------------------------------------------------------------------------------------
+
+
+def split_of(task: Task, eval_fraction: float, salt: str = "grpo-split-v1") -> str:
+    """'eval' or 'train' from the task's content hash only: stable across runs, machines and order."""
+    if eval_fraction <= 0:
+        return "train"
+    return "eval" if stable_hash(salt, task.content_hash()) / 2 ** 64 < eval_fraction else "train"
+
+
+def split(tasks: Iterable[Task], eval_fraction: float, salt: str = "grpo-split-v1") -> tuple[list[Task], list[Task]]:
+    train, ev = [], []
+    for t in tasks:
+        (ev if split_of(t, eval_fraction, salt) == "eval" else train).append(t)
+    return train, ev
+
+
+# -- decontaminate -----------------------------------------------------------------------------------
+
+
+def ngrams(text: str, n: int) -> set[str]:
+    words = text_key(text).split()
+    return {" ".join(words[i:i + n]) for i in range(len(words) - n + 1)}
+
+
+def decontaminate(train: Sequence[Task], eval_tasks: Sequence[Task], n: int = 8, threshold: float = 0.5,
+                  boilerplate_df: int = 20) -> tuple[list[Task], list[Rejection]]:
+    """Drop training tasks whose prompt shares >= `threshold` of its word n-grams with eval prompts.
+
+    N-grams found in >= `boilerplate_df` different prompts (instructions, templates shared by a whole
+    source) are ignored, so a shared "Reply in one ```rust block" does not make everything overlap.
+    """
+    per_task = [ngrams(t.prompt, n) for t in train]
+    eval_grams = [ngrams(t.prompt, n) for t in eval_tasks]
+    df: dict[str, int] = defaultdict(int)
+    for grams in per_task + eval_grams:
+        for g in grams:
+            df[g] += 1
+    common = {g for g, c in df.items() if c >= boilerplate_df}
+    eval_set = set().union(*eval_grams) - common if eval_grams else set()
+    kept, rejected = [], []
+    for t, grams in zip(train, per_task):
+        grams = grams - common
+        if grams and eval_set:
+            frac = len(grams & eval_set) / len(grams)
+            if frac >= threshold:
+                rejected.append(Rejection(t.id, t.source, "contaminated", f"{frac:.0%} of its {n}-grams occur in eval prompts"))
+                continue
+        kept.append(t)
+    return kept, rejected
+
+
+# -- calibrate -----------------------------------------------------------------------------------------
+
+# policy(tasks, k) -> for each task, k rewards in [0, 1] (1 = correct) from the current model.
+PolicyFn = Callable[[Sequence[Task], int], Sequence[Sequence[float]]]
+
+
+def _band_check(task: Task, rate: float, n: int, band: tuple[float, float], how: str) -> Rejection | None:
+    task.meta["pass_rate"] = round(rate, 4)
+    task.meta["pass_rate_samples"] = n
+    task.meta["pass_rate_from"] = how
+    task.difficulty = round(1.0 - rate, 4)
+    lo, hi = band
+    if rate < lo or rate > hi:
+        side = "too hard" if rate < lo else "too easy"
+        return Rejection(task.id, task.source, "out_of_band", f"pass rate {rate:.2f} over {n} samples is {side} "
+                                                              f"for band [{lo}, {hi}]")
+    return None
+
+
+def calibrate(tasks: Sequence[Task], policy: PolicyFn, k: int = 8, band: tuple[float, float] = (0.1, 0.9),
+              batch_size: int = 16, correct_at: float = 1.0,
+              progress: Callable[[int], None] | None = None) -> tuple[list[Task], list[Rejection]]:
+    """Sample k answers per task from `policy`, record its pass rate, keep tasks inside `band`."""
+    kept, rejected = [], []
+    for start in range(0, len(tasks), batch_size):
+        chunk = list(tasks[start:start + batch_size])
+        scores = policy(chunk, k)
+        if len(scores) != len(chunk):
+            raise ValueError(f"policy returned {len(scores)} score lists for {len(chunk)} tasks; return one per task")
+        for t, s in zip(chunk, scores):
+            rate = sum(1.0 for x in s if x is not None and x >= correct_at) / max(1, len(s))
+            bad = _band_check(t, rate, len(s), band, "policy")
+            (rejected.append(bad) if bad else kept.append(t))
+        if progress:
+            progress(len(chunk))
+    return kept, rejected
+
+
+def pass_rates_from_rollouts(path: str | Path, id_field: str = "task_id", score_field: str = "correct",
+                             correct_at: float = 1.0) -> dict[str, tuple[float, int]]:
+    """{task id: (pass rate, samples)} from a rollouts+scores JSONL (e.g. iter-k/scores.jsonl).
+    Rows whose score is null (unscorable) are left out."""
+    hits: dict[str, list[float]] = defaultdict(list)
+    for row in read_jsonl(path):
+        if id_field not in row:
+            raise ValueError(f"{path}: row without {id_field!r}; pass id_field= the column holding task ids")
+        v = row.get(score_field)
+        if v is None:
+            continue
+        hits[str(row[id_field])].append(1.0 if float(v) >= correct_at else 0.0)
+    return {tid: (sum(v) / len(v), len(v)) for tid, v in hits.items() if v}
+
+
+def recalibrate(tasks: Sequence[Task], rollouts: str | Path | dict[str, tuple[float, int]],
+                band: tuple[float, float] = (0.1, 0.9), min_samples: int = 2,
+                **fields: str) -> tuple[list[Task], list[Rejection]]:
+    """Re-measure difficulty from the previous iteration's rollouts; tasks without enough samples are
+    kept unchanged (they have not been tried yet)."""
+    rates = rollouts if isinstance(rollouts, dict) else pass_rates_from_rollouts(rollouts, **fields)
+    kept, rejected = [], []
+    for t in tasks:
+        if t.id in rates and rates[t.id][1] >= min_samples:
+            bad = _band_check(t, rates[t.id][0], rates[t.id][1], band, "rollouts")
+            if bad:
+                rejected.append(bad)
+                continue
+        kept.append(t)
+    return kept, rejected
+
+
+def pass_rate_histogram(tasks: Iterable[Task], bins: int = 10) -> dict[str, int]:
+    counts = [0] * bins
+    for t in tasks:
+        r = t.meta.get("pass_rate")
+        if r is not None:
+            counts[min(bins - 1, int(float(r) * bins))] += 1
+    return {f"{i / bins:.1f}-{(i + 1) / bins:.1f}": c for i, c in enumerate(counts)}
+
+
+# -- mix -------------------------------------------------------------------------------------------------
+
+
+def group_of(task: Task) -> str:
+    return task.meta.get("group", "user")
+
+
+def source_key(task: Task) -> str:
+    """The configured source name (e.g. 'reasoning_gym' for source 'reasoning_gym/gsm_symbolic')."""
+    return task.meta.get("source_name") or task.source.split("/")[0]
+
+
+def mix(tasks: Sequence[Task], weights: dict[str, float], total: int | None, seed: int = 0
+        ) -> tuple[list[Task], list[Rejection]]:
+    """Draw `total` tasks with shares given per source name or group ('synthetic', 'community', 'user').
+
+    A key's quota that its pool cannot fill is handed to the other keys in proportion to their weights.
+    Draws are deterministic (hash of seed and content). No weights: every task, in hash order.
+    """
+    order = sorted(tasks, key=lambda t: stable_hash(str(seed), t.content_hash()))
+    if not weights:
+        chosen = order if total is None else order[:total]
+    else:
+        bad = [k for k, w in weights.items() if w < 0]
+        if bad or sum(weights.values()) <= 0:
+            raise ValueError(f"mix weights must be >= 0 with a positive sum; got {weights}")
+        pools: dict[str, list[Task]] = {k: [] for k in weights}
+        for t in order:
+            for key in (source_key(t), t.source, group_of(t)):
+                if key in pools:
+                    pools[key].append(t)
+                    break
+        want = sum(len(p) for p in pools.values()) if total is None else total
+        quota = _quotas(weights, {k: len(p) for k, p in pools.items()}, want)
+        chosen = [t for k, p in pools.items() for t in p[:quota[k]]]
+        chosen.sort(key=lambda t: stable_hash(str(seed), "order", t.content_hash()))
+    picked = {id(t) for t in chosen}
+    rejected = [Rejection(t.id, t.source, "not_selected", "outside this run's mix quota")
+                for t in tasks if id(t) not in picked]
+    return chosen, rejected
+
+
+def _quotas(weights: dict[str, float], sizes: dict[str, int], total: int) -> dict[str, int]:
+    quota = {k: 0 for k in weights}
+    active = {k for k in weights if weights[k] > 0 and sizes[k] > 0}
+    cap = min(total, sum(sizes[k] for k in active))
+    remaining = cap
+    while remaining > 0 and active:
+        wsum = sum(weights[k] for k in active)
+        shares = {k: remaining * weights[k] / wsum for k in active}
+        floor = {k: min(int(shares[k]), sizes[k] - quota[k]) for k in active}
+        # hand out the rounding remainder by largest fractional share, deterministic on ties
+        extra = remaining - sum(floor.values())
+        for k in sorted(active, key=lambda k: (-(shares[k] - int(shares[k])), k)):
+            if extra <= 0:
+                break
+            if floor[k] < sizes[k] - quota[k]:
+                floor[k] += 1
+                extra -= 1
+        for k in active:
+            quota[k] += floor[k]
+        remaining = cap - sum(quota.values())
+        active = {k for k in active if quota[k] < sizes[k]}
+        if sum(floor.values()) == 0:
+            break
+    return quota
+
+
+def task_json(t: Task) -> str:
+    return json.dumps(t.to_dict(), sort_keys=True, ensure_ascii=False)

@@ -1,0 +1,120 @@
+"""Users' own questions: JSONL, CSV, Parquet files and `datasets` datasets saved with `save_to_disk`.
+
+Each row becomes a Task. Columns are matched by name (first present wins):
+  prompt <- prompt | question | problem | instruction;  answer <- answer | final_answer | solution_value
+  tests  <- tests (a dict, or a JSON string);  reference_solution <- reference_solution | canonical_solution
+  id, kind, entry_point, difficulty, license, meta are used when present.
+Rule: a row with neither an `answer` nor `tests` is rejected as not automatically verifiable;
+a row whose fields do not fit the schema is rejected as invalid_schema with the field named.
+"""
+from __future__ import annotations
+
+import csv
+import hashlib
+import json
+from pathlib import Path
+from typing import Any, Iterable, Iterator
+
+from grpo_core.data.records import Rejection
+from grpo_core.data.schema import Task, TaskValidationError, read_jsonl
+
+ALIASES = {
+    "prompt": ("prompt", "question", "problem", "instruction"),
+    "answer": ("answer", "final_answer", "solution_value"),
+    "reference_solution": ("reference_solution", "canonical_solution"),
+}
+PASSTHROUGH = ("id", "kind", "tests", "entry_point", "difficulty", "license", "meta")
+
+
+def _first(row: dict[str, Any], names: tuple[str, ...]) -> Any:
+    for n in names:
+        if row.get(n) not in (None, ""):
+            return row[n]
+    return None
+
+
+def _maybe_json(v: Any) -> Any:
+    if isinstance(v, str) and v.strip()[:1] in ("{", "["):
+        try:
+            return json.loads(v)
+        except json.JSONDecodeError:
+            return v
+    return v
+
+
+def row_to_task(row: dict[str, Any], source: str, origin: str, index: int,
+                default_kind: str | None = None, license: str = "user-provided") -> Task | Rejection:
+    """Map one user row onto the schema, or say why it cannot be used."""
+    prompt = _first(row, ALIASES["prompt"])
+    tid = str(row.get("id") or f"{source}/{hashlib.sha256(str(prompt).encode()).hexdigest()[:12]}")
+    answer = _first(row, ALIASES["answer"])
+    tests = _maybe_json(row.get("tests"))
+    if tests in ("", None) or tests == {}:
+        tests = None
+    if not prompt:
+        return Rejection(tid, source, "invalid_schema", f"row {index}: no prompt column ({'/'.join(ALIASES['prompt'])})")
+    if answer is None and tests is None:
+        return Rejection(tid, source, "not_verifiable",
+                         f"row {index}: no answer and no tests, so a reward cannot be computed by rule")
+    kind = row.get("kind") or default_kind or ("math" if tests is None else None)
+    if kind is None:
+        return Rejection(tid, source, "invalid_schema", f"row {index}: code row needs a 'kind' column (python|rust)")
+    meta = _maybe_json(row.get("meta")) or {}
+    try:
+        difficulty = None if row.get("difficulty") in (None, "") else float(row["difficulty"])
+        task = Task(id=tid, kind=str(kind), source=source, prompt=str(prompt),
+                    answer=None if answer is None else str(answer), tests=tests,
+                    entry_point=row.get("entry_point") or None,
+                    reference_solution=_first(row, ALIASES["reference_solution"]),
+                    difficulty=difficulty, license=str(row.get("license") or license),
+                    provenance=f"{origin} row {index}", meta=meta if isinstance(meta, dict) else {"meta": meta})
+        if task.tests is not None and not isinstance(task.tests, dict):
+            raise TaskValidationError(f"task {tid!r}: field 'tests' must be a JSON object with a 'format' key")
+        return task.validate()
+    except (TaskValidationError, ValueError, TypeError) as e:
+        return Rejection(tid, source, "invalid_schema", f"row {index}: {e}")
+
+
+def _rows_to_tasks(rows: Iterable[dict[str, Any]], source: str, origin: str, **kw: Any) -> Iterator[Task | Rejection]:
+    for i, row in enumerate(rows):
+        yield row_to_task(dict(row), source, origin, i, **kw)
+
+
+def _check(path: str | Path) -> Path:
+    p = Path(path)
+    if not p.exists():
+        raise FileNotFoundError(f"data file {str(p)!r} does not exist; fix the source's 'path'")
+    return p
+
+
+def load_jsonl(path: str, source: str = "jsonl", kind: str | None = None, **_: Any) -> Iterable[Task | Rejection]:
+    p = _check(path)
+    return _rows_to_tasks(read_jsonl(p), source, str(p), default_kind=kind)
+
+
+def load_csv(path: str, source: str = "csv", kind: str | None = None, **_: Any) -> Iterable[Task | Rejection]:
+    p = _check(path)
+    with open(p, newline="", encoding="utf-8") as f:
+        rows = list(csv.DictReader(f))
+    return _rows_to_tasks(rows, source, str(p), default_kind=kind)
+
+
+def load_parquet(path: str, source: str = "parquet", kind: str | None = None, **_: Any) -> Iterable[Task | Rejection]:
+    import pyarrow.parquet as pq
+    p = _check(path)
+    return _rows_to_tasks(pq.read_table(p).to_pylist(), source, str(p), default_kind=kind)
+
+
+def load_hf_disk(path: str, split: str | None = None, source: str = "hf_disk", kind: str | None = None,
+                 **_: Any) -> Iterable[Task | Rejection]:
+    """A `datasets.Dataset` (or one split of a `DatasetDict`) written with `save_to_disk`."""
+    import datasets
+    p = _check(path)
+    ds = datasets.load_from_disk(str(p))
+    if isinstance(ds, datasets.DatasetDict):
+        if split is None:
+            if len(ds) != 1:
+                raise ValueError(f"{p} holds splits {list(ds)}; choose one with the source option 'split'")
+            split = next(iter(ds))
+        ds = ds[split]
+    return _rows_to_tasks(iter(ds), source, f"{p}" + (f"[{split}]" if split else ""), default_kind=kind)

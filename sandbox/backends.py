@@ -1,0 +1,176 @@
+"""What every backend shares: job -> box message, box reply -> verdict, concurrency.
+
+A backend only has to implement ``_exchange(message, limits, deadline_s) -> reply dict`` (send one
+job to a fresh-state box, get the runner's reply) and may raise :class:`InfraError` or
+:class:`BoxDied` (the box vanished mid-job, which the completion may have caused).
+"""
+from __future__ import annotations
+
+import logging
+import os
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict
+from typing import Any
+
+from sandbox import python_tests, rust_harness
+from sandbox.api import Job, Limits, TaskFormatError, TestResult, Verdict, infra_error
+
+log = logging.getLogger("sandbox")
+
+RUNNER_PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "python_runner.py")
+
+
+class InfraError(RuntimeError):
+    """The sandbox itself failed; the job's verdict becomes infra_error."""
+
+
+class BoxDied(RuntimeError):
+    """The box stopped answering mid-job (killed runner, OOM of the supervisor, deadline)."""
+
+    def __init__(self, msg: str, timed_out: bool = False):
+        super().__init__(msg)
+        self.timed_out = timed_out
+
+
+class Backend:
+    name = "base"
+
+    def __new__(cls, *args, **kwargs):
+        obj = super().__new__(cls)
+        obj.pid = os.getpid()  # a backend (sockets, containers) belongs to the process that made it
+        return obj
+
+    def score_batch(self, jobs: list[Job], workers: int | None = None) -> list[Verdict]:
+        workers = max(1, min(workers or self.default_workers(), len(jobs) or 1))
+        if workers == 1 or len(jobs) <= 1:
+            return [self.score_one(j) for j in jobs]
+        with ThreadPoolExecutor(workers, thread_name_prefix=f"sbx-{self.name}") as ex:
+            return list(ex.map(self.score_one, jobs))
+
+    def default_workers(self) -> int:
+        return os.cpu_count() or 2
+
+    def close(self) -> None:
+        """Release resources (containers)."""
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    # ------------------------------------------------------------------ one job
+    def score_one(self, job: Job) -> Verdict:
+        t0 = time.monotonic()
+        try:
+            v = self._score_one(job)
+        except TaskFormatError as e:
+            v = infra_error(f"malformed task: {e}")
+        except InfraError as e:
+            v = infra_error(str(e))
+        except Exception as e:  # noqa: BLE001 - never let one job take the batch down
+            log.exception("sandbox backend %s failed on job %s", self.name, job.id)
+            v = infra_error(f"{type(e).__name__}: {e}")
+        v.duration_s = time.monotonic() - t0
+        v.backend, v.job_id = self.name, job.id
+        return v
+
+    def _score_one(self, job: Job) -> Verdict:
+        lim = job.effective_limits()
+        if job.language == "python":
+            return self._score_python(job, lim)
+        if job.language == "rust":
+            return self._score_rust(job, lim)
+        raise TaskFormatError(f"job language {job.language!r} is not 'python' or 'rust'")
+
+    def _score_python(self, job: Job, lim: Limits) -> Verdict:
+        plan = python_tests.plan(job.tests, job.entry_point)
+        if not job.code.strip():
+            return _all_failed(plan.n_tests, "error", "empty completion: no code to run")
+        msg = {"kind": "python", "code": job.code, "entry_point": job.entry_point,
+               "calls": plan.calls, "limits": self._limits_dict(lim)}
+        try:
+            reply = self._exchange(msg, lim, lim.timeout_s + 10)
+        except BoxDied as e:
+            return _all_failed(plan.n_tests, "timeout" if e.timed_out else "error", str(e))
+        if "runner_error" in reply:
+            raise InfraError(f"in-box runner failed: {reply['runner_error']}")
+        tests = plan.judge(reply.get("records", []))
+        v = Verdict(status="pass", tests=tests, stdout=reply.get("stdout", ""),
+                    stderr=reply.get("stderr", ""))
+        load = [r["load_error"] for r in reply.get("records", []) if "load_error" in r]
+        rc = reply.get("rc")
+        if reply.get("box_error"):
+            v.status, v.detail = "error", reply["box_error"]
+        elif reply.get("timed_out"):
+            v.status, v.detail = "timeout", f"time limit {lim.timeout_s}s exceeded"
+        elif reply.get("truncated"):
+            v.status, v.detail = "error", "output limit exceeded"
+        elif load:
+            v.status, v.detail = "error", load[0]
+        elif all(t.passed for t in tests):
+            v.status = "pass"
+        elif rc in (-9, 137) and not reply.get("killed_by_runner"):
+            v.status, v.detail = "error", "killed by SIGKILL (out of memory?)"
+        elif rc not in (0, None) and not reply.get("killed_by_runner") \
+                and any("no result" in t.detail for t in tests):
+            v.status, v.detail = "error", f"crashed (exit status {rc}) before reporting all results"
+        else:
+            v.status = "fail"
+            v.detail = f"{sum(not t.passed for t in tests)} of {len(tests)} tests failed"
+        return v
+
+    def _score_rust(self, job: Job, lim: Limits) -> Verdict:
+        fields = rust_harness.build_job_fields(job.code, job.tests)
+        names = fields.pop("test_names")
+        if not job.code.strip():
+            return _all_failed(len(names), "error", "empty completion: no code to build", names)
+        msg = {"kind": "rust", **fields, "limits": self._limits_dict(lim), **self._rust_toolchain()}
+        budget = lim.build_timeout_s + lim.clippy_timeout_s + lim.test_timeout_s + 20
+        try:
+            reply = self._exchange(msg, lim, budget)
+        except BoxDied as e:
+            return _all_failed(len(names), "timeout" if e.timed_out else "error", str(e), names)
+        if "runner_error" in reply:
+            raise InfraError(f"in-box runner failed: {reply['runner_error']}")
+        status, tests, stages, detail = rust_harness.judge(reply, names)
+        return Verdict(status=status, tests=tests, stages=stages, detail=detail,
+                       stdout=reply.get("stdout", ""), stderr=reply.get("stderr", ""))
+
+    # ------------------------------------------------------------------ hooks
+    def _limits_dict(self, lim: Limits) -> dict[str, Any]:
+        return asdict(lim)
+
+    def _rust_toolchain(self) -> dict[str, Any]:
+        return {}
+
+    def _exchange(self, message: dict, limits: Limits, deadline_s: float) -> dict:
+        raise NotImplementedError
+
+
+def _all_failed(n: int, status: str, detail: str, names: list[str] | None = None) -> Verdict:
+    names = names or [f"test {i}" for i in range(n)]
+    return Verdict(status=status, detail=detail,
+                   tests=[TestResult(name, False, detail) for name in names])
+
+
+_BACKENDS: dict[str, Backend] = {}
+
+
+def get_backend(name: str = "auto") -> Backend:
+    """Shared backend instances (their warm containers are reused across calls)."""
+    if name not in ("auto", "docker", "local"):
+        raise ValueError(f"sandbox backend {name!r}: use 'auto', 'docker' or 'local'")
+    if name == "auto":
+        from sandbox.docker_backend import docker_available
+        name = "docker" if docker_available() else "local"
+    cached = _BACKENDS.get(name)
+    if cached is None or getattr(cached, "pid", os.getpid()) != os.getpid():  # new after fork
+        if name == "docker":
+            from sandbox.docker_backend import DockerBackend
+            _BACKENDS[name] = DockerBackend()
+        else:
+            from sandbox.local_backend import LocalBackend
+            _BACKENDS[name] = LocalBackend()
+    return _BACKENDS[name]

@@ -1,0 +1,208 @@
+"""Host side of Rust jobs: the harness-owned crate and the judging of test results.
+
+The crate is ``solution`` (lib, the completion's source only) + ``harness`` (bin, generated),
+compiled by calling ``rustc`` / ``clippy-driver`` directly with fixed flags. The harness owns the
+whole build: there is no ``Cargo.toml`` the completion could influence, so no build script, no
+dependencies, no proc macros and no ``.cargo/config``; nothing is fetched (offline by
+construction). Calling rustc directly is also ~3x faster than three cargo runs.
+
+* ``lib.rs`` = ``#![forbid(unsafe_code)]`` + the completion. ``forbid`` cannot be lifted by
+  the completion's own ``#![allow(unsafe_code)]``; clippy runs with ``-F clippy::all -F
+  forbidden_lint_groups`` so ``#![allow(clippy::all)]`` cannot silence the lint gate either.
+* ``main.rs`` holds the hidden ``#[test]`` functions turned into plain ``pub fn``s, with std's
+  assert macros imported explicitly (a glob-imported ``#[macro_export] macro_rules! assert_eq``
+  from the completion cannot shadow them), and a ``main`` that runs each test under
+  ``catch_unwind`` and prints ``<nonce> <name> ok|FAILED``. The nonce is generated in the box
+  per run and given on stdin; libtest's exit code and summary are never used. Every test must
+  report; missing tests count as failed.
+* ``main.rs`` is written only after the library has been built and linted, and the whole build
+  tree is deleted before the binary runs, so the completion cannot ``include_str!`` the tests.
+
+Not defended: a completion that deliberately reads its own process memory (``/proc/self/mem``)
+to find the nonce could forge its Rust test lines (Python is immune: outputs are compared on
+the host).
+"""
+from __future__ import annotations
+
+import re
+from typing import Any
+
+from sandbox.api import StageResult, TaskFormatError, TestResult
+
+LIB_HEADER = "#![forbid(unsafe_code)]\n"
+
+STD_MACROS = ("assert", "assert_eq", "assert_ne", "debug_assert", "debug_assert_eq",
+              "debug_assert_ne", "panic", "vec", "format", "print", "println", "eprint",
+              "eprintln", "matches", "unreachable", "unimplemented", "todo", "write", "writeln")
+
+_TEST_ATTR = re.compile(r"#\s*\[\s*test\s*\]")
+_ATTR = re.compile(r"\s*#\s*\[\s*([A-Za-z_]+)[^\]]*\]")
+_FN = re.compile(r"\s*(?:pub(?:\([^)]*\))?\s+)?fn\s+([A-Za-z_][A-Za-z0-9_]*)\s*\(\s*\)\s*(->\s*[^{]+)?\{")
+_MOD = re.compile(r"(?:pub(?:\([^)]*\))?\s+)?mod\s+([A-Za-z_][A-Za-z0-9_]*)\s*\{")
+
+
+def validate_tests(tests: Any) -> list[tuple[str, bool]]:
+    """Check a rust ``tests`` dict; return [(path, should_panic)] of its test fns."""
+    if not isinstance(tests, dict) or tests.get("format") != "rust":
+        raise TaskFormatError("rust tasks need tests = {'format': 'rust', 'tests': '<#[test] fns>'}")
+    src = tests.get("tests")
+    if not isinstance(src, str) or not src.strip():
+        raise TaskFormatError("tests['tests'] must be Rust source with #[test] functions")
+    _, found = _transform(src)
+    if not found:
+        raise TaskFormatError("tests['tests'] has no `#[test] fn name() {` functions; add some")
+    return found
+
+
+def _transform(src: str) -> tuple[str, list[tuple[str, bool]]]:
+    """Turn #[test] fns into pub fns (recording module paths), make mods pub, drop cfg(test)."""
+    src = re.sub(r"#\s*\[\s*cfg\s*\(\s*test\s*\)\s*\]", "", src)
+    out, found, i, depth = [], [], 0, 0
+    mods: list[tuple[str, int]] = []          # (name, depth inside its braces)
+    n = len(src)
+    while i < n:
+        if src.startswith("//", i):
+            j = src.find("\n", i)
+            j = n if j < 0 else j
+            out.append(src[i:j]); i = j; continue
+        if src.startswith("/*", i):
+            j = src.find("*/", i + 2)
+            j = n if j < 0 else j + 2
+            out.append(src[i:j]); i = j; continue
+        if src[i] == '"':
+            j = _skip_string(src, i)
+            out.append(src[i:j]); i = j; continue
+        m = _TEST_ATTR.match(src, i)
+        if m:
+            j, should_panic = m.end(), False
+            while True:
+                a = _ATTR.match(src, j)
+                if not a:
+                    break
+                should_panic |= a.group(1) == "should_panic"
+                j = a.end()
+            f = _FN.match(src, j)
+            if not f:
+                raise TaskFormatError("tests['tests']: a #[test] must be followed by `fn name() {` "
+                                      "(optionally `-> Result<..>`)")
+            path = "::".join([m_[0] for m_ in mods] + [f.group(1)])
+            found.append((path, should_panic))
+            ret = f.group(2) or ""
+            out.append(f"pub fn {f.group(1)}() {ret}{{")
+            depth += 1
+            i = f.end(); continue
+        mm = _MOD.match(src, i)
+        if mm and (i == 0 or not (src[i - 1].isalnum() or src[i - 1] == "_")):
+            out.append(f"pub mod {mm.group(1)} {{ #[allow(unused_imports)] use super::*;")
+            depth += 1
+            mods.append((mm.group(1), depth))
+            i = mm.end(); continue
+        c = src[i]
+        if c == "{":
+            depth += 1
+        elif c == "}":
+            if mods and mods[-1][1] == depth:
+                mods.pop()
+            depth -= 1
+        out.append(c)
+        i += 1
+    return "".join(out), found
+
+
+def _skip_string(src: str, i: int) -> int:
+    j = i + 1
+    while j < len(src):
+        if src[j] == "\\":
+            j += 2
+            continue
+        if src[j] == '"':
+            return j + 1
+        j += 1
+    return j
+
+
+def build_job_fields(code: str, tests: dict) -> dict[str, Any]:
+    """The crate files for one completion: lib_rs, main_rs, and the test list."""
+    validate_tests(tests)
+    body, found = _transform(tests["tests"])
+    macros = ", ".join(STD_MACROS)
+    calls = []
+    for path, should_panic in found:
+        calls.append(f'    report(&nonce, "{path}", run(hidden::{path}, {str(should_panic).lower()}));')
+    main_rs = f"""#![forbid(unsafe_code)]
+#![allow(unused_imports, dead_code, unused_macros, unused_variables, unused_mut, clippy::all)]
+pub mod hidden {{
+    #[allow(unused_imports)]
+    pub use solution::*;
+    #[allow(unused_imports)]
+    pub use ::std::{{{macros}}};
+{body}
+}}
+
+pub trait Outcome {{ fn passed(self) -> bool; }}
+impl Outcome for () {{ fn passed(self) -> bool {{ true }} }}
+impl<T, E> Outcome for Result<T, E> {{ fn passed(self) -> bool {{ self.is_ok() }} }}
+
+fn run<T: Outcome>(f: fn() -> T, should_panic: bool) -> bool {{
+    match ::std::panic::catch_unwind(f) {{
+        Ok(v) => !should_panic && v.passed(),
+        Err(_) => should_panic,
+    }}
+}}
+
+fn report(nonce: &str, name: &str, ok: bool) {{
+    use ::std::io::Write;
+    let line = format!("{{}} {{}} {{}}\\n", nonce, name, if ok {{ "ok" }} else {{ "FAILED" }});
+    let out = ::std::io::stdout();
+    let mut lock = out.lock();
+    let _ = lock.write_all(line.as_bytes());
+    let _ = lock.flush();
+}}
+
+fn main() {{
+    let mut nonce = String::new();
+    let _ = ::std::io::stdin().read_line(&mut nonce);
+    let nonce = nonce.trim().to_string();
+{chr(10).join(calls)}
+}}
+"""
+    return {"lib_rs": LIB_HEADER + code, "main_rs": main_rs,
+            "test_names": [p for p, _ in found]}
+
+
+def judge(reply: dict, test_names: list[str]) -> tuple[str, list[TestResult], dict[str, StageResult], str]:
+    """-> (status, tests, stages, detail) from the box's reply to a rust job."""
+    stages = {name: StageResult(name, s["status"], float(s.get("dt", 0.0)), s.get("detail", ""))
+              for name, s in reply.get("stages", {}).items()}
+    for name in ("build", "clippy", "test"):
+        stages.setdefault(name, StageResult(name, "skipped"))
+    seen: dict[str, bool] = {}
+    dup = False
+    for name, ok in reply.get("results", []):
+        if name in seen:
+            dup = True
+        seen[name] = bool(ok) and not dup
+    tests = []
+    for name in test_names:
+        if dup:
+            tests.append(TestResult(name, False, "duplicate result lines (tampering?)"))
+        elif name not in seen:
+            tests.append(TestResult(name, False, "no result (crash, exit or timeout before it ran)"))
+        else:
+            tests.append(TestResult(name, seen[name], "" if seen[name] else "panicked or returned Err"))
+    build, clippy, test = stages["build"], stages["clippy"], stages["test"]
+    if "timeout" in (build.status, clippy.status, test.status):
+        which = [s.name for s in (build, clippy, test) if s.status == "timeout"]
+        return "timeout", tests, stages, f"time limit hit in stage {which[0]}"
+    if build.status != "pass":
+        return "error", tests, stages, ("compile error" if build.status == "fail"
+                                        else "compiler " + build.detail[:200])
+    if test.status == "error":
+        return "error", tests, stages, "test binary failed to build (tests do not match the code's API?)"
+    if reply.get("truncated"):
+        return "error", tests, stages, "output limit exceeded"
+    if tests and all(t.passed for t in tests):
+        if clippy.status == "pass":
+            return "pass", tests, stages, ""
+        return "fail", tests, stages, "clippy lint gate failed"
+    return "fail", tests, stages, f"{sum(not t.passed for t in tests)} of {len(tests)} tests failed"

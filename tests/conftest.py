@@ -1,0 +1,67 @@
+"""Shared fixtures: an isolated GRPO_HOME with a tiny random model, a real Prefect engine, and real
+MLflow on SQLite in a temp dir."""
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+# Before Prefect/transformers are imported anywhere.
+os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "180")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")
+
+import pytest  # noqa: E402
+
+REAL_GRPO_HOME = Path(os.environ.get("GRPO_HOME", Path.home() / ".cache" / "grpo-pipeline")).expanduser()
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory) -> Path:
+    """A tiny random Llama-style model with a char tokenizer, built once per session."""
+    from grpo_core.models import build_tiny_model
+    return build_tiny_model(tmp_path_factory.mktemp("models") / "tiny")
+
+
+@pytest.fixture()
+def grpo_home(tmp_path, monkeypatch, tiny_model_dir) -> Path:
+    """An isolated $GRPO_HOME whose 'tiny-random' model is the session's tiny model."""
+    home = tmp_path / "grpo_home"
+    (home / "models").mkdir(parents=True)
+    shutil.copytree(tiny_model_dir, home / "models" / "tiny-random")
+    monkeypatch.setenv("GRPO_HOME", str(home))
+    return home
+
+
+@pytest.fixture(scope="session")
+def prefect_engine():
+    """One real Prefect API (temporary local server, SQLite) for the whole session."""
+    from prefect.testing.utilities import prefect_test_harness
+    with prefect_test_harness(server_startup_timeout=180):
+        yield
+
+
+@pytest.fixture()
+def mlflow_uri(tmp_path, monkeypatch) -> str:
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
+    return uri
+
+
+def tiny_config(tmp_path: Path, **overrides) -> dict:
+    """A seconds-long config on the tiny model (a plain dict, as the flow receives it)."""
+    from grpo_core.config import GRPOConfig
+    base = dict(model="tiny-random", run_name="t", output_dir=str(tmp_path / "runs"), pipeline_iterations=2,
+                num_generations=4, max_completion_length=8, steps_per_iteration=1, learning_rate=1e-2,
+                data=dict(prompts_per_iteration=2, eval_size=4), eval=dict(num_samples=1),
+                stages=dict(curate=dict(retries=0), rollout=dict(retries=0), score=dict(retries=0),
+                            update=dict(retries=0), evaluate=dict(retries=0)))
+    for k, v in overrides.items():
+        if isinstance(v, dict) and isinstance(base.get(k), dict):
+            base[k] = {**base[k], **v}
+        else:
+            base[k] = v
+    return GRPOConfig.model_validate(base).model_dump(mode="json")

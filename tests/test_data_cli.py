@@ -1,0 +1,122 @@
+"""`grpo data build|stats|sources` through `register()` on our own parser, and the curate-stage wiring."""
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import pytest
+import yaml
+
+from grpo_core.data.cli import register
+from grpo_core.data.schema import read_tasks, write_jsonl
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="grpo")
+    register(p.add_subparsers(dest="command", required=True))
+    return p
+
+
+def run(argv: list[str]) -> int:
+    args = parser().parse_args(argv)
+    return args.func(args)
+
+
+def write_config(tmp_path: Path) -> Path:
+    cfg = {"name": "cli", "out_dir": str(tmp_path / "built"), "eval_fraction": 0.25,
+           "sources": [{"name": "arithmetic", "n": 40, "max_digits": 2}, {"name": "gen_python", "n": 8}],
+           "weights": {"arithmetic": 0.5, "gen_python": 0.5}, "total": 20}
+    p = tmp_path / "data.yaml"
+    p.write_text(yaml.safe_dump(cfg))
+    return p
+
+
+def test_build_and_stats_commands(tmp_path, capsys):
+    cfg = write_config(tmp_path)
+    assert run(["data", "build", "--config", str(cfg), "--backend", "local", "--no-progress"]) == 0
+    out = capsys.readouterr().out
+    built = next((tmp_path / "built").iterdir())
+    assert str(built) in out and "gen_python" in out and "rejections:" in out
+    assert run(["data", "stats", str(built)]) == 0
+    out = capsys.readouterr().out
+    assert "train:" in out and "grpo.dataset_hash" in out
+    assert run(["data", "stats", str(built), "--json"]) == 0
+    st = json.loads(capsys.readouterr().out)
+    assert st["train"]["tasks"] <= 20 and st["train"]["sources"].keys() <= {"arithmetic", "gen_python"}
+
+
+def test_build_errors_are_reported_not_raised(tmp_path, capsys):
+    assert run(["data", "build", "--config", str(tmp_path / "nope.yaml")]) == 2
+    assert "does not exist" in capsys.readouterr().err
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("sources: [{name: unknown_source}]\n")
+    assert run(["data", "build", "--config", str(bad)]) == 2
+    assert "unknown" in capsys.readouterr().err
+
+
+def test_sources_command_and_help(capsys):
+    assert run(["data", "sources"]) == 0
+    out = capsys.readouterr().out
+    assert "stackexchange" in out and "not_verifiable" in out
+    with pytest.raises(SystemExit):
+        parser().parse_args(["data", "build", "--help"])
+    assert "weights" in capsys.readouterr().out
+
+
+def test_curate_stage_uses_curated_data_and_recalibrates(tmp_path):
+    pytest.importorskip("prefect")
+    from grpo_core.config import GRPOConfig
+    from grpo_core.data.build import build, load_build_config
+    from tasks.curate import curate
+    built = build(load_build_config(write_config(tmp_path), {"validation": {"backend": "local"}, "total": None}))
+    cfg = GRPOConfig.model_validate({"data": {"curated": str(built.path), "prompts_per_iteration": 4, "eval_size": 5,
+                                              "weights": {"synthetic": 1.0}}})
+    run_dir = tmp_path / "run"
+    rec = curate.fn(cfg.model_dump(mode="json"), str(run_dir), 1)
+    prompts = read_tasks(rec["prompts"])
+    assert len(prompts) == 4 and rec["metrics"]["measured"] == 0
+    assert len(read_tasks(rec["eval"])) == 5
+    assert not {t.id for t in prompts} & {t.id for t in read_tasks(rec["eval"])}
+    # iteration 1 found every prompt solved: iteration 2 must not draw them again
+    write_jsonl(run_dir / "iter-1" / "scores.jsonl",
+                [{"task_id": t.id, "group": i, "reward": 1.0, "correct": 1.0} for i, t in enumerate(prompts) for _ in range(4)])
+    rec2 = curate.fn(cfg.model_dump(mode="json"), str(run_dir), 2)
+    assert rec2["metrics"]["out_of_band"] == 4
+    assert not {t.id for t in read_tasks(rec2["prompts"])} & {t.id for t in prompts}
+    assert json.loads(Path(rec2["report"]).read_text())["pass_rate_histogram"]["0.9-1.0"] == 4
+
+
+def test_curate_stage_default_stays_arithmetic(tmp_path):
+    pytest.importorskip("prefect")
+    from grpo_core.config import GRPOConfig
+    from tasks.curate import curate
+    cfg = GRPOConfig()
+    rec = curate.fn(cfg.model_dump(mode="json"), str(tmp_path / "run"), 1)
+    assert rec["sources"] == {"arithmetic": cfg.data.prompts_per_iteration}
+
+
+def test_data_config_band_is_validated():
+    from grpo_core.config import GRPOConfig
+    with pytest.raises(Exception, match="pass_rate_band"):
+        GRPOConfig.model_validate({"data": {"pass_rate_band": [0.9, 0.2]}})
+
+
+def test_curation_is_logged_to_mlflow(tmp_path):
+    pytest.importorskip("mlflow")
+    from grpo_core.config import GRPOConfig
+    from grpo_core.data.build import build, load_build_config
+    from tasks import tracking
+    from tasks.curate import curate
+    from tasks.data_logging import log_curation
+    built = build(load_build_config(write_config(tmp_path), {"validation": {"backend": "none"}}))
+    cfg = GRPOConfig.model_validate({"data": {"curated": str(built.path), "prompts_per_iteration": 2, "eval_size": 2},
+                                     "tracking": {"tracking_uri": f"sqlite:///{tmp_path / 'mlflow.db'}"}})
+    rec = curate.fn(cfg.model_dump(mode="json"), str(tmp_path / "run"), 1)
+    c = tracking.client(cfg)
+    run_id = c.create_run(c.create_experiment("data-test")).info.run_id
+    log_curation(cfg, run_id, rec, 1)
+    run = c.get_run(run_id)
+    assert run.inputs.dataset_inputs[0].dataset.digest == built.report["dataset_hash"][:36]
+    paths = {f.path for f in c.list_artifacts(run_id, "data")}
+    assert "data/report.json" in paths and "data/iter-1" in paths

@@ -1,0 +1,200 @@
+"""Operations logic without an engine: which errors retry, stage keys, fault switch, run status, CLI,
+compose file structure."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+import yaml
+
+from grpo_core.config import ConfigError, GRPOConfig, StageRetryConfig
+from grpo_core.data.schema import TaskValidationError
+from grpo_core.models import ModelError
+from tasks import common
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+@pytest.mark.parametrize("exc, transient", [
+    (OSError("disk hiccup"), True),
+    (ConnectionError("reset by peer"), True),
+    (TimeoutError(), True),
+    (subprocess.TimeoutExpired("cargo", 5), True),
+    (RuntimeError("CUDA out of memory. Tried to allocate 2.00 GiB"), True),
+    (common.TransientError("retry me"), True),
+    (FileNotFoundError("no such file"), False),
+    (ConfigError("bad field"), False),
+    (TaskValidationError("malformed task"), False),
+    (ModelError("not a model"), False),
+    (ValueError("bad"), False),
+    (KeyError("k"), False),
+    (RuntimeError("some logic bug"), False),
+])
+def test_is_transient(exc, transient):
+    assert common.is_transient(exc) is transient
+
+
+def test_is_transient_follows_cause_but_bad_input_wins():
+    try:
+        try:
+            raise ConnectionError("engine down")
+        except ConnectionError as e:
+            raise RuntimeError("scoring failed") from e
+    except RuntimeError as wrapped:
+        assert common.is_transient(wrapped)
+    try:
+        try:
+            raise OSError("x")
+        except OSError as e:
+            raise ValueError("malformed row") from e
+    except ValueError as wrapped:
+        assert not common.is_transient(wrapped)
+
+
+def test_docker_errors_classified():
+    docker = pytest.importorskip("docker")
+    assert common.is_transient(docker.errors.APIError("500 Server Error"))
+    assert not common.is_transient(docker.errors.ImageNotFound("no image"))
+
+
+def test_retry_delays_back_off():
+    assert StageRetryConfig(retries=3, retry_delay_seconds=1, backoff_factor=2).delays() == [1, 2, 4]
+    assert StageRetryConfig(retries=0).delays() == []
+    with pytest.raises(ValueError):
+        StageRetryConfig(retries=-1)
+
+
+def test_input_key_ignores_operational_fields():
+    a = GRPOConfig(model="tiny-random").model_dump(mode="json")
+    b = GRPOConfig(model="tiny-random", output_dir="/elsewhere", run_name="x",
+                   stages={"update": {"retries": 5}}, tracking={"experiment_name": "e2"}).model_dump(mode="json")
+    c = GRPOConfig(model="tiny-random", learning_rate=1e-3).model_dump(mode="json")
+    assert common.input_key(config=a, x=1) == common.input_key(config=b, x=1)
+    assert common.input_key(config=a, x=1) != common.input_key(config=c, x=1)
+
+
+def test_fault_point_fires_the_configured_number_of_times(tmp_path, monkeypatch):
+    f = tmp_path / "faults.json"
+    f.write_text(json.dumps([{"point": "rollout", "iteration": 1, "times": 1, "error": "OSError"}]))
+    monkeypatch.setenv(common.FAULT_ENV, str(f))
+    common.fault_point("rollout", 2)           # other iteration: nothing
+    common.fault_point("score", 1)             # other stage: nothing
+    with pytest.raises(OSError, match="injected fault"):
+        common.fault_point("rollout", 1)
+    common.fault_point("rollout", 1)           # spent
+    assert json.loads(f.read_text())[0]["times"] == 0
+    monkeypatch.delenv(common.FAULT_ENV)
+    common.fault_point("rollout", 1)
+
+
+def test_run_status_and_last_stage(tmp_path):
+    run = tmp_path / "r"
+    (run / "iter-0").mkdir(parents=True)
+    (run / "config.yaml").write_text("pipeline_iterations: 3\n")
+    assert common.run_status(run)["status"] == "created"
+    common.write_json(run / "iter-0" / "evaluate.json", {})
+    for st in ("curate", "rollout", "score"):
+        common.finish_stage(run, 1, st, "k", {})
+    common.update_run_state(run, status="running", pid=2 ** 22 + 12345, host=__import__("socket").gethostname(),
+                            mlflow_run_id="abc")
+    st = common.run_status(run)
+    assert st["status"] == "killed"            # "running" but its process is gone
+    assert st["last_completed"] == "iter-1/score"
+    assert st["iterations"] == "0/3"
+    assert st["mlflow_run_id"] == "abc"
+
+
+def test_same_config_check(tmp_path):
+    from flows.train import _check_same_config
+    cfg = GRPOConfig(model="tiny-random", run_name="r", output_dir=str(tmp_path))
+    run = tmp_path / "r"
+    run.mkdir()
+    (run / "config.yaml").write_text(cfg.to_yaml())
+    _check_same_config(GRPOConfig(model="tiny-random", run_name="r", output_dir=str(tmp_path),
+                                  stages={"rollout": {"retries": 4}}), run)       # operational: fine
+    with pytest.raises(ConfigError, match="learning_rate"):
+        _check_same_config(GRPOConfig(model="tiny-random", run_name="r", output_dir=str(tmp_path),
+                                      learning_rate=1.0), run)
+
+
+def test_invalid_config_fails_fast_with_nothing_written(tmp_path):
+    """`grpo train` with an invalid field: exit 2, a message naming the field, no run directory."""
+    from flows.cli import main
+    out = tmp_path / "runs"
+    rc = main(["train", "--set", "model=tiny-random", "--set", "learning_rate=-1", "--output-dir", str(out),
+               "--run-name", "bad"])
+    assert rc == 2
+    assert not out.exists()
+    with pytest.raises(ConfigError, match="stages.update.retries"):
+        from grpo_core.config import load_config
+        load_config(None, ["stages.update.retries=-3"])
+
+
+def test_ops_parser():
+    from flows.ops_cli import build_parser
+    p = build_parser()
+    a = p.parse_args(["schedule", "--cron", "0 3 * * *", "--config", "x.yaml", "--init-from-previous"])
+    assert a.cron == "0 3 * * *" and a.init_from_previous and a.work_pool is None
+    a = p.parse_args(["compare", "r1", "r2", "--png", "o.png"])
+    assert a.runs == ["r1", "r2"] and a.png == "o.png"
+    a = p.parse_args(["resume", "r1", "--set", "stages.update.retries=3"])
+    assert a.run == "r1" and a.set == ["stages.update.retries=3"]
+    assert p.parse_args(["runs"]).output_dir == "runs"
+
+
+def test_schedule_deployment_object(tmp_path):
+    """The scheduled deployment: cron schedule, no run name (each run its own), absolute output dir."""
+    from flows.schedule import to_deployment
+    cfg = GRPOConfig(model="tiny-random", run_name="fixed", output_dir="rel/runs")
+    dep = to_deployment(cfg, "0 3 * * *", name="nightly", init_from_previous=True)
+    assert dep.name == "nightly"
+    assert dep.schedules[0].schedule.cron == "0 3 * * *"
+    conf = dep.parameters["config"]
+    assert conf["run_name"] is None and Path(conf["output_dir"]).is_absolute()
+    assert conf["init_adapter"] == "previous"
+
+
+def test_schedule_refuses_without_server(monkeypatch):
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+    from flows.schedule import check_server
+    with temporary_settings({PREFECT_API_URL: None}):
+        with pytest.raises(ConfigError, match="Prefect server"):
+            check_server()
+
+
+COMPOSE = REPO / "infra" / "docker-compose.yml"
+
+
+def test_compose_file_structure():
+    """Parsed and checked here; `docker compose config` runs too when the compose plugin exists."""
+    spec = yaml.safe_load(COMPOSE.read_text())
+    svc = spec["services"]
+    assert {"postgres", "prefect-server", "mlflow", "worker"} <= set(svc)
+    assert "postgresql" in " ".join(map(str, svc["mlflow"]["command"]))          # a real DB backend
+    assert "--artifacts-destination" in " ".join(map(str, svc["mlflow"]["command"]))
+    assert "PREFECT_API_DATABASE_CONNECTION_URL" in svc["prefect-server"]["environment"]
+    env = svc["worker"]["environment"]
+    assert env["PREFECT_API_URL"].startswith("http://prefect-server:4200")
+    assert env["MLFLOW_TRACKING_URI"].startswith("http://mlflow:")
+    assert (REPO / "infra" / svc["worker"]["build"]["dockerfile"]).exists() or \
+        (COMPOSE.parent / svc["worker"]["build"]["context"] / svc["worker"]["build"]["dockerfile"]).exists()
+    for name, s in svc.items():
+        for dep in s.get("depends_on", {}):
+            assert dep in svc, f"{name} depends on unknown service {dep}"
+    for vol in (v.split(":")[0] for s in svc.values() for v in s.get("volumes", []) if isinstance(v, str)):
+        assert vol.startswith((".", "/")) or vol in spec.get("volumes", {}), vol
+    assert "concurrency-limit create gpu 1" in " ".join(map(str, svc["worker"]["command"]))
+
+
+def test_compose_config_with_docker_plugin():
+    """`docker compose config` (v2 plugin) or `docker-compose config` (v1) validates the file."""
+    for cmd in (["docker", "compose"], ["docker-compose"]):
+        if shutil.which(cmd[0]) and subprocess.run([*cmd, "version"], capture_output=True).returncode == 0:
+            r = subprocess.run([*cmd, "-f", str(COMPOSE), "config", "-q"], capture_output=True, text=True)
+            assert r.returncode == 0, r.stderr
+            return
+    pytest.skip("neither `docker compose` nor `docker-compose` installed (the structure test covers the file)")

@@ -1,0 +1,76 @@
+"""Policy and reference: LoRA reference = base with the adapter disabled; full fine-tuning keeps a frozen
+copy; gradient checkpointing changes memory, not gradients."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from grpo_core.config import GRPOConfig
+from grpo_core.policy import load_policy
+from grpo_core.update import ScoredSample, grpo_update, make_optimizer, make_scheduler
+
+
+def cfg_of(**over) -> GRPOConfig:
+    return GRPOConfig(**{**dict(model="tiny-random", device="cpu", dtype="float32", num_generations=2,
+                                max_completion_length=4, learning_rate=0.05), **over})
+
+
+def samples():
+    return [ScoredSample(0, [10, 11, 12], [20, 21], 1.0, False), ScoredSample(0, [10, 11, 12], [22, 23, 24], 0.0, False),
+            ScoredSample(1, [13, 14], [25], 0.0, False), ScoredSample(1, [13, 14], [26, 27], 1.0, False)]
+
+
+def logits(model):
+    with torch.no_grad():
+        return model(input_ids=torch.tensor([[10, 11, 12, 20]])).logits
+
+
+def test_lora_reference_is_base_with_adapter_off(grpo_home):
+    cfg = cfg_of(beta=0.04)
+    pol = load_policy(cfg)
+    assert pol.ref_model is None
+    base = logits(pol.model)
+    opt = make_optimizer(pol, cfg)
+    grpo_update(pol, opt, make_scheduler(opt, cfg), samples(), cfg, seed=0)
+    with pol.reference() as ref:
+        assert torch.allclose(logits(ref), base, atol=1e-6)       # reference unchanged
+    assert not torch.allclose(logits(pol.model), base)            # policy moved
+    assert all("lora" in n for n, p in pol.model.named_parameters() if p.requires_grad)
+
+
+def test_full_finetuning_has_frozen_reference_copy(grpo_home):
+    cfg = cfg_of(use_peft=False, beta=0.04)
+    pol = load_policy(cfg)
+    assert pol.ref_model is not None and pol.ref_model is not pol.model
+    assert not any(p.requires_grad for p in pol.ref_model.parameters())
+    base = logits(pol.ref_model)
+    opt = make_optimizer(pol, cfg)
+    n_trainable = sum(p.numel() for p in pol.trainable_parameters())
+    assert n_trainable == sum(p.numel() for p in pol.model.parameters())
+    metrics, _ = grpo_update(pol, opt, make_scheduler(opt, cfg), samples(), cfg, seed=0)
+    with pol.reference() as ref:
+        assert torch.allclose(logits(ref), base)
+    assert not torch.allclose(logits(pol.model), base)
+    metrics2, _ = grpo_update(pol, opt, make_scheduler(opt, cfg), samples(), cfg, seed=0)
+    assert metrics2[0]["kl"] > 0                                   # the frozen copy really is the reference
+
+
+def test_full_finetuning_beta0_loads_no_reference(grpo_home):
+    assert load_policy(cfg_of(use_peft=False, beta=0.0)).ref_model is None
+
+
+@pytest.mark.parametrize("use_peft", [True, False])
+def test_gradient_checkpointing_same_gradients(grpo_home, use_peft):
+    grads = []
+    for gc in (False, True):
+        cfg = cfg_of(use_peft=use_peft, gradient_checkpointing=gc, beta=0.0, max_grad_norm=0.0)
+        torch.manual_seed(0)
+        pol = load_policy(cfg)
+        for n, p in pol.model.named_parameters():
+            if "lora_B" in n:
+                torch.nn.init.normal_(p, std=0.1, generator=torch.Generator().manual_seed(1))
+        opt = torch.optim.SGD(pol.trainable_parameters(), lr=0.0)
+        grpo_update(pol, opt, make_scheduler(opt, cfg), samples(), cfg, seed=0)
+        grads.append([p.grad.clone() for p in pol.trainable_parameters()])
+    for a, b in zip(*grads):
+        assert torch.allclose(a, b, atol=1e-6)

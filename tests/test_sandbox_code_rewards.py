@@ -1,0 +1,95 @@
+"""GRPO side of code rewards: extraction, job building, verdict -> reward, and end to end."""
+from __future__ import annotations
+
+import pytest
+
+from grpo_core.code_rewards import build_job, code_accuracy, extract_code, score_code, verdict_reward
+from grpo_core.data.schema import Task
+from sandbox.api import StageResult, TestResult, Verdict
+from sandbox_support import need_docker
+
+
+def test_extract_code_prefers_last_tagged_block():
+    text = "Idea:\n```python\ndef f(): return 1\n```\nBetter:\n```python\ndef f(): return 2\n```\nDone."
+    assert extract_code(text, "python") == "def f(): return 2"
+    assert extract_code("```rust\nfn a() {}\n```\n```python\nx=1\n```", "rust") == "fn a() {}"
+    assert extract_code("```\ndef g(): pass\n```", "python") == "def g(): pass"
+    assert extract_code("def g():\n    return 3\n", "python").startswith("def g()")
+    assert extract_code("pub fn g() {}", "rust") == "pub fn g() {}"
+    assert extract_code("```py\nx = 1", "python") == "x = 1"          # unterminated block
+    assert extract_code("I don't know.", "python") == ""
+    assert extract_code("", "rust") == ""
+    assert extract_code("```python\nprint(1)\n```", "rust") == ""      # wrong language only
+
+
+def _v(status, passed, total, stages=None):
+    tests = [TestResult(str(i), i < passed) for i in range(total)]
+    return Verdict(status, tests=tests, stages=stages or {})
+
+
+def _stages(build, clippy, test="pass"):
+    return {"build": StageResult("build", build), "clippy": StageResult("clippy", clippy),
+            "test": StageResult("test", test)}
+
+
+def test_verdict_reward_python_modes():
+    assert verdict_reward(_v("fail", 3, 4)) == 0.75
+    assert verdict_reward(_v("fail", 3, 4), mode="binary") == 0.0
+    assert verdict_reward(_v("pass", 4, 4), mode="binary") == 1.0
+    assert verdict_reward(_v("timeout", 1, 4)) == 0.25
+    assert verdict_reward(_v("error", 0, 4)) == 0.0
+
+
+def test_infra_error_is_none_not_zero():
+    assert verdict_reward(Verdict("infra_error")) is None
+    assert verdict_reward(Verdict("infra_error"), mode="binary") is None
+
+
+def test_verdict_reward_rust_staged_weights():
+    assert verdict_reward(_v("pass", 2, 2, _stages("pass", "pass"))) == 1.0
+    assert verdict_reward(_v("fail", 2, 2, _stages("pass", "fail"))) == 0.75
+    assert verdict_reward(_v("fail", 1, 2, _stages("pass", "pass"))) == 0.75
+    assert verdict_reward(_v("error", 0, 2, _stages("fail", "skipped", "skipped"))) == 0.0
+    assert verdict_reward(_v("fail", 1, 2, _stages("pass", "fail")), rust_weights=(0, 0, 1)) == 0.5
+    with pytest.raises(ValueError):
+        verdict_reward(_v("fail", 1, 2), mode="nope")
+
+
+PY_TASK = Task(id="t-add", kind="python", source="test", prompt="Write add(a, b).", entry_point="add",
+               tests={"format": "io", "cases": [{"args": [1, 2], "expected": 3}, {"args": [5, 5], "expected": 10}]})
+RS_TASK = Task(id="t-rs", kind="rust", source="test", prompt="Write add.",
+               tests={"format": "rust", "tests": "#[test]\nfn t() { assert_eq!(add(2, 3), 5); }"})
+
+
+def test_build_job_from_task():
+    job = build_job(PY_TASK, "Sure:\n```python\ndef add(a, b):\n    return a + b\n```")
+    assert job.language == "python" and job.entry_point == "add" and job.code.startswith("def add")
+    with pytest.raises(ValueError, match="kind"):
+        build_job(Task(id="m", kind="math", source="s", prompt="1+1", answer="2"), "2")
+
+
+@pytest.mark.parametrize("backend", ["local", "docker"])
+def test_code_accuracy_end_to_end(backend):
+    if backend == "docker":
+        need_docker()
+    completions = ["```python\ndef add(a, b):\n    return a + b\n```",
+                   "```python\ndef add(a, b):\n    return 3\n```",
+                   "no code at all",
+                   "```python\ndef add(a, b)\n```"]
+    rewards = code_accuracy(completions, [PY_TASK] * 4, backend=backend)
+    assert rewards == [1.0, 0.5, 0.0, 0.0]
+
+
+@pytest.mark.slow
+def test_rust_reward_end_to_end_docker():
+    need_docker()
+    scores = score_code(["```rust\npub fn add(a: i32, b: i32) -> i32 { a + b }\n```",
+                         "```rust\npub fn add(a: i32, b: i32) -> i32 { return a + b; }\n```"],
+                        [RS_TASK, RS_TASK], backend="docker")
+    assert [s.reward for s in scores] == [1.0, 0.75]
+    assert scores[1].verdict.stages["clippy"].status == "fail"
+
+
+def test_malformed_task_gives_none():
+    bad = Task(id="bad", kind="python", source="t", prompt="p", entry_point="f", tests={"format": "io", "cases": []})
+    assert code_accuracy(["def f(): pass"], [bad], backend="local", retries=0) == [None]

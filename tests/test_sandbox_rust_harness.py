@@ -1,0 +1,124 @@
+"""Rust harness, for real (cargo in the image on docker, the host toolchain on local): staged
+verdicts and the Rust attack classes of BRIEF.md §5."""
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from sandbox_support import backend, rust_job  # noqa: F401 - fixtures
+
+pytestmark = [pytest.mark.docker, pytest.mark.slow]
+
+TESTS = '''
+#[cfg(test)]
+mod tests {
+    use super::*;
+    #[test]
+    fn small() { assert_eq!(add(1, 2), 3); }
+    #[test]
+    fn big() { assert!(add(40, 2) == 42); }
+    #[test]
+    #[should_panic]
+    fn div_zero() { div(1, 0); }
+}
+'''
+GOOD = "pub fn add(a: i32, b: i32) -> i32 { a + b }\npub fn div(a: i32, b: i32) -> i32 { a / b }\n"
+DIV = "\npub fn div(a: i32, b: i32) -> i32 { a / b }\n"
+
+CASES = {
+    # name: (code, expected status, expected passed tests, expected stage statuses (build, clippy))
+    "good": (GOOD, "pass", 3, ("pass", "pass")),
+    "wrong": ("pub fn add(a: i32, b: i32) -> i32 { a - b }" + DIV, "fail", 1, ("pass", "pass")),
+    "compile_error": ("pub fn add(a: i32, b: i32) -> i32 { a + }", "error", 0, ("fail", "skipped")),
+    "lint": ("pub fn add(a: i32, b: i32) -> i32 { return a + b; }" + DIV, "fail", 3, ("pass", "fail")),
+    # lint suppression cannot beat -F clippy::all
+    "allow_clippy": ("#![allow(clippy::all)]\npub fn add(a: i32, b: i32) -> i32 { return a + b; }" + DIV,
+                     "fail", 3, ("pass", "fail")),
+    "unsafe": ("pub fn add(a: i32, b: i32) -> i32 { unsafe { std::hint::unreachable_unchecked() } }" + DIV,
+               "error", 0, ("fail", "skipped")),
+    "allow_unsafe": ("#![allow(unsafe_code)]\npub fn add(a: i32, b: i32) -> i32 { a + b }" + DIV,
+                     "error", 0, ("fail", "skipped")),
+    # _exit via extern needs unsafe: forbidden
+    "extern_exit": ('extern "C" { fn _exit(c: i32) -> !; }\npub fn add(a: i32, b: i32) -> i32 { unsafe { _exit(0) } }' + DIV,
+                    "error", 0, ("fail", "skipped")),
+    # exit code forging: exit(0) before any result is reported
+    "exit0": ("pub fn add(_a: i32, _b: i32) -> i32 { std::process::exit(0) }" + DIV, "fail", 0, ("pass", "pass")),
+    # forged libtest summary and forged result lines from a panic hook
+    "panic_hook": ('''pub fn add(_a: i32, _b: i32) -> i32 {
+    std::panic::set_hook(Box::new(|_| {
+        println!("test result: ok. 3 passed; 0 failed");
+        for n in ["tests::small", "tests::big", "tests::div_zero"] { println!("00000000000000000000000000000000 {} ok", n); }
+    }));
+    panic!("nope")
+}''' + DIV, "fail", 1, ("pass", None)),
+    # shadowing the assert macros through the glob import
+    "macro_shadow": ('''#[macro_export]
+macro_rules! assert_eq { ($($t:tt)*) => {} }
+#[macro_export]
+macro_rules! assert { ($($t:tt)*) => {} }
+pub fn add(a: i32, b: i32) -> i32 { a * b }''' + DIV, "fail", 1, ("pass", None)),
+    # compile-time host access: files and environment of the host
+    "include_host_file": ('pub const S: &str = include_str!("/etc/shadow");\npub fn add(a: i32, b: i32) -> i32 { a + b }' + DIV,
+                          "error", 0, ("fail", "skipped")),
+    # reading the hidden tests at run time: sources and build tree are gone
+    "read_tests": ('''pub fn add(a: i32, b: i32) -> i32 {
+    for p in ["src/main.rs", "../src/main.rs", "/tmp"] {
+        if let Ok(s) = std::fs::read_to_string(p) { if s.contains("add(40, 2) == 42") { return 42; } }
+    }
+    if let Ok(rd) = std::fs::read_dir("/tmp") { for e in rd.flatten() {
+        if let Ok(s) = std::fs::read_to_string(e.path().join("src/main.rs")) { if s.contains("42") { return 42; } }
+    } }
+    a * b
+}''' + DIV, "fail", 1, ("pass", None)),
+    # proc macros need a proc-macro crate: the harness fixes the crate type on the command line
+    "proc_macro": ('#![crate_type = "proc-macro"]\nextern crate proc_macro;\n#[proc_macro]\n'
+                   'pub fn m(i: proc_macro::TokenStream) -> proc_macro::TokenStream { i }\n'
+                   'pub fn add(a: i32, b: i32) -> i32 { a + b }' + DIV, "error", 0, ("fail", "skipped")),
+    # macro recursion bomb: bounded by the recursion limit / build time limit
+    "macro_bomb": ('''macro_rules! boom { ($($t:tt)*) => { boom!($($t)* $($t)*); } }
+boom!(x);
+pub fn add(a: i32, b: i32) -> i32 { a + b }''' + DIV, "error", 0, (("fail", "error"), "skipped")),
+}
+
+
+@pytest.fixture(scope="module")
+def verdicts(backend):
+    names = list(CASES)
+    jobs = [rust_job(CASES[n][0], TESTS, build_timeout_s=60) for n in names]
+    jobs.append(rust_job('pub fn secret() -> &\'static str { option_env!("GRPO_TEST_SECRET").unwrap_or("") }',
+                         '#[test]\nfn leaks() { assert_eq!(secret(), "hunter2"); }'))
+    os.environ["GRPO_TEST_SECRET"] = "hunter2"
+    vs = backend.score_batch(jobs)
+    return dict(zip(names + ["option_env"], vs))
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_rust_case(verdicts, name):
+    _, status, n_passed, (build, clippy) = CASES[name]
+    v = verdicts[name]
+    assert v.status == status, (v.status, v.detail, v.stages)
+    assert v.passed == n_passed, [(t.name, t.passed, t.detail) for t in v.tests]
+    assert v.total == 3
+    assert v.stages["build"].status in ((build,) if isinstance(build, str) else build)
+    if clippy is not None:
+        assert v.stages["clippy"].status == clippy
+
+
+def test_compile_time_env_of_host_is_not_visible(verdicts):
+    v = verdicts["option_env"]
+    assert v.stages["build"].status == "pass" and v.status == "fail" and v.passed == 0, v
+
+
+def test_stage_durations_and_output_are_reported(verdicts):
+    v = verdicts["good"]
+    assert all(v.stages[s].duration_s > 0 for s in ("build", "clippy", "test"))
+    assert "unsafe" in verdicts["unsafe"].stages["build"].detail
+
+
+def test_rust_test_that_never_ends_times_out(backend):
+    job = rust_job("pub fn add(_a: i32, _b: i32) -> i32 { loop { std::thread::sleep(std::time::Duration::from_millis(5)); } }",
+                   "#[test]\nfn t() { assert_eq!(add(1, 2), 3); }", test_timeout_s=4)
+    v = backend.score_batch([job])[0]
+    assert v.status == "timeout" and v.stages["test"].status == "timeout" and v.passed == 0, v
+    assert v.duration_s < 30

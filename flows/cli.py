@@ -159,8 +159,19 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _quiet_libraries() -> None:
+    """Keep the terminal for our progress bars and results: no per-load bars or deprecation chatter."""
+    import warnings
+    warnings.filterwarnings("ignore", category=FutureWarning)
+    warnings.filterwarnings("ignore", category=DeprecationWarning)
+    from transformers.utils import logging as hf_logging
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    _quiet_libraries()
     try:
         return args.func(args)
     except (ConfigError, ModelError) as e:

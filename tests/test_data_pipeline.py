@@ -59,11 +59,11 @@ def test_sandbox_backend_required_but_absent(monkeypatch):
 
 
 def test_sandbox_malformed_tests_are_unsupported_not_infra(monkeypatch):
-    monkeypatch.setattr(V, "_sandbox_checker", lambda workers: (
-        lambda tasks: [(False, "malformed task: tests['check'] raised NameError", None, True),
-                       (False, "engine down", None, True)][:len(tasks)]))
+    verdict = {"p1": (False, "malformed task: tests['check'] raised NameError", None, True),
+               "p2": (False, "engine down", None, True)}
+    monkeypatch.setattr(V, "_sandbox_checker", lambda workers: (lambda tasks: [verdict[t.id] for t in tasks]))
     kept, rejected = V.validate([py_task(1), py_task(2)], backend="sandbox")
-    assert [r.reason for r in rejected] == ["tests_unsupported", "sandbox_unavailable"]
+    assert [r.reason for r in rejected] == ["tests_unsupported", "sandbox_unavailable"]   # after one retry
 
 
 def test_reasoning_gym_checker_rejecting_gold(monkeypatch):
@@ -291,3 +291,15 @@ def test_calibration_on_a_real_tiny_model(tmp_path):
     res = build(cfg, write=False)
     assert res.train == [] and res.report["rejections"] == {"out_of_band": 3}
     assert res.report["pass_rate_histogram"]["0.0-0.1"] == 3
+
+
+def test_infrastructure_failures_are_retried_once(monkeypatch):
+    calls = []
+
+    def checker(tasks):
+        calls.append([t.id for t in tasks])
+        first = len(calls) == 1
+        return [(not first, "engine restarted" if first else "ok", None, first) for _ in tasks]
+    monkeypatch.setattr(V, "_sandbox_checker", lambda workers: checker)
+    kept, rejected = V.validate([py_task(1), py_task(2)], backend="sandbox")
+    assert [t.id for t in kept] == ["p1", "p2"] and not rejected and calls == [["p1", "p2"], ["p1", "p2"]]

@@ -10,7 +10,7 @@ import pytest
 from flows.eval_cli import register
 from grpo_core.data.schema import read_jsonl
 from tasks import tracking
-from tests.test_evaluation import evaluated_run  # noqa: F401 - fixture
+from test_evaluation import evaluated_run  # noqa: F401 - fixture (tests/ is on sys.path under pytest)
 
 
 def _parser() -> argparse.ArgumentParser:

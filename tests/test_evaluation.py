@@ -12,7 +12,7 @@ from grpo_core.config import ConfigError, EvalConfig, GRPOConfig, MonitorConfig,
 from grpo_core.evaluation import summarize
 from grpo_core.monitors import check_monitors, completion_flags, is_empty_or_tag_only, scan_code, text_monitor_metrics
 from grpo_core.passk import default_ks, mean_pass_at_k, pass_at_k
-from tests.conftest import tiny_config
+from conftest import tiny_config
 
 
 # -- pass@k -------------------------------------------------------------------------------------

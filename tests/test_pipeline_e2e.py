@@ -8,10 +8,17 @@ from safetensors.torch import load_file
 from conftest import tiny_config
 
 
+def digit_fraction(completions, tasks):
+    """A dense toy reward (share of digits) so a random model's groups are never all-equal."""
+    return [sum(ch.isdigit() for ch in c) / max(1, len(c)) for c in completions]
+
+
 @pytest.fixture()
-def finished_run(tmp_path, grpo_home, mlflow_uri, prefect_engine):
+def finished_run(tmp_path, grpo_home, mlflow_uri, prefect_engine, monkeypatch):
     from flows.train import training_run
-    config = tiny_config(tmp_path)
+    from grpo_core import rewards
+    monkeypatch.setitem(rewards.REWARD_FUNCS, "digit_fraction", digit_fraction)
+    config = tiny_config(tmp_path, reward_funcs=["accuracy", "format", "digit_fraction"])
     return config, training_run(config=config)
 
 
@@ -27,7 +34,7 @@ def test_two_iterations_log_metrics_adapters_and_change_weights(finished_run, ml
     assert "config_hash" in run.data.tags and "prefect_flow_run_id" in run.data.tags
 
     for key in ["train/loss", "train/kl", "train/clip_ratio/region_mean", "train/grad_norm", "reward/mean",
-                "reward/accuracy", "reward/format", "train/frac_reward_zero_std", "train/completion_length_mean",
+                "reward/accuracy", "reward/format", "reward/digit_fraction", "train/frac_reward_zero_std", "train/completion_length_mean",
                 "train/step_seconds", "train/tokens_per_second"]:
         hist = c.get_metric_history(run.info.run_id, key)
         assert [m.step for m in hist] == [1, 2], key

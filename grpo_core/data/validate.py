@@ -146,34 +146,45 @@ def validate(tasks: Sequence[Task], backend: str = "auto", workers: int = 2,
         "local-script": (_local_checker(workers) if name != "none" else None,
                          [i for i in code if (tasks[i].tests or {}).get("format") == "python_script"])}
     for route, (run, idx) in routes.items():
-        for start in range(0, len(idx), chunk):
-            part = idx[start:start + chunk]
-            if run is None:
-                for i in part:
-                    t = tasks[i]
-                    if name != "none":
-                        verdicts[i] = Rejection(t.id, t.source, "sandbox_unavailable",
-                                                f"backend {backend!r} found no sandbox (sandbox.api not importable)")
-            else:
-                try:
-                    results = run([tasks[i] for i in part])
-                except Exception as e:  # noqa: BLE001 - an infrastructure failure is a reason, not a crash
-                    results = [(False, f"{type(e).__name__}: {e}"[:300], None, True)] * len(part)
-                for i, (ok, detail, clean, infra) in zip(part, results):
-                    t = tasks[i]
-                    t.meta["validated_by"] = route.split("-")[0] if route != name else name
-                    if clean is not None:
-                        t.meta["reference_clippy_clean"] = bool(clean)
-                    if infra and str(detail).startswith("malformed task"):
-                        verdicts[i] = Rejection(t.id, t.source, "tests_unsupported", str(detail)[:300])
-                    elif infra:
-                        verdicts[i] = Rejection(t.id, t.source, "sandbox_unavailable", str(detail)[:300])
-                    elif not ok:
-                        verdicts[i] = Rejection(t.id, t.source, "reference_failed", str(detail)[:300])
-            if progress:
-                progress(len(part))
+        _run_route(tasks, verdicts, route, run, idx, name, backend, chunk, progress)
+        retry = [i for i in idx if verdicts[i] is not None and verdicts[i].reason == "sandbox_unavailable"]
+        if retry and run is not None:   # one more try for infrastructure failures (e.g. engine restarted)
+            for i in retry:
+                verdicts[i] = None
+            _run_route(tasks, verdicts, route, run, retry, name, backend, chunk, None)
     kept = [t for t, v in zip(tasks, verdicts) if v is None]
     return kept, [v for v in verdicts if v is not None]
+
+
+def _run_route(tasks: Sequence[Task], verdicts: list, route: str, run: BatchChecker | None, idx: list[int],
+               name: str, backend: str, chunk: int, progress: Progress | None) -> None:
+    """Check the references of tasks[idx] in chunks, writing a Rejection or None into verdicts."""
+    for start in range(0, len(idx), chunk):
+        part = idx[start:start + chunk]
+        if run is None:
+            for i in part:
+                t = tasks[i]
+                if name != "none":
+                    verdicts[i] = Rejection(t.id, t.source, "sandbox_unavailable",
+                                            f"backend {backend!r} found no sandbox (sandbox.api not importable)")
+        else:
+            try:
+                results = run([tasks[i] for i in part])
+            except Exception as e:  # noqa: BLE001 - an infrastructure failure is a reason, not a crash
+                results = [(False, f"{type(e).__name__}: {e}"[:300], None, True)] * len(part)
+            for i, (ok, detail, clean, infra) in zip(part, results):
+                t = tasks[i]
+                t.meta["validated_by"] = route.split("-")[0] if route != name else name
+                if clean is not None:
+                    t.meta["reference_clippy_clean"] = bool(clean)
+                if infra and str(detail).startswith("malformed task"):
+                    verdicts[i] = Rejection(t.id, t.source, "tests_unsupported", str(detail)[:300])
+                elif infra:
+                    verdicts[i] = Rejection(t.id, t.source, "sandbox_unavailable", str(detail)[:300])
+                elif not ok:
+                    verdicts[i] = Rejection(t.id, t.source, "reference_failed", str(detail)[:300])
+        if progress:
+            progress(len(part))
 
 
 def split_records(records: Iterable[Task | Rejection]) -> tuple[list[Task], list[Rejection]]:

@@ -1,0 +1,75 @@
+"""Optional vLLM rollout backend (GPU; `pip install grpo-pipeline[vllm]`). Imported only when
+`rollout_backend: vllm` is chosen.
+
+The base model is loaded once into a vLLM engine (colocated on the same GPU, sharing it with the
+trainer via gpu_memory_utilization); the current LoRA adapter is saved to a temporary directory and
+passed with each generate call as a LoRARequest, so the policy that samples is the policy being trained.
+Full fine-tuning pushes the trainer's weights into the engine before each rollout.
+
+Not testable without a GPU: bench/gpu_checks.sh exercises it on a GPU machine.
+"""
+from __future__ import annotations
+
+import itertools
+import tempfile
+from pathlib import Path
+
+from grpo_core.models import resolve_model
+from grpo_core.rollout import SamplingParams
+
+
+class VLLMBackend:
+    _ids = itertools.count(1)
+
+    def __init__(self, model_dir: str, policy, dtype: str = "bfloat16", gpu_memory_utilization: float = 0.3,
+                 max_lora_rank: int = 16, max_model_len: int = 2048):
+        try:
+            from vllm import LLM
+        except ImportError as e:      # the extra is not installed
+            raise ImportError("rollout_backend: vllm needs the vllm package (pip install 'grpo-pipeline[vllm]') "
+                              "and a CUDA GPU; use rollout_backend: static otherwise") from e
+        self.policy = policy
+        self.use_lora = policy.use_peft
+        self.llm = LLM(model=str(model_dir), dtype=dtype, gpu_memory_utilization=gpu_memory_utilization,
+                       enable_lora=self.use_lora, max_lora_rank=max_lora_rank, max_model_len=max_model_len,
+                       enable_prefix_caching=True)
+        self.eos = policy.tokenizer.eos_token_id
+        self._tmp = tempfile.TemporaryDirectory(prefix="grpo-vllm-lora-")
+
+    @classmethod
+    def from_policy(cls, policy, cfg) -> "VLLMBackend":
+        dtype = "bfloat16" if cfg.dtype in ("auto", "bfloat16") else "float32"
+        return cls(resolve_model(cfg.model), policy, dtype=dtype, max_lora_rank=max(16, cfg.lora_r),
+                   max_model_len=cfg.max_prompt_length + cfg.max_completion_length)
+
+    def _sync(self):
+        """The adapter (LoRA) to pass along, or the full weights pushed into the engine."""
+        if self.use_lora:
+            from vllm.lora.request import LoRARequest
+            i = next(self._ids)
+            path = Path(self._tmp.name) / f"adapter-{i}"
+            self.policy.model.save_pretrained(path)
+            return LoRARequest(f"policy-{i}", i, str(path))
+        state = self.policy.model.state_dict()
+        runner = self.llm.llm_engine.model_executor.driver_worker.model_runner.model     # vLLM V0-style API
+        runner.load_weights(state.items())
+        return None
+
+    def generate(self, prompts, n, params: SamplingParams):
+        from vllm import SamplingParams as VSP
+        from vllm.inputs import TokensPrompt
+        sp = VSP(n=n, temperature=0.0 if params.greedy else params.temperature, top_p=params.top_p,
+                 top_k=params.top_k if params.top_k else -1, max_tokens=params.max_new_tokens, seed=params.seed)
+        lora = self._sync()
+        outs = self.llm.generate([TokensPrompt(prompt_token_ids=list(p)) for p in prompts], sp, lora_request=lora,
+                                 use_tqdm=False)
+        result = []
+        for o in outs:
+            group = []
+            for c in o.outputs:
+                ids = list(c.token_ids)
+                if c.finish_reason == "stop" and (not ids or ids[-1] != self.eos):
+                    ids.append(self.eos)       # keep the "EOS included when the model stopped" convention
+                group.append(ids)
+            result.append(group)
+        return result

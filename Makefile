@@ -14,7 +14,7 @@ $(VENV)/.installed: pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --disable-pip-version-check --upgrade pip
 	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/pip install -q --disable-pip-version-check "$(TORCH_SPEC)"
-	$(BIN)/pip install -q --disable-pip-version-check -e ".[test]"
+	$(BIN)/pip install -q --disable-pip-version-check -e ".[test,data]"
 	touch $@
 
 run: venv

@@ -32,7 +32,7 @@ from grpo_core.update import ScoredSample, grpo_update, make_optimizer, make_sch
 def accuracy(policy, backend, cfg, tasks, greedy: bool, n: int, seed: int) -> float:
     params = SamplingParams(max_new_tokens=cfg.max_completion_length, temperature=cfg.temperature, top_p=cfg.top_p,
                             top_k=cfg.top_k, greedy=greedy, seed=seed)
-    samples = rollout(backend, policy.tokenizer, tasks, n, params, cfg.data.system_prompt, cfg.max_prompt_length)
+    samples = rollout(backend, policy.tokenizer, tasks, n, params, cfg.data.prompt_format, cfg.max_prompt_length)
     by_id = {t.id: t for t in tasks}
     _, per = compute_rewards([s.completion for s in samples], [by_id[s.task_id] for s in samples], ["accuracy"], [1.0])
     return statistics.mean(v or 0.0 for v in per["accuracy"])
@@ -56,7 +56,7 @@ def run(cfg: GRPOConfig, minutes: float, eval_size: int, eval_samples: int) -> d
                             seed=cfg.seed * 100_003 + step, exclude=exclude)
         params = SamplingParams(max_new_tokens=cfg.max_completion_length, temperature=cfg.temperature,
                                 top_p=cfg.top_p, top_k=cfg.top_k, seed=cfg.seed * 7919 + step)
-        samples = rollout(backend, policy.tokenizer, tasks, cfg.num_generations, params, d.system_prompt,
+        samples = rollout(backend, policy.tokenizer, tasks, cfg.num_generations, params, d.prompt_format,
                           cfg.max_prompt_length)
         by_id = {t.id: t for t in tasks}
         totals, per = compute_rewards([s.completion for s in samples], [by_id[s.task_id] for s in samples],

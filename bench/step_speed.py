@@ -9,7 +9,9 @@ accuracy + format rewards on 1-digit addition, no gradient checkpointing, one op
     python bench/step_speed.py --steps 3 --trl      # ours and TRL 1.16 side by side (pip install -e .[bench])
 
 Prints median seconds per step, completion tokens per second and peak RSS; with --trl also the ratio.
-The ratio is the figure to trust on a shared machine: both run in one invocation, interleaved per step.
+The ratio is the figure to trust on a shared machine: both run in one invocation, interleaved step by
+step (TRL step k, then our step k), so both see the same load. Use --threads 1 on a busy machine: with
+more threads than free cores, OpenMP barriers make every matmul several times slower, for both.
 """
 from __future__ import annotations
 
@@ -35,6 +37,10 @@ from grpo_core.policy import load_policy  # noqa: E402
 from grpo_core.rewards import compute_rewards  # noqa: E402
 from grpo_core.rollout import SamplingParams, make_backend, rollout  # noqa: E402
 from grpo_core.update import ScoredSample, grpo_update, make_optimizer, make_scheduler  # noqa: E402
+
+
+# Pinned (the pipeline's default prompt format may change): the prompt the TRL anchor was measured with.
+SYSTEM_PROMPT = ("Answer the question. Think briefly, then give only the final number inside <answer></answer> tags.")
 
 
 def peak_rss_gb() -> float:
@@ -71,7 +77,7 @@ class Ours:
                                 top_p=cfg.top_p, top_k=cfg.top_k, seed=k)
         tasks = prompts_for(k, cfg)
         samples = rollout(self.backend, pol.tokenizer, tasks, cfg.num_generations, params,
-                          cfg.data.prompt_format, cfg.max_prompt_length)
+                          SYSTEM_PROMPT, cfg.max_prompt_length)   # same prompt TRL gets
         t1 = time.perf_counter()
         by_id = {t.id: t for t in tasks}
         totals, _ = compute_rewards([s.completion for s in samples], [by_id[s.task_id] for s in samples],
@@ -88,7 +94,7 @@ class Ours:
 class TRL:
     """TRL's GRPOTrainer on the same model, prompts, rewards and settings; one trainer step per call."""
 
-    def __init__(self, args, tmp: str):
+    def __init__(self, args, tmp: str, extra_callbacks=()):
         from datasets import Dataset
         from peft import LoraConfig
         from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
@@ -103,7 +109,7 @@ class TRL:
         for k in range(steps):
             for t in prompts_for(k, cfg):
                 self.tasks[t.prompt] = t
-                rows.append({"prompt": [{"role": "system", "content": cfg.data.system_prompt},
+                rows.append({"prompt": [{"role": "system", "content": SYSTEM_PROMPT},
                                         {"role": "user", "content": t.prompt}]})
         tasks = self.tasks
 
@@ -145,7 +151,7 @@ class TRL:
                           task_type="CAUSAL_LM")
         self.trainer = GRPOTrainer(model=model, reward_funcs=[accuracy, fmt], args=tcfg,
                                    train_dataset=Dataset.from_list(rows), processing_class=tok, peft_config=lora,
-                                   callbacks=[Timer()])
+                                   callbacks=[Timer(), *extra_callbacks])
 
     def run(self):
         self.trainer.train()
@@ -167,39 +173,58 @@ def main(argv=None) -> dict:
     ap.add_argument("--model", default="smollm2-135m-instruct")
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     ap.add_argument("--bf16", action="store_true", help="bf16 weights for both (reported separately)")
+    ap.add_argument("--threads", type=int, default=0, help="torch CPU threads for both (0: torch default)")
     ap.add_argument("--backend", default="static", choices=["hf", "static", "vllm"], help="our rollout backend")
-    ap.add_argument("--trl", action="store_true", help="also run TRL GRPOTrainer on the identical workload")
+    ap.add_argument("--trl", action="store_true", help="also run TRL GRPOTrainer on the identical workload, "
+                                                       "interleaved step by step with ours")
     ap.add_argument("--json", help="write the figures here as JSON")
     args = ap.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     result: dict = {"workload": workload_config(args).model_dump(mode="json"), "torch_threads": torch.get_num_threads()}
     dtype = "bf16" if args.bf16 else "fp32"
-
     ours = Ours(args)
-    rec = []
-    for k in range(args.warmup + args.steps):
+    rec: list[dict] = []
+
+    def our_step(k: int):
         r = ours.step(k)
         if k >= args.warmup:
             rec.append(r)
         print(f"  ours step {k}: {r['seconds']:.2f} s (generate {r['generate_s']:.2f}, update {r['update_s']:.2f}), "
               f"{r['tokens']} tokens, reward {r['reward']:.2f}", flush=True)
+
+    if args.trl:
+        # Interleaved: after each TRL step (timed by TRL's own callback), one step of ours, so both see
+        # the same machine load over time (this CPU is shared).
+        import tempfile
+        from transformers import TrainerCallback
+
+        class Interleave(TrainerCallback):
+            k = 0
+
+            def on_step_end(self, a, s, c, **kw):
+                our_step(Interleave.k)
+                Interleave.k += 1
+
+        with tempfile.TemporaryDirectory() as tmp:
+            times, tokens = TRL(args, tmp, [Interleave()]).run()
+            for t in times:
+                print(f"  TRL step: {t:.2f} s", flush=True)
+        times, tokens = times[args.warmup:], tokens[args.warmup:len(times)]
+    else:
+        for k in range(args.warmup + args.steps):
+            our_step(k)
     result["ours"] = summarise(f"ours {dtype}", [r["seconds"] for r in rec], [r["tokens"] for r in rec])
     result["ours"]["generate_s_median"] = statistics.median(r["generate_s"] for r in rec)
     result["ours"]["update_s_median"] = statistics.median(r["update_s"] for r in rec)
-    del ours
-    result["peak_rss_gb_ours"] = peak_rss_gb()
-    print(f"peak RSS after ours: {result['peak_rss_gb_ours']:.2f} GB", flush=True)
-
     if args.trl:
-        import tempfile
-        with tempfile.TemporaryDirectory() as tmp:
-            times, tokens = TRL(args, tmp).run()
-        times, tokens = times[args.warmup:], tokens[args.warmup:len(times) + args.warmup]
         result["trl"] = summarise(f"TRL 1.16 {dtype}", times, tokens)
         result["ratio_trl_over_ours"] = result["trl"]["median_s"] / result["ours"]["median_s"]
-        result["peak_rss_gb_process"] = peak_rss_gb()
-        print(f"speed-up (TRL median s/step / ours): {result['ratio_trl_over_ours']:.1f}x  "
-              f"[peak RSS of the process {result['peak_rss_gb_process']:.2f} GB]", flush=True)
+        print(f"speed-up (TRL median s/step / ours): {result['ratio_trl_over_ours']:.2f}x", flush=True)
+    result["peak_rss_gb"] = peak_rss_gb()
+    print(f"peak RSS of the process: {result['peak_rss_gb']:.2f} GB" + (" (both models)" if args.trl else ""),
+          flush=True)
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=2))
     return result

@@ -89,8 +89,9 @@ def cmd_train(args) -> int:
     cfg = _load(args)
     if cfg.run_name is None:
         cfg.run_name = default_run_name()
-    from flows.train import training_run
+    from flows.train import preflight, training_run
     from tasks.tracking import ui_command
+    preflight(cfg)  # a re-run whose settings contradict the existing run fails here, before the engine starts
     t0 = time.time()
     summary = training_run(config=cfg.model_dump(mode="json"))
     minutes = (time.time() - t0) / 60

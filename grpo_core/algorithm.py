@@ -167,12 +167,50 @@ def _decoder_and_head(model):
     return decoder, head
 
 
+def _groups_share_prompt(input_ids: torch.Tensor, attention_mask: torch.Tensor, prompt_len: int,
+                         group_size: int) -> bool:
+    """Do rows come in contiguous groups of `group_size` with identical (padded) prompts?"""
+    B = input_ids.size(0)
+    if group_size <= 1 or B % group_size or prompt_len < 1:
+        return False
+    p = input_ids[:, :prompt_len].view(B // group_size, group_size, prompt_len)
+    a = attention_mask[:, :prompt_len].view(B // group_size, group_size, prompt_len)
+    return bool((p == p[:, :1]).all() and (a == a[:, :1]).all())
+
+
+def _shared_prompt_hidden(decoder, input_ids: torch.Tensor, attention_mask: torch.Tensor, completion_len: int,
+                          group_size: int) -> torch.Tensor:
+    """Hidden states that predict the completion tokens, running each group's prompt once.
+
+    The prompt of each group goes through the trunk once ([B/G, P]); its KV cache is repeated to the G
+    rows (repeat_interleave is differentiable, so LoRA on k/v still gets the prompt's gradient), then
+    the completions run on top of it ([B, Lc]). Same result as the full [B, P + Lc] pass, at about
+    Lc / (P + Lc) of the cost when answers are short. -> [B, Lc, H]
+    """
+    from transformers import DynamicCache
+    B, T = input_ids.shape
+    P = T - completion_len
+    first = torch.arange(0, B, group_size, device=input_ids.device)
+    p_ids, p_attn = input_ids[first, :P], attention_mask[first, :P]                  # [B/G, P]
+    p_pos = (p_attn.long().cumsum(-1) - 1).clamp(min=0)
+    cache = DynamicCache(config=decoder.config)
+    h_prompt = decoder(input_ids=p_ids, attention_mask=p_attn, position_ids=p_pos, past_key_values=cache,
+                       use_cache=True).last_hidden_state                              # [B/G, P, H]
+    cache.batch_repeat_interleave(group_size)                                       # KV -> [B, ., P, d]
+    c_pos = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)[:, P:]               # [B, Lc]
+    h_comp = decoder(input_ids=input_ids[:, P:], attention_mask=attention_mask, position_ids=c_pos,
+                     past_key_values=cache, use_cache=True).last_hidden_state         # [B, Lc, H]
+    h_last = h_prompt[:, -1:, :].repeat_interleave(group_size, dim=0)               # [B, 1, H] predicts token 0
+    return torch.cat([h_last, h_comp[:, :-1, :]], dim=1)                             # [B, Lc, H]
+
+
 def completion_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, completion_len: int,
-                        temperature: float = 1.0, with_entropy: bool = False,
-                        chunk_rows: int = 4) -> tuple[torch.Tensor, torch.Tensor | None]:
+                        temperature: float = 1.0, with_entropy: bool = False, chunk_rows: int = 4,
+                        group_size: int = 1) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-probs of the last `completion_len` tokens of each row (and their entropy). -> [B, Lc] each.
 
-    Runs the decoder trunk once, then the LM head chunk by chunk (`head_logprobs`), so the full
+    Runs the decoder trunk once (each group's shared prompt only once when rows come in groups of
+    `group_size` with the same prompt), then the LM head chunk by chunk (`head_logprobs`), so the full
     [B, Lc, V] logits never exist at once. Models without a trunk/head split fall back to full logits.
     """
     ids = input_ids[:, -completion_len:]                                  # [B, Lc]
@@ -181,10 +219,16 @@ def completion_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Te
         logits = completion_logits(model, input_ids, attention_mask, completion_len)
         ent = token_entropy(logits.detach(), temperature) if with_entropy else None
         return token_logprobs(logits, ids, temperature), ent
-    position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)     # [B, T]
-    hidden = decoder(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                     use_cache=False).last_hidden_state                    # [B, T, H]
-    hidden = hidden[:, -completion_len - 1:-1, :]                         # [B, Lc, H] predicts ids
+    P = input_ids.size(1) - completion_len
+    # Gradient checkpointing turns the KV cache off in training mode, so the shared-prompt path needs it off.
+    checkpointing = getattr(decoder, "gradient_checkpointing", False) and decoder.training
+    if not checkpointing and _groups_share_prompt(input_ids, attention_mask, P, group_size):
+        hidden = _shared_prompt_hidden(decoder, input_ids, attention_mask, completion_len, group_size)
+    else:
+        position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)     # [B, T]
+        hidden = decoder(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                         use_cache=False).last_hidden_state                    # [B, T, H]
+        hidden = hidden[:, -completion_len - 1:-1, :]                         # [B, Lc, H] predicts ids
     scale = getattr(model.config, "logits_scaling", None) if hasattr(model, "config") else None
     if scale:                                                             # e.g. Granite divides logits
         temperature = temperature * scale

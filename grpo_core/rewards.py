@@ -46,9 +46,24 @@ def math_answers_match(predicted: str | None, gold: str) -> bool:
     return norm(predicted) == norm(gold)
 
 
+CODE_BLOCK_RE = {lang: re.compile(rf"^(?:(?!```).)*```{lang}[ \t]*\n(?:(?!```).)*\S(?:(?!```).)*```\s*$", re.DOTALL)
+                 for lang in ("python", "rust")}
+
+
 def format_reward(completions: Sequence[str], tasks: Sequence[Task]) -> list[float]:
-    """1 if the completion ends with exactly one non-empty <answer>...</answer> block, else 0."""
-    return [1.0 if FORMAT_RE.match(c) else 0.0 for c in completions]
+    """1 if the completion has the shape its task asks for, else 0: math, exactly one non-empty
+    <answer>...</answer> block at the end; code, exactly one non-empty ```python / ```rust block at the end."""
+    return [1.0 if (FORMAT_RE if t.kind == "math" else CODE_BLOCK_RE[t.kind]).match(c) else 0.0
+            for c, t in zip(completions, tasks)]
+
+
+def math_accuracy(completion: str, task: Task) -> float:
+    """Correctness of the tagged answer; reasoning-gym tasks use that package's own checker."""
+    answer = extract_answer(completion)
+    if task.meta.get("checker") == "reasoning_gym":
+        from grpo_core.data.sources import rgym
+        return rgym.score_answer(task, answer)
+    return 1.0 if math_answers_match(answer, str(task.answer)) else 0.0
 
 
 def accuracy_reward(completions: Sequence[str], tasks: Sequence[Task]) -> list[float | None]:
@@ -57,7 +72,7 @@ def accuracy_reward(completions: Sequence[str], tasks: Sequence[Task]) -> list[f
     code_idx = []
     for i, (c, t) in enumerate(zip(completions, tasks)):
         if t.kind == "math":
-            out[i] = 1.0 if math_answers_match(extract_answer(c), str(t.answer)) else 0.0
+            out[i] = math_accuracy(c, t)
         else:
             code_idx.append(i)
     if code_idx:

@@ -87,9 +87,10 @@ def pad_batch(samples: Sequence[ScoredSample], pad_id: int, device: torch.device
 
 
 @torch.no_grad()
-def _logprobs_no_grad(model, batch, temperature: float, chunk_rows: int) -> torch.Tensor:
+def _logprobs_no_grad(model, batch, temperature: float, chunk_rows: int, group_size: int) -> torch.Tensor:
     input_ids, attn, c_mask = batch
-    return completion_logprobs(model, input_ids, attn, c_mask.size(1), temperature, chunk_rows=chunk_rows)[0]
+    return completion_logprobs(model, input_ids, attn, c_mask.size(1), temperature, chunk_rows=chunk_rows,
+                               group_size=group_size)[0]
 
 
 def peak_memory_gb(device: torch.device) -> float:
@@ -174,12 +175,12 @@ def grpo_update(policy: Policy, optimizer, scheduler, samples: Sequence[ScoredSa
     for key, batch in batches.items():
         if need_old:
             t = time.perf_counter()
-            old_lp[key] = _logprobs_no_grad(model, batch, cfg.temperature, chunk)
+            old_lp[key] = _logprobs_no_grad(model, batch, cfg.temperature, chunk, G)
             t_old += time.perf_counter() - t
         if cfg.beta != 0.0:
             t = time.perf_counter()
             with policy.reference() as ref_model:
-                ref_lp[key] = _logprobs_no_grad(ref_model, batch, cfg.temperature, chunk)
+                ref_lp[key] = _logprobs_no_grad(ref_model, batch, cfg.temperature, chunk, G)
             t_ref += time.perf_counter() - t
     batch_stats.update({"reference_seconds": t_ref, "old_logprob_seconds": t_old, "num_tokens": total_tokens})
 
@@ -197,7 +198,7 @@ def grpo_update(policy: Policy, optimizer, scheduler, samples: Sequence[ScoredSa
                 key = tuple(idx)
                 input_ids, attn, c_mask = batches[key]
                 logp, ent = completion_logprobs(model, input_ids, attn, c_mask.size(1), cfg.temperature,
-                                                with_entropy=True, chunk_rows=chunk)        # [b, Lc] each
+                                                with_entropy=True, chunk_rows=chunk, group_size=G)  # [b, Lc]
                 old = old_lp[key] if need_old else logp.detach()
                 loss, stats = grpo_loss(
                     logp, old, ref_lp.get(key), advantages[idx].to(device), c_mask, beta=cfg.beta,

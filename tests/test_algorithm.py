@@ -208,3 +208,36 @@ def test_completion_logprobs_match_unpadded_forward(tiny_model_dir):
             own = torch.log_softmax(model(x).logits[0, len(p) - 1:-1], -1).gather(-1, torch.tensor(c)[:, None])[:, 0]
             assert torch.allclose(lp[r, :len(c)], own, atol=1e-4)
             assert torch.allclose(lp_logits[r, :len(c)], own, atol=1e-4)
+
+
+def test_shared_prompt_path_equals_full_pass_value_and_gradient(tiny_model_dir):
+    """Groups of rows with one prompt: running the prompt once (KV repeated) == the full padded pass."""
+    from grpo_core.algorithm import _groups_share_prompt
+    from grpo_core.models import attach_lora
+    from transformers import AutoModelForCausalLM
+    model = attach_lora(AutoModelForCausalLM.from_pretrained(tiny_model_dir), 4, 8, 0.0, ["q_proj", "k_proj", "v_proj", "o_proj"])
+    for n, p in model.named_parameters():
+        if "lora_B" in n:
+            torch.nn.init.normal_(p, std=0.2, generator=torch.Generator().manual_seed(0))
+    prompts, G, P, C = [[5, 6, 7], [8, 9, 10, 11]], 3, 4, 4
+    ids = torch.zeros(len(prompts) * G, P + C, dtype=torch.long)
+    attn = torch.zeros_like(ids)
+    g = torch.Generator().manual_seed(3)
+    for r in range(ids.size(0)):
+        p = prompts[r // G]
+        n = int(torch.randint(1, C + 1, (1,), generator=g))
+        ids[r, P - len(p):P] = torch.tensor(p)
+        ids[r, P:P + n] = torch.randint(12, 90, (n,), generator=g)
+        attn[r, P - len(p):P + n] = 1
+    assert _groups_share_prompt(ids, attn, P, G) and not _groups_share_prompt(ids, attn, P, 2)
+    mask = attn[:, P:].float()
+    params = [p for p in model.parameters() if p.requires_grad]
+    out = []
+    for gs in (1, G):
+        lp, ent = completion_logprobs(model, ids, attn, C, with_entropy=True, group_size=gs)
+        grads = torch.autograd.grad((lp * mask).sum(), params)
+        out.append((lp * mask, ent * mask, grads))
+    assert torch.allclose(out[0][0], out[1][0], atol=1e-5)
+    assert torch.allclose(out[0][1], out[1][1], atol=1e-4)
+    for a, b in zip(out[0][2], out[1][2]):
+        assert torch.allclose(a, b, atol=1e-5)

@@ -57,3 +57,29 @@ def test_overlong_penalty_dapo_shape():
     totals, per = compute_rewards(["x", "y"], [None, None], ["overlong"], [0.5],
                                   context={"completion_lengths": [1, 8], "max_completion_length": 8})
     assert per["overlong"] == [0.0, -1.0] and totals == [0.0, -0.5]   # default buffer 8 // 4 = 2
+
+
+@pytest.mark.slow
+def test_iteration_flow_refills_and_feeds_update(tmp_path, grpo_home, prefect_engine, mlflow_uri):
+    """Through the real Prefect engine: the tiny model answers nothing right, so every group is dropped,
+    the flow runs the extra rounds, falls back to the first batch, and the update still runs on it."""
+    import json
+    from pathlib import Path
+
+    from flows.train import iteration_flow
+    from tests.conftest import tiny_config
+    config = tiny_config(tmp_path, dynamic_sampling=True, max_extra_rollouts=2, pipeline_iterations=1,
+                         eval=dict(enabled=False))
+    from grpo_core.config import GRPOConfig
+    from tasks import tracking
+    run_dir = tmp_path / "runs" / "t"
+    run_dir.mkdir(parents=True)
+    tracking.start_or_resume_run(GRPOConfig.model_validate(config), run_dir, None)     # the update logs to it
+    res = iteration_flow(config, str(run_dir), 1, None, None)
+    ds = res["dynamic_sampling"]
+    assert ds["extra_rounds"] == 2 and ds["groups_sampled"] == 6 and ds["groups_dropped"] == 6
+    assert ds["fallback"] == 1.0
+    assert (run_dir / "iter-1" / "dynamic-2" / "iter-1" / "scores.jsonl").exists()
+    merged = [json.loads(x) for x in Path(run_dir / "iter-1" / "samples.dynamic.jsonl").read_text().splitlines()]
+    assert len(merged) == 2 * config["num_generations"]
+    assert Path(res["update"]["checkpoint"]).exists()

@@ -258,3 +258,34 @@ def test_prefect_flow_run_retry_reruns_failed_stage_onward(prefect_engine, grpo_
     assert read_json(run_dir / "run.json")["flow_run_ids"][-1] == state["flow_run_id"]    # the same flow run
     _assert_no_duplicate_steps(mlflow_uri, state["mlflow_run_id"])
     print(f"\nprefect flow-run retry (new process, score + update + bookkeeping): {time.perf_counter() - t0:.1f} s")
+
+
+@pytest.mark.slow
+def test_next_run_starts_from_previous_best_adapter(prefect_engine, grpo_home, mlflow_uri, tmp_path):
+    """What a scheduled run with --init-from-previous does: a new run (new MLflow run, same experiment)
+    whose first rollout/update start from the adapter the previous finished run registered as best."""
+    import torch
+    from flows.train import training_run
+    from tasks.common import read_json
+    first = training_run(tiny_config(tmp_path, run_name="day-1", pipeline_iterations=1, eval={"enabled": False},
+                                     tracking={"register_adapter": "final"}))
+    second = training_run(tiny_config(tmp_path, run_name="day-2", pipeline_iterations=1, eval={"enabled": False},
+                                      init_adapter="previous"))
+    assert second["mlflow_run_id"] != first["mlflow_run_id"]
+    _, r1 = _mlflow_run(mlflow_uri, first["mlflow_run_id"])
+    _, r2 = _mlflow_run(mlflow_uri, second["mlflow_run_id"])
+    assert r1.info.experiment_id == r2.info.experiment_id
+    state = read_json(Path(second["run_dir"]) / "run.json")
+    assert state["init_adapter_uri"] == r1.data.tags["best_adapter_uri"] == r2.data.tags["init_adapter"]
+    init = Path(state["init_adapter_path"])
+    a = _adapter_tensors(init)
+    b = _adapter_tensors(Path(first["final_checkpoint"]))
+    assert all(torch.equal(a[n], b[n]) for n in a)                  # the previous run's final adapter ...
+    rollout_rec = read_json(Path(second["run_dir"]) / "iter-1" / "rollout.json")
+    assert rollout_rec["key"]                                        # ... is what iteration 1 started from
+    upd = read_json(Path(second["run_dir"]) / "iter-1" / "update.json")
+    from tasks.common import input_key
+    samples, scores = (str(Path(second["run_dir"]) / "iter-1" / f) for f in ("samples.jsonl", "scores.jsonl"))
+    cfg2 = tiny_config(tmp_path, run_name="day-2", pipeline_iterations=1, eval={"enabled": False},
+                       init_adapter="previous")
+    assert upd["key"] == input_key(config=cfg2, samples=samples, scores=scores, checkpoint=str(init), state=None)

@@ -37,3 +37,14 @@ def test_accuracy_needs_single_answer_block():
     assert per["accuracy"] == [1.0, 0.0, 0.0]
     assert per["format"] == [1.0, 1.0, 0.0]
     assert totals == [1.5, 0.5, 0.0]
+
+
+def test_format_reward_follows_the_task_kind():
+    py = Task(id="p", kind="python", source="s", prompt="write f", tests={"format": "io", "cases": []})
+    rs = Task(id="r", kind="rust", source="s", prompt="write f", tests={"format": "rust", "tests": "x"})
+    assert format_reward(["Here:\n```python\ndef f():\n    return 1\n```"], [py]) == [1.0]
+    assert format_reward(["```python\n\n```"], [py]) == [0.0]                      # empty block
+    assert format_reward(["```python\na=1\n```\n```python\nb=2\n```"], [py]) == [0.0]   # two blocks
+    assert format_reward(["```rust\nfn f() {}\n```"], [py]) == [0.0]               # wrong language
+    assert format_reward(["```rust\npub fn f() -> i32 { 1 }\n```\n"], [rs]) == [1.0]
+    assert format_reward(["<answer>5</answer>"], [rs]) == [0.0]

@@ -12,7 +12,7 @@ from prefect.runtime import flow_run
 from grpo_core.config import ConfigError, GRPOConfig
 from grpo_core.data.schema import atomic_write_text
 from tasks import tracking
-from tasks.common import (mark_running, read_json, retry_transient_only, semantic_config, update_run_state,
+from tasks.common import (mark_running, mlflow_run_id, read_json, retry_transient_only, semantic_config, update_run_state,
                           write_json)
 from tasks.curate import curate
 from tasks.evaluate import evaluate
@@ -69,7 +69,7 @@ def _dynamic_sampling(cfg: GRPOConfig, config: dict, run_dir: str, iteration: in
     samples = write_jsonl(it_dir / "samples.dynamic.jsonl", merged_s)
     scores = write_jsonl(it_dir / "scores.dynamic.jsonl", merged_c)
     try:
-        run_id = read_json(Path(run_dir) / "run.json")["mlflow_run_id"]
+        run_id = mlflow_run_id(run_dir)
         tracking.log_metrics(cfg, run_id, {f"dynamic_sampling/{k}": v for k, v in stats.items()}, iteration)
     except (OSError, KeyError):
         pass        # no MLflow run (iteration_flow called on its own): the stats are still returned

@@ -189,6 +189,12 @@ def fault_point(point: str, iteration: int | None = None) -> None:
 
 # -- run status (for `grpo runs` / `grpo resume`) ------------------------------------------------------
 
+def mlflow_run_id(run_dir: str | Path) -> str | None:
+    """The MLflow run of this training run (recorded in run.json when the flow starts), if any."""
+    p = run_state_path(run_dir)
+    return read_json(p).get("mlflow_run_id") if p.exists() else None
+
+
 def run_state_path(run_dir: str | Path) -> Path:
     return Path(run_dir) / "run.json"
 

@@ -9,7 +9,7 @@ from grpo_core.config import GRPOConfig
 from grpo_core.data import arithmetic
 from grpo_core.data import iteration as data_iteration
 from grpo_core.data.schema import read_tasks, write_tasks
-from tasks.common import cfg_of, completed_record, finish_stage, input_key, iter_dir, read_json
+from tasks.common import cfg_of, completed_record, finish_stage, input_key, iter_dir, mlflow_run_id
 
 
 def eval_split_path(run_dir: str | Path) -> Path:
@@ -41,8 +41,8 @@ def curate(config: dict, run_dir: str, iteration: int) -> dict:
             d.curated, run_dir, iteration, d.prompts_per_iteration, d.weights, tuple(d.pass_rate_band),
             d.recalibrate, cfg.seed, iter_dir(run_dir, iteration))
         from tasks.data_logging import log_curation
-        run_id = read_json(Path(run_dir) / "run.json")["mlflow_run_id"]
-        log_curation(cfg, run_id, record, iteration)
+        if (run_id := mlflow_run_id(run_dir)):
+            log_curation(cfg, run_id, record, iteration)
         return finish_stage(run_dir, iteration, "curate", key, {**record, "eval": str(eval_path)})
     exclude = {t.id for t in read_tasks(eval_path)}
     prompts = arithmetic.train_tasks(d.prompts_per_iteration, d.min_digits, d.max_digits, d.operations,

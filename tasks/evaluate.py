@@ -17,7 +17,7 @@ from grpo_core.data.schema import read_jsonl, read_tasks, write_jsonl
 from grpo_core.evaluation import evaluate_checkpoint
 from grpo_core.monitors import Alert, check_monitors
 from tasks import tracking
-from tasks.common import cfg_of, completed_record, finish_stage, input_key, iter_dir, read_json
+from tasks.common import cfg_of, completed_record, finish_stage, input_key, iter_dir, mlflow_run_id, read_json
 from tasks.curate import ensure_eval_split
 
 TABLE_DIR = "eval_samples"
@@ -115,7 +115,7 @@ def evaluate(config: dict, run_dir: str, iteration: int, checkpoint: str | None)
 
     history[iteration] = metrics
     lengths = eval_lengths(run_dir, history)
-    run_id = read_json(f"{run_dir}/run.json")["mlflow_run_id"]
+    run_id = mlflow_run_id(run_dir)
     log_evaluation(cfg, run_id, iteration, metrics, rows, history, lengths, alerts, eval_path)
     return finish_stage(run_dir, iteration, "evaluate", key, {
         "metrics": metrics, "samples": str(out), "alerts": [a.name for a in alerts]})

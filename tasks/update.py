@@ -16,7 +16,7 @@ from grpo_core.data.schema import read_jsonl
 from grpo_core.policy import load_policy
 from grpo_core.update import ScoredSample, grpo_update, make_optimizer, make_scheduler
 from tasks import tracking
-from tasks.common import cfg_of, completed_record, fault_point, finish_stage, input_key, iter_dir, read_json
+from tasks.common import cfg_of, completed_record, fault_point, finish_stage, input_key, iter_dir, mlflow_run_id, read_json
 
 
 def _rng_state() -> dict:
@@ -98,7 +98,7 @@ def update(config: dict, run_dir: str, iteration: int, samples: str, scores: str
     score_metrics = read_json(Path(run_dir) / f"iter-{iteration}" / "score.json")["metrics"]
     rollout_rec = read_json(Path(run_dir) / f"iter-{iteration}" / "rollout.json")
     lengths = [len(r["completion_ids"]) for r in rows]
-    run_id = read_json(Path(run_dir) / "run.json")["mlflow_run_id"]
+    run_id = mlflow_run_id(run_dir)
     done_steps = tracking.logged_steps(cfg, run_id, "train/loss")
     for i, m in enumerate(steps):
         step = global_step + i + 1

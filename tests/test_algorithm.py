@@ -179,13 +179,15 @@ def test_chunked_head_logprobs_value_and_gradient():
     hidden = torch.randn(5, 6, 8, generator=g, requires_grad=True)
     w = torch.randn(19, 8, generator=g, requires_grad=True)
     ids = torch.randint(0, 19, (5, 6), generator=g)
-    lp, ent = head_logprobs(hidden, w, None, ids, temperature=0.9, chunk_rows=2, with_entropy=True)
-    lp_full = token_logprobs(hidden @ w.T, ids, 0.9)
-    assert torch.allclose(lp, lp_full, atol=1e-5)
-    assert torch.allclose(ent, token_entropy(hidden @ w.T, 0.9), atol=1e-4)
-    gh, gw = torch.autograd.grad((lp * torch.arange(6.)).sum(), (hidden, w))
-    gh2, gw2 = torch.autograd.grad((lp_full * torch.arange(6.)).sum(), (hidden, w))
-    assert torch.allclose(gh, gh2, atol=1e-5) and torch.allclose(gw, gw2, atol=1e-5)
+    for keep in (0, 10**9):                   # checkpointed chunks, and chunks whose logits are kept
+        lp, ent = head_logprobs(hidden, w, None, ids, temperature=0.9, chunk_rows=2, with_entropy=True,
+                                keep_logits_bytes=keep)
+        lp_full = token_logprobs(hidden @ w.T, ids, 0.9)
+        assert torch.allclose(lp, lp_full, atol=1e-5)
+        assert torch.allclose(ent, token_entropy(hidden @ w.T, 0.9), atol=1e-4)
+        gh, gw = torch.autograd.grad((lp * torch.arange(6.)).sum(), (hidden, w))
+        gh2, gw2 = torch.autograd.grad((lp_full * torch.arange(6.)).sum(), (hidden, w))
+        assert torch.allclose(gh, gh2, atol=1e-5) and torch.allclose(gw, gw2, atol=1e-5)
 
 
 def test_completion_logprobs_match_unpadded_forward(tiny_model_dir):

@@ -68,11 +68,8 @@ def _dynamic_sampling(cfg: GRPOConfig, config: dict, run_dir: str, iteration: in
     merged_s, merged_c, stats = dsamp.merge_rounds(rounds, target)
     samples = write_jsonl(it_dir / "samples.dynamic.jsonl", merged_s)
     scores = write_jsonl(it_dir / "scores.dynamic.jsonl", merged_c)
-    try:
-        run_id = mlflow_run_id(run_dir)
-        tracking.log_metrics(cfg, run_id, {f"dynamic_sampling/{k}": v for k, v in stats.items()}, iteration)
-    except (OSError, KeyError):
-        pass        # no MLflow run (iteration_flow called on its own): the stats are still returned
+    if (run_id := mlflow_run_id(run_dir)):    # None when iteration_flow runs on its own; stats still returned
+        tracking.log_metrics(cfg, run_id, {f"data/dynamic_sampling/{k}": v for k, v in stats.items()}, iteration)
     return str(samples), str(scores), stats
 
 

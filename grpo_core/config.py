@@ -111,7 +111,10 @@ class EvalConfig(_Section):
 
 class SandboxConfig(_Section):
     """Where model-written code runs (code tasks only)."""
-    backend: Literal["auto", "docker", "local"] = "auto"
+    backend: Literal["auto", "docker", "local"] = Field(
+        "auto", description="auto: Docker when an engine answers, else the weaker local (bubblewrap) backend")
+    reward_mode: Literal["fraction", "binary"] = Field(
+        "fraction", description="code correctness: fraction of hidden tests passed, or 1 only if all pass")
 
 
 class StageRetryConfig(_Section):

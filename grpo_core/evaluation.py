@@ -30,7 +30,7 @@ from grpo_core.data.schema import Task
 from grpo_core.monitors import completion_flags, text_monitor_metrics
 from grpo_core.passk import mean_pass_at_k
 from grpo_core.policy import Policy
-from grpo_core.rewards import CORRECTNESS_FUNC, compute_rewards
+from grpo_core.rewards import CORRECTNESS_FUNC, compute_rewards, reward_context
 from grpo_core.rollout import SamplingParams, make_backend, rollout
 
 MODES = ("greedy", "sampled")
@@ -77,9 +77,7 @@ def score_samples(samples, tasks_by_id: dict[str, Task], cfg: GRPOConfig, mode: 
         funcs.append(CORRECTNESS_FUNC)
         weights.append(0.0)
     sample_tasks = [tasks_by_id[s.task_id] for s in samples]
-    context = {"completion_lengths": [len(s.completion_ids) for s in samples],     # as the score stage does
-               "max_completion_length": cfg.max_completion_length,
-               "overlong_buffer_length": getattr(cfg, "overlong_buffer_length", None)}
+    context = reward_context(cfg, [len(s.completion_ids) for s in samples])        # as the score stage does
     totals, per_func = compute_rewards([s.completion for s in samples], sample_tasks, funcs, weights, context)
     rows, seen = [], defaultdict(int)
     for i, (s, t) in enumerate(zip(samples, sample_tasks)):

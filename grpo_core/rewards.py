@@ -66,8 +66,10 @@ def math_accuracy(completion: str, task: Task) -> float:
     return 1.0 if math_answers_match(answer, str(task.answer)) else 0.0
 
 
-def accuracy_reward(completions: Sequence[str], tasks: Sequence[Task]) -> list[float | None]:
-    """Correctness: the tagged answer for math tasks; hidden tests in the sandbox for code tasks."""
+def accuracy_reward(completions: Sequence[str], tasks: Sequence[Task], *, sandbox_backend: str | None = None,
+                    code_reward_mode: str | None = None, **_) -> list[float | None]:
+    """Correctness: the tagged answer for math tasks; hidden tests in the sandbox for code tasks
+    (`sandbox_backend` auto|docker|local, `code_reward_mode` fraction|binary)."""
     out: list[float | None] = [None] * len(completions)
     code_idx = []
     for i, (c, t) in enumerate(zip(completions, tasks)):
@@ -77,7 +79,8 @@ def accuracy_reward(completions: Sequence[str], tasks: Sequence[Task]) -> list[f
             code_idx.append(i)
     if code_idx:
         from grpo_core.code_rewards import code_accuracy  # imported only when code tasks are present
-        scores = code_accuracy([completions[i] for i in code_idx], [tasks[i] for i in code_idx])
+        scores = code_accuracy([completions[i] for i in code_idx], [tasks[i] for i in code_idx],
+                               backend=sandbox_backend, mode=code_reward_mode)
         for i, s in zip(code_idx, scores):
             out[i] = s
     return out
@@ -96,7 +99,7 @@ def overlong_penalty(length: int, max_completion_length: int, buffer_length: int
 
 def overlong_reward(completions: Sequence[str], tasks: Sequence[Task], *,
                     completion_lengths: Sequence[int] | None = None, max_completion_length: int | None = None,
-                    overlong_buffer_length: int | None = None) -> list[float]:
+                    overlong_buffer_length: int | None = None, **_) -> list[float]:
     """DAPO overlong soft penalty in [-1, 0] from each completion's token count (weight it with
     reward_weights). Needs the token counts (the score stage passes them); without them it is 0."""
     if completion_lengths is None or not max_completion_length:
@@ -111,11 +114,18 @@ REWARD_FUNCS: dict[str, RewardFn] = {
     "overlong": overlong_reward,
 }
 
-# Reward functions that take keyword context from the caller (token counts, limits) besides the text.
-CONTEXT_FUNCS = {"overlong"}
+# Reward functions that take keyword context from the caller (token counts, limits, sandbox) besides the text.
+CONTEXT_FUNCS = {"accuracy", "overlong"}
 
 # The reward whose value is raw correctness (used for pass rates and dynamic sampling, never the shaped total).
 CORRECTNESS_FUNC = "accuracy"
+
+
+def reward_context(cfg, completion_lengths: Sequence[int]) -> dict:
+    """The keyword context reward functions get from a run's config (a GRPOConfig) and the token counts."""
+    return {"completion_lengths": list(completion_lengths), "max_completion_length": cfg.max_completion_length,
+            "overlong_buffer_length": cfg.overlong_buffer_length, "sandbox_backend": cfg.sandbox.backend,
+            "code_reward_mode": cfg.sandbox.reward_mode}
 
 
 def compute_rewards(completions: Sequence[str], tasks: Sequence[Task], funcs: Sequence[str],

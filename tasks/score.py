@@ -6,7 +6,7 @@ from statistics import mean
 from prefect import task
 
 from grpo_core.data.schema import read_jsonl, read_tasks, write_jsonl
-from grpo_core.rewards import CORRECTNESS_FUNC, compute_rewards
+from grpo_core.rewards import CORRECTNESS_FUNC, compute_rewards, reward_context
 from tasks.common import cfg_of, completed_record, finish_stage, input_key, iter_dir
 
 
@@ -21,12 +21,11 @@ def score(config: dict, run_dir: str, iteration: int, prompts: str, samples: str
     rows = list(read_jsonl(samples))
     completions = [r["completion"] for r in rows]
     row_tasks = [tasks[r["task_id"]] for r in rows]
-    context = {"completion_lengths": [len(r["completion_ids"]) for r in rows],
-               "max_completion_length": cfg.max_completion_length, "overlong_buffer_length": cfg.overlong_buffer_length}
+    context = reward_context(cfg, [len(r["completion_ids"]) for r in rows])
     totals, per_func = compute_rewards(completions, row_tasks, cfg.reward_funcs, cfg.weights, context)
     funcs = list(per_func)
     correctness = per_func.get(CORRECTNESS_FUNC) or compute_rewards(
-        completions, row_tasks, [CORRECTNESS_FUNC], [1.0])[1][CORRECTNESS_FUNC]
+        completions, row_tasks, [CORRECTNESS_FUNC], [1.0], context)[1][CORRECTNESS_FUNC]
     scored = [{"task_id": r["task_id"], "group": r["group"], "reward": tot,
                "rewards": {f: per_func[f][i] for f in funcs}, "correct": correctness[i]}
               for i, (r, tot) in enumerate(zip(rows, totals))]

@@ -30,7 +30,10 @@ class RunResult:
 def _bwrap_prefix(workdir: Path) -> list[str]:
     if not shutil.which("bwrap") or os.environ.get("GRPO_DATA_NO_BWRAP"):
         return []
-    return ["bwrap", "--ro-bind", "/", "/", "--dev", "/dev", "--proc", "/proc", "--tmpfs", "/tmp",
+    # The fresh /tmp hides an interpreter (e.g. a virtualenv) that lives under /tmp: bind it back, read-only.
+    interpreter = [a for p in dict.fromkeys((sys.prefix, sys.base_prefix)) if p.startswith("/tmp/")
+                   for a in ("--ro-bind", p, p)]
+    return ["bwrap", "--ro-bind", "/", "/", "--dev", "/dev", "--proc", "/proc", "--tmpfs", "/tmp", *interpreter,
             "--bind", str(workdir), str(workdir), "--unshare-all", "--die-with-parent", "--new-session",
             "--chdir", str(workdir)]
 

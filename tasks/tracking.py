@@ -5,6 +5,7 @@ import hashlib
 import json
 import os
 import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -28,7 +29,8 @@ def client(cfg: GRPOConfig):
 def ui_command(cfg: GRPOConfig) -> str:
     uri = tracking_uri(cfg)
     if uri.startswith("sqlite:"):
-        return f"mlflow ui --backend-store-uri {uri}"
+        mlflow = Path(sys.executable).parent / "mlflow"       # the venv's own, even when it is not on PATH
+        return f"{mlflow if mlflow.exists() else 'mlflow'} ui --backend-store-uri {uri}"
     return f"open {uri} in a browser"
 
 

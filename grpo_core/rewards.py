@@ -27,7 +27,8 @@ def extract_answer(completion: str) -> str | None:
     return found[0].strip()
 
 
-def _to_number(text: str) -> Fraction | None:
+def parse_number(text: str) -> Fraction | None:
+    """'1,000', '$12', '0.5', '1/2', '5.' -> an exact Fraction; None if not a number."""
     s = text.strip().strip("$").replace(",", "").replace(" ", "").rstrip(".")
     try:
         return Fraction(s)
@@ -39,7 +40,7 @@ def math_answers_match(predicted: str | None, gold: str) -> bool:
     """Numeric equality when both parse as numbers, else normalised string equality."""
     if predicted is None or not predicted.strip():
         return False
-    p, g = _to_number(predicted), _to_number(gold)
+    p, g = parse_number(predicted), parse_number(gold)
     if p is not None and g is not None:
         return p == g
     norm = lambda s: re.sub(r"\s+", " ", s.strip().lower().rstrip("."))

@@ -25,9 +25,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
-import shutil
-import tempfile
 import time
 from collections import Counter, defaultdict
 from contextlib import contextmanager
@@ -40,7 +37,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from grpo_core.data import curation
 from grpo_core.data.records import REASONS, Rejection
-from grpo_core.data.schema import Task, atomic_write_text, read_tasks, write_jsonl
+from grpo_core.data.schema import Task, atomic_dir, atomic_write_text, read_tasks, write_jsonl
 from grpo_core.data.sources import SOURCE_NAMES, get_loader
 from grpo_core.data.validate import validate
 
@@ -315,23 +312,16 @@ def write_dataset(cfg: BuildConfig, train: list[Task], ev: list[Task], rejected:
     import pyarrow.parquet as pq
     h = report["dataset_hash"]
     final = Path(cfg.out_dir) / f"{cfg.name}-{h[:12]}"
-    final.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=final.parent, prefix=f".{final.name}."))
-    try:
-        meta = {"grpo.dataset_hash": h, "grpo.name": cfg.name, "grpo.schema": "grpo_core.data.schema.Task"}
+    meta = {"grpo.dataset_hash": h, "grpo.name": cfg.name, "grpo.schema": "grpo_core.data.schema.Task"}
+
+    def build(tmp: Path) -> None:
         for split_name, items in (("train", train), ("eval", ev)):
             pq.write_table(tasks_to_table(items, {**meta, "grpo.split": split_name}), tmp / f"{split_name}.parquet")
-        report = {**report, "path": str(final)}
-        atomic_write_text(tmp / "report.json", json.dumps(report, indent=2, sort_keys=False, default=_json_default))
+        atomic_write_text(tmp / "report.json", json.dumps({**report, "path": str(final)}, indent=2,
+                                                          sort_keys=False, default=_json_default))
         write_jsonl(tmp / "rejections.jsonl", (r.to_dict() for r in rejected))
-        if final.exists():  # same content hash: same dataset, keep the existing copy
-            shutil.rmtree(tmp)
-        else:
-            os.replace(tmp, final)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return final
+
+    return atomic_dir(final, build)   # same content hash = same dataset: an existing copy is kept
 
 
 def _json_default(o: Any) -> Any:

@@ -7,10 +7,11 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import shutil
 import tempfile
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Iterable, Iterator
+from typing import Any, Callable, Iterable, Iterator
 
 KINDS = ("math", "python", "rust")
 
@@ -87,6 +88,24 @@ def atomic_write_text(path: str | os.PathLike, text: str) -> Path:
         Path(tmp).unlink(missing_ok=True)
         raise
     return path
+
+
+def atomic_dir(final: str | os.PathLike, build: Callable[[Path], None]) -> Path:
+    """Build a directory in a temp sibling, then rename it into place (never half-written). If `final`
+    appeared meanwhile (another process, or the same content), the existing one is kept."""
+    final = Path(final)
+    final.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=final.parent, prefix=f".{final.name}."))
+    try:
+        build(tmp)
+        if final.exists():
+            shutil.rmtree(tmp)
+        else:
+            os.replace(tmp, final)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return final
 
 
 def write_jsonl(path: str | os.PathLike, rows: Iterable[dict[str, Any]]) -> Path:

@@ -10,29 +10,21 @@ import logging
 import re
 import threading
 from concurrent.futures import ThreadPoolExecutor
-from fractions import Fraction
 from typing import Callable, Iterable, Sequence
 
 from grpo_core.data import formats, localrun
 from grpo_core.data.records import Rejection
 from grpo_core.data.schema import Task, TaskValidationError
+from grpo_core.rewards import parse_number
 
 BACKENDS = ("auto", "sandbox", "local", "none")
 Progress = Callable[[int], None]
 
 
-def _number(text: str) -> Fraction | None:
-    s = text.strip().strip("$").replace(",", "").replace(" ", "").rstrip(".")
-    try:
-        return Fraction(s)
-    except (ValueError, ZeroDivisionError):
-        return None
-
-
 def math_answer_parses(answer: str, timeout_s: float = 5.0) -> bool:
     """A plain number, or an expression with digits or LaTeX that math-verify can parse (run off the
     main thread, timed here). Free-text answers ("twelve-ish") do not parse."""
-    if _number(str(answer)) is not None:
+    if parse_number(str(answer)) is not None:
         return True
     if not re.search(r"\d|\\[a-zA-Z]+", str(answer)) or re.search(r"[a-zA-Z]{4,}", re.sub(r"\\[a-zA-Z]+", "", str(answer))):
         return False

@@ -1,18 +1,14 @@
 """update: one GRPO update on the scored rollouts; checkpoints adapter + optimizer state atomically."""
 from __future__ import annotations
 
-import os
 import random
-import shutil
-import tempfile
 from pathlib import Path
-from statistics import mean
 
 import torch
 from prefect import task
 from tqdm.auto import tqdm
 
-from grpo_core.data.schema import read_jsonl
+from grpo_core.data.schema import atomic_dir, read_jsonl
 from grpo_core.policy import load_policy
 from grpo_core.update import ScoredSample, grpo_update, make_optimizer, make_scheduler
 from tasks import tracking
@@ -45,18 +41,11 @@ def _set_rng_state(state: dict) -> None:
 def _save_outputs(policy, optimizer, scheduler, global_step: int, out: Path) -> Path:
     """Adapter (out/checkpoint/) and optimizer + scheduler + RNG (out/trainer_state.pt), all or nothing:
     both are written into a temp dir that is renamed into place; the stage record is written after."""
-    tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}."))
-    try:
+    def build(tmp: Path) -> None:
         policy.save(tmp / "checkpoint")
         torch.save({"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
                     "rng": _rng_state(), "global_step": global_step}, tmp / "trainer_state.pt")
-        if out.exists():
-            shutil.rmtree(out)
-        os.replace(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return out
+    return atomic_dir(out, build, replace=True)   # a re-run after a kill replaces the unrecorded outputs
 
 
 @task(name="update")
@@ -97,7 +86,6 @@ def update(config: dict, run_dir: str, iteration: int, samples: str, scores: str
     # Per-step metrics, one batched MLflow call per step; skip steps already logged (resume).
     score_metrics = read_json(Path(run_dir) / f"iter-{iteration}" / "score.json")["metrics"]
     rollout_rec = read_json(Path(run_dir) / f"iter-{iteration}" / "rollout.json")
-    lengths = [len(r["completion_ids"]) for r in rows]
     run_id = mlflow_run_id(run_dir)
     done_steps = tracking.logged_steps(cfg, run_id, "train/loss")
     for i, m in enumerate(steps):
@@ -109,10 +97,7 @@ def update(config: dict, run_dir: str, iteration: int, samples: str, scores: str
         if i == 0:
             metrics.update(score_metrics)
             metrics.update({f"train/{k}": v for k, v in batch_stats.items()})
-            metrics.update({"train/completion_length_mean": mean(lengths), "train/completion_length_max": max(lengths),
-                            "train/completion_length_min": min(lengths),
-                            "train/truncated_frac": mean(float(r["truncated"]) for r in rows),
-                            "sys/rollout_tokens_per_second": rollout_rec["tokens_per_second"],
+            metrics.update({"sys/rollout_tokens_per_second": rollout_rec["tokens_per_second"],
                             "sys/rollout_seconds": rollout_rec["seconds"]})
         tracking.log_metrics(cfg, run_id, metrics, step)
     tracking.log_artifacts(cfg, run_id, ckpt, f"adapters/iter-{iteration}")

@@ -90,14 +90,16 @@ def atomic_write_text(path: str | os.PathLike, text: str) -> Path:
     return path
 
 
-def atomic_dir(final: str | os.PathLike, build: Callable[[Path], None]) -> Path:
-    """Build a directory in a temp sibling, then rename it into place (never half-written). If `final`
-    appeared meanwhile (another process, or the same content), the existing one is kept."""
+def atomic_dir(final: str | os.PathLike, build: Callable[[Path], None], replace: bool = False) -> Path:
+    """Build a directory in a temp sibling, then rename it into place (never half-written). An existing
+    `final` is replaced when `replace`, else kept (another process won, or it has the same content)."""
     final = Path(final)
     final.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=final.parent, prefix=f".{final.name}."))
     try:
         build(tmp)
+        if final.exists() and replace:
+            shutil.rmtree(final)
         if final.exists():
             shutil.rmtree(tmp)
         else:

@@ -6,6 +6,7 @@ job to a fresh-state box, get the runner's reply) and may raise :class:`InfraErr
 """
 from __future__ import annotations
 
+import json
 import logging
 import os
 import time
@@ -31,6 +32,34 @@ class BoxDied(RuntimeError):
     def __init__(self, msg: str, timed_out: bool = False):
         super().__init__(msg)
         self.timed_out = timed_out
+
+
+class NonceChannel:
+    """The request/reply framing both backends' warm boxes share. Each request line starts with the
+    box's secret nonce and a sequence number; only a reply line with the same prefix counts, so
+    anything else the code prints (noise, stale replies, forgeries) is ignored. Subclasses provide
+    `nonce`, `_send(bytes)` and `_next_line(deadline) -> bytes` (raising BoxDied)."""
+    nonce: str
+    jobs_done: int = 0
+
+    def _send(self, data: bytes) -> None:
+        raise NotImplementedError
+
+    def _next_line(self, end: float) -> bytes:
+        raise NotImplementedError
+
+    def exchange(self, message: dict, deadline_s: float) -> dict:
+        self.jobs_done += 1
+        prefix = f"{self.nonce} {self.jobs_done} ".encode()
+        self._send(prefix + json.dumps(message).encode() + b"\n")
+        end = time.monotonic() + deadline_s
+        while True:
+            line = self._next_line(end)
+            if line.startswith(prefix):
+                try:
+                    return json.loads(line[len(prefix):])
+                except ValueError as e:
+                    raise BoxDied(f"garbled reply from the box ({e})") from e
 
 
 class Backend:

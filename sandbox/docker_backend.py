@@ -14,7 +14,6 @@ left behind by a dead process are reaped when a backend starts, and all of ours 
 from __future__ import annotations
 
 import atexit
-import json
 import logging
 import os
 import queue
@@ -30,7 +29,7 @@ import uuid
 from typing import Any
 
 from sandbox.api import Limits
-from sandbox.backends import RUNNER_PATH, Backend, BoxDied, InfraError
+from sandbox.backends import RUNNER_PATH, Backend, BoxDied, InfraError, NonceChannel
 from sandbox.images import IMAGES
 
 log = logging.getLogger("sandbox.docker")
@@ -109,7 +108,7 @@ def _pid_alive(pid: int) -> bool:
         return True
 
 
-class _Box:
+class _Box(NonceChannel):
     """One container with its supervisor and the attached stdin/stdout stream."""
 
     def __init__(self, client, image: str, language: str, lim: Limits, runner_dir: str,
@@ -152,19 +151,8 @@ class _Box:
             self.destroy()
             raise
 
-    def exchange(self, message: dict, deadline_s: float) -> dict:
-        self.jobs_done += 1
-        prefix = f"{self.nonce} {self.jobs_done} ".encode()
-        self.sock.sendall(prefix + json.dumps(message).encode() + b"\n")
-        end = time.monotonic() + deadline_s
-        while True:
-            line = self._next_line(end)
-            if line.startswith(prefix):
-                try:
-                    return json.loads(line[len(prefix):])
-                except ValueError as e:
-                    raise BoxDied(f"garbled reply from the box ({e})") from e
-            # anything else on the stream is noise, a stale reply or a forgery attempt: ignore
+    def _send(self, data: bytes) -> None:
+        self.sock.sendall(data)
 
     def _next_line(self, end: float) -> bytes:
         while not self._lines:

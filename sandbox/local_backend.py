@@ -27,7 +27,7 @@ import uuid
 from typing import Any
 
 from sandbox.api import Limits
-from sandbox.backends import RUNNER_PATH, Backend, BoxDied, InfraError
+from sandbox.backends import RUNNER_PATH, Backend, BoxDied, InfraError, NonceChannel
 
 log = logging.getLogger("sandbox.local")
 
@@ -196,12 +196,12 @@ class LocalBackend(Backend):
         return os.geteuid() == 0 and os.access(os.path.join(CGROUP_ROOT, "pids"), os.W_OK)
 
 
-class _LocalBox:
+class _LocalBox(NonceChannel):
     """A warm ``bwrap ... python_runner.py serve``: private PID namespace, one job at a time; the
     supervisor kills everything else in the namespace and wipes /tmp between jobs."""
 
     def __init__(self, argv: list[str], env: dict, cwd: str, cg: "_Cgroup | None"):
-        self.cg, self.nonce, self.seq = cg, secrets.token_hex(16), 0
+        self.cg, self.nonce, self.jobs_done = cg, secrets.token_hex(16), 0
         self._pending, self._lines, self.stderr_tail = b"", [], b""
         try:
             self.p = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
@@ -218,19 +218,6 @@ class _LocalBox:
             self.p.stdin.write(data)
         except OSError as e:
             raise BoxDied(f"the sandbox process is gone ({e})") from e
-
-    def exchange(self, message: dict, deadline_s: float) -> dict:
-        self.seq += 1
-        prefix = f"{self.nonce} {self.seq} ".encode()
-        self._send(prefix + json.dumps(message).encode() + b"\n")
-        end = time.monotonic() + deadline_s
-        while True:
-            line = self._next_line(end)
-            if line.startswith(prefix):
-                try:
-                    return json.loads(line[len(prefix):])
-                except ValueError as e:
-                    raise BoxDied(f"garbled reply from the sandbox ({e})") from e
 
     def _next_line(self, end: float) -> bytes:
         out, err = self.p.stdout.fileno(), self.p.stderr.fileno()

@@ -77,52 +77,82 @@ def chat_prompt_ids(tokenizer, task: Task, fmt: PromptFormat | str, max_prompt_l
     return list(ids)[-max_prompt_length:]
 
 
-class HFBackend:
-    """Batched sampling with transformers' `generate` (left padding, stops when every row has ended)."""
+def left_pad(rows: Sequence[list[int]], pad: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token-id rows -> left-padded input_ids [B, T] and attention_mask [B, T]."""
+    width = max(len(r) for r in rows)
+    input_ids = torch.full((len(rows), width), pad, dtype=torch.long)
+    attn = torch.zeros((len(rows), width), dtype=torch.long)
+    for r, ids in enumerate(rows):
+        input_ids[r, width - len(ids):] = torch.tensor(ids)
+        attn[r, width - len(ids):] = 1
+    return input_ids.to(device), attn.to(device)
+
+
+class BatchedBackend:
+    """What every local sampler shares: rows sorted by prompt length into batches (less padding), a
+    progress bar, eval mode while sampling, and groups handed back prompt-major. Subclasses implement
+    `_generate_batch(rows, params, generator) -> completion ids per row`."""
 
     def __init__(self, model, tokenizer, device: torch.device, batch_size: int = 64, progress: bool = True):
         self.model, self.tokenizer, self.device = model, tokenizer, device
         self.batch_size, self.progress = batch_size, progress
+
+    def _generator(self, seed: int) -> torch.Generator | None:
+        return torch.Generator(device=self.device).manual_seed(seed)
+
+    def _sampling(self):
+        """Context the whole rollout runs in."""
+        return contextlib.nullcontext()
+
+    def _generate_batch(self, rows: list[list[int]], params: SamplingParams, generator) -> list[list[int]]:
+        raise NotImplementedError
 
     @torch.inference_mode()
     def generate(self, prompts, n, params):
         rows = [p for p in prompts for _ in range(n)]                       # prompt-major: groups contiguous
         order = sorted(range(len(rows)), key=lambda i: len(rows[i]))       # bucket by length: less padding
         out: list[list[int] | None] = [None] * len(rows)
-        pad = self.tokenizer.pad_token_id
-        eos = self.tokenizer.eos_token_id
-        torch.manual_seed(params.seed)
+        generator = self._generator(params.seed)
         was_training = self.model.training
         self.model.eval()
         bar = tqdm(total=len(rows), desc="generate", unit="seq", disable=not self.progress, leave=False)
-        for start in range(0, len(rows), self.batch_size):
-            idx = order[start:start + self.batch_size]
-            width = max(len(rows[i]) for i in idx)
-            input_ids = torch.full((len(idx), width), pad, dtype=torch.long)
-            attn = torch.zeros((len(idx), width), dtype=torch.long)
-            for r, i in enumerate(idx):
-                input_ids[r, width - len(rows[i]):] = torch.tensor(rows[i])
-                attn[r, width - len(rows[i]):] = 1
-            kwargs = dict(max_new_tokens=params.max_new_tokens, pad_token_id=pad, eos_token_id=eos)
-            if params.greedy:
-                kwargs.update(do_sample=False, temperature=None, top_p=None, top_k=None)
-            else:
-                kwargs.update(do_sample=True, temperature=params.temperature, top_p=params.top_p,
-                              top_k=params.top_k or None)
-            gen = self.model.generate(input_ids=input_ids.to(self.device), attention_mask=attn.to(self.device),
-                                      **kwargs)[:, width:].cpu()
-            for r, i in enumerate(idx):
-                ids = gen[r].tolist()
-                if eos in ids:
-                    ids = ids[:ids.index(eos) + 1]
-                else:
-                    while ids and ids[-1] == pad:
-                        ids.pop()
-                out[i] = ids
-            bar.update(len(idx))
+        with self._sampling():
+            for start in range(0, len(rows), self.batch_size):
+                idx = order[start:start + self.batch_size]
+                for i, ids in zip(idx, self._generate_batch([rows[i] for i in idx], params, generator)):
+                    out[i] = ids
+                bar.update(len(idx))
         bar.close()
         self.model.train(was_training)
         return [out[k * n:(k + 1) * n] for k in range(len(prompts))]
+
+
+class HFBackend(BatchedBackend):
+    """Batched sampling with transformers' `generate` (left padding, stops when every row has ended)."""
+
+    def _generator(self, seed: int) -> None:
+        torch.manual_seed(seed)             # `generate` samples from the global generator
+        return None
+
+    def _generate_batch(self, rows, params, generator):
+        pad, eos = self.tokenizer.pad_token_id, self.tokenizer.eos_token_id
+        input_ids, attn = left_pad(rows, pad, self.device)
+        kwargs = dict(max_new_tokens=params.max_new_tokens, pad_token_id=pad, eos_token_id=eos)
+        if params.greedy:
+            kwargs.update(do_sample=False, temperature=None, top_p=None, top_k=None)
+        else:
+            kwargs.update(do_sample=True, temperature=params.temperature, top_p=params.top_p,
+                          top_k=params.top_k or None)
+        gen = self.model.generate(input_ids=input_ids, attention_mask=attn, **kwargs)[:, input_ids.size(1):].cpu()
+        out = []
+        for ids in gen.tolist():
+            if eos in ids:
+                ids = ids[:ids.index(eos) + 1]
+            else:
+                while ids and ids[-1] == pad:
+                    ids.pop()
+            out.append(ids)
+        return out
 
 
 def sample_next(logits: torch.Tensor, temperature: float, top_k: int, top_p: float, greedy: bool,
@@ -158,27 +188,25 @@ def merged_lora(model, enabled: bool = True):
             model.unmerge_adapter()
 
 
-class StaticBackend:
+class StaticBackend(BatchedBackend):
     """Our own sampling loop: one prefill, then one cached forward per token; rows that have ended are
     dropped from the batch (and from the KV cache) so late steps run only the long answers; stops when
     every row has ended. No logits-processor stack, no per-step Python overhead beyond one forward."""
 
     def __init__(self, model, tokenizer, device: torch.device, batch_size: int = 64, progress: bool = True,
                  merge_lora: bool = True):
-        self.model, self.tokenizer, self.device = model, tokenizer, device
-        self.batch_size, self.progress, self.merge_lora = batch_size, progress, merge_lora
+        super().__init__(model, tokenizer, device, batch_size, progress)
+        self.merge_lora = merge_lora
+
+    def _sampling(self):
+        return merged_lora(self.model, self.merge_lora)
 
     @torch.inference_mode()
     def _generate_batch(self, rows: list[list[int]], params: SamplingParams, generator) -> list[list[int]]:
         from transformers import DynamicCache
         pad, eos = self.tokenizer.pad_token_id, self.tokenizer.eos_token_id
-        B, width = len(rows), max(len(r) for r in rows)
-        input_ids = torch.full((B, width), pad, dtype=torch.long)
-        attn = torch.zeros((B, width), dtype=torch.long)
-        for r, ids in enumerate(rows):
-            input_ids[r, width - len(ids):] = torch.tensor(ids)
-            attn[r, width - len(ids):] = 1
-        input_ids, attn = input_ids.to(self.device), attn.to(self.device)
+        B = len(rows)
+        input_ids, attn = left_pad(rows, pad, self.device)
         pos = (attn.cumsum(-1) - 1).clamp(min=0)                                  # [B, T]
         cache = DynamicCache(config=self.model.config)
         out = self.model(input_ids=input_ids, attention_mask=attn, position_ids=pos, past_key_values=cache,
@@ -207,24 +235,6 @@ class StaticBackend:
             logits = out.logits[:, -1, :]
             next_pos = next_pos + 1
         return produced
-
-    def generate(self, prompts, n, params):
-        rows = [p for p in prompts for _ in range(n)]                       # prompt-major: groups contiguous
-        order = sorted(range(len(rows)), key=lambda i: len(rows[i]))       # bucket by length: less padding
-        out: list[list[int] | None] = [None] * len(rows)
-        generator = torch.Generator(device=self.device).manual_seed(params.seed)
-        was_training = self.model.training
-        self.model.eval()
-        bar = tqdm(total=len(rows), desc="generate", unit="seq", disable=not self.progress, leave=False)
-        with merged_lora(self.model, self.merge_lora):
-            for start in range(0, len(rows), self.batch_size):
-                idx = order[start:start + self.batch_size]
-                for i, ids in zip(idx, self._generate_batch([rows[i] for i in idx], params, generator)):
-                    out[i] = ids
-                bar.update(len(idx))
-        bar.close()
-        self.model.train(was_training)
-        return [out[k * n:(k + 1) * n] for k in range(len(prompts))]
 
 
 def make_backend(cfg, policy, progress: bool = True, merge_lora: bool = True) -> RolloutBackend:

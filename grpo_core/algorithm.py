@@ -52,10 +52,10 @@ def token_entropy(logits: torch.Tensor, temperature: float = 1.0) -> torch.Tenso
     return -(logp.exp() * logp).sum(-1)
 
 
-def _head_chunk(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, ids: torch.Tensor,
+def _head_chunk(hidden: torch.Tensor, head: torch.nn.Module, ids: torch.Tensor,
                 temperature: float, with_entropy: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """One chunk of rows: hidden [b, L, H] -> (logp [b, L], entropy [b, L] or empty) via the LM head."""
-    logits = F.linear(hidden, weight, bias)                               # [b, L, V]
+    logits = head(hidden)                                                 # [b, L, V]
     logp = token_logprobs(logits, ids, temperature)                       # [b, L]
     if not with_entropy:
         return logp, logp.new_zeros(0)
@@ -68,23 +68,24 @@ def _head_chunk(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
 KEEP_LOGITS_BYTES = 512 * 2**20
 
 
-def head_logprobs(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, ids: torch.Tensor,
-                  temperature: float = 1.0, chunk_rows: int = 4, with_entropy: bool = False,
+def head_logprobs(hidden: torch.Tensor, head: torch.nn.Linear, ids: torch.Tensor, temperature: float = 1.0,
+                  chunk: int = 256, with_entropy: bool = False,
                   keep_logits_bytes: int | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Per-token log-probs (and entropy) from final hidden states, `chunk_rows` sequences at a time.
+    """Per-token log-probs (and entropy) from final hidden states, `chunk` entries of dim 0 at a time.
 
-    Only [chunk_rows, L, V] logits exist at once in the forward pass. With autograd on and full logits
-    larger than `keep_logits_bytes`, each chunk is checkpointed: the backward pass recomputes that
-    chunk's logits instead of keeping [B, L, V] of them alive.
-    hidden: [B, L, H], weight: [V, H], ids: [B, L] -> logp [B, L], entropy [B, L] (detached) or None.
+    Only a chunk's logits exist at once in the forward pass. With autograd on and full logits larger
+    than `keep_logits_bytes`, each chunk is checkpointed: the backward pass recomputes that chunk's
+    logits instead of keeping all of them alive.
+    hidden: [N, ..., H], head: the LM head (weight [V, H]), ids: [N, ...] -> logp [N, ...], entropy
+    [N, ...] (detached) or None.
     """
     from torch.utils.checkpoint import checkpoint
     limit = KEEP_LOGITS_BYTES if keep_logits_bytes is None else keep_logits_bytes
-    big = hidden.size(0) * hidden.size(1) * weight.size(0) * 4 > limit
+    big = hidden.numel() // hidden.size(-1) * head.weight.size(0) * 4 > limit
     lps, ents = [], []
-    for s in range(0, hidden.size(0), chunk_rows):
-        args = (hidden[s:s + chunk_rows], weight, bias, ids[s:s + chunk_rows], temperature, with_entropy)
-        if big and torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad):
+    for s in range(0, hidden.size(0), chunk):
+        args = (hidden[s:s + chunk], head, ids[s:s + chunk], temperature, with_entropy)
+        if big and torch.is_grad_enabled() and (hidden.requires_grad or head.weight.requires_grad):
             lp, ent = checkpoint(_head_chunk, *args, use_reentrant=False)
         else:
             lp, ent = _head_chunk(*args)
@@ -212,14 +213,91 @@ def _shared_prompt_hidden(decoder, input_ids: torch.Tensor, attention_mask: torc
     return torch.cat([h_last, h_comp[:, :-1, :]], dim=1)                             # [B, Lc, H]
 
 
+def _layer_costs(config) -> tuple[float, float] | None:
+    """(FLOPs per token of one decoder layer's matmuls, FLOPs per query-key pair of its attention)."""
+    try:
+        h, i = config.hidden_size, config.intermediate_size
+        kv = h * config.num_key_value_heads // config.num_attention_heads
+    except (AttributeError, TypeError, ZeroDivisionError):
+        return None
+    return 2.0 * (2 * h * h + 2 * h * kv + 3 * h * i), 4.0 * h
+
+
+def _packed_groups(input_ids: torch.Tensor, attention_mask: torch.Tensor, completion_len: int, group_size: int,
+                   dtype: torch.dtype):
+    """Each group as one row [prompt | completion 1 | ... | completion G], completions unpadded.
+
+    Rows are [left-padded prompt | right-padded completion] in contiguous groups that share the prompt.
+    A completion token sees the real prompt tokens and the earlier tokens of its own completion, at the
+    positions generation used (prompt length + t). Returns ids [n, S], position_ids [n, S], an additive
+    mask [n, 1, S, S] (0 = may attend), and for each real completion token (row-major over [B, Lc]) the
+    flat index in [n * S] of the position whose hidden state predicts it.
+    """
+    B, T = input_ids.shape
+    P, G, n, dev = T - completion_len, group_size, B // group_size, input_ids.device
+    c_real = attention_mask[:, P:].bool()                                        # [B, Lc]
+    lengths = c_real.sum(-1).view(n, G)                                          # [n, G]
+    starts = P + lengths.cumsum(-1) - lengths                                    # [n, G] segment starts
+    S = P + int(lengths.sum(-1).max())
+    rows, t = c_real.nonzero(as_tuple=True)                                      # [N] real tokens
+    group = rows // G
+    dest = group * S + starts.view(-1)[rows] + t                                 # [N] flat packed index
+    p_attn = attention_mask[::G, :P].bool()                                      # [n, P]
+    ids = input_ids.new_zeros(n * S)
+    ids[dest] = input_ids[rows, P + t]
+    ids = ids.view(n, S)
+    ids[:, :P] = input_ids[::G, :P]
+    pos = torch.zeros(n * S, dtype=torch.long, device=dev)
+    pos[dest] = p_attn.sum(-1)[group] + t
+    pos = pos.view(n, S)
+    pos[:, :P] = (p_attn.long().cumsum(-1) - 1).clamp(min=0)
+    # segment of each position: 0 prompt, j + 1 completion j, and a distinct value per tail pad
+    seg = (G + 1 + torch.arange(S, device=dev)).repeat(n)                          # [n * S]
+    seg[dest] = rows % G + 1
+    seg = seg.view(n, S)
+    seg[:, :P] = 0
+    idx = torch.arange(S, device=dev)
+    causal = idx[None, :] <= idx[:, None]                                        # [S, S] key <= query
+    key_prompt = torch.zeros(n, S, dtype=torch.bool, device=dev)
+    key_prompt[:, :P] = p_attn
+    same = (seg[:, :, None] == seg[:, None, :]) & (seg[:, None, :] > 0)          # [n, S, S] own completion
+    allowed = causal & (key_prompt[:, None, :] | same) | torch.eye(S, dtype=torch.bool, device=dev)
+    mask = torch.zeros(n, 1, S, S, dtype=dtype, device=dev).masked_fill_(~allowed[:, None], torch.finfo(dtype).min)
+    src = torch.where(t == 0, group * S + P - 1, dest - 1)                        # [N] predicts each token
+    return ids, pos, mask, src
+
+
+PACKED_MASK_BYTES = 256 * 2**20       # the packed layout's [n, 1, S, S] mask may not grow beyond this
+
+
+def _pack_is_cheaper(config, input_ids: torch.Tensor, attention_mask: torch.Tensor, completion_len: int,
+                     group_size: int) -> bool:
+    """Estimated matmul + attention FLOPs: packed group rows vs shared prompt + padded completions."""
+    costs = _layer_costs(config)
+    if costs is None or getattr(config, "_attn_implementation", "sdpa") not in ("sdpa", "eager"):
+        return False                                     # e.g. flash-attention kernels ignore custom masks
+    per_token, per_pair = costs
+    B, T = input_ids.shape
+    P, n = T - completion_len, B // group_size
+    S = P + int(attention_mask[:, P:].sum(-1).view(n, group_size).sum(-1).max())
+    if n * S * S * 4 > PACKED_MASK_BYTES:
+        return False
+    packed = n * S * per_token + n * S * S * per_pair
+    padded = (n * P + B * completion_len) * per_token + (n * P * P + B * completion_len * T) * per_pair
+    return packed < padded
+
+
 def completion_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, completion_len: int,
                         temperature: float = 1.0, with_entropy: bool = False, chunk_rows: int = 4,
                         group_size: int = 1) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-probs of the last `completion_len` tokens of each row (and their entropy). -> [B, Lc] each.
 
-    Runs the decoder trunk once (each group's shared prompt only once when rows come in groups of
-    `group_size` with the same prompt), then the LM head chunk by chunk (`head_logprobs`), so the full
-    [B, Lc, V] logits never exist at once. Models without a trunk/head split fall back to full logits.
+    Rows are [left-padded prompt | right-padded completion]; padding positions get 0. When rows come
+    in groups of `group_size` sharing a prompt, each group's prompt runs once: either each group is
+    packed into one row of unpadded completions (`_packed_groups`) or the prompt's KV cache is repeated
+    to the rows, whichever costs fewer FLOPs. The LM head then runs only on real completion tokens,
+    `chunk_rows * completion_len` at a time (`head_logprobs`). Models without a trunk/head split fall
+    back to full logits.
     """
     ids = input_ids[:, -completion_len:]                                  # [B, Lc]
     decoder, head = _decoder_and_head(model)
@@ -227,17 +305,29 @@ def completion_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Te
         logits = completion_logits(model, input_ids, attention_mask, completion_len)
         ent = token_entropy(logits.detach(), temperature) if with_entropy else None
         return token_logprobs(logits, ids, temperature), ent
-    P = input_ids.size(1) - completion_len
-    # Gradient checkpointing turns the KV cache off in training mode, so the shared-prompt path needs it off.
+    B, T = input_ids.shape
+    P = T - completion_len
+    rows, cols = attention_mask[:, P:].bool().nonzero(as_tuple=True)          # [N] real completion tokens
+    shared = _groups_share_prompt(input_ids, attention_mask, P, group_size)
+    # Gradient checkpointing turns the KV cache off in training mode, so the repeated-KV path needs it off.
     checkpointing = getattr(decoder, "gradient_checkpointing", False) and decoder.training
-    if not checkpointing and _groups_share_prompt(input_ids, attention_mask, P, group_size):
-        hidden = _shared_prompt_hidden(decoder, input_ids, attention_mask, completion_len, group_size)
+    if shared and _pack_is_cheaper(decoder.config, input_ids, attention_mask, completion_len, group_size):
+        p_ids, p_pos, p_mask, src = _packed_groups(input_ids, attention_mask, completion_len, group_size,
+                                                   head.weight.dtype)
+        hidden = decoder(input_ids=p_ids, attention_mask=p_mask, position_ids=p_pos,
+                         use_cache=False).last_hidden_state                    # [n, S, H]
+        hidden = hidden.reshape(-1, hidden.size(-1))[src]                     # [N, H]
+    elif shared and not checkpointing:
+        hidden = _shared_prompt_hidden(decoder, input_ids, attention_mask, completion_len, group_size)[rows, cols]
     else:
         position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)     # [B, T]
         hidden = decoder(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                          use_cache=False).last_hidden_state                    # [B, T, H]
-        hidden = hidden[:, -completion_len - 1:-1, :]                         # [B, Lc, H] predicts ids
+        hidden = hidden[:, P - 1:-1, :][rows, cols]                           # [N, H] predicts ids
     scale = getattr(model.config, "logits_scaling", None) if hasattr(model, "config") else None
     if scale:                                                             # e.g. Granite divides logits
         temperature = temperature * scale
-    return head_logprobs(hidden, head.weight, head.bias, ids, temperature, chunk_rows, with_entropy)
+    lp, ent = head_logprobs(hidden, head, ids[rows, cols], temperature, chunk_rows * completion_len, with_entropy)
+    logp = lp.new_zeros(B, completion_len).index_put((rows, cols), lp)       # [B, Lc]
+    entropy = ent.new_zeros(B, completion_len).index_put((rows, cols), ent) if with_entropy else None
+    return logp, entropy

@@ -174,6 +174,10 @@ class GRPOConfig(_Section):
     lora_dropout: float = Field(0.0, ge=0, lt=1)
     lora_target_modules: list[str] = Field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"])
     gradient_checkpointing: bool = False
+    cpu_onednn_linear: bool = Field(
+        True, description="fp32 on CPU: run frozen linear layers through oneDNN with packed weights (same fp32 "
+                          "math, 2-3x faster than the default MKL path on AMD CPUs; costs one extra copy of the "
+                          "frozen weights, two while training)")
     # -- generation -------------------------------------------------------------------------
     num_generations: int = Field(8, ge=2, description="G: completions per prompt (a group)")
     max_prompt_length: int = Field(256, ge=8)

@@ -12,6 +12,7 @@ from pathlib import Path
 import torch
 
 from grpo_core.config import GRPOConfig
+from grpo_core.cpu_linear import use_onednn_linears
 from grpo_core.models import (ModelError, attach_lora, load_base_model, load_tokenizer, resolve_model,
                               select_device, select_dtype)
 
@@ -65,6 +66,10 @@ def load_policy(cfg: GRPOConfig, checkpoint: str | Path | None = None, need_refe
         if need_reference and cfg.beta != 0.0:
             ref = load_base_model(base_dir, device, dtype)
             ref.requires_grad_(False).eval()
+    if cfg.cpu_onednn_linear:
+        for m in (model, ref):
+            if m is not None:
+                use_onednn_linears(m)
     if cfg.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         if cfg.use_peft:

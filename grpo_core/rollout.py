@@ -10,8 +10,10 @@ from dataclasses import asdict, dataclass, field
 from typing import Protocol, Sequence
 
 import torch
+import torch.nn.functional as F
 from tqdm.auto import tqdm
 
+from grpo_core.cpu_linear import PackedLinear, sampling_weights
 from grpo_core.data.schema import Task
 
 
@@ -170,15 +172,50 @@ def sample_next(logits: torch.Tensor, temperature: float, top_k: int, top_p: flo
         drop = cum - sorted_logits.softmax(-1) >= top_p                        # keep the smallest set reaching top_p
         sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
         logits = torch.full_like(logits, float("-inf")).scatter(-1, order, sorted_logits)
-    probs = logits.softmax(-1)
-    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+    return draw(logits.softmax(-1), generator)
+
+
+def draw(probs: torch.Tensor, generator: torch.Generator | None, block: int = 256) -> torch.Tensor:
+    """One index per row of probs [B, V] -> [B], by inverse CDF in two levels (blocks of `block`
+    entries, then within the chosen block), with fp64 running sums.
+
+    Same distribution as torch.multinomial, at a fraction of its cost on the CPU (which draws V
+    exponentials per row); never returns a zero-probability index."""
+    B, V = probs.shape
+    nb = -(-V // block)
+    p = F.pad(probs, (0, nb * block - V)).view(B, nb, block)                         # [B, nb, blk]
+    block_cdf = p.sum(-1, dtype=torch.float64).cumsum(-1)                           # [B, nb]
+    u = torch.rand(B, 1, generator=generator, dtype=torch.float64, device=probs.device) * block_cdf[:, -1:]
+    b = torch.searchsorted(block_cdf, u, right=True).clamp_(max=nb - 1)              # [B, 1] block
+    below = torch.where(b > 0, block_cdf.gather(-1, (b - 1).clamp(min=0)), torch.zeros_like(u))
+    inner = p.gather(1, b[:, :, None].expand(B, 1, block))[:, 0].double().cumsum(-1)   # [B, blk]
+    j = torch.searchsorted(inner, u - below, right=True).clamp_(max=block - 1)      # [B, 1] in block
+    idx = (b * block + j).squeeze(-1)                                               # [B]
+    unlucky = probs.gather(-1, idx.clamp(max=V - 1)[:, None]).squeeze(-1) == 0      # fp64 rounding at an edge
+    if bool(unlucky.any()):
+        idx[unlucky] = torch.multinomial(probs[unlucky], 1, generator=generator).squeeze(-1)
+    return idx
+
+
+def _lora_layers(model) -> list:
+    return [m for m in model.modules() if hasattr(m, "get_delta_weight") and hasattr(m, "base_layer")]
 
 
 @contextlib.contextmanager
 def merged_lora(model, enabled: bool = True):
-    """Fold a LoRA adapter into the base weights for the duration (one matmul per projection while
-    sampling, instead of three), then unfold it. Exact up to float rounding; only used in fp32."""
-    can = enabled and hasattr(model, "merge_adapter") and next(model.parameters()).dtype == torch.float32
+    """Sample with the LoRA adapter folded into the base weights: one matmul per projection instead of
+    three. With oneDNN-packed base layers the merged weights are separate tensors used only inside the
+    block (the base weights are never touched); otherwise PEFT merges in place and unmerges after,
+    which is exact only up to float rounding, so that path runs only in fp32."""
+    layers = _lora_layers(model) if enabled and hasattr(model, "disable_adapter") else []
+    if layers and all(isinstance(m.base_layer, PackedLinear) for m in layers):
+        with torch.no_grad():
+            merged = [(m.base_layer, m.base_layer.weight + sum(m.get_delta_weight(a) for a in m.active_adapters))
+                      for m in layers]
+        with sampling_weights(merged), model.disable_adapter():
+            yield model
+        return
+    can = bool(layers) and hasattr(model, "merge_adapter") and next(model.parameters()).dtype == torch.float32
     if can:
         model.merge_adapter()
     try:
@@ -206,12 +243,19 @@ class StaticBackend(BatchedBackend):
         from transformers import DynamicCache
         pad, eos = self.tokenizer.pad_token_id, self.tokenizer.eos_token_id
         B = len(rows)
-        input_ids, attn = left_pad(rows, pad, self.device)
-        pos = (attn.cumsum(-1) - 1).clamp(min=0)                                  # [B, T]
+        # A group's rows share one prompt: prefill each distinct prompt once, then repeat its KV cache.
+        first: dict[tuple, int] = {}
+        which = torch.tensor([first.setdefault(tuple(r), len(first)) for r in rows], device=self.device)  # [B]
+        unique = list(first)
+        u_ids, u_attn = left_pad(unique, pad, self.device)                        # [U, T]
+        u_pos = (u_attn.cumsum(-1) - 1).clamp(min=0)
         cache = DynamicCache(config=self.model.config)
-        out = self.model(input_ids=input_ids, attention_mask=attn, position_ids=pos, past_key_values=cache,
+        out = self.model(input_ids=u_ids, attention_mask=u_attn, position_ids=u_pos, past_key_values=cache,
                          use_cache=True, logits_to_keep=1)
-        logits = out.logits[:, -1, :]                                              # [B, V]
+        if len(unique) < B:
+            cache.batch_select_indices(which)
+        logits = out.logits[which, -1, :]                                          # [B, V]
+        attn, pos = u_attn[which], u_pos[which]                                    # [B, T]
         next_pos = pos[:, -1] + 1                                                  # [B]
         alive = torch.arange(B, device=self.device)                                # original row of each live row
         produced: list[list[int]] = [[] for _ in range(B)]

@@ -177,10 +177,13 @@ def test_token_logprobs_and_entropy_match_log_softmax():
 def test_chunked_head_logprobs_value_and_gradient():
     g = torch.Generator().manual_seed(2)
     hidden = torch.randn(5, 6, 8, generator=g, requires_grad=True)
-    w = torch.randn(19, 8, generator=g, requires_grad=True)
+    head = torch.nn.Linear(8, 19, bias=False)
+    w = head.weight
+    with torch.no_grad():
+        w.copy_(torch.randn(19, 8, generator=g))
     ids = torch.randint(0, 19, (5, 6), generator=g)
     for keep in (0, 10**9):                   # checkpointed chunks, and chunks whose logits are kept
-        lp, ent = head_logprobs(hidden, w, None, ids, temperature=0.9, chunk_rows=2, with_entropy=True,
+        lp, ent = head_logprobs(hidden, head, ids, temperature=0.9, chunk=2, with_entropy=True,
                                 keep_logits_bytes=keep)
         lp_full = token_logprobs(hidden @ w.T, ids, 0.9)
         assert torch.allclose(lp, lp_full, atol=1e-5)
@@ -212,9 +215,13 @@ def test_completion_logprobs_match_unpadded_forward(tiny_model_dir):
             assert torch.allclose(lp_logits[r, :len(c)], own, atol=1e-4)
 
 
-def test_shared_prompt_path_equals_full_pass_value_and_gradient(tiny_model_dir):
-    """Groups of rows with one prompt: running the prompt once (KV repeated) == the full padded pass."""
+@pytest.mark.parametrize("layout", ["packed", "repeated_kv", "packed_checkpointed"])
+def test_shared_prompt_path_equals_full_pass_value_and_gradient(tiny_model_dir, monkeypatch, layout):
+    """Groups of rows with one prompt: running the prompt once (each group packed into one row of
+    unpadded completions, or the prompt's KV repeated) == the full padded pass, values and gradients."""
+    import grpo_core.algorithm as alg
     from grpo_core.algorithm import _groups_share_prompt
+    monkeypatch.setattr(alg, "_pack_is_cheaper", lambda *a: layout.startswith("packed"))
     from grpo_core.models import attach_lora
     from transformers import AutoModelForCausalLM
     model = attach_lora(AutoModelForCausalLM.from_pretrained(tiny_model_dir), 4, 8, 0.0, ["q_proj", "k_proj", "v_proj", "o_proj"])
@@ -234,6 +241,10 @@ def test_shared_prompt_path_equals_full_pass_value_and_gradient(tiny_model_dir):
     assert _groups_share_prompt(ids, attn, P, G) and not _groups_share_prompt(ids, attn, P, 2)
     mask = attn[:, P:].float()
     params = [p for p in model.parameters() if p.requires_grad]
+    if layout == "packed_checkpointed":
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.enable_input_require_grads()
+        model.train()
     out = []
     for gs in (1, G):
         lp, ent = completion_logprobs(model, ids, attn, C, with_entropy=True, group_size=gs)

@@ -7,7 +7,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from grpo_core.models import attach_lora, load_tokenizer
-from grpo_core.rollout import HFBackend, SamplingParams, StaticBackend, merged_lora, sample_next
+from grpo_core.rollout import HFBackend, SamplingParams, StaticBackend, draw, merged_lora, sample_next
 
 CPU = torch.device("cpu")
 
@@ -98,3 +98,22 @@ def test_merged_lora_is_exact_and_restored(tiny_model_dir):
     assert torch.allclose(ref, merged, atol=1e-5) and torch.allclose(ref, after, atol=1e-6)
     for n, p in model.named_parameters():
         assert torch.allclose(p, before[n], atol=1e-6), n
+
+
+def test_draw_matches_the_distribution_and_never_picks_zero_probability():
+    """Two-level inverse-CDF sampling over a vocabulary wider than one block: frequencies follow the
+    probabilities (chi-square), zero-probability entries (top-k / top-p masked) never come out."""
+    g = torch.Generator().manual_seed(0)
+    V = 1000
+    probs = torch.zeros(V)
+    support = torch.tensor([0, 255, 256, 511, 700, 999])           # block edges of 256 included
+    probs[support] = torch.tensor([0.05, 0.1, 0.2, 0.3, 0.15, 0.2])
+    n = 40000
+    picks = draw(probs.repeat(n, 1), g)
+    counts = torch.bincount(picks, minlength=V).float()
+    assert counts[probs == 0].sum() == 0
+    expected = probs[support] * n
+    chi2 = ((counts[support] - expected) ** 2 / expected).sum().item()
+    assert chi2 < 20.5                                              # p = 0.001 at 5 degrees of freedom
+    assert draw(probs.repeat(3, 1), torch.Generator().manual_seed(5)).tolist() == \
+        draw(probs.repeat(3, 1), torch.Generator().manual_seed(5)).tolist()

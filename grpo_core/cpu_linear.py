@@ -1,0 +1,134 @@
+"""fp32 linear layers on the CPU through oneDNN, with each weight packed once.
+
+PyTorch sends fp32 matmuls on the CPU to MKL. On AMD CPUs MKL takes a slow generic path, and for
+the skinny matrices of token-by-token sampling it is slow everywhere; oneDNN, with the weight
+reordered once into its blocked layout, runs the same fp32 arithmetic 2-3x faster on this machine
+(see bench/step_speed.py). The result is fp32 (no reduced-precision accumulation), equal to F.linear
+up to summation order.
+
+A packed copy costs the weight's memory again (another copy, made on the first backward pass,
+serves the input gradient), so only weights that do not train in this forward pass use it: the
+base model under LoRA, a frozen reference, the tied LM head, and any weight under no_grad (sampling,
+reference and old log-probs). A pack is rebuilt when its weight changes in place (its version
+counter moves), e.g. after an optimizer step in full fine-tuning.
+"""
+from __future__ import annotations
+
+import contextlib
+import functools
+import weakref
+
+import torch
+import torch.nn.functional as F
+
+
+def _pack(weight: torch.Tensor) -> torch.Tensor:
+    """[out, in] fp32 weight -> oneDNN blocked layout for `_linear_pointwise`."""
+    return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None)
+
+
+def _onednn_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+
+
+@functools.cache
+def available() -> bool:
+    """Can this torch build run packed oneDNN fp32 linears here, with fp32 results?"""
+    try:
+        if not torch.backends.mkldnn.is_available():
+            return False
+        g = torch.Generator().manual_seed(0)
+        w, x = torch.randn(48, 40, generator=g), torch.randn(5, 3, 40, generator=g)
+        got = _onednn_linear(x, _pack(w), None)
+        want = (x.double() @ w.double().T).float()
+        return bool(torch.allclose(got, want, rtol=1e-5, atol=1e-5))
+    except (RuntimeError, AttributeError):
+        return False
+
+
+class _PackedLinearFn(torch.autograd.Function):
+    """y = x W^T + b with W frozen: forward and the input gradient both run on packed weights."""
+
+    @staticmethod
+    def forward(ctx, x, layer: "PackedLinear", slot: str, weight):
+        ctx.layer = layer
+        return _onednn_linear(x, layer.packed(slot, weight), layer.bias)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        grad_x = _onednn_linear(grad_out, ctx.layer.packed_transposed(), None) if ctx.needs_input_grad[0] else None
+        return grad_x, None, None, None
+
+
+class PackedLinear(torch.nn.Linear):
+    """An nn.Linear (same parameters, same state dict) whose frozen fp32 CPU weight goes through oneDNN.
+
+    `sampling_weight`, when set, replaces the weight in no-grad forwards (e.g. base + LoRA merged for
+    sampling) without touching the parameter, so nothing drifts when the merge is undone."""
+
+    sampling_weight: torch.Tensor | None = None
+    _packs: dict | None = None          # slot -> (source weakref, source version, packed); slots: "w" the
+                                        # weight, "wt" its transpose, "s" the sampling weight
+
+    def _cached(self, slot: str, weight: torch.Tensor, make) -> torch.Tensor:
+        version = -1 if weight.is_inference() else weight._version    # inference tensors keep no counter
+        if self._packs is None:
+            self._packs = {}
+        hit = self._packs.get(slot)
+        if hit is None or hit[0]() is not weight or hit[1] != version:
+            hit = self._packs[slot] = (weakref.ref(weight), version, make(weight))
+        return hit[2]
+
+    def packed(self, slot: str, weight: torch.Tensor) -> torch.Tensor:
+        return self._cached(slot, weight, _pack)
+
+    def packed_transposed(self) -> torch.Tensor:
+        """W^T packed as a linear weight: grad_x = grad_y W."""
+        return self._cached("wt", self.weight, lambda w: _pack(w.detach().t().contiguous()))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        grad = torch.is_grad_enabled()
+        sampling = self.sampling_weight is not None and not grad
+        weight = self.sampling_weight if sampling else self.weight
+        trains = grad and (self.weight.requires_grad or (self.bias is not None and self.bias.requires_grad))
+        if trains or x.device.type != "cpu" or x.dtype != torch.float32 or weight.dtype != torch.float32:
+            return F.linear(x, weight, self.bias)
+        slot = "s" if sampling else "w"
+        if not (grad and x.requires_grad):                 # nothing to differentiate: skip autograd's wrapper
+            return _onednn_linear(x, self.packed(slot, weight), self.bias)
+        return _PackedLinearFn.apply(x, self, slot, weight)
+
+    def drop_pack(self, slot: str) -> None:
+        if self._packs:
+            self._packs.pop(slot, None)
+
+
+def use_onednn_linears(model: torch.nn.Module) -> int:
+    """Turn the model's plain fp32 CPU nn.Linear layers (not LoRA's own A/B) into PackedLinear, in place.
+
+    Parameters and state-dict keys are unchanged. Returns how many layers were converted (0 when
+    oneDNN is not usable here)."""
+    if not available():
+        return 0
+    n = 0
+    for name, module in model.named_modules():
+        if (type(module) is torch.nn.Linear and "lora_" not in name and module.weight.device.type == "cpu"
+                and module.weight.dtype == torch.float32):
+            module.__class__ = PackedLinear
+            n += 1
+    return n
+
+
+@contextlib.contextmanager
+def sampling_weights(layers_and_weights):
+    """Within the block, each PackedLinear uses the given weight for no-grad forwards."""
+    layers = []
+    try:
+        for layer, weight in layers_and_weights:
+            layer.sampling_weight = weight
+            layers.append(layer)
+        yield
+    finally:
+        for layer in layers:
+            layer.sampling_weight = None
+            layer.drop_pack("s")

@@ -177,7 +177,7 @@ class GRPOConfig(_Section):
     cpu_onednn_linear: bool = Field(
         True, description="fp32 on CPU: run frozen linear layers through oneDNN with packed weights (same fp32 "
                           "math, 2-3x faster than the default MKL path on AMD CPUs; costs one extra copy of the "
-                          "frozen weights, two while training)")
+                          "frozen weights)")
     # -- generation -------------------------------------------------------------------------
     num_generations: int = Field(8, ge=2, description="G: completions per prompt (a group)")
     max_prompt_length: int = Field(256, ge=8)

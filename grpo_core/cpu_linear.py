@@ -6,10 +6,9 @@ reordered once into its blocked layout, runs the same fp32 arithmetic 2-3x faste
 (see bench/step_speed.py). The result is fp32 (no reduced-precision accumulation), equal to F.linear
 up to summation order.
 
-A packed copy costs the weight's memory again (another copy, made on the first backward pass,
-serves the input gradient), so only weights that do not train in this forward pass use it: the
-base model under LoRA, a frozen reference, the tied LM head, and any weight under no_grad (sampling,
-reference and old log-probs). A pack is rebuilt when its weight changes in place (its version
+A packed copy costs the weight's memory again (the input gradient uses the plain weight, no copy),
+so only weights that do not train in this forward pass use it: the base model under LoRA, a frozen
+reference, the tied LM head, and any weight under no_grad (sampling, reference and old log-probs). A pack is rebuilt when its weight changes in place (its version
 counter moves), e.g. after an optimizer step in full fine-tuning.
 """
 from __future__ import annotations
@@ -56,7 +55,8 @@ class _PackedLinearFn(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_out):
-        grad_x = _onednn_linear(grad_out, ctx.layer.packed_transposed(), None) if ctx.needs_input_grad[0] else None
+        # grad_x = grad_y W: oneDNN takes the transposed view as it is (as fast as a pack at these sizes)
+        grad_x = _onednn_linear(grad_out, ctx.layer.weight.detach().t(), None) if ctx.needs_input_grad[0] else None
         return grad_x, None, None, None
 
 
@@ -68,7 +68,7 @@ class PackedLinear(torch.nn.Linear):
 
     sampling_weight: torch.Tensor | None = None
     _packs: dict | None = None          # slot -> (source weakref, source version, packed); slots: "w" the
-                                        # weight, "wt" its transpose, "s" the sampling weight
+                                        # weight, "s" the sampling weight
 
     def _cached(self, slot: str, weight: torch.Tensor, make) -> torch.Tensor:
         version = -1 if weight.is_inference() else weight._version    # inference tensors keep no counter
@@ -81,10 +81,6 @@ class PackedLinear(torch.nn.Linear):
 
     def packed(self, slot: str, weight: torch.Tensor) -> torch.Tensor:
         return self._cached(slot, weight, _pack)
-
-    def packed_transposed(self) -> torch.Tensor:
-        """W^T packed as a linear weight: grad_x = grad_y W."""
-        return self._cached("wt", self.weight, lambda w: _pack(w.detach().t().contiguous()))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         grad = torch.is_grad_enabled()

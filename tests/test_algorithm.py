@@ -254,3 +254,19 @@ def test_shared_prompt_path_equals_full_pass_value_and_gradient(tiny_model_dir, 
     assert torch.allclose(out[0][1], out[1][1], atol=1e-4)
     for a, b in zip(out[0][2], out[1][2]):
         assert torch.allclose(a, b, atol=1e-5)
+
+
+def test_pack_is_chosen_only_when_it_saves_work(tiny_model_dir):
+    from grpo_core.algorithm import _pack_is_cheaper
+    from transformers import AutoConfig
+    config = AutoConfig.from_pretrained(tiny_model_dir)
+    config._attn_implementation = "sdpa"                   # what loading the model resolves it to
+    G, P, C = 8, 6, 40
+    ids = torch.zeros(2 * G, P + C, dtype=torch.long)
+    short = torch.zeros_like(ids)
+    short[:, :P + 3] = 1                                   # answers of 3 tokens padded to 40: pack them
+    assert _pack_is_cheaper(config, ids, short, C, G)
+    full = torch.ones_like(ids)                            # every answer full length: nothing to unpad
+    assert not _pack_is_cheaper(config, ids, full, C, G)
+    config._attn_implementation = "flash_attention_2"      # ignores custom masks: never packed
+    assert not _pack_is_cheaper(config, ids, short, C, G)

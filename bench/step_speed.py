@@ -8,7 +8,8 @@ accuracy + format rewards on 1-digit addition, no gradient checkpointing, one op
     python bench/step_speed.py --steps 5 --bf16     # ours, bf16 (reported separately; never compared to fp32)
     python bench/step_speed.py --steps 3 --trl      # ours and TRL 1.16 side by side (pip install -e .[bench])
 
-Prints median seconds per step, completion tokens per second and peak RSS; with --trl also the ratio.
+Prints median seconds per step, completion tokens per second and peak RSS; with --trl also the ratios
+(s/step, and tokens/s, which does not depend on how long the sampled answers happened to be).
 The ratio is the figure to trust on a shared machine: both run in one invocation, interleaved step by
 step (TRL step k, then our step k), so both see the same load. Use --threads 1 on a busy machine: with
 more threads than free cores, OpenMP barriers make every matmul several times slower, for both.
@@ -221,7 +222,10 @@ def main(argv=None) -> dict:
     if args.trl:
         result["trl"] = summarise(f"TRL 1.16 {dtype}", times, tokens)
         result["ratio_trl_over_ours"] = result["trl"]["median_s"] / result["ours"]["median_s"]
-        print(f"speed-up (TRL median s/step / ours): {result['ratio_trl_over_ours']:.2f}x", flush=True)
+        result["ratio_tokens_per_s"] = result["ours"]["tokens_per_s"] / result["trl"]["tokens_per_s"]
+        print(f"speed-up (TRL median s/step / ours): {result['ratio_trl_over_ours']:.2f}x; in completion "
+              f"tokens/s (robust to how long the sampled answers came out): {result['ratio_tokens_per_s']:.2f}x",
+              flush=True)
     result["peak_rss_gb"] = peak_rss_gb()
     print(f"peak RSS of the process: {result['peak_rss_gb']:.2f} GB" + (" (both models)" if args.trl else ""),
           flush=True)

@@ -52,15 +52,42 @@ def token_entropy(logits: torch.Tensor, temperature: float = 1.0) -> torch.Tenso
     return -(logp.exp() * logp).sum(-1)
 
 
+class _PickedLogprob(torch.autograd.Function):
+    """token_logprobs and token_entropy in one sweep over the logits, with the softmax kept for a
+    one-pass backward: d logp / d logits = (onehot(id) - softmax) / T. Entropy is not differentiated.
+    logits: [n, V] fp32, ids: [n] -> logp [n], entropy [n] (zeros unless asked for)."""
+
+    @staticmethod
+    def forward(ctx, logits, ids, temperature: float, with_entropy: bool):
+        z = logits / temperature if temperature != 1.0 else logits               # [n, V]
+        m = z.amax(-1, keepdim=True)                                             # [n, 1]
+        e = (z - m).exp_()                                                       # [n, V] unnormalised probs
+        total = e.sum(-1, keepdim=True)                                          # [n, 1]
+        lse = (m + total.log()).squeeze(-1)                                      # [n]
+        logp = z.gather(-1, ids[:, None]).squeeze(-1) - lse                      # [n]
+        # H = lse - sum(p * z)
+        ent = lse - torch.linalg.vecdot(e, z) / total.squeeze(-1) if with_entropy else torch.zeros_like(lse)
+        if ctx.needs_input_grad[0]:
+            ctx.save_for_backward(e.div_(total), ids)                            # softmax, in place
+            ctx.temperature = temperature
+        return logp, ent
+
+    @staticmethod
+    def backward(ctx, grad_logp, grad_ent):
+        probs, ids = ctx.saved_tensors
+        grad = probs.mul(-grad_logp[:, None])                                    # [n, V]
+        grad.scatter_add_(-1, ids[:, None], grad_logp[:, None])
+        if ctx.temperature != 1.0:
+            grad.div_(ctx.temperature)
+        return grad, None, None, None
+
+
 def _head_chunk(hidden: torch.Tensor, head: torch.nn.Module, ids: torch.Tensor,
                 temperature: float, with_entropy: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """One chunk of rows: hidden [b, L, H] -> (logp [b, L], entropy [b, L] or empty) via the LM head."""
-    logits = head(hidden)                                                 # [b, L, V]
-    logp = token_logprobs(logits, ids, temperature)                       # [b, L]
-    if not with_entropy:
-        return logp, logp.new_zeros(0)
-    with torch.no_grad():
-        return logp, token_entropy(logits, temperature)
+    """One chunk: hidden [n, ..., H] -> (logp [n, ...], entropy [n, ...] or empty) via the LM head."""
+    logits = head(hidden).float()                                         # [n, ..., V]
+    logp, ent = _PickedLogprob.apply(logits.reshape(-1, logits.size(-1)), ids.reshape(-1), temperature, with_entropy)
+    return logp.view(ids.shape), (ent.detach().view(ids.shape) if with_entropy else logp.new_zeros(0))
 
 
 # Below this many bytes of full fp32 logits ([B, L, V]) the backward pass keeps them rather than

@@ -15,6 +15,7 @@ from tqdm.auto import tqdm
 
 from grpo_core.cpu_linear import PackedLinear, sampling_weights
 from grpo_core.data.schema import Task
+from grpo_core.lean_decode import LeanDecoder
 
 
 @dataclass
@@ -225,44 +226,66 @@ def merged_lora(model, enabled: bool = True):
             model.unmerge_adapter()
 
 
+class _HFForward:
+    """The sampler's forward through the model's own call, with a transformers DynamicCache (any
+    architecture). Same interface as lean_decode.LeanDecoder."""
+
+    def __init__(self, model):
+        self.model = model
+
+    def prefill(self, ids: torch.Tensor, attn: torch.Tensor, max_new_tokens: int) -> torch.Tensor:
+        from transformers import DynamicCache
+        pos = (attn.cumsum(-1) - 1).clamp(min=0)                                      # [b, T]
+        self.cache = DynamicCache(config=self.model.config)
+        out = self.model(input_ids=ids, attention_mask=attn, position_ids=pos, past_key_values=self.cache,
+                         use_cache=True, logits_to_keep=1)
+        self.attn, self.next_pos = attn, pos[:, -1] + 1
+        return out.logits[:, -1, :]                                                    # [b, V]
+
+    def select(self, rows: torch.Tensor) -> None:
+        self.cache.batch_select_indices(rows)
+        self.attn, self.next_pos = self.attn[rows], self.next_pos[rows]
+
+    def step(self, tokens: torch.Tensor) -> torch.Tensor:
+        self.attn = torch.cat([self.attn, self.attn.new_ones(self.attn.size(0), 1)], dim=1)  # [b, T+1]
+        out = self.model(input_ids=tokens[:, None], attention_mask=self.attn, position_ids=self.next_pos[:, None],
+                         past_key_values=self.cache, use_cache=True)
+        self.next_pos = self.next_pos + 1
+        return out.logits[:, -1, :]
+
+
 class StaticBackend(BatchedBackend):
-    """Our own sampling loop: one prefill, then one cached forward per token; rows that have ended are
-    dropped from the batch (and from the KV cache) so late steps run only the long answers; stops when
-    every row has ended. No logits-processor stack, no per-step Python overhead beyond one forward."""
+    """Our own sampling loop: one prefill (each distinct prompt once), then one cached forward per
+    token; rows that have ended are dropped from the batch (and from the KV cache) so late steps run
+    only the long answers; stops when every row has ended. Llama-family models run through a lean
+    forward (`lean_decode`); others through the model's own call with a transformers cache."""
 
     def __init__(self, model, tokenizer, device: torch.device, batch_size: int = 64, progress: bool = True,
-                 merge_lora: bool = True):
+                 merge_lora: bool = True, lean: bool = True):
         super().__init__(model, tokenizer, device, batch_size, progress)
         self.merge_lora = merge_lora
+        self.forward = (LeanDecoder.of(model) if lean else None) or _HFForward(model)
 
     def _sampling(self):
         return merged_lora(self.model, self.merge_lora)
 
     @torch.inference_mode()
     def _generate_batch(self, rows: list[list[int]], params: SamplingParams, generator) -> list[list[int]]:
-        from transformers import DynamicCache
         pad, eos = self.tokenizer.pad_token_id, self.tokenizer.eos_token_id
         B = len(rows)
-        # A group's rows share one prompt: prefill each distinct prompt once, then repeat its KV cache.
+        # A group's rows share one prompt: prefill each distinct prompt once, then copy its KV cache.
         first: dict[tuple, int] = {}
         which = torch.tensor([first.setdefault(tuple(r), len(first)) for r in rows], device=self.device)  # [B]
-        unique = list(first)
-        u_ids, u_attn = left_pad(unique, pad, self.device)                        # [U, T]
-        u_pos = (u_attn.cumsum(-1) - 1).clamp(min=0)
-        cache = DynamicCache(config=self.model.config)
-        out = self.model(input_ids=u_ids, attention_mask=u_attn, position_ids=u_pos, past_key_values=cache,
-                         use_cache=True, logits_to_keep=1)
-        if len(unique) < B:
-            cache.batch_select_indices(which)
-        logits = out.logits[which, -1, :]                                          # [B, V]
-        attn, pos = u_attn[which], u_pos[which]                                    # [B, T]
-        next_pos = pos[:, -1] + 1                                                  # [B]
+        u_ids, u_attn = left_pad(list(first), pad, self.device)                   # [U, T]
+        logits = self.forward.prefill(u_ids, u_attn, params.max_new_tokens)       # [U, V]
+        if len(first) < B:
+            self.forward.select(which)
+        logits = logits[which]                                                     # [B, V]
         alive = torch.arange(B, device=self.device)                                # original row of each live row
         produced: list[list[int]] = [[] for _ in range(B)]
         for t in range(params.max_new_tokens):
             tok = sample_next(logits, params.temperature, params.top_k, params.top_p, params.greedy, generator)
-            tok_list, alive_list = tok.tolist(), alive.tolist()
-            for r, tk in zip(alive_list, tok_list):
+            for r, tk in zip(alive.tolist(), tok.tolist()):
                 produced[r].append(tk)
             done = tok == eos                                                      # [b]
             if t == params.max_new_tokens - 1:
@@ -271,13 +294,9 @@ class StaticBackend(BatchedBackend):
                 keep = (~done).nonzero().squeeze(-1)
                 if keep.numel() == 0:
                     break
-                cache.batch_select_indices(keep)
-                alive, tok, attn, next_pos = alive[keep], tok[keep], attn[keep], next_pos[keep]
-            attn = torch.cat([attn, attn.new_ones(attn.size(0), 1)], dim=1)       # [b, T+1]
-            out = self.model(input_ids=tok.unsqueeze(1), attention_mask=attn, position_ids=next_pos.unsqueeze(1),
-                             past_key_values=cache, use_cache=True)
-            logits = out.logits[:, -1, :]
-            next_pos = next_pos + 1
+                self.forward.select(keep)
+                alive, tok = alive[keep], tok[keep]
+            logits = self.forward.step(tok)
         return produced
 
 

@@ -25,11 +25,17 @@ def prompts_of(tok):
     return [tok("12+3=")["input_ids"], tok("hello")["input_ids"], tok("a much longer prompt here")["input_ids"]]
 
 
-def test_static_backend_greedy_equals_hf_generate(tiny):
+@pytest.mark.parametrize("lean", [True, False])
+def test_static_backend_greedy_equals_hf_generate(tiny, lean):
+    """Both forwards of our sampler (the lean Llama one and the model's own call), with each group's
+    prompt prefilled once, give transformers' generate's greedy answers."""
+    from grpo_core.lean_decode import LeanDecoder
     model, tok = tiny
     params = SamplingParams(max_new_tokens=12, greedy=True)
     hf = HFBackend(model, tok, CPU, batch_size=2, progress=False).generate(prompts_of(tok), 2, params)
-    ours = StaticBackend(model, tok, CPU, batch_size=4, progress=False).generate(prompts_of(tok), 2, params)
+    backend = StaticBackend(model, tok, CPU, batch_size=4, progress=False, lean=lean)
+    assert isinstance(backend.forward, LeanDecoder) == lean
+    ours = backend.generate(prompts_of(tok), 2, params)
     assert ours == hf
     assert len({tuple(g[0]) for g in ours}) > 1            # prompts really give different answers
 

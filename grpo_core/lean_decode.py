@@ -1,0 +1,128 @@
+"""A lean sampling forward for Llama-family decoders (Llama, SmolLM2, Qwen2).
+
+It calls the model's own modules (embedding, norms, projections, rotary embedding, MLP, LM head)
+directly, with a preallocated KV cache and one boolean key mask, and skips what transformers does
+around them on every call (mask building, cache classes, kwargs plumbing, output objects). On a CPU
+that machinery costs about as much as the matmuls of a one-token step of a 135M model.
+
+Shapes: b rows, T cache length, H query heads, Hkv key/value heads (H = Hkv * rep), d head dim.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2")
+
+
+def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotary embedding as Llama applies it: x * cos + rotate_half(x) * sin."""
+    half = x.size(-1) // 2
+    return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
+
+
+@dataclass
+class KVState:
+    keys: list[torch.Tensor]        # per layer [b, Hkv, Tmax, d]
+    values: list[torch.Tensor]
+    valid: torch.Tensor             # [b, Tmax] bool: key may be attended (left padding is not)
+    next_pos: torch.Tensor          # [b] rotary position of the next token
+    length: int                     # cache slots filled (same for every row)
+
+    def select(self, rows: torch.Tensor) -> None:
+        """Keep only `rows` (indices may repeat: a shared prompt's cache copied to its group)."""
+        self.keys = [k[rows] for k in self.keys]
+        self.values = [v[rows] for v in self.values]
+        self.valid, self.next_pos = self.valid[rows], self.next_pos[rows]
+
+
+class LeanDecoder:
+    """A sampler's forward: prefill(ids, attention_mask, max_new) -> last logits; select(rows) keeps
+    rows of the cache; step(tokens) -> next logits."""
+
+    def __init__(self, base):
+        inner = base.model
+        self.embed, self.layers, self.norm, self.rotary = inner.embed_tokens, inner.layers, inner.norm, inner.rotary_emb
+        self.head = base.lm_head
+        attn = self.layers[0].self_attn
+        self.d = attn.head_dim
+        self.n_kv = base.config.num_key_value_heads
+        self.rep = base.config.num_attention_heads // self.n_kv
+        self.scale = attn.scaling
+
+    @classmethod
+    def of(cls, model) -> "LeanDecoder | None":
+        """The lean decoder for `model` (plain or PEFT-wrapped), or None when its architecture is not one
+        this forward reproduces exactly."""
+        base = model.get_base_model() if hasattr(model, "get_base_model") else model
+        cfg = getattr(base, "config", None)
+        if (getattr(cfg, "model_type", None) not in SUPPORTED_MODEL_TYPES or getattr(cfg, "use_sliding_window", False)
+                or getattr(cfg, "final_logit_softcapping", None) or getattr(cfg, "logits_scaling", None)):
+            return None
+        inner = getattr(base, "model", None)
+        if not all(hasattr(inner, a) for a in ("embed_tokens", "layers", "norm", "rotary_emb")) or not hasattr(base, "lm_head"):
+            return None
+        return cls(base)
+
+    def _layer(self, i: int, x: torch.Tensor, cos, sin, state: KVState, mask: torch.Tensor, t0: int) -> torch.Tensor:
+        layer = self.layers[i]
+        attn = layer.self_attn
+        b, n, _ = x.shape
+        h = layer.input_layernorm(x)
+        q = attn.q_proj(h).view(b, n, self.n_kv * self.rep, self.d).transpose(1, 2)      # [b, H, n, d]
+        k = attn.k_proj(h).view(b, n, self.n_kv, self.d).transpose(1, 2)                 # [b, Hkv, n, d]
+        v = attn.v_proj(h).view(b, n, self.n_kv, self.d).transpose(1, 2)
+        cos, sin = cos[:, None], sin[:, None]                                            # [b, 1, n, d]
+        q, k = _rope(q, cos, sin), _rope(k, cos, sin)
+        state.keys[i][:, :, t0:t0 + n] = k
+        state.values[i][:, :, t0:t0 + n] = v
+        keys, values = state.keys[i][:, :, :t0 + n], state.values[i][:, :, :t0 + n]     # [b, Hkv, T, d]
+        if n == 1:
+            # One query per head: view the query heads sharing a KV head as that head's queries, so the
+            # KV cache is never repeated. [b, Hkv, rep, d] -> [b, Hkv, rep, d]
+            o = F.scaled_dot_product_attention(q.reshape(b, self.n_kv, self.rep, self.d), keys, values,
+                                               attn_mask=mask, scale=self.scale)
+        else:
+            o = F.scaled_dot_product_attention(q, keys.repeat_interleave(self.rep, 1),
+                                               values.repeat_interleave(self.rep, 1), attn_mask=mask, scale=self.scale)
+        o = o.reshape(b, self.n_kv * self.rep, n, self.d).transpose(1, 2).reshape(b, n, -1)  # [b, n, H*d]
+        x = x + attn.o_proj(o)
+        return x + layer.mlp(layer.post_attention_layernorm(x))
+
+    def _forward(self, ids: torch.Tensor, pos: torch.Tensor, state: KVState, mask: torch.Tensor) -> torch.Tensor:
+        x = self.embed(ids)                                                               # [b, n, C]
+        cos, sin = self.rotary(x, pos)                                                    # [b, n, d]
+        t0 = state.length
+        for i in range(len(self.layers)):
+            x = self._layer(i, x, cos, sin, state, mask, t0)
+        state.length = t0 + ids.size(1)
+        return self.head(self.norm(x[:, -1]))                                             # [b, V]
+
+    def prefill(self, ids: torch.Tensor, attention_mask: torch.Tensor, max_new_tokens: int) -> torch.Tensor:
+        """Left-padded prompts ids/attention_mask [b, T] -> logits of the last position [b, V]; the KV
+        cache (room for max_new_tokens more) is kept for `step`."""
+        b, T = ids.shape
+        Tmax = T + max_new_tokens
+        dtype = self.embed.weight.dtype
+        new = lambda: torch.zeros(b, self.n_kv, Tmax, self.d, dtype=dtype, device=ids.device)  # noqa: E731
+        valid = torch.zeros(b, Tmax, dtype=torch.bool, device=ids.device)
+        valid[:, :T] = attention_mask.bool()
+        pos = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)                         # [b, T]
+        self.state = KVState([new() for _ in self.layers], [new() for _ in self.layers], valid, pos[:, -1] + 1, 0)
+        causal = torch.ones(T, T, dtype=torch.bool, device=ids.device).tril()
+        mask = (causal & valid[:, None, :T]) | torch.eye(T, dtype=torch.bool, device=ids.device)  # pads see self
+        return self._forward(ids, pos, self.state, mask[:, None])
+
+    def select(self, rows: torch.Tensor) -> None:
+        self.state.select(rows)
+
+    def step(self, tokens: torch.Tensor) -> torch.Tensor:
+        """tokens [b] at the next positions -> next-token logits [b, V]."""
+        state = self.state
+        t = state.length
+        state.valid[:, t] = True
+        logits = self._forward(tokens[:, None], state.next_pos[:, None], state, state.valid[:, None, None, :t + 1])
+        state.next_pos = state.next_pos + 1
+        return logits

@@ -10,6 +10,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from grpo_core.lean_decode import LeanDecoder
+
 
 def group_advantages(rewards: torch.Tensor, group_size: int, scale_rewards: str = "group",
                      eps: float = 1e-4) -> torch.Tensor:
@@ -294,6 +296,53 @@ def _packed_groups(input_ids: torch.Tensor, attention_mask: torch.Tensor, comple
     return ids, pos, mask, src
 
 
+def _segment_attention(input_ids: torch.Tensor, attention_mask: torch.Tensor, completion_len: int, group_size: int):
+    """Attention for the packed group rows of `_packed_groups` that computes only the pairs its mask
+    allows: the prompt attends to itself, and each completion to the prompt plus its own earlier
+    tokens, gathered as [B, Lmax] query blocks against [P + Lmax] keys instead of S x S per row.
+    Returns attend(q [n, H, S, d], k, v [n, Hkv, S, d], scale) -> [n, H, S, d]; positions past the
+    last completion of a row get zeros (nothing reads them)."""
+    B, T = input_ids.shape
+    P, G, n, dev = T - completion_len, group_size, B // group_size, input_ids.device
+    c_real = attention_mask[:, P:].bool()                                        # [B, Lc]
+    lengths = c_real.sum(-1)                                                     # [B]
+    starts = (P + lengths.view(n, G).cumsum(-1) - lengths.view(n, G)).view(-1)   # [B]
+    S = P + int(lengths.view(n, G).sum(-1).max())
+    Lm = max(int(lengths.max()), 1)
+    group = torch.arange(B, device=dev) // G
+    t = torch.arange(Lm, device=dev)
+    in_seg = t[None, :] < lengths[:, None]                                       # [B, Lm]
+    gidx = group[:, None] * S + (starts[:, None] + t).clamp(max=S - 1)          # [B, Lm] flat packed index
+    p_attn = attention_mask[::G, :P].bool()                                      # [n, P]
+    causal_p = torch.ones(P, P, dtype=torch.bool, device=dev).tril()
+    prompt_mask = ((causal_p & p_attn[:, None, :]) | torch.eye(P, dtype=torch.bool, device=dev))[:, None]
+    own = (t[:, None] >= t[None, :])[None] & in_seg[:, None, :]                  # [B, Lm, Lm]
+    seg_mask = torch.cat([p_attn[group][:, None, :].expand(B, Lm, P), own], -1)[:, None]  # [B, 1, Lm, P+Lm]
+    dest = gidx[in_seg]                                                          # [N]
+    keep = in_seg.view(-1).nonzero().squeeze(-1)                                 # [N] rows of [B * Lm]
+
+    def attend(q, k, v, scale):
+        H, Hkv, d = q.size(1), k.size(1), q.size(-1)
+        rep = H // Hkv
+        o_prompt = F.scaled_dot_product_attention(
+            q[:, :, :P], k[:, :, :P].repeat_interleave(rep, 1), v[:, :, :P].repeat_interleave(rep, 1),
+            attn_mask=prompt_mask, scale=scale)                                  # [n, H, P, d]
+        def segments(x):            # [n, h, S, d] -> [B, h, Lm, d]; index_select: its backward is index_add
+            h = x.size(1)
+            return x.transpose(1, 2).reshape(n * S, h, d).index_select(0, gidx.view(-1)).view(B, Lm, h, d).transpose(1, 2)
+
+        qs = segments(q)                                                         # [B, H, Lm, d]
+        ks = torch.cat([k[:, :, :P].index_select(0, group), segments(k)], 2).repeat_interleave(rep, 1)
+        vs = torch.cat([v[:, :, :P].index_select(0, group), segments(v)], 2).repeat_interleave(rep, 1)
+        o_seg = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=seg_mask, scale=scale)  # [B, H, Lm, d]
+        real = o_seg.transpose(1, 2).reshape(B * Lm, H, d).index_select(0, keep)  # [N, H, d]
+        out = q.new_zeros(n * S, H, d).index_copy(0, dest, real)
+        out = out.view(n, S, H, d).transpose(1, 2)                                 # [n, H, S, d]
+        return torch.cat([o_prompt, out[:, :, P:]], 2)
+
+    return attend
+
+
 PACKED_MASK_BYTES = 256 * 2**20       # the packed layout's [n, 1, S, S] mask may not grow beyond this
 
 
@@ -341,8 +390,13 @@ def completion_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Te
     if shared and _pack_is_cheaper(decoder.config, input_ids, attention_mask, completion_len, group_size):
         p_ids, p_pos, p_mask, src = _packed_groups(input_ids, attention_mask, completion_len, group_size,
                                                    head.weight.dtype)
-        hidden = decoder(input_ids=p_ids, attention_mask=p_mask, position_ids=p_pos,
-                         use_cache=False).last_hidden_state                    # [n, S, H]
+        lean = None if checkpointing else LeanDecoder.of(model)
+        if lean is not None:                  # attention only over the allowed pairs
+            attend = _segment_attention(input_ids, attention_mask, completion_len, group_size)
+            hidden = lean.trunk(p_ids, p_pos, attend)                          # [n, S, H]
+        else:
+            hidden = decoder(input_ids=p_ids, attention_mask=p_mask, position_ids=p_pos,
+                             use_cache=False).last_hidden_state                # [n, S, H]
         hidden = hidden.reshape(-1, hidden.size(-1))[src]                     # [N, H]
     elif shared and not checkpointing:
         hidden = _shared_prompt_hidden(decoder, input_ids, attention_mask, completion_len, group_size)[rows, cols]

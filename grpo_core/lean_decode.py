@@ -100,6 +100,25 @@ class LeanDecoder:
         state.length = t0 + ids.size(1)
         return self.head(self.norm(x[:, -1]))                                             # [b, V]
 
+    def trunk(self, ids: torch.Tensor, pos: torch.Tensor, attend) -> torch.Tensor:
+        """Final hidden states [b, n, C] of ids [b, n] at positions pos [b, n], without a cache, with
+        `attend(q [b, H, n, d], k, v [b, Hkv, n, d], scale) -> [b, H, n, d]` as the attention (e.g. one
+        that knows which tokens may see which). Differentiable: the update's forward."""
+        x = self.embed(ids)
+        cos, sin = self.rotary(x, pos)
+        cos, sin = cos[:, None], sin[:, None]                                             # [b, 1, n, d]
+        b, n, _ = x.shape
+        for layer in self.layers:
+            attn = layer.self_attn
+            h = layer.input_layernorm(x)
+            q = _rope(attn.q_proj(h).view(b, n, -1, self.d).transpose(1, 2), cos, sin)   # [b, H, n, d]
+            k = _rope(attn.k_proj(h).view(b, n, -1, self.d).transpose(1, 2), cos, sin)   # [b, Hkv, n, d]
+            v = attn.v_proj(h).view(b, n, -1, self.d).transpose(1, 2)
+            o = attend(q, k, v, self.scale)                                               # [b, H, n, d]
+            x = x + attn.o_proj(o.transpose(1, 2).reshape(b, n, -1))
+            x = x + layer.mlp(layer.post_attention_layernorm(x))
+        return self.norm(x)
+
     def prefill(self, ids: torch.Tensor, attention_mask: torch.Tensor, max_new_tokens: int) -> torch.Tensor:
         """Left-padded prompts ids/attention_mask [b, T] -> logits of the last position [b, V]; the KV
         cache (room for max_new_tokens more) is kept for `step`."""

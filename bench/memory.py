@@ -3,16 +3,17 @@ hidden 2048, 16 layers, 32/8 heads, MLP 8192, vocab 128256, tied embeddings = 1.
 r=16 on q/k/v/o, G = 8 completions of 256 new tokens, gradient checkpointing on, beta > 0 (the
 reference pass runs), bf16 on CUDA.
 
-    python bench/memory.py                      # CUDA if present (the real measurement), else CPU
-    python bench/memory.py --layers 2 4 --new-tokens 256 --skip-generate   # CPU: measure, then extrapolate
+    python bench/memory.py                      # CUDA if present (bf16), else CPU (fp32), whole model
+    python bench/memory.py --layers 2 4 --skip-generate   # shallower copies, then extrapolate to 16 layers
 
 Phases, each with the peak so far: weights loaded, after generation (KV cache), after the reference and
 policy forward/backward of the update, after the optimizer step. On CUDA the figures are
 torch.cuda.max_memory_allocated; on CPU peak RSS of the process (includes the Python/torch runtime).
-On a CPU a 1B step takes too long to run whole, so --layers runs shallower copies of the same model
-(identical width, vocabulary, batch and sequence length) and extrapolates linearly in the layer count to
-16 layers: weights and checkpointed activations grow linearly with depth; the per-chunk LM-head
-logits, the embedding and the runtime do not. The extrapolation is printed as an estimate, not a measurement.
+On a CPU the whole 1B step takes a few minutes with the fp32 linears on oneDNN (--onednn). --layers
+runs shallower copies of the same model (identical width, vocabulary, batch and sequence length) and,
+without 16 among them, extrapolates linearly in the layer count to 16 layers: weights and checkpointed
+activations grow linearly with depth; the per-chunk LM-head logits, the embedding and the runtime do
+not. The extrapolation is printed as an estimate, not a measurement.
 """
 from __future__ import annotations
 
@@ -29,6 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 
 from grpo_core.algorithm import completion_logprobs, grpo_loss, group_advantages  # noqa: E402
+from grpo_core.cpu_linear import use_onednn_linears  # noqa: E402
 from grpo_core.models import attach_lora  # noqa: E402
 from grpo_core.rollout import SamplingParams, StaticBackend  # noqa: E402
 
@@ -55,6 +57,8 @@ def one_step(layers: int, args, device, dtype) -> dict:
         base = LlamaForCausalLM(cfg).to(dtype)
     n_params = sum(p.numel() for p in base.parameters())
     model = attach_lora(base, 16, 32, 0.0, ["q_proj", "k_proj", "v_proj", "o_proj"])
+    if device.type == "cpu" and args.onednn != "off":
+        use_onednn_linears(model, pack=args.onednn == "packed")
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.enable_input_require_grads()
     out = {"layers": layers, "params_b": n_params / 1e9, "phases": {}}
@@ -95,12 +99,16 @@ def one_step(layers: int, args, device, dtype) -> dict:
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
-    ap.add_argument("--layers", type=int, nargs="+", default=None, help="default: 16 on CUDA, '2 4' on CPU")
+    ap.add_argument("--layers", type=int, nargs="+", default=None, help="depths to run (default: 16, the whole model)")
     ap.add_argument("--group-size", type=int, default=8)
     ap.add_argument("--prompt-tokens", type=int, default=64)
     ap.add_argument("--new-tokens", type=int, default=256)
     ap.add_argument("--chunk-rows", type=int, default=2)
     ap.add_argument("--skip-generate", action="store_true", help="random completions instead of sampling them")
+    ap.add_argument("--onednn", default="plain", choices=["plain", "packed", "off"],
+                    help="CPU only: fp32 linears through oneDNN reading the plain weights (default: fast, no extra "
+                         "memory), with packed copies (the pipeline's default: +1 copy of the frozen weights), or "
+                         "PyTorch's default MKL path")
     ap.add_argument("--json")
     ap.add_argument("--single", type=int, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
@@ -112,7 +120,7 @@ def main(argv=None):
     device = torch.device("cuda" if args.device == "auto" and torch.cuda.is_available() else
                           ("cpu" if args.device == "auto" else args.device))
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    layers = args.layers or ([16] if device.type == "cuda" else [2, 4])
+    layers = args.layers or [16]
     res = {"device": str(device), "dtype": str(dtype), "group_size": args.group_size, "new_tokens": args.new_tokens,
            "runs": []}
     for n in layers:
@@ -125,7 +133,8 @@ def main(argv=None):
             with tempfile.NamedTemporaryFile(suffix=".json") as f:
                 cmd = [sys.executable, __file__, "--single", str(n), "--device", "cpu", "--json", f.name,
                        "--group-size", str(args.group_size), "--prompt-tokens", str(args.prompt_tokens),
-                       "--new-tokens", str(args.new_tokens), "--chunk-rows", str(args.chunk_rows)]
+                       "--new-tokens", str(args.new_tokens), "--chunk-rows", str(args.chunk_rows),
+                       "--onednn", args.onednn]
                 subprocess.run(cmd + (["--skip-generate"] if args.skip_generate else []), check=True)
                 r = json.loads(Path(f.name).read_text())
         res["runs"].append(r)

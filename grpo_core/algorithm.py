@@ -253,14 +253,14 @@ def _layer_costs(config) -> tuple[float, float] | None:
 
 
 def _packed_groups(input_ids: torch.Tensor, attention_mask: torch.Tensor, completion_len: int, group_size: int,
-                   dtype: torch.dtype):
+                   dtype: torch.dtype | None):
     """Each group as one row [prompt | completion 1 | ... | completion G], completions unpadded.
 
     Rows are [left-padded prompt | right-padded completion] in contiguous groups that share the prompt.
     A completion token sees the real prompt tokens and the earlier tokens of its own completion, at the
     positions generation used (prompt length + t). Returns ids [n, S], position_ids [n, S], an additive
-    mask [n, 1, S, S] (0 = may attend), and for each real completion token (row-major over [B, Lc]) the
-    flat index in [n * S] of the position whose hidden state predicts it.
+    mask [n, 1, S, S] of `dtype` (0 = may attend; None when dtype is None), and for each real completion
+    token (row-major over [B, Lc]) the flat index in [n * S] of the position whose hidden state predicts it.
     """
     B, T = input_ids.shape
     P, G, n, dev = T - completion_len, group_size, B // group_size, input_ids.device
@@ -280,6 +280,9 @@ def _packed_groups(input_ids: torch.Tensor, attention_mask: torch.Tensor, comple
     pos[dest] = p_attn.sum(-1)[group] + t
     pos = pos.view(n, S)
     pos[:, :P] = (p_attn.long().cumsum(-1) - 1).clamp(min=0)
+    src = torch.where(t == 0, group * S + P - 1, dest - 1)                        # [N] predicts each token
+    if dtype is None:
+        return ids, pos, None, src
     # segment of each position: 0 prompt, j + 1 completion j, and a distinct value per tail pad
     seg = (G + 1 + torch.arange(S, device=dev)).repeat(n)                          # [n * S]
     seg[dest] = rows % G + 1
@@ -292,7 +295,6 @@ def _packed_groups(input_ids: torch.Tensor, attention_mask: torch.Tensor, comple
     same = (seg[:, :, None] == seg[:, None, :]) & (seg[:, None, :] > 0)          # [n, S, S] own completion
     allowed = causal & (key_prompt[:, None, :] | same) | torch.eye(S, dtype=torch.bool, device=dev)
     mask = torch.zeros(n, 1, S, S, dtype=dtype, device=dev).masked_fill_(~allowed[:, None], torch.finfo(dtype).min)
-    src = torch.where(t == 0, group * S + P - 1, dest - 1)                        # [N] predicts each token
     return ids, pos, mask, src
 
 
@@ -369,9 +371,10 @@ def completion_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Te
     """Log-probs of the last `completion_len` tokens of each row (and their entropy). -> [B, Lc] each.
 
     Rows are [left-padded prompt | right-padded completion]; padding positions get 0. When rows come
-    in groups of `group_size` sharing a prompt, each group's prompt runs once: either each group is
-    packed into one row of unpadded completions (`_packed_groups`) or the prompt's KV cache is repeated
-    to the rows, whichever costs fewer FLOPs. The LM head then runs only on real completion tokens,
+    in groups of `group_size` sharing a prompt, each group's prompt runs once: each group is packed into
+    one row of unpadded completions (`_packed_groups`; Llama-family models through the lean trunk with
+    `_segment_attention`, others through a block mask when that costs fewer FLOPs), or else the
+    prompt's KV cache is repeated to the rows. The LM head then runs only on real completion tokens,
     `chunk_rows * completion_len` at a time (`head_logprobs`). Models without a trunk/head split fall
     back to full logits.
     """
@@ -387,16 +390,19 @@ def completion_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Te
     shared = _groups_share_prompt(input_ids, attention_mask, P, group_size)
     # Gradient checkpointing turns the KV cache off in training mode, so the repeated-KV path needs it off.
     checkpointing = getattr(decoder, "gradient_checkpointing", False) and decoder.training
-    if shared and _pack_is_cheaper(decoder.config, input_ids, attention_mask, completion_len, group_size):
+    # Llama-family models take the lean trunk, whose attention computes only the allowed pairs: packing
+    # then never costs more than repeating the prompt's KV cache. Others pay S x S per packed row.
+    lean = None if checkpointing or not shared else LeanDecoder.of(model)
+    if lean is not None:
+        p_ids, p_pos, _, src = _packed_groups(input_ids, attention_mask, completion_len, group_size, None)
+        attend = _segment_attention(input_ids, attention_mask, completion_len, group_size)
+        hidden = lean.trunk(p_ids, p_pos, attend)                              # [n, S, H]
+        hidden = hidden.reshape(-1, hidden.size(-1))[src]                     # [N, H]
+    elif shared and _pack_is_cheaper(decoder.config, input_ids, attention_mask, completion_len, group_size):
         p_ids, p_pos, p_mask, src = _packed_groups(input_ids, attention_mask, completion_len, group_size,
                                                    head.weight.dtype)
-        lean = None if checkpointing else LeanDecoder.of(model)
-        if lean is not None:                  # attention only over the allowed pairs
-            attend = _segment_attention(input_ids, attention_mask, completion_len, group_size)
-            hidden = lean.trunk(p_ids, p_pos, attend)                          # [n, S, H]
-        else:
-            hidden = decoder(input_ids=p_ids, attention_mask=p_mask, position_ids=p_pos,
-                             use_cache=False).last_hidden_state                # [n, S, H]
+        hidden = decoder(input_ids=p_ids, attention_mask=p_mask, position_ids=p_pos,
+                         use_cache=False).last_hidden_state                    # [n, S, H]
         hidden = hidden.reshape(-1, hidden.size(-1))[src]                     # [N, H]
     elif shared and not checkpointing:
         hidden = _shared_prompt_hidden(decoder, input_ids, attention_mask, completion_len, group_size)[rows, cols]

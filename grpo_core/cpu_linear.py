@@ -67,6 +67,7 @@ class PackedLinear(torch.nn.Linear):
     sampling) without touching the parameter, so nothing drifts when the merge is undone."""
 
     sampling_weight: torch.Tensor | None = None
+    pack: bool = True                   # False: oneDNN reads the plain weight (no extra copy, slower at small batch)
     _packs: dict | None = None          # slot -> (source weakref, source version, packed); slots: "w" the
                                         # weight, "s" the sampling weight
 
@@ -80,7 +81,7 @@ class PackedLinear(torch.nn.Linear):
         return hit[2]
 
     def packed(self, slot: str, weight: torch.Tensor) -> torch.Tensor:
-        return self._cached(slot, weight, _pack)
+        return self._cached(slot, weight, _pack) if self.pack else weight.detach()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         grad = torch.is_grad_enabled()
@@ -99,11 +100,12 @@ class PackedLinear(torch.nn.Linear):
             self._packs.pop(slot, None)
 
 
-def use_onednn_linears(model: torch.nn.Module) -> int:
+def use_onednn_linears(model: torch.nn.Module, pack: bool = True) -> int:
     """Turn the model's plain fp32 CPU nn.Linear layers (not LoRA's own A/B) into PackedLinear, in place.
 
-    Parameters and state-dict keys are unchanged. Returns how many layers were converted (0 when
-    oneDNN is not usable here)."""
+    Parameters and state-dict keys are unchanged. pack=False skips the packed copies (no extra
+    memory; sampling is slower). Returns how many layers were converted (0 when oneDNN is not usable
+    here)."""
     if not available():
         return 0
     n = 0
@@ -111,6 +113,7 @@ def use_onednn_linears(model: torch.nn.Module) -> int:
         if (type(module) is torch.nn.Linear and "lora_" not in name and module.weight.device.type == "cpu"
                 and module.weight.dtype == torch.float32):
             module.__class__ = PackedLinear
+            module.pack = pack
             n += 1
     return n
 

@@ -215,13 +215,16 @@ def test_completion_logprobs_match_unpadded_forward(tiny_model_dir):
             assert torch.allclose(lp_logits[r, :len(c)], own, atol=1e-4)
 
 
-@pytest.mark.parametrize("layout", ["packed", "repeated_kv", "packed_checkpointed"])
+@pytest.mark.parametrize("layout", ["lean_segments", "packed_mask", "repeated_kv", "packed_checkpointed"])
 def test_shared_prompt_path_equals_full_pass_value_and_gradient(tiny_model_dir, monkeypatch, layout):
     """Groups of rows with one prompt: running the prompt once (each group packed into one row of
-    unpadded completions, or the prompt's KV repeated) == the full padded pass, values and gradients."""
+    unpadded completions, through the lean trunk or a block mask, or the prompt's KV repeated) == the
+    full padded pass, values and gradients."""
     import grpo_core.algorithm as alg
     from grpo_core.algorithm import _groups_share_prompt
-    monkeypatch.setattr(alg, "_pack_is_cheaper", lambda *a: layout.startswith("packed"))
+    if layout != "lean_segments":
+        monkeypatch.setattr(alg.LeanDecoder, "of", classmethod(lambda cls, model: None))
+    monkeypatch.setattr(alg, "_pack_is_cheaper", lambda *a: layout != "repeated_kv")
     from grpo_core.models import attach_lora
     from transformers import AutoModelForCausalLM
     model = attach_lora(AutoModelForCausalLM.from_pretrained(tiny_model_dir), 4, 8, 0.0, ["q_proj", "k_proj", "v_proj", "o_proj"])

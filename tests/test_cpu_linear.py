@@ -23,11 +23,13 @@ def packed_copy(layer: torch.nn.Linear) -> PackedLinear:
     return out
 
 
+@pytest.mark.parametrize("pack", [True, False])
 @pytest.mark.parametrize("shape", [(7, 40), (3, 5, 40), (1, 40)])
-def test_values_and_input_gradient_match_nn_linear(shape):
+def test_values_and_input_gradient_match_nn_linear(shape, pack):
     torch.manual_seed(0)
     plain = torch.nn.Linear(40, 24).requires_grad_(False)
     fast = packed_copy(plain).requires_grad_(False)
+    fast.pack = pack
     x = torch.randn(*shape, requires_grad=True)
     y_plain, y_fast = plain(x), fast(x)
     assert torch.allclose(y_fast, y_plain, atol=1e-5) and y_fast.dtype == torch.float32
@@ -35,6 +37,7 @@ def test_values_and_input_gradient_match_nn_linear(shape):
     (gx_plain,) = torch.autograd.grad(y_plain, x, g)
     (gx_fast,) = torch.autograd.grad(y_fast, x, g)
     assert torch.allclose(gx_fast, gx_plain, atol=1e-5)
+    assert (fast._packs is not None) == pack                   # unpacked: no copy of the weight is kept
 
 
 def test_trainable_weight_falls_back_and_gets_its_gradient():

@@ -2,7 +2,6 @@
 curate -> rollout -> score -> update -> evaluate, each stage a retryable Prefect task."""
 from __future__ import annotations
 
-import shutil
 import time
 from pathlib import Path
 
@@ -11,9 +10,8 @@ from prefect.runtime import flow_run
 
 from grpo_core.config import ConfigError, GRPOConfig
 from grpo_core.data.schema import atomic_write_text
-from tasks import tracking
-from tasks.common import (mark_running, mlflow_run_id, read_json, retry_transient_only, semantic_config, update_run_state,
-                          write_json)
+from tasks import run as run_steps, tracking
+from tasks.common import mark_running, read_json, retry_transient_only, semantic_config, update_run_state, write_json
 from tasks.curate import curate
 from tasks.evaluate import evaluate
 from tasks.rollout import rollout
@@ -46,7 +44,7 @@ def _dynamic_sampling(cfg: GRPOConfig, config: dict, run_dir: str, iteration: in
     iter-<k>/dynamic-<r>/, then merge the informative groups into iter-<k>/{samples,scores}.dynamic.jsonl.
     Each round is made of the ordinary stage tasks, so it is retried and resumed like them."""
     from grpo_core import dynamic_sampling as dsamp
-    from grpo_core.data.schema import read_jsonl, write_jsonl
+    from grpo_core.data.schema import read_jsonl
     stage = lambda fn, name: _with_retries(fn, cfg, name)
     target = cfg.data.prompts_per_iteration
     rounds = [(list(read_jsonl(ro["samples"])), list(read_jsonl(sc["scores"])))]
@@ -65,12 +63,7 @@ def _dynamic_sampling(cfg: GRPOConfig, config: dict, run_dir: str, iteration: in
         xs = stage(score, "score")(xconfig, str(sub), iteration, xc["prompts"], xr["samples"])
         rounds.append((list(read_jsonl(xr["samples"])), list(read_jsonl(xs["scores"]))))
         informative += dsamp.count_informative(*rounds[-1])
-    merged_s, merged_c, stats = dsamp.merge_rounds(rounds, target)
-    samples = write_jsonl(it_dir / "samples.dynamic.jsonl", merged_s)
-    scores = write_jsonl(it_dir / "scores.dynamic.jsonl", merged_c)
-    if (run_id := mlflow_run_id(run_dir)):    # None when iteration_flow runs on its own; stats still returned
-        tracking.log_metrics(cfg, run_id, {f"data/dynamic_sampling/{k}": v for k, v in stats.items()}, iteration)
-    return str(samples), str(scores), stats
+    return run_steps.merge_dynamic_rounds(cfg, run_dir, iteration, rounds)
 
 
 @flow(name="grpo-iteration")
@@ -127,45 +120,6 @@ def preflight(cfg: GRPOConfig) -> None:
         _check_same_config(cfg, run_dir_of(cfg))
 
 
-def _init_checkpoint(cfg: GRPOConfig, run_dir: Path, run_id: str) -> str | None:
-    """Resolve config.init_adapter once per run into run_dir/init_adapter (a stable path = stable stage keys)."""
-    if not cfg.init_adapter:
-        return None
-    state = read_json(run_dir / "run.json")
-    if state.get("init_adapter_path") and Path(state["init_adapter_path"]).exists():
-        return state["init_adapter_path"]
-    uri = cfg.init_adapter
-    if uri == "previous":
-        uri = tracking.previous_best_adapter(cfg, exclude_run_id=run_id)
-        if uri is None:
-            update_run_state(run_dir, init_adapter_uri=None)
-            return None        # first run of a schedule: start from the base model
-    local = tracking.download_adapter(uri, run_dir / ".init_adapter_download", tracking.tracking_uri(cfg))
-    dst = run_dir / "init_adapter"
-    if local.resolve() != dst.resolve():
-        if dst.exists():
-            shutil.rmtree(dst)
-        shutil.copytree(local, dst)
-        shutil.rmtree(run_dir / ".init_adapter_download", ignore_errors=True)
-    update_run_state(run_dir, init_adapter_uri=uri, init_adapter_path=str(dst))
-    tracking.set_tags(cfg, run_id, {"init_adapter": uri})
-    return str(dst)
-
-
-def _dataset_hash(cfg: GRPOConfig, run_dir: Path) -> str:
-    files = sorted((run_dir / "data").glob("*.jsonl"))
-    return tracking.file_hash(*files, extra={"data": cfg.data.model_dump(mode="json"), "seed": cfg.seed})
-
-
-def _numbers(d: dict | None, prefix: str) -> dict[str, float]:
-    out = {}
-    for k, v in (d or {}).items():
-        if isinstance(v, bool) or not isinstance(v, (int, float)):
-            continue
-        out[k if "/" in k else f"{prefix}{k}"] = float(v)
-    return out
-
-
 @flow(name="grpo-training-run")
 def training_run(config: dict) -> dict:
     """A whole training run. `config` is a GRPOConfig as a dict. Re-running it with the same run_name (or
@@ -186,7 +140,7 @@ def training_run(config: dict) -> dict:
         raise
     evals, checkpoint, state, registered = {}, None, None, None
     try:
-        checkpoint = _init_checkpoint(cfg, run_dir, run_id)
+        checkpoint = run_steps.init_checkpoint(cfg, run_dir, run_id)
         if cfg.eval.enabled:
             evals[0] = _with_retries(evaluate, cfg, "evaluate")(config, str(run_dir), 0, checkpoint)["metrics"]
         for k in range(1, cfg.pipeline_iterations + 1):
@@ -196,16 +150,16 @@ def training_run(config: dict) -> dict:
             if res.get("evaluate"):
                 evals[k] = res["evaluate"]["metrics"]
             cur = res.get("curate") or {}
-            metrics = {**_numbers(cur.get("metrics"), "data/"), **_numbers(cur.get("sources"), "data/source/"),
+            metrics = {**run_steps.numeric(cur.get("metrics"), "data/"), **run_steps.numeric(cur.get("sources"), "data/source/"),
                        "sys/iteration_seconds": time.perf_counter() - t0}
             if "num_prompts" in cur:
                 metrics["data/num_prompts"] = cur["num_prompts"]
             tracking.log_metrics(cfg, run_id, metrics, step=k)
             if k == 1:
-                tracking.set_tags(cfg, run_id, {"dataset_hash": _dataset_hash(cfg, run_dir)})
+                tracking.set_tags(cfg, run_id, {"dataset_hash": run_steps.dataset_hash(cfg, run_dir)})
         registered = read_json(run_dir / "run.json").get("registered_model")
         if registered is None:         # once per run: a re-run of a finished run does not add a version
-            registered = _register(cfg, run_id, evals)
+            registered = run_steps.register_best_adapter(cfg, run_id, evals)
             update_run_state(run_dir, registered_model=registered)
     except BaseException as e:
         update_run_state(run_dir, status="failed", error=f"{type(e).__name__}: {e}"[:500],
@@ -218,15 +172,3 @@ def training_run(config: dict) -> dict:
     write_json(run_dir / "summary.json", summary)
     update_run_state(run_dir, status="finished", error=None, updated=time.strftime("%Y-%m-%dT%H:%M:%S%z"))
     return summary
-
-
-def _register(cfg: GRPOConfig, run_id: str, evals: dict) -> dict | None:
-    """Register the best-by-eval (or the final) iteration's adapter in the MLflow Model Registry."""
-    if cfg.tracking.register_adapter == "none" or not cfg.tracking.registered_model_name:
-        return None
-    final = cfg.pipeline_iterations
-    it = final
-    scored = {k: m[cfg.tracking.best_metric] for k, m in evals.items() if k >= 1 and cfg.tracking.best_metric in m}
-    if cfg.tracking.register_adapter == "best" and scored:
-        it = max(scored, key=lambda k: (scored[k], k))     # ties: the later iteration
-    return tracking.register_adapter(cfg, run_id, it, evals.get(it))

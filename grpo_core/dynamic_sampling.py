@@ -7,7 +7,7 @@ fraction for code), never at the shaped total reward: a format bonus that differ
 all-wrong answers must not make that group count as informative.
 
 Pure Python over the rollout/score rows (dicts as in samples.jsonl / scores.jsonl); the refill loop that
-runs extra rollout rounds lives in the flow (flows/train.py, iteration_flow).
+runs extra rollout rounds lives in the flow (flows/train.py, iteration_flow); the merge in tasks/run.py.
 """
 from __future__ import annotations
 

@@ -1,0 +1,78 @@
+"""Run-level steps of a training run that are not stages: resolving the starting adapter, merging DAPO
+dynamic-sampling rounds, registering the best adapter, and small helpers for run metrics. The flow
+(flows/train.py) only composes these with the stage tasks."""
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+from grpo_core import dynamic_sampling as dsamp
+from grpo_core.config import GRPOConfig
+from grpo_core.data.schema import write_jsonl
+from tasks import tracking
+from tasks.common import mlflow_run_id, read_json, update_run_state
+
+
+def init_checkpoint(cfg: GRPOConfig, run_dir: Path, run_id: str) -> str | None:
+    """Resolve config.init_adapter once per run into run_dir/init_adapter (a stable path = stable stage keys)."""
+    if not cfg.init_adapter:
+        return None
+    state = read_json(run_dir / "run.json")
+    if state.get("init_adapter_path") and Path(state["init_adapter_path"]).exists():
+        return state["init_adapter_path"]
+    uri = cfg.init_adapter
+    if uri == "previous":
+        uri = tracking.previous_best_adapter(cfg, exclude_run_id=run_id)
+        if uri is None:
+            update_run_state(run_dir, init_adapter_uri=None)
+            return None        # first run of a schedule: start from the base model
+    local = tracking.download_adapter(uri, run_dir / ".init_adapter_download", tracking.tracking_uri(cfg))
+    dst = run_dir / "init_adapter"
+    if local.resolve() != dst.resolve():
+        if dst.exists():
+            shutil.rmtree(dst)
+        shutil.copytree(local, dst)
+        shutil.rmtree(run_dir / ".init_adapter_download", ignore_errors=True)
+    update_run_state(run_dir, init_adapter_uri=uri, init_adapter_path=str(dst))
+    tracking.set_tags(cfg, run_id, {"init_adapter": uri})
+    return str(dst)
+
+
+def dataset_hash(cfg: GRPOConfig, run_dir: Path) -> str:
+    files = sorted((run_dir / "data").glob("*.jsonl"))
+    return tracking.file_hash(*files, extra={"data": cfg.data.model_dump(mode="json"), "seed": cfg.seed})
+
+
+def numeric(d: dict | None, prefix: str) -> dict[str, float]:
+    """The numbers of a stage record as metrics, prefixed unless their name has a '/'."""
+    out = {}
+    for k, v in (d or {}).items():
+        if isinstance(v, bool) or not isinstance(v, (int, float)):
+            continue
+        out[k if "/" in k else f"{prefix}{k}"] = float(v)
+    return out
+
+
+def merge_dynamic_rounds(cfg: GRPOConfig, run_dir: str, iteration: int,
+                         rounds: list[tuple[list[dict], list[dict]]]) -> tuple[str, str, dict]:
+    """Merge the informative groups of the first rollout and its refill rounds into
+    iter-<k>/{samples,scores}.dynamic.jsonl; log the dropped/kept counts. -> (samples, scores, stats)."""
+    it_dir = Path(run_dir) / f"iter-{iteration}"
+    merged_s, merged_c, stats = dsamp.merge_rounds(rounds, cfg.data.prompts_per_iteration)
+    samples = write_jsonl(it_dir / "samples.dynamic.jsonl", merged_s)
+    scores = write_jsonl(it_dir / "scores.dynamic.jsonl", merged_c)
+    if (run_id := mlflow_run_id(run_dir)):    # None when iteration_flow runs on its own; stats still returned
+        tracking.log_metrics(cfg, run_id, {f"data/dynamic_sampling/{k}": v for k, v in stats.items()}, iteration)
+    return str(samples), str(scores), stats
+
+
+def register_best_adapter(cfg: GRPOConfig, run_id: str, evals: dict) -> dict | None:
+    """Register the best-by-eval (or the final) iteration's adapter in the MLflow Model Registry."""
+    if cfg.tracking.register_adapter == "none" or not cfg.tracking.registered_model_name:
+        return None
+    final = cfg.pipeline_iterations
+    it = final
+    scored = {k: m[cfg.tracking.best_metric] for k, m in evals.items() if k >= 1 and cfg.tracking.best_metric in m}
+    if cfg.tracking.register_adapter == "best" and scored:
+        it = max(scored, key=lambda k: (scored[k], k))     # ties: the later iteration
+    return tracking.register_adapter(cfg, run_id, it, evals.get(it))

@@ -1,0 +1,27 @@
+"""Run-level steps outside the stages (tasks/run.py): metric extraction and the dynamic-sampling merge.
+Starting adapters and registration are exercised end to end in test_ops_flow.py."""
+from __future__ import annotations
+
+from grpo_core.data.schema import read_jsonl
+from tasks.run import merge_dynamic_rounds, numeric
+from tests.conftest import tiny_config
+from tests.test_dynamic_sampling import round_rows
+
+
+def test_numeric_keeps_numbers_and_prefixes_bare_names():
+    rec = {"kept": 3, "frac": 0.5, "ok": True, "name": "x", "data/already": 2.0}
+    assert numeric(rec, "data/") == {"data/kept": 3.0, "data/frac": 0.5, "data/already": 2.0}
+    assert numeric(None, "p/") == {}
+
+
+def test_merge_dynamic_rounds_writes_the_merged_rows_without_a_tracking_run(tmp_path):
+    from grpo_core.config import GRPOConfig
+    cfg = GRPOConfig.model_validate(tiny_config(tmp_path, data=dict(prompts_per_iteration=2)))
+    run_dir = tmp_path / "run"
+    (run_dir / "iter-1").mkdir(parents=True)
+    r0 = round_rows("a", [([0, 0], [0, 1]), ([1, 0], [1, 0])])
+    r1 = round_rows("b", [([0, 1], [0, 1])])
+    samples, scores, stats = merge_dynamic_rounds(cfg, str(run_dir), 1, [r0, r1])
+    assert samples.endswith("iter-1/samples.dynamic.jsonl") and scores.endswith("iter-1/scores.dynamic.jsonl")
+    assert [s["task_id"] for s in read_jsonl(samples)] == ["a1", "a1", "b0", "b0"]
+    assert stats["groups_kept"] == 2 and stats["groups_dropped"] == 1

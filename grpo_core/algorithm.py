@@ -252,6 +252,18 @@ def _layer_costs(config) -> tuple[float, float] | None:
     return 2.0 * (2 * h * h + 2 * h * kv + 3 * h * i), 4.0 * h
 
 
+def _group_layout(attention_mask: torch.Tensor, completion_len: int, group_size: int):
+    """Where each completion goes when each group is packed into one row [prompt | c1 | ... | cG]:
+    real-token mask [B, Lc], lengths [B], segment starts [B] (offsets within the row), row length S."""
+    B, T = attention_mask.shape
+    P, n = T - completion_len, B // group_size
+    c_real = attention_mask[:, P:].bool()                                        # [B, Lc]
+    lengths = c_real.sum(-1)                                                     # [B]
+    per_group = lengths.view(n, group_size)
+    starts = (P + per_group.cumsum(-1) - per_group).view(-1)                     # [B]
+    return c_real, lengths, starts, P + int(per_group.sum(-1).max())
+
+
 def _packed_groups(input_ids: torch.Tensor, attention_mask: torch.Tensor, completion_len: int, group_size: int,
                    dtype: torch.dtype | None):
     """Each group as one row [prompt | completion 1 | ... | completion G], completions unpadded.
@@ -262,15 +274,12 @@ def _packed_groups(input_ids: torch.Tensor, attention_mask: torch.Tensor, comple
     mask [n, 1, S, S] of `dtype` (0 = may attend; None when dtype is None), and for each real completion
     token (row-major over [B, Lc]) the flat index in [n * S] of the position whose hidden state predicts it.
     """
-    B, T = input_ids.shape
-    P, G, n, dev = T - completion_len, group_size, B // group_size, input_ids.device
-    c_real = attention_mask[:, P:].bool()                                        # [B, Lc]
-    lengths = c_real.sum(-1).view(n, G)                                          # [n, G]
-    starts = P + lengths.cumsum(-1) - lengths                                    # [n, G] segment starts
-    S = P + int(lengths.sum(-1).max())
+    B = input_ids.size(0)
+    P, G, n, dev = input_ids.size(1) - completion_len, group_size, B // group_size, input_ids.device
+    c_real, lengths, starts, S = _group_layout(attention_mask, completion_len, G)
     rows, t = c_real.nonzero(as_tuple=True)                                      # [N] real tokens
     group = rows // G
-    dest = group * S + starts.view(-1)[rows] + t                                 # [N] flat packed index
+    dest = group * S + starts[rows] + t                                          # [N] flat packed index
     p_attn = attention_mask[::G, :P].bool()                                      # [n, P]
     ids = input_ids.new_zeros(n * S)
     ids[dest] = input_ids[rows, P + t]
@@ -304,12 +313,9 @@ def _segment_attention(input_ids: torch.Tensor, attention_mask: torch.Tensor, co
     tokens, gathered as [B, Lmax] query blocks against [P + Lmax] keys instead of S x S per row.
     Returns attend(q [n, H, S, d], k, v [n, Hkv, S, d], scale) -> [n, H, S, d]; positions past the
     last completion of a row get zeros (nothing reads them)."""
-    B, T = input_ids.shape
-    P, G, n, dev = T - completion_len, group_size, B // group_size, input_ids.device
-    c_real = attention_mask[:, P:].bool()                                        # [B, Lc]
-    lengths = c_real.sum(-1)                                                     # [B]
-    starts = (P + lengths.view(n, G).cumsum(-1) - lengths.view(n, G)).view(-1)   # [B]
-    S = P + int(lengths.view(n, G).sum(-1).max())
+    B = input_ids.size(0)
+    P, G, n, dev = input_ids.size(1) - completion_len, group_size, B // group_size, input_ids.device
+    _, lengths, starts, S = _group_layout(attention_mask, completion_len, G)
     Lm = max(int(lengths.max()), 1)
     group = torch.arange(B, device=dev) // G
     t = torch.arange(Lm, device=dev)
@@ -357,7 +363,7 @@ def _pack_is_cheaper(config, input_ids: torch.Tensor, attention_mask: torch.Tens
     per_token, per_pair = costs
     B, T = input_ids.shape
     P, n = T - completion_len, B // group_size
-    S = P + int(attention_mask[:, P:].sum(-1).view(n, group_size).sum(-1).max())
+    S = _group_layout(attention_mask, completion_len, group_size)[3]
     if n * S * S * 4 > PACKED_MASK_BYTES:
         return False
     packed = n * S * per_token + n * S * S * per_pair

@@ -66,37 +66,41 @@ class LeanDecoder:
             return None
         return cls(base)
 
-    def _layer(self, i: int, x: torch.Tensor, cos, sin, state: KVState, mask: torch.Tensor, t0: int) -> torch.Tensor:
-        layer = self.layers[i]
+    def _block(self, layer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attend) -> torch.Tensor:
+        """One decoder layer; attend(q [b, H, n, d], k, v [b, Hkv, n, d]) -> [b, H, n, d]. cos/sin: [b, 1, n, d]."""
         attn = layer.self_attn
         b, n, _ = x.shape
         h = layer.input_layernorm(x)
-        q = attn.q_proj(h).view(b, n, self.n_kv * self.rep, self.d).transpose(1, 2)      # [b, H, n, d]
-        k = attn.k_proj(h).view(b, n, self.n_kv, self.d).transpose(1, 2)                 # [b, Hkv, n, d]
-        v = attn.v_proj(h).view(b, n, self.n_kv, self.d).transpose(1, 2)
-        cos, sin = cos[:, None], sin[:, None]                                            # [b, 1, n, d]
-        q, k = _rope(q, cos, sin), _rope(k, cos, sin)
-        state.keys[i][:, :, t0:t0 + n] = k
-        state.values[i][:, :, t0:t0 + n] = v
-        keys, values = state.keys[i][:, :, :t0 + n], state.values[i][:, :, :t0 + n]     # [b, Hkv, T, d]
-        if n == 1:
-            # One query per head: view the query heads sharing a KV head as that head's queries, so the
-            # KV cache is never repeated. [b, Hkv, rep, d] -> [b, Hkv, rep, d]
-            o = F.scaled_dot_product_attention(q.reshape(b, self.n_kv, self.rep, self.d), keys, values,
-                                               attn_mask=mask, scale=self.scale)
-        else:
-            o = F.scaled_dot_product_attention(q, keys.repeat_interleave(self.rep, 1),
-                                               values.repeat_interleave(self.rep, 1), attn_mask=mask, scale=self.scale)
-        o = o.reshape(b, self.n_kv * self.rep, n, self.d).transpose(1, 2).reshape(b, n, -1)  # [b, n, H*d]
-        x = x + attn.o_proj(o)
+        q = _rope(attn.q_proj(h).view(b, n, -1, self.d).transpose(1, 2), cos, sin)       # [b, H, n, d]
+        k = _rope(attn.k_proj(h).view(b, n, -1, self.d).transpose(1, 2), cos, sin)       # [b, Hkv, n, d]
+        v = attn.v_proj(h).view(b, n, -1, self.d).transpose(1, 2)
+        o = attend(q, k, v)                                                               # [b, H, n, d]
+        x = x + attn.o_proj(o.transpose(1, 2).reshape(b, n, -1))
         return x + layer.mlp(layer.post_attention_layernorm(x))
+
+    def _cached_attention(self, i: int, state: KVState, mask: torch.Tensor, t0: int):
+        """Attention that appends k/v to layer i's cache at slot t0 and attends over the filled slots."""
+        def attend(q, k, v):
+            b, _, n, _ = q.shape
+            state.keys[i][:, :, t0:t0 + n] = k
+            state.values[i][:, :, t0:t0 + n] = v
+            keys, values = state.keys[i][:, :, :t0 + n], state.values[i][:, :, :t0 + n]  # [b, Hkv, T, d]
+            if n == 1:
+                # One query per head: the query heads sharing a KV head become that head's queries, so the
+                # KV cache is never repeated. [b, Hkv, rep, d]
+                o = F.scaled_dot_product_attention(q.reshape(b, self.n_kv, self.rep, self.d), keys, values,
+                                                   attn_mask=mask, scale=self.scale)
+                return o.reshape(b, self.n_kv * self.rep, 1, self.d)
+            return F.scaled_dot_product_attention(q, keys.repeat_interleave(self.rep, 1),
+                                                  values.repeat_interleave(self.rep, 1), attn_mask=mask, scale=self.scale)
+        return attend
 
     def _forward(self, ids: torch.Tensor, pos: torch.Tensor, state: KVState, mask: torch.Tensor) -> torch.Tensor:
         x = self.embed(ids)                                                               # [b, n, C]
         cos, sin = self.rotary(x, pos)                                                    # [b, n, d]
         t0 = state.length
-        for i in range(len(self.layers)):
-            x = self._layer(i, x, cos, sin, state, mask, t0)
+        for i, layer in enumerate(self.layers):
+            x = self._block(layer, x, cos[:, None], sin[:, None], self._cached_attention(i, state, mask, t0))
         state.length = t0 + ids.size(1)
         return self.head(self.norm(x[:, -1]))                                             # [b, V]
 
@@ -106,17 +110,8 @@ class LeanDecoder:
         that knows which tokens may see which). Differentiable: the update's forward."""
         x = self.embed(ids)
         cos, sin = self.rotary(x, pos)
-        cos, sin = cos[:, None], sin[:, None]                                             # [b, 1, n, d]
-        b, n, _ = x.shape
         for layer in self.layers:
-            attn = layer.self_attn
-            h = layer.input_layernorm(x)
-            q = _rope(attn.q_proj(h).view(b, n, -1, self.d).transpose(1, 2), cos, sin)   # [b, H, n, d]
-            k = _rope(attn.k_proj(h).view(b, n, -1, self.d).transpose(1, 2), cos, sin)   # [b, Hkv, n, d]
-            v = attn.v_proj(h).view(b, n, -1, self.d).transpose(1, 2)
-            o = attend(q, k, v, self.scale)                                               # [b, H, n, d]
-            x = x + attn.o_proj(o.transpose(1, 2).reshape(b, n, -1))
-            x = x + layer.mlp(layer.post_attention_layernorm(x))
+            x = self._block(layer, x, cos[:, None], sin[:, None], lambda q, k, v: attend(q, k, v, self.scale))
         return self.norm(x)
 
     def prefill(self, ids: torch.Tensor, attention_mask: torch.Tensor, max_new_tokens: int) -> torch.Tensor:

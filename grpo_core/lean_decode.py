@@ -39,8 +39,9 @@ class KVState:
 
 
 class LeanDecoder:
-    """A sampler's forward: prefill(ids, attention_mask, max_new) -> last logits; select(rows) keeps
-    rows of the cache; step(tokens) -> next logits."""
+    """For sampling: prefill(ids, attention_mask, max_new) -> last logits; select(rows) keeps rows of
+    the cache; step(tokens) -> next logits. For the update: trunk(ids, pos, attend) -> hidden states,
+    differentiable, with the caller's attention."""
 
     def __init__(self, base):
         inner = base.model
@@ -59,7 +60,8 @@ class LeanDecoder:
         base = model.get_base_model() if hasattr(model, "get_base_model") else model
         cfg = getattr(base, "config", None)
         if (getattr(cfg, "model_type", None) not in SUPPORTED_MODEL_TYPES or getattr(cfg, "use_sliding_window", False)
-                or getattr(cfg, "final_logit_softcapping", None) or getattr(cfg, "logits_scaling", None)):
+                or getattr(cfg, "final_logit_softcapping", None) or getattr(cfg, "logits_scaling", None)
+                or getattr(cfg, "attention_dropout", 0.0)):                   # we apply no attention dropout
             return None
         inner = getattr(base, "model", None)
         if not all(hasattr(inner, a) for a in ("embed_tokens", "layers", "norm", "rotary_emb")) or not hasattr(base, "lm_head"):

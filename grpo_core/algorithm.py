@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from grpo_core.lean_decode import LeanDecoder
+from grpo_core.lean_decode import LeanDecoder, causal_pad_mask, positions
 
 
 def group_advantages(rewards: torch.Tensor, group_size: int, scale_rewards: str = "group",
@@ -188,7 +188,7 @@ def completion_logits(model, input_ids: torch.Tensor, attention_mask: torch.Tens
     Rows are [left-padded prompt | right-padded completion]; position ids follow the attention
     mask so the forward pass sees the same positions as generation did.
     """
-    position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)     # [B, T]
+    position_ids = positions(attention_mask)     # [B, T]
     out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                 logits_to_keep=completion_len + 1, use_cache=False)
     return out.logits[:, :-1, :]                                          # [B, Lc, V]
@@ -230,12 +230,12 @@ def _shared_prompt_hidden(decoder, input_ids: torch.Tensor, attention_mask: torc
     P = T - completion_len
     first = torch.arange(0, B, group_size, device=input_ids.device)
     p_ids, p_attn = input_ids[first, :P], attention_mask[first, :P]                  # [B/G, P]
-    p_pos = (p_attn.long().cumsum(-1) - 1).clamp(min=0)
+    p_pos = positions(p_attn)
     cache = DynamicCache(config=decoder.config)
     h_prompt = decoder(input_ids=p_ids, attention_mask=p_attn, position_ids=p_pos, past_key_values=cache,
                        use_cache=True).last_hidden_state                              # [B/G, P, H]
     cache.batch_repeat_interleave(group_size)                                       # KV -> [B, ., P, d]
-    c_pos = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)[:, P:]               # [B, Lc]
+    c_pos = positions(attention_mask)[:, P:]               # [B, Lc]
     h_comp = decoder(input_ids=input_ids[:, P:], attention_mask=attention_mask, position_ids=c_pos,
                      past_key_values=cache, use_cache=True).last_hidden_state         # [B, Lc, H]
     h_last = h_prompt[:, -1:, :].repeat_interleave(group_size, dim=0)               # [B, 1, H] predicts token 0
@@ -288,7 +288,7 @@ def _packed_groups(input_ids: torch.Tensor, attention_mask: torch.Tensor, comple
     pos = torch.zeros(n * S, dtype=torch.long, device=dev)
     pos[dest] = p_attn.sum(-1)[group] + t
     pos = pos.view(n, S)
-    pos[:, :P] = (p_attn.long().cumsum(-1) - 1).clamp(min=0)
+    pos[:, :P] = positions(p_attn)
     src = torch.where(t == 0, group * S + P - 1, dest - 1)                        # [N] predicts each token
     if dtype is None:
         return ids, pos, None, src
@@ -322,8 +322,7 @@ def _segment_attention(input_ids: torch.Tensor, attention_mask: torch.Tensor, co
     in_seg = t[None, :] < lengths[:, None]                                       # [B, Lm]
     gidx = group[:, None] * S + (starts[:, None] + t).clamp(max=S - 1)          # [B, Lm] flat packed index
     p_attn = attention_mask[::G, :P].bool()                                      # [n, P]
-    causal_p = torch.ones(P, P, dtype=torch.bool, device=dev).tril()
-    prompt_mask = ((causal_p & p_attn[:, None, :]) | torch.eye(P, dtype=torch.bool, device=dev))[:, None]
+    prompt_mask = causal_pad_mask(p_attn)                                        # [n, 1, P, P]
     own = (t[:, None] >= t[None, :])[None] & in_seg[:, None, :]                  # [B, Lm, Lm]
     seg_mask = torch.cat([p_attn[group][:, None, :].expand(B, Lm, P), own], -1)[:, None]  # [B, 1, Lm, P+Lm]
     dest = gidx[in_seg]                                                          # [N]
@@ -413,7 +412,7 @@ def completion_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Te
     elif shared and not checkpointing:
         hidden = _shared_prompt_hidden(decoder, input_ids, attention_mask, completion_len, group_size)[rows, cols]
     else:
-        position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)     # [B, T]
+        position_ids = positions(attention_mask)     # [B, T]
         hidden = decoder(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                          use_cache=False).last_hidden_state                    # [B, T, H]
         hidden = hidden[:, P - 1:-1, :][rows, cols]                           # [N, H] predicts ids

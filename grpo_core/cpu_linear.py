@@ -8,8 +8,9 @@ up to summation order.
 
 A packed copy costs the weight's memory again (the input gradient uses the plain weight, no copy),
 so only weights that do not train in this forward pass use it: the base model under LoRA, a frozen
-reference, the tied LM head, and any weight under no_grad (sampling, reference and old log-probs). A pack is rebuilt when its weight changes in place (its version
-counter moves), e.g. after an optimizer step in full fine-tuning.
+reference, the tied LM head, and any weight under no_grad (sampling, reference and old log-probs).
+A pack is rebuilt when its weight changes in place (its version counter moves), e.g. after an
+optimizer step in full fine-tuning.
 """
 from __future__ import annotations
 
@@ -46,7 +47,7 @@ def available() -> bool:
 
 
 class _PackedLinearFn(torch.autograd.Function):
-    """y = x W^T + b with W frozen: forward and the input gradient both run on packed weights."""
+    """y = x W^T + b with W frozen: the forward on the packed weight, the input gradient on oneDNN too."""
 
     @staticmethod
     def forward(ctx, x, layer: "PackedLinear", slot: str, weight):

@@ -17,6 +17,19 @@ import torch.nn.functional as F
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2")
 
 
+def positions(attention_mask: torch.Tensor) -> torch.Tensor:
+    """Rotary positions of left-padded rows: 0 at each row's first real token. [b, T] -> [b, T]."""
+    return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+
+
+def causal_pad_mask(valid: torch.Tensor) -> torch.Tensor:
+    """Bool attention mask [b, 1, T, T] for left-padded rows valid [b, T]: causal over real keys; a
+    pad query sees itself (never an empty row, which would give NaN)."""
+    T = valid.size(-1)
+    causal = torch.ones(T, T, dtype=torch.bool, device=valid.device).tril()
+    return ((causal & valid[:, None, :].bool()) | torch.eye(T, dtype=torch.bool, device=valid.device))[:, None]
+
+
 def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotary embedding as Llama applies it: x * cos + rotate_half(x) * sin."""
     half = x.size(-1) // 2
@@ -125,11 +138,9 @@ class LeanDecoder:
         new = lambda: torch.zeros(b, self.n_kv, Tmax, self.d, dtype=dtype, device=ids.device)  # noqa: E731
         valid = torch.zeros(b, Tmax, dtype=torch.bool, device=ids.device)
         valid[:, :T] = attention_mask.bool()
-        pos = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)                         # [b, T]
+        pos = positions(attention_mask)                                                   # [b, T]
         self.state = KVState([new() for _ in self.layers], [new() for _ in self.layers], valid, pos[:, -1] + 1, 0)
-        causal = torch.ones(T, T, dtype=torch.bool, device=ids.device).tril()
-        mask = (causal & valid[:, None, :T]) | torch.eye(T, dtype=torch.bool, device=ids.device)  # pads see self
-        return self._forward(ids, pos, self.state, mask[:, None])
+        return self._forward(ids, pos, self.state, causal_pad_mask(attention_mask))
 
     def select(self, rows: torch.Tensor) -> None:
         self.state.select(rows)

@@ -15,7 +15,7 @@ from tqdm.auto import tqdm
 
 from grpo_core.cpu_linear import PackedLinear, sampling_weights
 from grpo_core.data.schema import Task
-from grpo_core.lean_decode import LeanDecoder
+from grpo_core.lean_decode import LeanDecoder, positions
 
 
 @dataclass
@@ -235,7 +235,7 @@ class _HFForward:
 
     def prefill(self, ids: torch.Tensor, attn: torch.Tensor, max_new_tokens: int) -> torch.Tensor:
         from transformers import DynamicCache
-        pos = (attn.cumsum(-1) - 1).clamp(min=0)                                      # [b, T]
+        pos = positions(attn)                                                          # [b, T]
         self.cache = DynamicCache(config=self.model.config)
         out = self.model(input_ids=ids, attention_mask=attn, position_ids=pos, past_key_values=self.cache,
                          use_cache=True, logits_to_keep=1)

@@ -25,7 +25,8 @@ from grpo_core.config import GRPOConfig  # noqa: E402
 from grpo_core.data.arithmetic import eval_tasks, train_tasks  # noqa: E402
 from grpo_core.policy import load_policy  # noqa: E402
 from grpo_core.rewards import compute_rewards  # noqa: E402
-from grpo_core.rollout import SamplingParams, make_backend, rollout  # noqa: E402
+from grpo_core.sampling import SamplingParams  # noqa: E402
+from grpo_core.rollout import make_backend, rollout  # noqa: E402
 from grpo_core.update import ScoredSample, grpo_update, make_optimizer, make_scheduler  # noqa: E402
 
 

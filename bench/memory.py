@@ -29,10 +29,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
-from grpo_core.algorithm import completion_logprobs, grpo_loss, group_advantages  # noqa: E402
-from grpo_core.cpu_linear import use_onednn_linears  # noqa: E402
+from grpo_core.logprobs import completion_logprobs  # noqa: E402
+from grpo_core.loss import grpo_loss, group_advantages  # noqa: E402
+from grpo_core.kernels.cpu_linear import use_onednn_linears  # noqa: E402
 from grpo_core.models import attach_lora  # noqa: E402
-from grpo_core.rollout import SamplingParams, StaticBackend  # noqa: E402
+from grpo_core.sampling import SamplingParams  # noqa: E402
+from grpo_core.rollout import KVCacheSampler  # noqa: E402
 
 LLAMA_1B = dict(vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_attention_heads=32,
                 num_key_value_heads=8, max_position_embeddings=4096, rope_theta=500000.0, tie_word_embeddings=True,
@@ -69,7 +71,7 @@ def one_step(layers: int, args, device, dtype) -> dict:
     if args.skip_generate:
         completions = [torch.randint(2, cfg.vocab_size, (L,)).tolist() for _ in range(G)]
     else:
-        be = StaticBackend(model, _Tok(), device, batch_size=G, progress=False, merge_lora=False)
+        be = KVCacheSampler(model, _Tok(), device, batch_size=G, progress=False, merge_lora=False)
         completions = be.generate([prompt], G, SamplingParams(max_new_tokens=L, seed=0))[0]
         completions = [c + torch.randint(2, cfg.vocab_size, (L - len(c),)).tolist() for c in completions]  # full length
         out["phases"]["generation"] = peak_gb(device)

@@ -20,7 +20,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from sandbox.api import Job, get_backend  # noqa: E402
+from sandbox.types import Job  # noqa: E402
+from sandbox.api import get_backend  # noqa: E402
 
 
 def python_jobs(n: int = 64) -> list[Job]:

@@ -17,7 +17,7 @@ import tempfile
 from pathlib import Path
 
 EPILOG = """\
---dataset is a JSONL file of task rows (grpo_core.data.schema.Task: id, kind, source, prompt, answer or
+--dataset is a JSONL file of task rows (grpo_core.task.Task: id, kind, source, prompt, answer or
 tests, ...) or the name 'arithmetic' (questions from the config's data section, the split runs hold out).
 With --run, the run's config.yaml, held-out split (data/eval.jsonl) and adapter (adapters/iter-<k>,
 the last one unless --iteration) are read from MLflow; --config/--set/--dataset/--model override them.
@@ -88,7 +88,7 @@ def _from_run(args, tmp: Path) -> tuple[Path, Path | None, str | None]:
 
 def load_eval_tasks(dataset: str, cfg) -> list:
     from grpo_core.data import arithmetic
-    from grpo_core.data.schema import read_tasks
+    from grpo_core.task import read_tasks
     if dataset == "arithmetic":
         d = cfg.data
         return arithmetic.eval_tasks(d.eval_size, d.min_digits, d.max_digits, d.operations)
@@ -153,7 +153,7 @@ def _log_to_mlflow(cfg, args, metrics: dict, rows: list[dict], alerts: list, ada
 
 
 def _write_outputs(out: Path, cfg, metrics: dict, rows: list[dict]) -> None:
-    from grpo_core.data.schema import write_jsonl
+    from grpo_core.io import write_jsonl
     out.mkdir(parents=True, exist_ok=True)
     (out / "metrics.json").write_text(json.dumps(metrics, indent=2, sort_keys=True))
     write_jsonl(out / "eval_samples.jsonl", rows)

@@ -118,7 +118,7 @@ def cmd_schedule(args) -> int:
 def resolve_runs(runs: list[str], output_dir: str | None, tracking_uri: str | None):
     """(label, tracking uri, mlflow run id) for run dirs / run names / MLflow run ids."""
     import os
-    from tasks.common import read_json
+    from grpo_core.io import read_json
     from tasks.tracking import tracking_uri as uri_of
     out = []
     for r in runs:

@@ -9,9 +9,9 @@ from prefect import flow
 from prefect.runtime import flow_run
 
 from grpo_core.config import ConfigError, GRPOConfig
-from grpo_core.data.schema import atomic_write_text
+from grpo_core.io import atomic_write_text, read_json, write_json
 from tasks import run as run_steps, tracking
-from tasks.common import mark_running, read_json, retry_transient_only, semantic_config, update_run_state, write_json
+from tasks.common import mark_running, retry_transient_only, semantic_config, update_run_state
 from tasks.curate import curate
 from tasks.evaluate import evaluate
 from tasks.rollout import rollout
@@ -44,7 +44,7 @@ def _dynamic_sampling(cfg: GRPOConfig, config: dict, run_dir: str, iteration: in
     iter-<k>/dynamic-<r>/, then merge the informative groups into iter-<k>/{samples,scores}.dynamic.jsonl.
     Each round is made of the ordinary stage tasks, so it is retried and resumed like them."""
     from grpo_core import dynamic_sampling as dsamp
-    from grpo_core.data.schema import read_jsonl
+    from grpo_core.io import read_jsonl
     stage = lambda fn, name: _with_retries(fn, cfg, name)
     target = cfg.data.prompts_per_iteration
     rounds = [(list(read_jsonl(ro["samples"])), list(read_jsonl(sc["scores"])))]

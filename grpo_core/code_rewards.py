@@ -4,7 +4,7 @@ The only bridge between GRPO and ``sandbox/`` (which knows nothing about GRPO):
 
 * :func:`extract_code` takes the code out of a completion (last ```python / ```rust block,
   sensible fallbacks; nothing found -> "" which the sandbox scores as a failed run, not a crash).
-* :func:`build_job` turns a :class:`~grpo_core.data.schema.Task` + completion into a ``sandbox.Job``.
+* :func:`build_job` turns a :class:`~grpo_core.task.Task` + completion into a ``sandbox.Job``.
 * :func:`verdict_reward` maps a verdict to a reward in [0, 1]:
   Python: pass fraction (``mode="fraction"``) or all-or-nothing (``mode="binary"``);
   Rust: staged build / clippy / tests with weights (default 1 / 1 / 2, normalised), or binary.
@@ -22,7 +22,7 @@ import re
 from dataclasses import dataclass
 from typing import Any, Sequence
 
-from grpo_core.data.schema import Task
+from grpo_core.task import Task
 
 log = logging.getLogger(__name__)
 
@@ -53,7 +53,7 @@ def extract_code(completion: str, language: str) -> str:
 
 def build_job(task: Task, completion: str, limits: Any = None):
     """A sandbox job for one completion of a code task."""
-    from sandbox.api import Job
+    from sandbox.types import Job
     if task.kind not in ("python", "rust"):
         raise ValueError(f"task {task.id!r} has kind {task.kind!r}; only python and rust tasks run in the sandbox")
     return Job(language=task.kind, code=extract_code(completion, task.kind), tests=task.tests or {},

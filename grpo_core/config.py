@@ -50,7 +50,7 @@ class DataConfig(_Section):
 
     @property
     def prompt_format(self):
-        from grpo_core.rollout import PromptFormat
+        from grpo_core.sampling import PromptFormat
         return PromptFormat(self.system_prompt, tuple(map(tuple, self.few_shot)), self.response_prefix)
 
     @model_validator(mode="after")

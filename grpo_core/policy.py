@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 
 from grpo_core.config import GRPOConfig
-from grpo_core.cpu_linear import use_onednn_linears
+from grpo_core.kernels.cpu_linear import use_onednn_linears
 from grpo_core.models import (ModelError, attach_lora, load_base_model, load_tokenizer, resolve_model,
                               select_device, select_dtype)
 

@@ -6,45 +6,16 @@ group rather than pretending it earned 0.
 from __future__ import annotations
 
 import re
-from fractions import Fraction
 from typing import Callable, Sequence
 
-from grpo_core.data.schema import Task
+from grpo_core.answers import extract_answer, math_answers_match, reasoning_gym_score
+from grpo_core.task import Task
 
 RewardFn = Callable[[Sequence[str], Sequence[Task]], list]
 
 # The whole completion: optional reasoning, then exactly one non-empty answer block, nothing after it.
 FORMAT_RE = re.compile(r"^(?:(?!<answer>|</answer>).)*<answer>(?:(?!<answer>|</answer>).)*\S(?:(?!<answer>|</answer>).)*</answer>\s*$",
                        re.DOTALL)
-ANSWER_RE = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
-
-
-def extract_answer(completion: str) -> str | None:
-    """The content of the single <answer> block, or None if there is not exactly one."""
-    found = ANSWER_RE.findall(completion)
-    if len(found) != 1 or completion.count("<answer>") != 1:
-        return None
-    return found[0].strip()
-
-
-def parse_number(text: str) -> Fraction | None:
-    """'1,000', '$12', '0.5', '1/2', '5.' -> an exact Fraction; None if not a number."""
-    s = text.strip().strip("$").replace(",", "").replace(" ", "").rstrip(".")
-    try:
-        return Fraction(s)
-    except (ValueError, ZeroDivisionError):
-        return None
-
-
-def math_answers_match(predicted: str | None, gold: str) -> bool:
-    """Numeric equality when both parse as numbers, else normalised string equality."""
-    if predicted is None or not predicted.strip():
-        return False
-    p, g = parse_number(predicted), parse_number(gold)
-    if p is not None and g is not None:
-        return p == g
-    norm = lambda s: re.sub(r"\s+", " ", s.strip().lower().rstrip("."))
-    return norm(predicted) == norm(gold)
 
 
 CODE_BLOCK_RE = {lang: re.compile(rf"^(?:(?!```).)*```{lang}[ \t]*\n(?:(?!```).)*\S(?:(?!```).)*```\s*$", re.DOTALL)
@@ -62,8 +33,7 @@ def math_accuracy(completion: str, task: Task) -> float:
     """Correctness of the tagged answer; reasoning-gym tasks use that package's own checker."""
     answer = extract_answer(completion)
     if task.meta.get("checker") == "reasoning_gym":
-        from grpo_core.data.sources import rgym
-        return rgym.score_answer(task, answer)
+        return reasoning_gym_score(task.meta, answer)
     return 1.0 if math_answers_match(answer, str(task.answer)) else 0.0
 
 

@@ -1,83 +1,23 @@
 """Rollout: sample a group of completions per prompt from the current policy.
 
-Generation sits behind a tiny backend interface (`RolloutBackend.generate`); Hugging Face `generate`
-is the default backend.
+Generation sits behind a tiny backend interface (`RolloutBackend.generate`, in `grpo_core.sampling`).
+The default backend is `KVCacheSampler` (`rollout_backend: static`): our own decode loop over a
+preallocated KV cache (through the lean forward of `grpo_core.kernels` for Llama-family models).
+`HFGenerateSampler` (`hf`) calls Hugging Face `generate`; `vllm` lives in `grpo_core.vllm_backend`.
 """
 from __future__ import annotations
 
 import contextlib
-from dataclasses import asdict, dataclass, field
-from typing import Protocol, Sequence
+from typing import Sequence
 
 import torch
 import torch.nn.functional as F
 from tqdm.auto import tqdm
 
-from grpo_core.cpu_linear import PackedLinear, sampling_weights
-from grpo_core.data.schema import Task
-from grpo_core.lean_decode import LeanDecoder, positions
-
-
-@dataclass
-class SamplingParams:
-    max_new_tokens: int
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
-    greedy: bool = False
-    seed: int = 0
-
-
-@dataclass
-class Sample:
-    """One completion. Token ids are kept so the update never re-tokenises (what was sampled is scored)."""
-    task_id: str
-    group: int                  # index of the prompt in this batch; samples of a group share it
-    prompt_ids: list[int]
-    completion_ids: list[int]   # including the EOS token when the model stopped by itself
-    completion: str             # decoded, special tokens removed
-    truncated: bool             # hit max_new_tokens without EOS
-    extra: dict = field(default_factory=dict)
-
-    def to_dict(self) -> dict:
-        return asdict(self)
-
-
-class RolloutBackend(Protocol):
-    def generate(self, prompts: Sequence[list[int]], n: int, params: SamplingParams) -> list[list[list[int]]]:
-        """For each prompt (token ids), n completions (token ids, EOS included if emitted)."""
-
-
-@dataclass(frozen=True)
-class PromptFormat:
-    """How a math question is put to the model: system prompt, worked examples, and a response prefix
-    (e.g. "<answer>") that opens the assistant turn. Code tasks carry their own instructions and get
-    only their prompt."""
-    system_prompt: str = ""
-    few_shot: tuple[tuple[str, str], ...] = ()      # (question, answer) exchanges shown before the question
-    response_prefix: str = ""                       # part of the prompt; counted as the completion's start
-
-    @classmethod
-    def of(cls, fmt: "PromptFormat | str") -> "PromptFormat":
-        return fmt if isinstance(fmt, PromptFormat) else cls(system_prompt=fmt)
-
-    def for_task(self, task: Task) -> "PromptFormat":
-        return self if task.kind == "math" else PromptFormat()
-
-
-def chat_prompt_ids(tokenizer, task: Task, fmt: PromptFormat | str, max_prompt_length: int) -> list[int]:
-    """The task's prompt in the model's chat format (+ response prefix), as token ids (left-truncated)."""
-    fmt = PromptFormat.of(fmt).for_task(task)
-    messages = [{"role": "system", "content": fmt.system_prompt}] if fmt.system_prompt else []
-    for q, a in fmt.few_shot:
-        messages += [{"role": "user", "content": q}, {"role": "assistant", "content": a}]
-    messages.append({"role": "user", "content": task.prompt})
-    if getattr(tokenizer, "chat_template", None):
-        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-    else:
-        text = "\n\n".join(m["content"] for m in messages) + "\n"
-    ids = tokenizer(text + fmt.response_prefix, add_special_tokens=False)["input_ids"]
-    return list(ids)[-max_prompt_length:]
+from grpo_core.kernels.cpu_linear import PackedLinear, sampling_weights
+from grpo_core.sampling import PromptFormat, RolloutBackend, Sample, SamplingParams, chat_prompt_ids
+from grpo_core.task import Task
+from grpo_core.kernels.lean_decode import LeanDecoder, positions
 
 
 def left_pad(rows: Sequence[list[int]], pad: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -130,7 +70,7 @@ class BatchedBackend:
         return [out[k * n:(k + 1) * n] for k in range(len(prompts))]
 
 
-class HFBackend(BatchedBackend):
+class HFGenerateSampler(BatchedBackend):
     """Batched sampling with transformers' `generate` (left padding, stops when every row has ended)."""
 
     def _generator(self, seed: int) -> None:
@@ -254,7 +194,7 @@ class _HFForward:
         return out.logits[:, -1, :]
 
 
-class StaticBackend(BatchedBackend):
+class KVCacheSampler(BatchedBackend):
     """Our own sampling loop: one prefill (each distinct prompt once), then one cached forward per
     token; rows that have ended are dropped from the batch (and from the KV cache) so late steps run
     only the long answers; stops when every row has ended. Llama-family models run through a lean
@@ -305,8 +245,8 @@ def make_backend(cfg, policy, progress: bool = True, merge_lora: bool = True) ->
     if cfg.rollout_backend == "vllm":
         from grpo_core.vllm_backend import VLLMBackend      # optional extra, imported only when chosen
         return VLLMBackend.from_policy(policy, cfg)
-    cls = StaticBackend if cfg.rollout_backend == "static" else HFBackend
-    kwargs = {"merge_lora": merge_lora} if cls is StaticBackend else {}
+    cls = KVCacheSampler if cfg.rollout_backend == "static" else HFGenerateSampler
+    kwargs = {"merge_lora": merge_lora} if cls is KVCacheSampler else {}
     return cls(policy.model, policy.tokenizer, policy.device, cfg.generation_batch_size, progress=progress, **kwargs)
 
 

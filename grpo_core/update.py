@@ -12,7 +12,8 @@ from typing import Sequence
 
 import torch
 
-from grpo_core.algorithm import completion_logprobs, grpo_loss, group_advantages, zero_std_groups
+from grpo_core.logprobs import completion_logprobs
+from grpo_core.loss import grpo_loss, group_advantages, zero_std_groups
 from grpo_core.config import GRPOConfig
 from grpo_core.policy import Policy
 

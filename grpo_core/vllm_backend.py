@@ -15,7 +15,7 @@ import tempfile
 from pathlib import Path
 
 from grpo_core.models import resolve_model
-from grpo_core.rollout import SamplingParams
+from grpo_core.sampling import SamplingParams
 
 
 class VLLMBackend:

@@ -3,8 +3,8 @@
 Public API: :mod:`sandbox.api` (``Job``, ``Limits``, ``Verdict``, ``score_batch``, ``score``,
 ``validate_tests``). Backends: Docker (default) and local (weaker fallback).
 """
-from sandbox.api import (Job, Limits, StageResult, TaskFormatError, TestResult, Verdict,
-                         get_backend, score, score_batch, validate_tests)
+from sandbox.types import Job, Limits, StageResult, TaskFormatError, TestResult, Verdict
+from sandbox.api import get_backend, score, score_batch, validate_tests
 
 __all__ = ["Job", "Limits", "StageResult", "TaskFormatError", "TestResult", "Verdict",
            "get_backend", "score", "score_batch", "validate_tests"]

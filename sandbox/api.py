@@ -5,7 +5,8 @@ It knows nothing about GRPO, rewards or datasets.
 
 Calling it
 ----------
-    from sandbox.api import Job, score_batch
+    from sandbox.types import Job
+    from sandbox.api import score_batch
     verdicts = score_batch([Job(language="python", code=src, tests=tests, entry_point="add")])
     verdicts[0].status        # "pass" | "fail" | "timeout" | "error" | "infra_error"
     verdicts[0].pass_fraction # passed / total (0.0 when total == 0)
@@ -77,111 +78,10 @@ they should retry or drop the sample.
 from __future__ import annotations
 
 import os
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass
 from typing import Any, Sequence
 
-STATUSES = ("pass", "fail", "timeout", "error", "infra_error")
-LANGUAGES = ("python", "rust")
-
-
-class TaskFormatError(ValueError):
-    """The task's ``tests`` dict is malformed; the message names the field and the fix."""
-
-
-@dataclass
-class Limits:
-    """Resource limits for one job. Defaults fit small function-level tasks.
-
-    ``timeout_s`` bounds the Python run (all cases); Rust uses the three stage limits.
-    ``memory_mb`` is a hard cap with no swap; ``output_bytes`` caps captured stdout/stderr each.
-    """
-    timeout_s: float = 10.0
-    memory_mb: int = 512
-    pids: int = 64
-    output_bytes: int = 16_384
-    tmpfs_mb: int = 64
-    cpus: float = 1.0
-    build_timeout_s: float = 60.0
-    clippy_timeout_s: float = 60.0
-    test_timeout_s: float = 20.0
-
-    @classmethod
-    def for_language(cls, language: str) -> "Limits":
-        if language == "rust":
-            return cls(memory_mb=1536, pids=256, tmpfs_mb=512, output_bytes=16_384)
-        return cls()
-
-
-@dataclass
-class Job:
-    """One completion to run against hidden tests.
-
-    ``code``: the completion's source only (already extracted from the model's text).
-    ``tests``: one of the formats in the module docstring. ``entry_point``: function name (Python).
-    """
-    language: str
-    code: str
-    tests: dict[str, Any]
-    entry_point: str | None = None
-    limits: Limits | None = None
-    id: str = ""
-
-    def effective_limits(self) -> Limits:
-        return self.limits or Limits.for_language(self.language)
-
-
-@dataclass
-class TestResult:
-    """One test: an io case, one executed assert, or one Rust ``#[test]`` fn."""
-    __test__ = False  # not a pytest class
-    name: str
-    passed: bool
-    detail: str = ""            # e.g. "expected 3 (int), got '3' (str)" or a panic message
-    duration_s: float | None = None
-
-
-@dataclass
-class StageResult:
-    """One Rust stage (build, clippy, test) with its own time limit."""
-    name: str
-    status: str                 # pass | fail | timeout | error | skipped
-    duration_s: float = 0.0
-    detail: str = ""            # truncated compiler / clippy output
-
-
-@dataclass
-class Verdict:
-    status: str
-    tests: list[TestResult] = field(default_factory=list)
-    stages: dict[str, StageResult] = field(default_factory=dict)
-    detail: str = ""            # human-readable reason for non-pass statuses
-    stdout: str = ""            # truncated, for debugging only (never parsed for results)
-    stderr: str = ""
-    duration_s: float = 0.0
-    backend: str = ""
-    job_id: str = ""
-
-    @property
-    def passed(self) -> int:
-        return sum(1 for t in self.tests if t.passed)
-
-    @property
-    def total(self) -> int:
-        return len(self.tests)
-
-    @property
-    def pass_fraction(self) -> float:
-        return self.passed / self.total if self.total else 0.0
-
-    def to_dict(self) -> dict[str, Any]:
-        d = asdict(self)
-        d.update(passed=self.passed, total=self.total, pass_fraction=self.pass_fraction)
-        return d
-
-
-def infra_error(detail: str, job_id: str = "", backend: str = "") -> Verdict:
-    return Verdict(status="infra_error", detail=detail, job_id=job_id, backend=backend)
-
+from sandbox.types import LANGUAGES, Job, TaskFormatError, Verdict
 
 def validate_tests(language: str, tests: Any, entry_point: str | None = None) -> None:
     """Raise :class:`TaskFormatError` if ``tests`` is not a valid tests dict for ``language``."""
@@ -196,11 +96,27 @@ def validate_tests(language: str, tests: Any, entry_point: str | None = None) ->
         rust_harness.validate_tests(tests)
 
 
+_BACKENDS: dict[str, Any] = {}
+
+
 def get_backend(name: str | None = None):
     """Return a backend object: ``"docker"``, ``"local"`` or ``"auto"`` (default, or env
-    ``GRPO_SANDBOX_BACKEND``)."""
-    from sandbox import backends
-    return backends.get_backend(name or os.environ.get("GRPO_SANDBOX_BACKEND") or "auto")
+    ``GRPO_SANDBOX_BACKEND``). Instances are shared (their warm containers are reused across calls)."""
+    name = name or os.environ.get("GRPO_SANDBOX_BACKEND") or "auto"
+    if name not in ("auto", "docker", "local"):
+        raise ValueError(f"sandbox backend {name!r}: use 'auto', 'docker' or 'local'")
+    if name == "auto":
+        from sandbox.docker_backend import docker_available
+        name = "docker" if docker_available() else "local"
+    cached = _BACKENDS.get(name)
+    if cached is None or getattr(cached, "pid", os.getpid()) != os.getpid():  # new after fork
+        if name == "docker":
+            from sandbox.docker_backend import DockerBackend
+            _BACKENDS[name] = DockerBackend()
+        else:
+            from sandbox.local_backend import LocalBackend
+            _BACKENDS[name] = LocalBackend()
+    return _BACKENDS[name]
 
 
 def score_batch(jobs: Sequence[Job], backend: Any = "auto", workers: int | None = None) -> list[Verdict]:

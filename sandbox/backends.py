@@ -15,7 +15,7 @@ from dataclasses import asdict
 from typing import Any
 
 from sandbox import python_tests, rust_harness
-from sandbox.api import Job, Limits, TaskFormatError, TestResult, Verdict, infra_error
+from sandbox.types import Job, Limits, TaskFormatError, TestResult, Verdict, infra_error
 
 log = logging.getLogger("sandbox")
 
@@ -182,24 +182,3 @@ def _all_failed(n: int, status: str, detail: str, names: list[str] | None = None
     names = names or [f"test {i}" for i in range(n)]
     return Verdict(status=status, detail=detail,
                    tests=[TestResult(name, False, detail) for name in names])
-
-
-_BACKENDS: dict[str, Backend] = {}
-
-
-def get_backend(name: str = "auto") -> Backend:
-    """Shared backend instances (their warm containers are reused across calls)."""
-    if name not in ("auto", "docker", "local"):
-        raise ValueError(f"sandbox backend {name!r}: use 'auto', 'docker' or 'local'")
-    if name == "auto":
-        from sandbox.docker_backend import docker_available
-        name = "docker" if docker_available() else "local"
-    cached = _BACKENDS.get(name)
-    if cached is None or getattr(cached, "pid", os.getpid()) != os.getpid():  # new after fork
-        if name == "docker":
-            from sandbox.docker_backend import DockerBackend
-            _BACKENDS[name] = DockerBackend()
-        else:
-            from sandbox.local_backend import LocalBackend
-            _BACKENDS[name] = LocalBackend()
-    return _BACKENDS[name]

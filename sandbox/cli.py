@@ -61,7 +61,8 @@ def _cmd_check(args) -> int:
 
 
 def _cmd_run_file(args) -> int:
-    from sandbox.api import Job, score
+    from sandbox.types import Job
+    from sandbox.api import score
     with open(args.code, encoding="utf-8") as f:
         code = f.read()
     with open(args.tests, encoding="utf-8") as f:

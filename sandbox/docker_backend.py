@@ -28,7 +28,7 @@ import time
 import uuid
 from typing import Any
 
-from sandbox.api import Limits
+from sandbox.types import Limits
 from sandbox.backends import RUNNER_PATH, Backend, BoxDied, InfraError, NonceChannel
 from sandbox.images import IMAGES
 

@@ -14,7 +14,7 @@ import threading
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from sandbox.api import TaskFormatError, TestResult
+from sandbox.types import TaskFormatError, TestResult
 from sandbox.python_runner import Unencodable, decode, encode
 
 

@@ -27,7 +27,7 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from sandbox.api import StageResult, TaskFormatError, TestResult
+from sandbox.types import StageResult, TaskFormatError, TestResult
 
 LIB_HEADER = "#![forbid(unsafe_code)]\n"
 

@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from grpo_core.config import GRPOConfig
-from grpo_core.data.schema import atomic_write_text
+from grpo_core.io import atomic_write_text, read_json, write_json
 
 STAGES = ("curate", "rollout", "score", "update", "evaluate")
 
@@ -59,14 +59,6 @@ def input_key(**inputs: Any) -> str:
     if isinstance(inputs.get("config"), dict):
         inputs = {**inputs, "config": semantic_config(inputs["config"])}
     return hashlib.sha256(json.dumps(inputs, sort_keys=True, default=str).encode()).hexdigest()[:16]
-
-
-def read_json(path: str | Path) -> dict:
-    return json.loads(Path(path).read_text())
-
-
-def write_json(path: str | Path, obj: Any) -> Path:
-    return atomic_write_text(path, json.dumps(obj, indent=2, sort_keys=True, default=str))
 
 
 def completed_record(run_dir: str | Path, k: int, stage: str, key: str) -> dict | None:

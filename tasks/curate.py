@@ -8,7 +8,7 @@ from prefect import task
 from grpo_core.config import GRPOConfig
 from grpo_core.data import arithmetic
 from grpo_core.data import iteration as data_iteration
-from grpo_core.data.schema import read_tasks, write_tasks
+from grpo_core.task import read_tasks, write_tasks
 from tasks.common import cfg_of, completed_record, finish_stage, input_key, iter_dir, mlflow_run_id
 
 

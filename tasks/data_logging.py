@@ -19,7 +19,7 @@ def dataset_input(path: str | Path, context: str = "training"):
                "kinds": report.get("kinds"), "groups": report.get("groups")}
     ds = Dataset(name=report.get("name") or p.stem, digest=str(digest)[:36], source_type="local",
                  source=json.dumps({"uri": str(p.resolve())}),
-                 schema=json.dumps({"format": "grpo_core.data.schema.Task", "files": ["train.parquet", "eval.parquet"]}),
+                 schema=json.dumps({"format": "grpo_core.task.Task", "files": ["train.parquet", "eval.parquet"]}),
                  profile=json.dumps(profile, default=str))
     return DatasetInput(dataset=ds, tags=[InputTag(key="mlflow.data.context", value=context)])
 

@@ -13,11 +13,12 @@ from pathlib import Path
 from prefect import task
 
 from grpo_core.config import GRPOConfig
-from grpo_core.data.schema import read_jsonl, read_tasks, write_jsonl
+from grpo_core.io import read_json, read_jsonl, write_jsonl
+from grpo_core.task import read_tasks
 from grpo_core.evaluation import evaluate_checkpoint
 from grpo_core.monitors import Alert, check_monitors
 from tasks import tracking
-from tasks.common import cfg_of, completed_record, finish_stage, input_key, iter_dir, mlflow_run_id, read_json
+from tasks.common import cfg_of, completed_record, finish_stage, input_key, iter_dir, mlflow_run_id
 from tasks.curate import ensure_eval_split
 
 TABLE_DIR = "eval_samples"

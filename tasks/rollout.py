@@ -5,9 +5,11 @@ import time
 
 from prefect import task
 
-from grpo_core.data.schema import read_tasks, write_jsonl
+from grpo_core.task import read_tasks
+from grpo_core.io import write_jsonl
 from grpo_core.policy import load_policy
-from grpo_core.rollout import SamplingParams, make_backend, rollout as sample_groups
+from grpo_core.sampling import SamplingParams
+from grpo_core.rollout import make_backend, rollout as sample_groups
 from tasks.common import cfg_of, completed_record, finish_stage, input_key, iter_dir
 
 

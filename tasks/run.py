@@ -8,9 +8,9 @@ from pathlib import Path
 
 from grpo_core import dynamic_sampling as dsamp
 from grpo_core.config import GRPOConfig
-from grpo_core.data.schema import write_jsonl
+from grpo_core.io import read_json, write_jsonl
 from tasks import tracking
-from tasks.common import mlflow_run_id, read_json, update_run_state
+from tasks.common import mlflow_run_id, update_run_state
 
 
 def init_checkpoint(cfg: GRPOConfig, run_dir: Path, run_id: str) -> str | None:

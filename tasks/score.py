@@ -5,7 +5,8 @@ from statistics import mean
 
 from prefect import task
 
-from grpo_core.data.schema import read_jsonl, read_tasks, write_jsonl
+from grpo_core.io import read_jsonl, write_jsonl
+from grpo_core.task import read_tasks
 from grpo_core.rewards import CORRECTNESS_FUNC, compute_rewards, reward_context
 from tasks.common import cfg_of, completed_record, finish_stage, input_key, iter_dir
 

@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from grpo_core.config import GRPOConfig
-from tasks.common import read_json, write_json
+from grpo_core.io import read_json, write_json
 
 
 def tracking_uri(cfg: GRPOConfig) -> str:

@@ -1,51 +1,18 @@
 """update: one GRPO update on the scored rollouts; checkpoints adapter + optimizer state atomically."""
 from __future__ import annotations
 
-import random
 from pathlib import Path
 
 import torch
 from prefect import task
 from tqdm.auto import tqdm
 
-from grpo_core.data.schema import atomic_dir, read_jsonl
+from grpo_core.checkpoint import ADAPTER_DIR, STATE_FILE, load_trainer_state, save_checkpoint
+from grpo_core.io import read_json, read_jsonl
 from grpo_core.policy import load_policy
 from grpo_core.update import ScoredSample, grpo_update, make_optimizer, make_scheduler
 from tasks import tracking
-from tasks.common import cfg_of, completed_record, fault_point, finish_stage, input_key, iter_dir, mlflow_run_id, read_json
-
-
-def _rng_state() -> dict:
-    state = {"python": random.getstate(), "torch": torch.get_rng_state()}
-    try:
-        import numpy as np
-        state["numpy"] = np.random.get_state()
-    except ImportError:
-        pass
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
-    return state
-
-
-def _set_rng_state(state: dict) -> None:
-    """Continue the random streams exactly where the previous update left them (resume = no resume)."""
-    random.setstate(state["python"])
-    torch.set_rng_state(state["torch"])
-    if "numpy" in state:
-        import numpy as np
-        np.random.set_state(state["numpy"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
-
-
-def _save_outputs(policy, optimizer, scheduler, global_step: int, out: Path) -> Path:
-    """Adapter (out/checkpoint/) and optimizer + scheduler + RNG (out/trainer_state.pt), all or nothing:
-    both are written into a temp dir that is renamed into place; the stage record is written after."""
-    def build(tmp: Path) -> None:
-        policy.save(tmp / "checkpoint")
-        torch.save({"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
-                    "rng": _rng_state(), "global_step": global_step}, tmp / "trainer_state.pt")
-    return atomic_dir(out, build, replace=True)   # a re-run after a kill replaces the unrecorded outputs
+from tasks.common import cfg_of, completed_record, fault_point, finish_stage, input_key, iter_dir, mlflow_run_id
 
 
 @task(name="update")
@@ -59,14 +26,7 @@ def update(config: dict, run_dir: str, iteration: int, samples: str, scores: str
     policy = load_policy(cfg, checkpoint)
     optimizer = make_optimizer(policy, cfg)
     scheduler = make_scheduler(optimizer, cfg)
-    global_step = 0
-    if state:
-        saved = torch.load(state, weights_only=False)
-        optimizer.load_state_dict(saved["optimizer"])
-        scheduler.load_state_dict(saved["scheduler"])
-        global_step = saved["global_step"]
-        if "rng" in saved:
-            _set_rng_state(saved["rng"])
+    global_step = load_trainer_state(state, optimizer, scheduler)
 
     rows = list(read_jsonl(samples))
     scored = list(read_jsonl(scores))
@@ -79,9 +39,9 @@ def update(config: dict, run_dir: str, iteration: int, samples: str, scores: str
         steps, batch_stats = grpo_update(policy, optimizer, scheduler, batch, cfg, seed=cfg.seed + iteration,
                                          progress=bar)
 
-    out_dir = _save_outputs(policy, optimizer, scheduler, global_step + len(steps),
-                            iter_dir(run_dir, iteration) / "update")
-    ckpt, state_path = out_dir / "checkpoint", out_dir / "trainer_state.pt"
+    out_dir = save_checkpoint(policy, optimizer, scheduler, global_step + len(steps),
+                              iter_dir(run_dir, iteration) / "update")
+    ckpt, state_path = out_dir / ADAPTER_DIR, out_dir / STATE_FILE
 
     # Per-step metrics, one batched MLflow call per step; skip steps already logged (resume).
     score_metrics = read_json(Path(run_dir) / f"iter-{iteration}" / "score.json")["metrics"]

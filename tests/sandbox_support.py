@@ -9,7 +9,7 @@ import os
 
 import pytest
 
-from sandbox.api import Job, Limits
+from sandbox.types import Job, Limits
 
 def need_docker() -> None:
     from sandbox.docker_backend import docker_available, engine_answers

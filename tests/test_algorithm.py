@@ -7,8 +7,8 @@ import math
 import pytest
 import torch
 
-from grpo_core.algorithm import (aggregate, completion_logits, completion_logprobs, grpo_loss, group_advantages,
-                                 head_logprobs, kl_k3, token_entropy, token_logprobs, zero_std_groups)
+from grpo_core.loss import aggregate, grpo_loss, group_advantages, kl_k3, zero_std_groups
+from grpo_core.logprobs import completion_logits, completion_logprobs, head_logprobs, token_entropy, token_logprobs
 
 LOSS_TYPES = ["grpo", "bnpo", "dr_grpo", "dapo"]
 
@@ -220,8 +220,8 @@ def test_shared_prompt_path_equals_full_pass_value_and_gradient(tiny_model_dir, 
     """Groups of rows with one prompt: running the prompt once (each group packed into one row of
     unpadded completions, through the lean trunk or a block mask, or the prompt's KV repeated) == the
     full padded pass, values and gradients."""
-    import grpo_core.algorithm as alg
-    from grpo_core.algorithm import _groups_share_prompt
+    import grpo_core.logprobs as alg
+    from grpo_core.logprobs import _groups_share_prompt
     if layout != "lean_segments":
         monkeypatch.setattr(alg.LeanDecoder, "of", classmethod(lambda cls, model: None))
     monkeypatch.setattr(alg, "_pack_is_cheaper", lambda *a: layout != "repeated_kv")
@@ -260,7 +260,7 @@ def test_shared_prompt_path_equals_full_pass_value_and_gradient(tiny_model_dir, 
 
 
 def test_pack_is_chosen_only_when_it_saves_work(tiny_model_dir):
-    from grpo_core.algorithm import _pack_is_cheaper
+    from grpo_core.logprobs import _pack_is_cheaper
     from transformers import AutoConfig
     config = AutoConfig.from_pretrained(tiny_model_dir)
     config._attn_implementation = "sdpa"                   # what loading the model resolves it to

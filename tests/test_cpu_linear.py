@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 from transformers import AutoModelForCausalLM
 
-from grpo_core.cpu_linear import PackedLinear, available, sampling_weights, use_onednn_linears
+from grpo_core.kernels.cpu_linear import PackedLinear, available, sampling_weights, use_onednn_linears
 from grpo_core.models import attach_lora
 
 pytestmark = pytest.mark.skipif(not available(), reason="this torch build has no usable oneDNN fp32 linear")

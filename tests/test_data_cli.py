@@ -9,7 +9,8 @@ import pytest
 import yaml
 
 from grpo_core.data.cli import register
-from grpo_core.data.schema import read_tasks, write_jsonl
+from grpo_core.task import read_tasks
+from grpo_core.io import write_jsonl
 
 
 def parser() -> argparse.ArgumentParser:

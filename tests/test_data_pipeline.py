@@ -12,7 +12,8 @@ from grpo_core.data import curation, formats
 from grpo_core.data import validate as V
 from grpo_core.data.build import (BuildConfig, build, dataset_metadata, read_dataset, stats, load_build_config)
 from grpo_core.data.records import REASONS, Rejection
-from grpo_core.data.schema import Task, write_jsonl
+from grpo_core.task import Task
+from grpo_core.io import write_jsonl
 
 
 def math_task(i: int, prompt: str | None = None, answer: str = "4", source: str = "s", **meta) -> Task:
@@ -69,7 +70,7 @@ def test_sandbox_malformed_tests_are_unsupported_not_infra(monkeypatch):
 def test_reasoning_gym_checker_rejecting_gold(monkeypatch):
     pytest.importorskip("reasoning_gym")
     from grpo_core.data.sources import rgym
-    monkeypatch.setattr(rgym, "_dataset", lambda *a: _Broken())
+    monkeypatch.setattr(rgym, "reasoning_gym_dataset", lambda *a: _Broken())
     records = list(rgym.load(datasets={"chain_sum": {"size": 2}}))
     assert [r.reason for r in records] == ["checker_rejects_gold"] * 2
 

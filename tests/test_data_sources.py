@@ -11,7 +11,7 @@ import pytest
 
 from grpo_core.data import formats
 from grpo_core.data.records import Rejection
-from grpo_core.data.schema import Task
+from grpo_core.task import Task
 from grpo_core.data.sources import SOURCE_NAMES, get_loader, load_source
 from grpo_core.data.validate import split_records, validate
 
@@ -39,16 +39,17 @@ def test_arithmetic_source_wraps_the_default_generator():
 
 def test_reasoning_gym_tasks_carry_their_checker():
     pytest.importorskip("reasoning_gym")
-    from grpo_core.data.sources.rgym import is_reasoning_gym, score_answer
+    from grpo_core.answers import reasoning_gym_score
+    from grpo_core.data.sources.rgym import is_reasoning_gym
     tasks = load_source("reasoning_gym", datasets={"gsm_symbolic": {"size": 5}, "fraction_simplification": {"size": 3}})
     assert len(tasks) == 8 and all(isinstance(t, Task) and is_reasoning_gym(t) for t in tasks)
     gsm = [t for t in tasks if t.source == "reasoning_gym/gsm_symbolic"]
     assert "GSM8K" in gsm[0].provenance
     for t in tasks:
         rebuilt = Task.from_dict(json.loads(json.dumps(t.to_dict())))   # survives a JSONL round trip
-        assert score_answer(rebuilt, t.answer) == 1.0
-        assert score_answer(rebuilt, "definitely wrong") < 1.0
-        assert score_answer(rebuilt, None) == 0.0
+        assert reasoning_gym_score(rebuilt.meta, t.answer) == 1.0
+        assert reasoning_gym_score(rebuilt.meta, "definitely wrong") < 1.0
+        assert reasoning_gym_score(rebuilt.meta, None) == 0.0
 
 
 def test_humaneval_all_164_load_and_references_pass():

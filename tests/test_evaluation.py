@@ -266,7 +266,7 @@ def test_stage_logs_metrics_per_iteration_table_plots_split_and_monitor_alerts(e
     assert len(c.get_metric_history(run_id, "eval/sampled/pass_at_3")) == 2
 
     # a monitor that trips prints a warning, logs a metric and tags the run
-    from tasks.common import read_json, write_json
+    from grpo_core.io import read_json, write_json
     run_dir = evaluated_run["run_dir"]
     # pretend the base model wrote 10x longer answers: iteration 2's lengths then look collapsed
     rec0 = read_json(run_dir / "iter-0" / "evaluate.json")

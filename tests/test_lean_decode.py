@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 from transformers import AutoModelForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
-from grpo_core.lean_decode import LeanDecoder
+from grpo_core.kernels.lean_decode import LeanDecoder
 from grpo_core.rollout import _HFForward, left_pad
 
 

@@ -5,7 +5,8 @@ import torch
 
 from grpo_core.config import GRPOConfig
 from grpo_core.policy import load_policy
-from grpo_core.rollout import SamplingParams, make_backend
+from grpo_core.sampling import SamplingParams
+from grpo_core.rollout import make_backend
 from grpo_core.update import ScoredSample, grpo_update, make_optimizer, make_scheduler
 
 

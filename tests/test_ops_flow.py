@@ -135,7 +135,8 @@ def test_sigkill_during_update_then_resume(prefect_engine, grpo_home, mlflow_uri
     from prefect.settings import PREFECT_API_URL
     from flows.ops_cli import compare_runs
     from flows.train import training_run
-    from tasks.common import read_json, run_status
+    from grpo_core.io import read_json
+    from tasks.common import run_status
     from tasks.tracking import load_adapter
 
     # The tiny random model never earns accuracy/format rewards; the DAPO length penalty varies with the
@@ -236,7 +237,8 @@ def test_prefect_flow_run_retry_reruns_failed_stage_onward(prefect_engine, grpo_
     are not redone (records untouched), score onward runs, and the run finishes in the same MLflow run."""
     from prefect.settings import PREFECT_API_URL
     from flows.train import training_run
-    from tasks.common import read_json, run_status
+    from grpo_core.io import read_json
+    from tasks.common import run_status
     _arm(tmp_path, monkeypatch, {"point": "score", "iteration": 1, "times": 1, "error": "ValueError"})
     cfg = tiny_config(tmp_path, pipeline_iterations=1, eval={"enabled": False})
     with pytest.raises(Exception, match="injected fault"):
@@ -266,7 +268,7 @@ def test_next_run_starts_from_previous_best_adapter(prefect_engine, grpo_home, m
     whose first rollout/update start from the adapter the previous finished run registered as best."""
     import torch
     from flows.train import training_run
-    from tasks.common import read_json
+    from grpo_core.io import read_json
     first = training_run(tiny_config(tmp_path, run_name="day-1", pipeline_iterations=1, eval={"enabled": False},
                                      tracking={"register_adapter": "final"}))
     second = training_run(tiny_config(tmp_path, run_name="day-2", pipeline_iterations=1, eval={"enabled": False},

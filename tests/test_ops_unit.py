@@ -12,7 +12,7 @@ import pytest
 import yaml
 
 from grpo_core.config import ConfigError, GRPOConfig, StageRetryConfig
-from grpo_core.data.schema import TaskValidationError
+from grpo_core.task import TaskValidationError
 from grpo_core.models import ModelError
 from tasks import common
 

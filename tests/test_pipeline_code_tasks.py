@@ -4,7 +4,8 @@ from pathlib import Path
 import pytest
 
 from conftest import tiny_config
-from grpo_core.data.schema import read_jsonl, read_tasks, write_tasks
+from grpo_core.io import read_jsonl
+from grpo_core.task import read_tasks, write_tasks
 from sandbox_support import need_docker
 
 pytestmark = [pytest.mark.docker, pytest.mark.slow]

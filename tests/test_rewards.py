@@ -1,7 +1,8 @@
 import pytest
 
-from grpo_core.data.schema import Task
-from grpo_core.rewards import compute_rewards, extract_answer, format_reward, math_answers_match
+from grpo_core.task import Task
+from grpo_core.rewards import compute_rewards, format_reward
+from grpo_core.answers import extract_answer, math_answers_match
 
 T = Task(id="t", kind="math", source="arithmetic", prompt="What is 2 + 3?", answer="5")
 

@@ -6,9 +6,10 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from grpo_core.cpu_linear import available as cpu_linear_available, use_onednn_linears
+from grpo_core.kernels.cpu_linear import available as cpu_linear_available, use_onednn_linears
 from grpo_core.models import attach_lora, load_tokenizer
-from grpo_core.rollout import HFBackend, SamplingParams, StaticBackend, draw, merged_lora, sample_next
+from grpo_core.rollout import HFGenerateSampler, KVCacheSampler, draw, merged_lora, sample_next
+from grpo_core.sampling import SamplingParams
 
 CPU = torch.device("cpu")
 
@@ -30,11 +31,11 @@ def prompts_of(tok):
 def test_static_backend_greedy_equals_hf_generate(tiny, lean):
     """Both forwards of our sampler (the lean Llama one and the model's own call), with each group's
     prompt prefilled once, give transformers' generate's greedy answers."""
-    from grpo_core.lean_decode import LeanDecoder
+    from grpo_core.kernels.lean_decode import LeanDecoder
     model, tok = tiny
     params = SamplingParams(max_new_tokens=12, greedy=True)
-    hf = HFBackend(model, tok, CPU, batch_size=2, progress=False).generate(prompts_of(tok), 2, params)
-    backend = StaticBackend(model, tok, CPU, batch_size=4, progress=False, lean=lean)
+    hf = HFGenerateSampler(model, tok, CPU, batch_size=2, progress=False).generate(prompts_of(tok), 2, params)
+    backend = KVCacheSampler(model, tok, CPU, batch_size=4, progress=False, lean=lean)
     assert isinstance(backend.forward, LeanDecoder) == lean
     ours = backend.generate(prompts_of(tok), 2, params)
     assert ours == hf
@@ -47,12 +48,12 @@ def test_finished_rows_are_dropped_without_disturbing_others(tiny):
     model, tok = tiny
     params = SamplingParams(max_new_tokens=10, greedy=True)
     prompts = prompts_of(tok)
-    free = StaticBackend(model, tok, CPU, progress=False).generate(prompts, 1, params)
+    free = KVCacheSampler(model, tok, CPU, progress=False).generate(prompts, 1, params)
     rows = [g[0] for g in free]
     eos_id = next(t for r in rows for t in r[1:5] if any(t not in other for other in rows))
     tok.eos_token = tok.convert_ids_to_tokens(eos_id)
-    batched = StaticBackend(model, tok, CPU, progress=False).generate(prompts, 1, params)
-    single = [StaticBackend(model, tok, CPU, progress=False).generate([p], 1, params)[0] for p in prompts]
+    batched = KVCacheSampler(model, tok, CPU, progress=False).generate(prompts, 1, params)
+    single = [KVCacheSampler(model, tok, CPU, progress=False).generate([p], 1, params)[0] for p in prompts]
     assert batched == single
     lens = [len(g[0]) for g in batched]
     assert any(g[0][-1] == eos_id for g in batched) and len(set(lens)) > 1   # some stopped early, some did not
@@ -63,7 +64,7 @@ def test_finished_rows_are_dropped_without_disturbing_others(tiny):
 
 def test_sampling_is_seeded_and_truncation_flags(tiny_model_dir):
     model, tok = AutoModelForCausalLM.from_pretrained(tiny_model_dir).eval(), load_tokenizer(tiny_model_dir)
-    be = StaticBackend(model, tok, CPU, progress=False)
+    be = KVCacheSampler(model, tok, CPU, progress=False)
     a = be.generate(prompts_of(tok), 4, SamplingParams(max_new_tokens=6, seed=7))
     b = be.generate(prompts_of(tok), 4, SamplingParams(max_new_tokens=6, seed=7))
     c = be.generate(prompts_of(tok), 4, SamplingParams(max_new_tokens=6, seed=8))

@@ -2,7 +2,7 @@
 Starting adapters and registration are exercised end to end in test_ops_flow.py."""
 from __future__ import annotations
 
-from grpo_core.data.schema import read_jsonl
+from grpo_core.io import read_jsonl
 from tasks.run import merge_dynamic_rounds, numeric
 from tests.conftest import tiny_config
 from tests.test_dynamic_sampling import round_rows

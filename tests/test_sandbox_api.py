@@ -7,7 +7,8 @@ import math
 import pytest
 
 from sandbox import python_tests, rust_harness
-from sandbox.api import Job, TaskFormatError, TestResult, Verdict, validate_tests
+from sandbox.types import Job, TaskFormatError, TestResult, Verdict
+from sandbox.api import validate_tests
 from sandbox.python_runner import Unencodable, decode, encode
 
 

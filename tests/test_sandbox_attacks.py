@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from sandbox.api import Job
+from sandbox.types import Job
 from sandbox_support import backend, py_job  # noqa: F401 - fixtures
 
 pytestmark = pytest.mark.docker

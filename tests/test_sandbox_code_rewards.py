@@ -4,8 +4,8 @@ from __future__ import annotations
 import pytest
 
 from grpo_core.code_rewards import build_job, code_accuracy, extract_code, score_code, verdict_reward
-from grpo_core.data.schema import Task
-from sandbox.api import StageResult, TestResult, Verdict
+from grpo_core.task import Task
+from sandbox.types import StageResult, TestResult, Verdict
 from sandbox_support import need_docker
 
 

@@ -3,7 +3,8 @@ from __future__ import annotations
 
 import pytest
 
-from sandbox.api import Job, score_batch
+from sandbox.types import Job
+from sandbox.api import score_batch
 from sandbox_support import docker_backend, need_docker, py_job  # noqa: F401 - fixtures
 
 pytestmark = pytest.mark.docker

@@ -7,7 +7,7 @@ import subprocess
 
 import pytest
 
-from sandbox.api import Job
+from sandbox.types import Job
 from sandbox.local_backend import LocalBackend, bwrap_works
 from sandbox_support import local_backend, py_job, rust_job  # noqa: F401 - fixtures
 

@@ -2,7 +2,7 @@ import json
 
 import pytest
 
-from grpo_core.data.schema import Task, TaskValidationError, read_tasks, write_tasks
+from grpo_core.task import Task, TaskValidationError, read_tasks, write_tasks
 
 
 def test_roundtrip_and_hash(tmp_path):

@@ -22,14 +22,15 @@ def test_default_model_rollout_and_update(real_home):
     from grpo_core.data import arithmetic
     from grpo_core.policy import load_policy
     from grpo_core.rewards import compute_rewards
-    from grpo_core.rollout import HFBackend, SamplingParams, rollout
+    from grpo_core.rollout import HFGenerateSampler, rollout
+    from grpo_core.sampling import SamplingParams
     from grpo_core.update import ScoredSample, grpo_update, make_optimizer, make_scheduler
 
     cfg = GRPOConfig(num_generations=4, max_completion_length=24, learning_rate=1e-3)
     policy = load_policy(cfg)
     assert policy.model.config.vocab_size == 49152
     tasks = arithmetic.train_tasks(2, 1, 1, ["+"], seed=0, exclude=set())
-    samples = rollout(HFBackend(policy.model, policy.tokenizer, policy.device), policy.tokenizer, tasks,
+    samples = rollout(HFGenerateSampler(policy.model, policy.tokenizer, policy.device), policy.tokenizer, tasks,
                       cfg.num_generations, SamplingParams(max_new_tokens=24, seed=0), cfg.data.prompt_format, 256)
     assert len(samples) == 8 and all(s.completion_ids for s in samples)
     text = " ".join(s.completion for s in samples)

@@ -8,7 +8,7 @@ from __future__ import annotations
 import random
 from typing import Iterable
 
-from grpo_core.data.schema import Task
+from grpo_core.task import Task
 
 OPS = {"+": lambda a, b: a + b, "-": lambda a, b: a - b, "*": lambda a, b: a * b}
 

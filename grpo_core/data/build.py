@@ -37,7 +37,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from grpo_core.data import curation
 from grpo_core.data.records import REASONS, Rejection
-from grpo_core.data.schema import Task, atomic_dir, atomic_write_text, read_tasks, write_jsonl
+from grpo_core.task import Task, read_tasks
+from grpo_core.io import atomic_dir, atomic_write_text, write_jsonl
 from grpo_core.data.sources import SOURCE_NAMES, get_loader
 from grpo_core.data.validate import validate
 
@@ -312,7 +313,7 @@ def write_dataset(cfg: BuildConfig, train: list[Task], ev: list[Task], rejected:
     import pyarrow.parquet as pq
     h = report["dataset_hash"]
     final = Path(cfg.out_dir) / f"{cfg.name}-{h[:12]}"
-    meta = {"grpo.dataset_hash": h, "grpo.name": cfg.name, "grpo.schema": "grpo_core.data.schema.Task"}
+    meta = {"grpo.dataset_hash": h, "grpo.name": cfg.name, "grpo.schema": "grpo_core.task.Task"}
 
     def build(tmp: Path) -> None:
         for split_name, items in (("train", train), ("eval", ev)):

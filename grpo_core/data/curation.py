@@ -16,7 +16,8 @@ from typing import Callable, Iterable, Sequence
 import numpy as np
 
 from grpo_core.data.records import Rejection
-from grpo_core.data.schema import Task, read_jsonl
+from grpo_core.task import Task
+from grpo_core.io import read_jsonl
 
 # -- normalise ----------------------------------------------------------------------------------------
 

@@ -15,7 +15,8 @@ from typing import Any
 
 from grpo_core.data import curation
 from grpo_core.data.build import build, load_build_config, read_any, read_dataset
-from grpo_core.data.schema import Task, atomic_write_text, write_tasks
+from grpo_core.task import Task, write_tasks
+from grpo_core.io import atomic_write_text
 
 FILE_EVAL_FRACTION = 0.1  # held-out share when data.curated is a single task file
 

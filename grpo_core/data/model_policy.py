@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Sequence
 
 from grpo_core.data.curation import PolicyFn
-from grpo_core.data.schema import Task
+from grpo_core.task import Task
 
 def model_policy(model: str, max_new_tokens: int = 64, temperature: float = 1.0, seed: int = 0,
                  prompt_format=None, device: str = "auto",
@@ -18,7 +18,8 @@ def model_policy(model: str, max_new_tokens: int = 64, temperature: float = 1.0,
 
     from grpo_core.models import load_base_model, load_tokenizer, resolve_model, select_device
     from grpo_core.rewards import accuracy_reward
-    from grpo_core.rollout import HFBackend, SamplingParams, rollout
+    from grpo_core.rollout import HFGenerateSampler, rollout
+    from grpo_core.sampling import SamplingParams
 
     from grpo_core.config import DataConfig
     fmt = prompt_format if prompt_format is not None else DataConfig().prompt_format
@@ -26,7 +27,7 @@ def model_policy(model: str, max_new_tokens: int = 64, temperature: float = 1.0,
     dev = select_device(device)
     tok = load_tokenizer(path)
     net = load_base_model(path, dev, torch.float32).eval()
-    backend = HFBackend(net, tok, dev, batch_size, progress=False)
+    backend = HFGenerateSampler(net, tok, dev, batch_size, progress=False)
     params = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, seed=seed)
 
     def policy(tasks: Sequence[Task], k: int) -> list[list[float]]:

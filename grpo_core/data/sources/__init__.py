@@ -9,7 +9,7 @@ import importlib
 from typing import Any, Callable, Iterable
 
 from grpo_core.data.records import Rejection
-from grpo_core.data.schema import Task
+from grpo_core.task import Task
 
 Loader = Callable[..., Iterable["Task | Rejection"]]
 

@@ -5,7 +5,7 @@ from typing import Any, Iterable
 
 from grpo_core.data import arithmetic
 from grpo_core.data.records import Rejection
-from grpo_core.data.schema import Task
+from grpo_core.task import Task
 
 
 def load(n: int = 200, min_digits: int = 1, max_digits: int = 2, operations: list[str] | tuple[str, ...] = ("+",),

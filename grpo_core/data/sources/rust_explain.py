@@ -21,7 +21,8 @@ from typing import Any, Iterable
 
 from grpo_core.data import formats, localrun
 from grpo_core.data.records import Rejection
-from grpo_core.data.schema import Task, atomic_write_text
+from grpo_core.task import Task
+from grpo_core.io import atomic_write_text
 from grpo_core.data.sources.humaneval_rust import grpo_home
 
 RUSTC_INSTRUCTION = ("This Rust code does not compile (rustc reports error {code}). Fix it so that it compiles, "

@@ -24,7 +24,7 @@ from typing import Any, Iterable
 
 from grpo_core.data import formats
 from grpo_core.data.records import Rejection
-from grpo_core.data.schema import Task
+from grpo_core.task import Task
 
 SOURCE = "stackexchange"
 LANG_TAGS = {"rust": "rust", "python": "python", "python-3.x": "python"}

@@ -1,4 +1,4 @@
-"""One schema for every training or evaluation task, whatever its source.
+"""The task: one schema for every training or evaluation item, whatever its source.
 
 A task is a small JSON-able record. Stages exchange tasks as JSONL files (one record a line).
 """
@@ -7,16 +7,16 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import shutil
-import tempfile
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterable, Iterator
+from typing import Any, Iterable
+
+from grpo_core.io import InputError, read_jsonl, write_jsonl
 
 KINDS = ("math", "python", "rust")
 
 
-class TaskValidationError(ValueError):
+class TaskValidationError(InputError):
     """A task record is malformed; the message names the field and the fix."""
 
 
@@ -73,61 +73,14 @@ class Task:
         return hashlib.sha256(json.dumps(core, sort_keys=True).encode()).hexdigest()
 
 
-def atomic_write_text(path: str | os.PathLike, text: str) -> Path:
-    """Write a file so that readers see either the old content or the whole new content."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    return path
-
-
-def atomic_dir(final: str | os.PathLike, build: Callable[[Path], None], replace: bool = False) -> Path:
-    """Build a directory in a temp sibling, then rename it into place (never half-written). An existing
-    `final` is replaced when `replace`, else kept (another process won, or it has the same content)."""
-    final = Path(final)
-    final.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=final.parent, prefix=f".{final.name}."))
-    try:
-        build(tmp)
-        if final.exists() and replace:
-            shutil.rmtree(final)
-        if final.exists():
-            shutil.rmtree(tmp)
-        else:
-            os.replace(tmp, final)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return final
-
-
-def write_jsonl(path: str | os.PathLike, rows: Iterable[dict[str, Any]]) -> Path:
-    return atomic_write_text(path, "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows))
-
-
-def read_jsonl(path: str | os.PathLike) -> Iterator[dict[str, Any]]:
-    with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                yield json.loads(line)
-            except json.JSONDecodeError as e:
-                raise TaskValidationError(f"{path}:{lineno}: not valid JSON ({e.msg}); fix or remove the line") from e
-
-
 def write_tasks(path: str | os.PathLike, tasks: Iterable[Task]) -> Path:
     return write_jsonl(path, (t.to_dict() for t in tasks))
 
 
 def read_tasks(path: str | os.PathLike) -> list[Task]:
-    return [Task.from_dict(r) for r in read_jsonl(path)]
+    try:
+        return [Task.from_dict(r) for r in read_jsonl(path)]
+    except TaskValidationError:
+        raise
+    except InputError as e:
+        raise TaskValidationError(str(e)) from e

@@ -1,0 +1,77 @@
+"""File helpers every layer shares: atomic writes (a reader sees the old file or the whole new one,
+never half of it), atomic directories, and JSON / JSONL records.
+
+Nothing here knows about tasks, models or stages; it is the bottom of `grpo_core`.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any, Callable, Iterable, Iterator
+
+
+class InputError(ValueError):
+    """A file the user gave (or a stage wrote) is malformed; the message names the file, line and fix."""
+
+
+def atomic_write_text(path: str | os.PathLike, text: str) -> Path:
+    """Write a file so that readers see either the old content or the whole new content."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return path
+
+
+def atomic_dir(final: str | os.PathLike, build: Callable[[Path], None], replace: bool = False) -> Path:
+    """Build a directory in a temp sibling, then rename it into place (never half-written). An existing
+    `final` is replaced when `replace`, else kept (another process won, or it has the same content)."""
+    final = Path(final)
+    final.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=final.parent, prefix=f".{final.name}."))
+    try:
+        build(tmp)
+        if final.exists() and replace:
+            shutil.rmtree(final)
+        if final.exists():
+            shutil.rmtree(tmp)
+        else:
+            os.replace(tmp, final)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return final
+
+
+def read_json(path: str | os.PathLike) -> Any:
+    return json.loads(Path(path).read_text())
+
+
+def write_json(path: str | os.PathLike, obj: Any) -> Path:
+    return atomic_write_text(path, json.dumps(obj, indent=2, sort_keys=True, default=str))
+
+
+def write_jsonl(path: str | os.PathLike, rows: Iterable[dict[str, Any]]) -> Path:
+    return atomic_write_text(path, "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows))
+
+
+def read_jsonl(path: str | os.PathLike) -> Iterator[dict[str, Any]]:
+    with open(path, encoding="utf-8") as f:
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                yield json.loads(line)
+            except json.JSONDecodeError as e:
+                raise InputError(f"{path}:{lineno}: not valid JSON ({e.msg}); fix or remove the line") from e

@@ -1,0 +1,74 @@
+"""Sampling types: what a rollout asks for (`SamplingParams`, `PromptFormat`), what it returns
+(`Sample`), and the one-method interface every rollout backend implements (`RolloutBackend`).
+
+No torch here: the backends (`grpo_core.rollout`, `grpo_core.vllm_backend`) import these types, and
+nothing here imports them back.
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Protocol, Sequence
+
+from grpo_core.task import Task
+
+
+@dataclass
+class SamplingParams:
+    max_new_tokens: int
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    greedy: bool = False
+    seed: int = 0
+
+
+@dataclass
+class Sample:
+    """One completion. Token ids are kept so the update never re-tokenises (what was sampled is scored)."""
+    task_id: str
+    group: int                  # index of the prompt in this batch; samples of a group share it
+    prompt_ids: list[int]
+    completion_ids: list[int]   # including the EOS token when the model stopped by itself
+    completion: str             # decoded, special tokens removed
+    truncated: bool             # hit max_new_tokens without EOS
+    extra: dict = field(default_factory=dict)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+class RolloutBackend(Protocol):
+    def generate(self, prompts: Sequence[list[int]], n: int, params: SamplingParams) -> list[list[list[int]]]:
+        """For each prompt (token ids), n completions (token ids, EOS included if emitted)."""
+
+
+@dataclass(frozen=True)
+class PromptFormat:
+    """How a math question is put to the model: system prompt, worked examples, and a response prefix
+    (e.g. "<answer>") that opens the assistant turn. Code tasks carry their own instructions and get
+    only their prompt."""
+    system_prompt: str = ""
+    few_shot: tuple[tuple[str, str], ...] = ()      # (question, answer) exchanges shown before the question
+    response_prefix: str = ""                       # part of the prompt; counted as the completion's start
+
+    @classmethod
+    def of(cls, fmt: "PromptFormat | str") -> "PromptFormat":
+        return fmt if isinstance(fmt, PromptFormat) else cls(system_prompt=fmt)
+
+    def for_task(self, task: Task) -> "PromptFormat":
+        return self if task.kind == "math" else PromptFormat()
+
+
+def chat_prompt_ids(tokenizer, task: Task, fmt: PromptFormat | str, max_prompt_length: int) -> list[int]:
+    """The task's prompt in the model's chat format (+ response prefix), as token ids (left-truncated)."""
+    fmt = PromptFormat.of(fmt).for_task(task)
+    messages = [{"role": "system", "content": fmt.system_prompt}] if fmt.system_prompt else []
+    for q, a in fmt.few_shot:
+        messages += [{"role": "user", "content": q}, {"role": "assistant", "content": a}]
+    messages.append({"role": "user", "content": task.prompt})
+    if getattr(tokenizer, "chat_template", None):
+        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    else:
+        text = "\n\n".join(m["content"] for m in messages) + "\n"
+    ids = tokenizer(text + fmt.response_prefix, add_special_tokens=False)["input_ids"]
+    return list(ids)[-max_prompt_length:]

@@ -13,7 +13,7 @@ nvidia-smi --query-gpu=name,memory.total --format=csv | tee "$OUT/gpu.txt"
 $PY -c "import torch; assert torch.cuda.is_available(); print(torch.__version__, torch.cuda.get_device_name())"
 
 echo "== 1. core tests (device auto -> cuda)"
-timeout 240 $PY -m pytest -q -x tests/test_algorithm.py tests/test_update.py tests/test_rollout.py \
+timeout 240 $PY -m pytest -q -x tests/test_loss.py tests/test_logprobs.py tests/test_update.py tests/test_rollout.py \
   tests/test_policy.py tests/test_learning_toy.py 2>&1 | tail -5 | tee "$OUT/tests.txt"
 
 echo "== 2. peak memory, 1B Llama-style, LoRA, G=8, 256 new tokens, gradient checkpointing, bf16"

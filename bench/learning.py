@@ -1,118 +1,154 @@
-"""Learning proof: train the default model (SmolLM2-135M-Instruct, LoRA) with GRPO on the arithmetic
-curriculum and print held-out accuracy before and after, sampled at the training temperature and greedy.
+"""Learning proof: train with the real pipeline (`grpo train`: Prefect stages, curation, sandbox,
+MLflow) on a config, once per seed, and print held-out accuracy before and after.
 
-    python bench/learning.py --minutes 30 --seeds 0 1          # the target: +20 points sampled, 2 seeds
-    python bench/learning.py --minutes 5 --seeds 0 --eval-size 20   # a quick look
+    python bench/learning.py --config configs/math.yaml --seeds 0 1 --iterations 40
+    python bench/learning.py --config configs/default.yaml --seeds 0 1 --parallel
+    python bench/learning.py --config configs/code.yaml --seeds 0 --iterations 12
 
-Uses grpo_core directly (no Prefect/MLflow: the benchmark measures learning, not orchestration).
-Training stops at the first step that would start after the time budget; evaluation is not counted
-in the budget. Prints the config, the wall time and the before/after accuracies per seed as JSON.
+Each seed is one `grpo train` process (`--parallel`: all seeds at once, one torch thread each). The
+held-out split is the run's own `data/eval.jsonl`; the script re-checks that no training prompt of any
+iteration asks an eval question (`canonical_question`), and reports the eval at iteration 0 (the base
+model) and at the last iteration, greedy and sampled at the training temperature: pass@1, the strict
+pass@1 (correct and in the required format) and the format rate. Each run's CPU time (user + system,
+all threads) and wall time are measured; `--max-cpu-minutes` marks a run that went over budget.
+Results, with the CPU model, versions and git commit, go to `--out` (JSON).
 """
 from __future__ import annotations
 
 import argparse
 import json
-import statistics
+import os
+import platform
+import resource
+import subprocess
 import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
 
-import torch  # noqa: E402
+from grpo_core.data.curation import canonical_question  # noqa: E402
+from grpo_core.task import read_tasks  # noqa: E402
 
-from grpo_core.config import GRPOConfig  # noqa: E402
-from grpo_core.data.arithmetic import eval_tasks, train_tasks  # noqa: E402
-from grpo_core.policy import load_policy  # noqa: E402
-from grpo_core.rewards import compute_rewards  # noqa: E402
-from grpo_core.sampling import SamplingParams  # noqa: E402
-from grpo_core.rollout import make_backend, rollout  # noqa: E402
-from grpo_core.update import ScoredSample, grpo_update, make_optimizer, make_scheduler  # noqa: E402
+KEYS = {"greedy": "eval/greedy/pass_at_1", "sampled": "eval/sampled/pass_at_1",
+        "strict_greedy": "eval/greedy/strict_pass_at_1", "strict_sampled": "eval/sampled/strict_pass_at_1",
+        "format_greedy": "eval/greedy/format_rate", "format_sampled": "eval/sampled/format_rate"}
 
 
-def accuracy(policy, backend, cfg, tasks, greedy: bool, n: int, seed: int) -> float:
-    params = SamplingParams(max_new_tokens=cfg.max_completion_length, temperature=cfg.temperature, top_p=cfg.top_p,
-                            top_k=cfg.top_k, greedy=greedy, seed=seed)
-    samples = rollout(backend, policy.tokenizer, tasks, n, params, cfg.data.prompt_format, cfg.max_prompt_length)
-    by_id = {t.id: t for t in tasks}
-    _, per = compute_rewards([s.completion for s in samples], [by_id[s.task_id] for s in samples], ["accuracy"], [1.0])
-    return statistics.mean(v or 0.0 for v in per["accuracy"])
+def machine() -> dict:
+    """CPU model, core count, versions and commit, recorded with every figure."""
+    import torch
+    import transformers
+    cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                if line.startswith("model name")), platform.processor())
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+    dirty = bool(subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT,
+                                capture_output=True, text=True).stdout.strip())
+    return {"cpu": cpu, "cores": os.cpu_count(), "torch": torch.__version__, "transformers": transformers.__version__,
+            "python": platform.python_version(), "commit": commit + ("-dirty" if dirty else "")}
 
 
-def run(cfg: GRPOConfig, minutes: float, eval_size: int, eval_samples: int) -> dict:
-    torch.manual_seed(cfg.seed)
-    d = cfg.data
-    held = eval_tasks(eval_size, d.min_digits, d.max_digits, d.operations)
-    exclude = {t.id for t in held}
-    policy = load_policy(cfg)
-    backend = make_backend(cfg, policy, progress=False)
-    opt = make_optimizer(policy, cfg)
-    sched = make_scheduler(opt, cfg)
-    before = {"sampled": accuracy(policy, backend, cfg, held, False, eval_samples, 123),
-              "greedy": accuracy(policy, backend, cfg, held, True, 1, 123)}
-    print(f"seed {cfg.seed} before: {before}", flush=True)
-    t0, step, rewards = time.perf_counter(), 0, []
-    while time.perf_counter() - t0 < minutes * 60 and step < cfg.pipeline_iterations:
-        tasks = train_tasks(d.prompts_per_iteration, d.min_digits, d.max_digits, d.operations,
-                            seed=cfg.seed * 100_003 + step, exclude=exclude)
-        params = SamplingParams(max_new_tokens=cfg.max_completion_length, temperature=cfg.temperature,
-                                top_p=cfg.top_p, top_k=cfg.top_k, seed=cfg.seed * 7919 + step)
-        samples = rollout(backend, policy.tokenizer, tasks, cfg.num_generations, params, d.prompt_format,
-                          cfg.max_prompt_length)
-        by_id = {t.id: t for t in tasks}
-        totals, per = compute_rewards([s.completion for s in samples], [by_id[s.task_id] for s in samples],
-                                      cfg.reward_funcs, cfg.weights)
-        batch = [ScoredSample(s.group, s.prompt_ids, s.completion_ids, r, s.truncated) if r is not None else None
-                 for s, r in zip(samples, totals)]
-        metrics, stats = grpo_update(policy, opt, sched, batch, cfg, seed=cfg.seed + step)
-        acc = statistics.mean(v or 0.0 for v in per["accuracy"])
-        rewards.append(acc)
-        step += 1
-        print(f"  step {step} ({time.perf_counter() - t0:.0f} s): train accuracy {acc:.2f}, "
-              f"zero-std groups {stats.get('frac_reward_zero_std', 0):.2f}, kl {metrics[-1]['kl'] if metrics else 0:.4f}",
-              flush=True)
-    train_s = time.perf_counter() - t0
-    after = {"sampled": accuracy(policy, backend, cfg, held, False, eval_samples, 123),
-             "greedy": accuracy(policy, backend, cfg, held, True, 1, 123)}
-    out = {"seed": cfg.seed, "steps": step, "train_seconds": train_s, "before": before, "after": after,
-           "gain_sampled_points": 100 * (after["sampled"] - before["sampled"]),
-           "gain_greedy_points": 100 * (after["greedy"] - before["greedy"]), "train_accuracy": rewards}
-    print(f"seed {cfg.seed} after {step} steps / {train_s:.0f} s: {after}  "
-          f"(sampled {out['gain_sampled_points']:+.1f} points, greedy {out['gain_greedy_points']:+.1f})", flush=True)
-    return out
+def launch(config: str, seed: int, iterations: int | None, sets: list[str], out_dir: Path, threads: int | None):
+    """Start one `grpo train` run; returns (process, run name, log path)."""
+    name = f"learn-{Path(config).stem}-s{seed}"
+    out_dir = out_dir / name               # its own MLflow store: parallel runs never share a fresh SQLite DB
+    cmd = [sys.executable, "-m", "flows.cli", "train", "--config", config, "--output-dir", str(out_dir),
+           "--run-name", name, "--set", f"seed={seed}"]
+    if iterations:
+        cmd += ["--set", f"pipeline_iterations={iterations}", "--set", f"eval.every={iterations}"]
+    for s in sets:
+        cmd += ["--set", s]
+    env = dict(os.environ)
+    if threads:
+        env.update(OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads))
+    log = out_dir / f"{name}.log"
+    out_dir.mkdir(parents=True, exist_ok=True)
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log.open("w"), stderr=subprocess.STDOUT)
+    return proc, name, log
 
 
-def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--minutes", type=float, default=30.0, help="training time budget per seed")
+def wait_with_cpu(proc: subprocess.Popen) -> tuple[int, float]:
+    """Wait for one child; (exit code, its CPU seconds: user + system over all its threads)."""
+    _, status, usage = os.wait4(proc.pid, 0)
+    proc.returncode = os.waitstatus_to_exitcode(status)
+    return proc.returncode, usage.ru_utime + usage.ru_stime
+
+
+def content_overlap(run_dir: Path) -> int:
+    """Training prompts (any iteration, dynamic-sampling rounds included) that ask an eval question."""
+    held_out = {canonical_question(t.prompt) for t in read_tasks(run_dir / "data" / "eval.jsonl")}
+    seen = set()
+    for p in run_dir.glob("iter-*/**/prompts.jsonl"):
+        seen |= {canonical_question(t.prompt) for t in read_tasks(p)}
+    return len(seen & held_out)
+
+
+def summarise(run_dir: Path) -> dict:
+    summary = json.loads((run_dir / "summary.json").read_text())
+    evals = {int(k): v for k, v in summary["evals"].items()}
+    first, last = evals[min(evals)], evals[max(evals)]
+    before = {k: first.get(m) for k, m in KEYS.items()}
+    after = {k: last.get(m) for k, m in KEYS.items()}
+    gain = {k: round(100 * (after[k] - before[k]), 1) for k in KEYS if before[k] is not None and after[k] is not None}
+    return {"iterations": max(evals), "eval_questions": len(read_tasks(run_dir / "data" / "eval.jsonl")),
+            "train_eval_content_overlap": content_overlap(run_dir), "before": before, "after": after,
+            "gain_points": gain, "mlflow_run_id": summary.get("mlflow_run_id")}
+
+
+def table(runs: list[dict]) -> str:
+    cols = ["greedy", "sampled", "strict_sampled", "format_sampled"]
+    lines = [f"{'seed':>4} {'iters':>5} {'cpu min':>8} {'wall min':>8}  " +
+             "  ".join(f"{c:>22}" for c in cols)]
+    for r in runs:
+        cells = []
+        for c in cols:
+            b, a = r["before"].get(c), r["after"].get(c)
+            cells.append(f"{b:.3f} -> {a:.3f}".rjust(22) if b is not None and a is not None else "-".rjust(22))
+        lines.append(f"{r['seed']:>4} {r['iterations']:>5} {r['cpu_minutes']:>8.1f} {r['wall_minutes']:>8.1f}  "
+                     + "  ".join(cells))
+    return "\n".join(lines)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--config", default="configs/default.yaml")
     ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
-    ap.add_argument("--model", default="smollm2-135m-instruct")
-    ap.add_argument("--eval-size", type=int, default=40)
-    ap.add_argument("--eval-samples", type=int, default=2, help="sampled answers per held-out question")
-    ap.add_argument("--set", nargs="*", default=[], help="config overrides key=value")
-    ap.add_argument("--json")
-    args = ap.parse_args(argv)
-    from grpo_core.config import load_config
-    base = dict(model=args.model, num_generations=8, max_completion_length=48, temperature=1.0, learning_rate=2e-4,
-                beta=0.04, loss_type="dapo", epsilon_high=0.28, scale_rewards="group", lora_r=16, lora_alpha=32,
-                pipeline_iterations=10_000, reward_funcs=["accuracy", "format"], reward_weights=[1.0, 0.2],
-                data=dict(prompts_per_iteration=4, min_digits=1, max_digits=1, operations=["+"]))
-    cfg0 = GRPOConfig.model_validate(base)
-    results = []
+    ap.add_argument("--iterations", type=int, help="pipeline_iterations (default: the config's); eval at 0 and the end")
+    ap.add_argument("--set", action="append", default=[], help="extra config override, key=value (repeatable)")
+    ap.add_argument("--parallel", action="store_true", help="run all seeds at once, one torch thread each")
+    ap.add_argument("--max-cpu-minutes", type=float, default=30.0, help="budget per run (reported, not enforced)")
+    ap.add_argument("--out-dir", default=str(ROOT / "bench" / "out" / "learning"))
+    ap.add_argument("--out", help="result JSON (default: bench/results/learning_<config>.json)")
+    args = ap.parse_args()
+    out_dir = Path(args.out_dir)
+    started = []
     for seed in args.seeds:
-        cfg = load_config(None, [f"{k}={json.dumps(v)}" for k, v in cfg0.flat().items() if "." not in k] +
-                          [f"data.{k}={json.dumps(v)}" for k, v in base["data"].items()] + list(args.set) + [f"seed={seed}"])
-        if seed == args.seeds[0]:
-            print("config:", json.dumps({k: v for k, v in cfg.flat().items() if not k.startswith(("eval.", "stages.",
-                  "tracking.", "sandbox."))}), flush=True)
-        results.append(run(cfg, args.minutes, args.eval_size, args.eval_samples))
-    summary = {"threads": torch.get_num_threads(), "minutes_budget": args.minutes, "runs": results,
-               "mean_gain_sampled_points": statistics.mean(r["gain_sampled_points"] for r in results)}
-    print(json.dumps({k: v for k, v in summary.items() if k != "runs"}), flush=True)
-    if args.json:
-        Path(args.json).write_text(json.dumps(summary, indent=2))
-    return summary
+        started.append((seed, time.perf_counter(), *launch(args.config, seed, args.iterations, args.set, out_dir,
+                                                              1 if args.parallel else None)))
+        if not args.parallel:
+            started[-1] = (*started[-1], *wait_with_cpu(started[-1][2]), time.perf_counter())
+    runs = []
+    for item in started:
+        seed, t0, proc, name, log = item[:5]
+        rc, cpu, t1 = item[5:] if len(item) > 5 else (*wait_with_cpu(proc), time.perf_counter())
+        if rc != 0:
+            print(f"seed {seed}: grpo train failed (exit {rc}); see {log}", file=sys.stderr)
+            return 1
+        run = {"seed": seed, "run": name, "cpu_minutes": round(cpu / 60, 2), "wall_minutes": round((t1 - t0) / 60, 2),
+               **summarise(out_dir / name / name)}
+        run["within_budget"] = run["cpu_minutes"] <= args.max_cpu_minutes
+        runs.append(run)
+    result = {"config": args.config, "overrides": args.set, "parallel": args.parallel, "machine": machine(),
+              "runs": runs}
+    out = Path(args.out or ROOT / "bench" / "results" / f"learning_{Path(args.config).stem}.json")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2))
+    print(json.dumps(result["machine"]))
+    print(table(runs))
+    print(f"saved {out}")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -39,13 +39,14 @@ def plain_run(cfg, run_dir: Path) -> list[float]:
     times = []
     for k in range(1, cfg.pipeline_iterations + 1):
         t0 = time.perf_counter()
-        cur = curate.fn(config, str(run_dir), k)
-        ro = rollout.fn(config, str(run_dir), k, cur["prompts"], ckpt)
-        sc = score.fn(config, str(run_dir), k, cur["prompts"], ro["samples"])
-        up = update.fn(config, str(run_dir), k, ro["samples"], sc["scores"], ckpt, state)
+        curated = curate.fn(config, str(run_dir), k)
+        rolled_out = rollout.fn(config, str(run_dir), k, curated["prompts"], ckpt)
+        scored = score.fn(config, str(run_dir), k, curated["prompts"], rolled_out["samples"])
+        updated = update.fn(config, str(run_dir), k, rolled_out["samples"], scored["scores"], ckpt, state,
+                            scored["metrics"], rolled_out["seconds"], rolled_out["tokens_per_second"])
         if cfg.eval.enabled:
-            evaluate.fn(config, str(run_dir), k, up["checkpoint"])
-        ckpt, state = up["checkpoint"], up["state"]
+            evaluate.fn(config, str(run_dir), k, updated["checkpoint"])
+        ckpt, state = updated["checkpoint"], updated["state"]
         times.append(time.perf_counter() - t0)
     return times
 

@@ -60,7 +60,7 @@ def workload_config(args) -> GRPOConfig:
 
 
 def prompts_for(step: int, cfg: GRPOConfig):
-    held = {t.id for t in eval_tasks(cfg.data.eval_size, 1, 1, ["+"])}
+    held = eval_tasks(20, 1, 1, ["+"])          # 1-digit addition: 55 questions by content
     return train_tasks(2, 1, 1, ["+"], seed=1000 + step, exclude=held)
 
 
@@ -82,8 +82,8 @@ class Ours:
                           SYSTEM_PROMPT, cfg.max_prompt_length)   # same prompt TRL gets
         t1 = time.perf_counter()
         by_id = {t.id: t for t in tasks}
-        totals, _ = compute_rewards([s.completion for s in samples], [by_id[s.task_id] for s in samples],
-                                    cfg.reward_funcs, cfg.weights)
+        totals = compute_rewards([s.completion for s in samples], [by_id[s.task_id] for s in samples],
+                                 cfg.reward_funcs, cfg.reward_weights).totals
         scored = [ScoredSample(group=s.group, prompt_ids=s.prompt_ids, completion_ids=s.completion_ids,
                                reward=r, truncated=s.truncated) for s, r in zip(samples, totals)]
         steps, _ = grpo_update(pol, self.opt, self.sched, scored, cfg, seed=k)
@@ -102,7 +102,7 @@ class TRL:
         from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
         from trl import GRPOConfig as TRLConfig, GRPOTrainer
         from grpo_core.models import resolve_model
-        from grpo_core.rewards import accuracy_reward, format_reward
+        from grpo_core.rewards import accuracy_reward, format_reward, reward_columns
 
         cfg = workload_config(args)
         path = resolve_model(cfg.model)
@@ -119,10 +119,12 @@ class TRL:
             return tasks[prompt[-1]["content"]]
 
         def accuracy(prompts, completions, **kw):
-            return accuracy_reward([c[0]["content"] for c in completions], [_task(p) for p in prompts])
+            ts = [_task(p) for p in prompts]
+            return accuracy_reward([t.prompt for t in ts], [c[0]["content"] for c in completions], **reward_columns(ts))
 
         def fmt(prompts, completions, **kw):
-            return format_reward([c[0]["content"] for c in completions], [_task(p) for p in prompts])
+            ts = [_task(p) for p in prompts]
+            return format_reward([t.prompt for t in ts], [c[0]["content"] for c in completions], **reward_columns(ts))
 
         times: list[float] = []
         tokens: list[float] = []

@@ -8,10 +8,11 @@ from pathlib import Path
 from prefect import flow
 from prefect.runtime import flow_run
 
-from grpo_core.config import ConfigError, GRPOConfig
+from grpo_core.config import GRPOConfig
 from grpo_core.io import atomic_write_text, read_json, write_json
 from tasks import run as run_steps, tracking
-from tasks.common import mark_running, retry_transient_only, semantic_config, update_run_state
+from tasks.retry import retry_transient_only
+from tasks.run_state import mark_running, update_run_state
 from tasks.curate import curate
 from tasks.evaluate import evaluate
 from tasks.rollout import rollout
@@ -38,7 +39,7 @@ def run_dir_of(cfg: GRPOConfig) -> Path:
 
 
 def _dynamic_sampling(cfg: GRPOConfig, config: dict, run_dir: str, iteration: int, checkpoint: str | None,
-                      ro: dict, sc: dict) -> tuple[str, str, dict]:
+                      rolled_out: dict, scored: dict) -> tuple[str, str, dict]:
     """DAPO dynamic sampling: while fewer than data.prompts_per_iteration groups have mixed raw correctness,
     run up to max_extra_rollouts extra curate -> rollout -> score rounds (fresh prompts, fresh seed) in
     iter-<k>/dynamic-<r>/, then merge the informative groups into iter-<k>/{samples,scores}.dynamic.jsonl.
@@ -47,21 +48,23 @@ def _dynamic_sampling(cfg: GRPOConfig, config: dict, run_dir: str, iteration: in
     from grpo_core.io import read_jsonl
     stage = lambda fn, name: _with_retries(fn, cfg, name)
     target = cfg.data.prompts_per_iteration
-    rounds = [(list(read_jsonl(ro["samples"])), list(read_jsonl(sc["scores"])))]
+    rounds = [(list(read_jsonl(rolled_out["samples"])), list(read_jsonl(scored["scores"])))]
     informative = dsamp.count_informative(*rounds[0])
     it_dir = Path(run_dir) / f"iter-{iteration}"
     for r in range(1, cfg.max_extra_rollouts + 1):
         if informative >= target:
             break
-        sub = it_dir / f"dynamic-{r}"
-        sub.mkdir(parents=True, exist_ok=True)
-        if not (sub / "data").exists() and (Path(run_dir) / "data").exists():
-            (sub / "data").symlink_to((Path(run_dir) / "data").resolve(), target_is_directory=True)
-        xconfig = {**config, "seed": dsamp.extra_round_seed(cfg.seed, iteration, r)}
-        xc = stage(curate, "curate")(xconfig, str(sub), iteration)
-        xr = stage(rollout, "rollout")(xconfig, str(sub), iteration, xc["prompts"], checkpoint)
-        xs = stage(score, "score")(xconfig, str(sub), iteration, xc["prompts"], xr["samples"])
-        rounds.append((list(read_jsonl(xr["samples"])), list(read_jsonl(xs["scores"]))))
+        round_dir = it_dir / f"dynamic-{r}"
+        round_dir.mkdir(parents=True, exist_ok=True)
+        if not (round_dir / "data").exists() and (Path(run_dir) / "data").exists():
+            (round_dir / "data").symlink_to((Path(run_dir) / "data").resolve(), target_is_directory=True)
+        round_config = {**config, "seed": dsamp.extra_round_seed(cfg.seed, iteration, r)}
+        round_curated = stage(curate, "curate")(round_config, str(round_dir), iteration)
+        round_rolled_out = stage(rollout, "rollout")(round_config, str(round_dir), iteration,
+                                                     round_curated["prompts"], checkpoint)
+        round_scored = stage(score, "score")(round_config, str(round_dir), iteration, round_curated["prompts"],
+                                             round_rolled_out["samples"])
+        rounds.append((list(read_jsonl(round_rolled_out["samples"])), list(read_jsonl(round_scored["scores"]))))
         informative += dsamp.count_informative(*rounds[-1])
     return run_steps.merge_dynamic_rounds(cfg, run_dir, iteration, rounds)
 
@@ -71,17 +74,20 @@ def iteration_flow(config: dict, run_dir: str, iteration: int, checkpoint: str |
     """One iteration: the five stages in order; returns small records (paths and metrics)."""
     cfg = GRPOConfig.model_validate(config)
     stage = lambda fn, name: _with_retries(fn, cfg, name)
-    cur = stage(curate, "curate")(config, run_dir, iteration)
-    ro = stage(rollout, "rollout")(config, run_dir, iteration, cur["prompts"], checkpoint)
-    sc = stage(score, "score")(config, run_dir, iteration, cur["prompts"], ro["samples"])
-    samples, scores, ds = ro["samples"], sc["scores"], None
+    curated = stage(curate, "curate")(config, run_dir, iteration)
+    rolled_out = stage(rollout, "rollout")(config, run_dir, iteration, curated["prompts"], checkpoint)
+    scored = stage(score, "score")(config, run_dir, iteration, curated["prompts"], rolled_out["samples"])
+    samples, scores, dynamic_sampling = rolled_out["samples"], scored["scores"], None
     if cfg.dynamic_sampling:
-        samples, scores, ds = _dynamic_sampling(cfg, config, run_dir, iteration, checkpoint, ro, sc)
-    up = stage(update, "update")(config, run_dir, iteration, samples, scores, checkpoint, state)
-    ev = None
+        samples, scores, dynamic_sampling = _dynamic_sampling(cfg, config, run_dir, iteration, checkpoint,
+                                                              rolled_out, scored)
+    updated = stage(update, "update")(config, run_dir, iteration, samples, scores, checkpoint, state,
+                                      scored["metrics"], rolled_out["seconds"], rolled_out["tokens_per_second"])
+    evaluated = None
     if cfg.eval.enabled and (iteration % cfg.eval.every == 0 or iteration == cfg.pipeline_iterations):
-        ev = stage(evaluate, "evaluate")(config, run_dir, iteration, up["checkpoint"])
-    return {"curate": cur, "rollout": ro, "score": sc, "update": up, "evaluate": ev, "dynamic_sampling": ds}
+        evaluated = stage(evaluate, "evaluate")(config, run_dir, iteration, updated["checkpoint"])
+    return {"curate": curated, "rollout": rolled_out, "score": scored, "update": updated, "evaluate": evaluated,
+            "dynamic_sampling": dynamic_sampling}
 
 
 def _default_run_name() -> str:
@@ -92,32 +98,11 @@ def _default_run_name() -> str:
     return f"run-{stamp}-{name}" if name else f"run-{stamp}"
 
 
-def _check_same_config(cfg: GRPOConfig, run_dir: Path) -> None:
-    """Resuming with a config that changes what is computed would mix two runs in one: refuse.
-    Operational fields (retries, tracking, paths) may change."""
-    prev_path = run_dir / "config.yaml"
-    if not prev_path.exists():
-        return
-    import yaml
-    try:
-        prev = GRPOConfig.model_validate(yaml.safe_load(prev_path.read_text()) or {}).model_dump(mode="json")
-    except ValueError:
-        return        # an older, now-invalid config: the stage keys decide what re-runs
-    from grpo_core.config import flatten
-    a, b = flatten(semantic_config(prev)), flatten(semantic_config(cfg.model_dump(mode="json")))
-    diff = sorted(k for k in a.keys() | b.keys() if a.get(k) != b.get(k))
-    if diff:
-        raise ConfigError(
-            f"run {run_dir.name!r} already exists with a different config ({', '.join(f'{k}: {a.get(k)!r} -> {b.get(k)!r}' for k in diff[:6])}"
-            f"{' ...' if len(diff) > 6 else ''}); resume it unchanged with `grpo resume {run_dir.name}` "
-            f"or start a new run with another --run-name")
-
-
 def preflight(cfg: GRPOConfig) -> None:
     """Checks to run before starting the flow (fail in a second, not after the engine starts): an existing
     run of the same name must have the same config."""
     if cfg.run_name:
-        _check_same_config(cfg, run_dir_of(cfg))
+        run_steps.check_same_config(cfg, run_dir_of(cfg))
 
 
 @flow(name="grpo-training-run")
@@ -129,7 +114,7 @@ def training_run(config: dict) -> dict:
         cfg.run_name = _default_run_name()
         config = cfg.model_dump(mode="json")
     run_dir = run_dir_of(cfg)
-    _check_same_config(cfg, run_dir)
+    run_steps.check_same_config(cfg, run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     atomic_write_text(run_dir / "config.yaml", cfg.to_yaml())
     mark_running(run_dir, flow_run.get_id())
@@ -145,15 +130,11 @@ def training_run(config: dict) -> dict:
             evals[0] = _with_retries(evaluate, cfg, "evaluate")(config, str(run_dir), 0, checkpoint)["metrics"]
         for k in range(1, cfg.pipeline_iterations + 1):
             t0 = time.perf_counter()
-            res = iteration_flow(config, str(run_dir), k, checkpoint, state)
-            checkpoint, state = res["update"]["checkpoint"], res["update"]["state"]
-            if res.get("evaluate"):
-                evals[k] = res["evaluate"]["metrics"]
-            cur = res.get("curate") or {}
-            metrics = {**run_steps.numeric(cur.get("metrics"), "data/"), **run_steps.numeric(cur.get("sources"), "data/source/"),
-                       "sys/iteration_seconds": time.perf_counter() - t0}
-            if "num_prompts" in cur:
-                metrics["data/num_prompts"] = cur["num_prompts"]
+            records = iteration_flow(config, str(run_dir), k, checkpoint, state)
+            checkpoint, state = records["update"]["checkpoint"], records["update"]["state"]
+            if records.get("evaluate"):
+                evals[k] = records["evaluate"]["metrics"]
+            metrics = run_steps.iteration_metrics(records.get("curate") or {}, time.perf_counter() - t0)
             tracking.log_metrics(cfg, run_id, metrics, step=k)
             if k == 1:
                 tracking.set_tags(cfg, run_id, {"dataset_hash": run_steps.dataset_hash(cfg, run_dir)})

@@ -6,11 +6,14 @@ both use it, so it sits below both.
 from __future__ import annotations
 
 import json
+import logging
 import re
+import threading
 from fractions import Fraction
 from functools import lru_cache
 from typing import Any
 
+VERIFY_TIMEOUT_S = 5.0     # math-verify wall-clock limit per comparison
 ANSWER_RE = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
 
 
@@ -31,15 +34,66 @@ def parse_number(text: str) -> Fraction | None:
         return None
 
 
-def math_answers_match(predicted: str | None, gold: str) -> bool:
-    """Numeric equality when both parse as numbers, else normalised string equality."""
+def math_answers_match(predicted: str | None, gold: str, timeout_s: float = VERIFY_TIMEOUT_S) -> bool:
+    """Is `predicted` the same answer as `gold`, as a reader would judge it?
+
+    1. Plain numbers on both sides ('1,000', '$12', '0.5', '1/2', '1e3') compare exactly.
+    2. Otherwise math-verify decides (LaTeX such as '\\frac12', equations such as 'x=2' against '2',
+       percentages, sets), with a wall-clock limit of `timeout_s`: a prediction that takes longer
+       is judged wrong.
+    Before 2, answers equal as strings (ignoring case, white space and a final period) match; when
+    math-verify is not installed or cannot parse the gold answer (e.g. a word), that is the test.
+    """
     if predicted is None or not predicted.strip():
         return False
     p, g = parse_number(predicted), parse_number(gold)
     if p is not None and g is not None:
         return p == g
-    norm = lambda s: re.sub(r"\s+", " ", s.strip().lower().rstrip("."))
-    return norm(predicted) == norm(gold)
+    if _normalised(predicted) == _normalised(gold):
+        return True
+    verdict = _math_verify(predicted, gold, timeout_s)
+    return bool(verdict)
+
+
+def _normalised(text: str) -> str:
+    return re.sub(r"\s+", "", text.lower()).rstrip(".")
+
+
+def _latex_math(text: str) -> str:
+    """math-verify reads LaTeX only between math delimiters: add them to bare LaTeX like '\\frac12'."""
+    text = text.strip()
+    return f"${text}$" if "\\" in text and "$" not in text else text
+
+
+@lru_cache(maxsize=4096)
+def _parsed_gold(gold: str):
+    from math_verify import parse
+    return parse(_latex_math(gold), parsing_timeout=None)
+
+
+def _math_verify(predicted: str, gold: str, timeout_s: float) -> bool | None:
+    """math-verify's verdict; False when it runs past `timeout_s`; None when it cannot judge (not
+    installed, the gold answer does not parse, or it raised). Its own timeouts use signals, which work
+    only on the main thread, so the check runs in a daemon thread that is abandoned if it overruns."""
+    try:
+        from math_verify import parse, verify
+    except ImportError:
+        return None
+    logging.getLogger("math_verify").setLevel(logging.ERROR)   # it warns that we time it out ourselves
+    outcome: dict[str, bool | None] = {}
+
+    def check() -> None:
+        try:
+            gold_parsed = _parsed_gold(gold)
+            outcome["match"] = bool(verify(gold_parsed, parse(_latex_math(predicted), parsing_timeout=None),
+                                           timeout_seconds=None)) if gold_parsed else None
+        except Exception:  # noqa: BLE001 - math-verify failed on this input: fall back
+            outcome["match"] = None
+
+    worker = threading.Thread(target=check, daemon=True)
+    worker.start()
+    worker.join(timeout_s)
+    return False if worker.is_alive() else outcome.get("match")
 
 
 @lru_cache(maxsize=64)

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 
 class ConfigError(ValueError):
@@ -29,18 +29,26 @@ class DataConfig(_Section):
     prompts_per_iteration: int = Field(8, ge=1, description="questions per iteration (each gets num_generations answers)")
     min_digits: int = Field(1, ge=1, le=9, description="smallest operand size of the arithmetic curriculum")
     max_digits: int = Field(1, ge=1, le=9, description="largest operand size of the arithmetic curriculum")
-    operations: list[Literal["+", "-", "*"]] = Field(default_factory=lambda: ["+"])
-    eval_size: int = Field(40, ge=1, description="held-out questions, disjoint from training prompts")
-    system_prompt: str = Field("Give only the final number inside <answer></answer> tags.",
+    operations: list[Literal["+", "-", "*"]] = Field(default_factory=lambda: ["+", "-"])
+    eval_size: int = Field(40, ge=1, description="held-out questions, disjoint in content from training prompts "
+                           "(a + b and b + a are one question)")
+    system_prompt: str = Field("Solve the arithmetic problem. Reply with only the final number inside "
+                               "<answer></answer> tags, for example <answer>42</answer>.",
                                description="system message for math questions")
-    few_shot: list[tuple[str, str]] = Field(default_factory=lambda: [("What is 12 + 5?", "<answer>17</answer>")],
-                                            description="worked (question, answer) exchanges before math questions")
-    response_prefix: str = Field("<answer>", description="text that opens the answer of math questions (part of "
-                                 "the prompt, judged as the start of the completion)")
+    few_shot: list[tuple[str, str]] = Field(
+        default_factory=lambda: [("What is 12 + 5?", "<answer>17</answer>"), ("What is 6 - 14?", "<answer>-8</answer>")],
+        description="worked (question, answer) exchanges before math questions")
+    response_prefix: str = Field("", description="text that opens the answer of math questions (part of the "
+                                 "prompt, judged as the start of the completion); empty: the model writes the "
+                                 "answer tags itself")
+    response_prefix_iterations: int = Field(0, ge=0, description="warm-up: use response_prefix only in training "
+                                            "iterations 1..N, then drop it (evaluation never uses it); 0: use "
+                                            "it throughout, evaluation included")
     # -- curated data (grpo_core.data; `grpo data build`) ------------------------------------------
     curated: str | None = Field(None, description="train on curated data instead of arithmetic: a dataset dir "
-                                "from `grpo data build`, a .parquet/.jsonl task file, or a curation YAML "
-                                "(built once into the run dir)")
+                                "from `grpo data build`, a curation YAML (built once into the run dir), or your "
+                                "own JSONL/CSV/Parquet file or `datasets` directory (validated, deduplicated "
+                                "and split once, cached by content hash in $GRPO_HOME/data/curated)")
     weights: dict[str, float] = Field(default_factory=dict, description="per-iteration mix over curated sources "
                                       "or groups (synthetic/community/user); empty: uniform over tasks")
     pass_rate_band: list[float] = Field(default_factory=lambda: [0.1, 0.9], description="keep curated prompts "
@@ -50,13 +58,30 @@ class DataConfig(_Section):
 
     @property
     def prompt_format(self):
+        """The final prompt format: what evaluation uses, and training after any prefix warm-up."""
         from grpo_core.sampling import PromptFormat
-        return PromptFormat(self.system_prompt, tuple(map(tuple, self.few_shot)), self.response_prefix)
+        prefix = self.response_prefix if self.response_prefix_iterations == 0 else ""
+        return PromptFormat(self.system_prompt, tuple(map(tuple, self.few_shot)), prefix)
+
+    def prompt_format_at(self, iteration: int):
+        """The prompt format of training iteration `iteration` (1-based): with the response prefix during
+        the warm-up (`response_prefix_iterations`), the final format after it."""
+        from grpo_core.sampling import PromptFormat
+        if self.response_prefix and 0 < iteration <= self.response_prefix_iterations:
+            return PromptFormat(self.system_prompt, tuple(map(tuple, self.few_shot)), self.response_prefix)
+        return self.prompt_format
 
     @model_validator(mode="after")
     def _digits_order(self):
         if self.min_digits > self.max_digits:
             raise ValueError(f"data.min_digits ({self.min_digits}) must be <= data.max_digits ({self.max_digits})")
+        return self
+
+    @model_validator(mode="after")
+    def _prefix_warmup(self):
+        if self.response_prefix_iterations and not self.response_prefix:
+            raise ValueError("data.response_prefix_iterations is set but data.response_prefix is empty; set the "
+                             "prefix to warm up with (e.g. '<answer>') or set response_prefix_iterations: 0")
         return self
 
     @model_validator(mode="after")
@@ -149,8 +174,14 @@ class TrackingConfig(_Section):
     registered_model_name: str | None = Field(
         "grpo-adapter", description="Model Registry name for the run's adapter (None: do not register)")
     register_adapter: Literal["best", "final", "none"] = Field(
-        "best", description="which adapter to register at the end: best by eval, the final one, or none")
+        "best", description="which adapter to register at the end: best by eval, the final one, or none; the "
+                            "version gets the alias run-<run_name>, and `champion` when it scores at least as well")
     best_metric: str = Field("eval/greedy/pass_at_1", description="eval metric (higher is better) that picks 'best'")
+    log_completions: bool = Field(True, description="log a table of training completions (prompt, all G answers, "
+                                  "reward per function, advantage) to MLflow as completions/iter_<k>.json")
+    log_completions_steps: int = Field(1, ge=1, description="log the completion table every N iterations")
+    log_completions_prompts: int = Field(4, ge=1, description="prompts per completion table, each with all its "
+                                         "num_generations completions")
 
 
 class GRPOConfig(_Section):
@@ -175,9 +206,9 @@ class GRPOConfig(_Section):
     lora_target_modules: list[str] = Field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"])
     gradient_checkpointing: bool = False
     cpu_onednn_linear: bool = Field(
-        True, description="fp32 on CPU: run frozen linear layers through oneDNN with packed weights (same fp32 "
-                          "math, 2-3x faster than the default MKL path on AMD CPUs; costs one extra copy of the "
-                          "frozen weights)")
+        True, description="fp32 on CPU: run frozen linear layers through oneDNN with pre-packed weights "
+                          "instead of the default matmul (fp32 results, equal up to summation order; keeps one "
+                          "extra copy of the frozen weights)")
     # -- generation -------------------------------------------------------------------------
     num_generations: int = Field(8, ge=2, description="G: completions per prompt (a group)")
     max_prompt_length: int = Field(256, ge=8)
@@ -187,7 +218,7 @@ class GRPOConfig(_Section):
     top_k: int = Field(0, ge=0, description="0 disables top-k")
     generation_batch_size: int = Field(64, ge=1, description="sequences generated at once")
     rollout_backend: Literal["static", "hf", "vllm"] = Field(
-        "static", description="sampler: 'static' (own KV-cache loop, fastest on CPU), 'hf' (transformers "
+        "static", description="sampler: 'static' (own static KV-cache loop), 'hf' (transformers "
                               "generate), 'vllm' (GPU, needs the vllm extra)")
     # -- optimisation -----------------------------------------------------------------------
     learning_rate: float = Field(2e-4, gt=0)
@@ -202,11 +233,69 @@ class GRPOConfig(_Section):
     # -- GRPO -------------------------------------------------------------------------------
     beta: float = Field(0.04, ge=0, description="KL weight to the reference (0: reference never run)")
     epsilon: float = Field(0.2, gt=0, lt=1, description="lower clip range of the ratio")
-    epsilon_high: float | None = Field(None, gt=0, description="upper clip range (DAPO clip-higher); default = epsilon")
-    loss_type: Literal["grpo", "bnpo", "dr_grpo", "dapo"] = "grpo"
+    epsilon_high: float | None = Field(None, gt=0, description="upper clip range (DAPO clip-higher); default: epsilon")
+    loss_type: Literal["grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo"] = Field(
+        "grpo", description="per-token loss and its reduction: grpo/bnpo/dr_grpo/dapo (clipped surrogate), cispo "
+                            "(clipped IS weight, REINFORCE-style), sapo (soft gate); see grpo_core.loss")
     scale_rewards: Literal["group", "batch", "none"] = "group"
     num_iterations: int = Field(1, ge=1, description="mu: updates per rollout batch (old log-probs stored when > 1)")
     mask_truncated_completions: bool = Field(False, description="truncated completions get no loss (TRL)")
+    # -- GRPO variants (TRL GRPOConfig names; the defaults are plain GRPO) ---------------------------
+    importance_sampling_level: Literal["token", "sequence", "sequence_token"] = Field(
+        "token", description="ratio that is clipped: per token, per sequence (GSPO: exp of the mean token "
+                             "log-ratio), or sequence_token (GSPO-token: the sequence value, per-token gradient)")
+    delta: float | None = Field(None, description="two-sided clipping (INTELLECT-2): the ratio of negative-advantage "
+                                "tokens is also capped at delta (> 1 + epsilon_high); clipped loss types only")
+    sapo_temperature_pos: float = Field(1.0, gt=0, description="loss_type sapo: gate temperature for positive "
+                                        "advantages (loss = -A * sigmoid(tau (rho - 1)) * 4 / tau)")
+    sapo_temperature_neg: float = Field(1.05, gt=0, description="loss_type sapo: gate temperature for "
+                                        "non-positive advantages")
+    top_entropy_quantile: float = Field(1.0, gt=0, le=1, description="train only on the tokens in the top q "
+                                        "fraction of the micro-batch by entropy (1.0: every token)")
+    entropy_coef: float = Field(0.0, ge=0, description="entropy bonus: loss -= entropy_coef * entropy, reduced "
+                                "like the loss (0: off; > 0 backpropagates through the entropy)")
+    off_policy_mask_threshold: float | None = Field(
+        None, ge=0, description="off-policy sequence masking (DeepSeek-V3.2): a negative-advantage sequence whose "
+                                "mean KL(sampler || policy) exceeds this gets no policy loss (None: off)")
+    vllm_importance_sampling_correction: bool = Field(
+        False, description="reweight each token's loss by pi_trainer / pi_sampler from the log-probs the sampler "
+                           "recorded (any rollout_backend; the rollout must record sampler log-probs)")
+    vllm_importance_sampling_mode: Literal["token_truncate", "token_mask", "sequence_truncate", "sequence_mask"] = \
+        Field("sequence_mask", description="IS correction: ratio per token or per sequence; above the cap, "
+                                           "truncate to it or mask to 0")
+    vllm_importance_sampling_cap: float = Field(3.0, ge=1, description="IS correction: the cap C of the ratio")
+    sync_ref_model: bool = Field(False, description="move the KL reference toward the policy every "
+                                 "ref_model_sync_steps optimizer steps (LoRA: a second, frozen adapter)")
+    ref_model_mixup_alpha: float = Field(0.6, gt=0, le=1, description="sync_ref_model: ref = alpha * policy + "
+                                         "(1 - alpha) * ref")
+    ref_model_sync_steps: int = Field(512, ge=1, description="sync_ref_model: optimizer steps between syncs")
+    reference: Literal["base", "init"] = Field(
+        "init", description="KL reference when the run starts from init_adapter: that adapter, frozen (init), "
+                            "or the base model (base); without init_adapter both are the base")
+
+    @model_validator(mode="after")
+    def _variant_combinations(self):
+        epsilon_high = self.epsilon if self.epsilon_high is None else self.epsilon_high
+        if self.delta is not None:
+            if self.loss_type in ("cispo", "sapo"):
+                raise ValueError(f"delta applies to the clipped loss types (grpo, bnpo, dr_grpo, dapo), not "
+                                 f"loss_type: {self.loss_type}; unset delta")
+            if self.delta <= 1 + epsilon_high:
+                raise ValueError(f"delta ({self.delta}) must be > 1 + epsilon_high ({1 + epsilon_high}); below it "
+                                 f"the cap would clip inside the trust region")
+        if self.loss_type == "cispo" and epsilon_high < 1:
+            raise ValueError(f"loss_type: cispo caps the IS weight at epsilon_high itself (TRL; e.g. 5.0), so "
+                             f"epsilon_high ({epsilon_high}) < 1 would scale every token down; set epsilon_high >= 1")
+        if self.sync_ref_model and self.beta == 0:
+            raise ValueError("sync_ref_model moves the KL reference, but beta = 0 uses none; set beta > 0 or "
+                             "sync_ref_model: false")
+        return self
+
+    @property
+    def needs_sampler_logprobs(self) -> bool:
+        """The rollout must record each token's log-prob under the sampler (SamplingParams.logprobs)."""
+        return self.vllm_importance_sampling_correction or self.off_policy_mask_threshold is not None
+
     dynamic_sampling: bool = Field(False, description="DAPO: drop groups whose raw correctness is all-equal and "
                                    "refill with fresh prompts")
     max_extra_rollouts: int = Field(2, ge=0, description="dynamic sampling: at most this many extra rollout rounds "
@@ -216,8 +305,20 @@ class GRPOConfig(_Section):
                                                "max_completion_length; default max_completion_length // 4")
     logit_chunk_rows: int = Field(4, ge=1, description="sequences whose full-vocabulary logits exist at once in "
                                   "the update (memory vs speed)")
-    reward_funcs: list[str] = Field(default_factory=lambda: ["accuracy", "format"])
-    reward_weights: list[float] | None = Field(None, description="one weight per reward_funcs entry; default all 1")
+    reward_funcs: list[str] = Field(default_factory=lambda: ["accuracy", "format"], description="reward functions, "
+                                    "summed with reward_weights: built-in (accuracy, format, overlong), "
+                                    "\"package.module:function\", or a name installed packages register under the "
+                                    "entry-point group grpo_pipeline.rewards (README: Train on your own task)")
+    reward_weights: list[float] | None = Field(None, description="one weight per reward_funcs entry; default: all 1")
+
+    @field_validator("reward_funcs")
+    @classmethod
+    def _reward_funcs_resolve(cls, entries: list[str]) -> list[str]:
+        # Import and check every entry now, so a typo fails before any work starts (late import: rewards
+        # has no config dependency); the score stage resolves the names again wherever it runs.
+        from grpo_core.rewards import resolve_reward_funcs
+        resolve_reward_funcs(entries)
+        return entries
     # -- sections ---------------------------------------------------------------------------
     data: DataConfig = Field(default_factory=DataConfig)
     eval: EvalConfig = Field(default_factory=EvalConfig)
@@ -227,24 +328,18 @@ class GRPOConfig(_Section):
 
     @model_validator(mode="after")
     def _cross_field(self):
-        if self.reward_weights is not None and len(self.reward_weights) != len(self.reward_funcs):
+        # TRL's defaults, resolved here so that every reader sees the value in use. Written through
+        # __dict__: assignment would re-run this validator (validate_assignment).
+        if self.epsilon_high is None:
+            self.__dict__["epsilon_high"] = self.epsilon
+        if self.reward_weights is None:
+            self.__dict__["reward_weights"] = [1.0] * len(self.reward_funcs)
+        if len(self.reward_weights) != len(self.reward_funcs):
             raise ValueError(f"reward_weights has {len(self.reward_weights)} entries but reward_funcs has "
                              f"{len(self.reward_funcs)}; give one weight per reward function")
-        from grpo_core.rewards import REWARD_FUNCS  # late import: rewards has no config dependency
-        unknown = [r for r in self.reward_funcs if r not in REWARD_FUNCS]
-        if unknown:
-            raise ValueError(f"reward_funcs has unknown entries {unknown}; known: {sorted(REWARD_FUNCS)}")
         return self
 
     # -- helpers ----------------------------------------------------------------------------
-    @property
-    def epsilon_upper(self) -> float:
-        return self.epsilon if self.epsilon_high is None else self.epsilon_high
-
-    @property
-    def weights(self) -> list[float]:
-        return self.reward_weights or [1.0] * len(self.reward_funcs)
-
     def to_yaml(self) -> str:
         return yaml.safe_dump(self.model_dump(mode="json"), sort_keys=False)
 

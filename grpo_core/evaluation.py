@@ -1,9 +1,9 @@
 """Held-out evaluation, shared by the `evaluate` stage and the standalone `grpo eval` command.
 
 For every held-out task: one greedy answer (pass@1) and `eval.num_samples` sampled answers (unbiased
-pass@k for every k in `eval.ks`). Each completion is scored by the run's reward functions (plus the
-correctness function, always). Metrics, per mode (greedy / sampled), overall and per source (and per
-task kind when the set mixes kinds):
+pass@k for every k in `eval.ks`). Each completion is scored by the run's reward functions (built-in or
+plugin, grpo_core.rewards; plus the built-in correctness function, always). Metrics, per mode (greedy /
+sampled), overall and per source (and per task kind when the set mixes kinds):
 
     eval/<mode>/pass_at_<k>          greedy: k=1; sampled: every k in eval.ks
     eval/<mode>/reward/<func>        mean reward of each reward function (unscored samples left out)
@@ -12,6 +12,11 @@ task kind when the set mixes kinds):
     eval/<mode>/truncated_frac       fraction that hit the token limit
     eval/<mode>/unscored_frac        fraction the reward functions could not score (sandbox failures)
     eval/<mode>/accuracy             fraction of completions fully correct (older name; greedy: = pass_at_1)
+    eval/<mode>/format_rate          fraction of completions in the shape their task kind asks for (the
+                                     built-in `format` rule), whether or not `format` is a reward function
+    eval/<mode>/strict_pass_at_1     fraction of completions both fully correct and well formatted (unscored
+                                     ones left out): correct answers the format reward would not pay for
+                                     show up as the gap between accuracy and this
     eval/<source>/<mode>/...         the same per source;  eval/kind_<kind>/<mode>/... per kind
     eval/num_questions, eval/<source>/num_questions
     eval/monitor/...                 reward-hacking monitors (see grpo_core.monitors)
@@ -30,7 +35,7 @@ from grpo_core.task import Task
 from grpo_core.monitors import completion_flags, text_monitor_metrics
 from grpo_core.passk import mean_pass_at_k
 from grpo_core.policy import Policy
-from grpo_core.rewards import CORRECTNESS_FUNC, compute_rewards, reward_context
+from grpo_core.rewards import CORRECTNESS_FUNC, compute_rewards, correctness_scores, is_well_formatted, reward_context
 from grpo_core.sampling import SamplingParams
 from grpo_core.rollout import make_backend, rollout
 
@@ -73,22 +78,25 @@ def _verdict(acc: float | None) -> str:
 def score_samples(samples, tasks_by_id: dict[str, Task], cfg: GRPOConfig, mode: str) -> list[dict]:
     """One row per completion: what the sample table shows and what the metrics are computed from."""
     funcs = list(cfg.reward_funcs)
-    weights = list(cfg.weights)
+    weights = list(cfg.reward_weights)
     if CORRECTNESS_FUNC not in funcs:          # correctness is always measured, never weighted in
         funcs.append(CORRECTNESS_FUNC)
         weights.append(0.0)
     sample_tasks = [tasks_by_id[s.task_id] for s in samples]
-    context = reward_context(cfg, [len(s.completion_ids) for s in samples])        # as the score stage does
-    totals, per_func = compute_rewards([s.completion for s in samples], sample_tasks, funcs, weights, context)
+    completions = [s.completion for s in samples]
+    context = reward_context(cfg, [s.completion_ids for s in samples])        # as the score stage does
+    scores = compute_rewards(completions, sample_tasks, funcs, weights, context)
+    correctness = correctness_scores(scores, funcs, completions, sample_tasks, context)
     rows, seen = [], defaultdict(int)
     for i, (s, t) in enumerate(zip(samples, sample_tasks)):
-        acc = per_func[CORRECTNESS_FUNC][i]
+        acc = correctness[i]
         flags = completion_flags(s.completion, t.kind)
         verdict = _verdict(acc) + (f" [{', '.join(flags)}]" if flags else "")
         rows.append({"mode": mode, "task_id": t.id, "source": t.source, "kind": t.kind, "sample": seen[t.id],
                      "prompt": t.prompt, "answer": t.answer, "completion": s.completion,
-                     "rewards": {f: per_func[f][i] for f in funcs}, "reward_total": totals[i],
-                     "correct": None if acc is None else acc >= 1.0, "verdict": verdict, "flags": flags,
+                     "rewards": {f: values[i] for f, values in scores.per_func.items()},
+                     "reward_total": scores.totals[i], "correct": None if acc is None else acc >= 1.0,
+                     "formatted": is_well_formatted(s.completion, t.kind), "verdict": verdict, "flags": flags,
                      "length": len(s.completion_ids), "truncated": s.truncated})
         seen[t.id] += 1
     return rows
@@ -97,6 +105,11 @@ def score_samples(samples, tasks_by_id: dict[str, Task], cfg: GRPOConfig, mode: 
 def _mean(xs: list) -> float | None:
     xs = [x for x in xs if x is not None]
     return mean(xs) if xs else None
+
+
+def _formatted(row: dict) -> bool:
+    """Rows written before `formatted` existed are judged from their text."""
+    return row["formatted"] if "formatted" in row else is_well_formatted(row["completion"], row["kind"])
 
 
 def _mode_metrics(rows: list[dict], mode: str, ks: Sequence[int], funcs: Sequence[str]) -> dict[str, float]:
@@ -115,6 +128,9 @@ def _mode_metrics(rows: list[dict], mode: str, ks: Sequence[int], funcs: Sequenc
     m["unscored_frac"] = mean(float(r["correct"] is None) for r in rows)
     # fraction of completions fully correct (kept for dashboards that predate pass@k; = greedy pass@1)
     m["accuracy"] = _mean([None if r["correct"] is None else float(r["correct"]) for r in rows])
+    m["format_rate"] = mean(float(_formatted(r)) for r in rows)
+    m["strict_pass_at_1"] = _mean([None if r["correct"] is None else float(r["correct"] and _formatted(r))
+                                   for r in rows])
     return {k: v for k, v in m.items() if v is not None}
 
 

@@ -33,11 +33,12 @@ def token_entropy(logits: torch.Tensor, temperature: float = 1.0) -> torch.Tenso
 
 class _PickedLogprob(torch.autograd.Function):
     """token_logprobs and token_entropy in one sweep over the logits, with the softmax kept for a
-    one-pass backward: d logp / d logits = (onehot(id) - softmax) / T. Entropy is not differentiated.
-    logits: [n, V] fp32, ids: [n] -> logp [n], entropy [n] (zeros unless asked for)."""
+    one-pass backward: d logp / d logits = (onehot(id) - softmax) / T. The entropy is differentiated
+    only when `entropy_grad` (an entropy bonus in the loss): d H / d z_j = -p_j (log p_j + H), z = logits / T,
+    which keeps log p as well. logits: [n, V] fp32, ids: [n] -> logp [n], entropy [n] (zeros unless asked for)."""
 
     @staticmethod
-    def forward(ctx, logits, ids, temperature: float, with_entropy: bool):
+    def forward(ctx, logits, ids, temperature: float, with_entropy: bool, entropy_grad: bool = False):
         z = logits / temperature if temperature != 1.0 else logits               # [n, V]
         m = z.amax(-1, keepdim=True)                                             # [n, 1]
         e = (z - m).exp_()                                                       # [n, V] unnormalised probs
@@ -46,27 +47,39 @@ class _PickedLogprob(torch.autograd.Function):
         logp = z.gather(-1, ids[:, None]).squeeze(-1) - lse                      # [n]
         # H = lse - sum(p * z)
         ent = lse - torch.linalg.vecdot(e, z) / total.squeeze(-1) if with_entropy else torch.zeros_like(lse)
+        ctx.entropy_grad = entropy_grad and with_entropy
         if ctx.needs_input_grad[0]:
-            ctx.save_for_backward(e.div_(total), ids)                            # softmax, in place
+            probs = e.div_(total)                                                # softmax, in place
+            if ctx.entropy_grad:
+                ctx.save_for_backward(probs, ids, z - lse[:, None], ent)         # + log-softmax [n, V]
+            else:
+                ctx.save_for_backward(probs, ids)
             ctx.temperature = temperature
         return logp, ent
 
     @staticmethod
     def backward(ctx, grad_logp, grad_ent):
-        probs, ids = ctx.saved_tensors
+        saved = ctx.saved_tensors                                                # unpack once (checkpointing)
+        probs, ids = saved[:2]
         grad = probs.mul(-grad_logp[:, None])                                    # [n, V]
         grad.scatter_add_(-1, ids[:, None], grad_logp[:, None])
+        if ctx.entropy_grad and grad_ent is not None:
+            log_probs, ent = saved[2:]
+            grad.sub_(probs * (log_probs + ent[:, None]) * grad_ent[:, None])    # -p (log p + H) dH
         if ctx.temperature != 1.0:
             grad.div_(ctx.temperature)
-        return grad, None, None, None
+        return grad, None, None, None, None
 
 
-def _head_chunk(hidden: torch.Tensor, head: torch.nn.Module, ids: torch.Tensor,
-                temperature: float, with_entropy: bool) -> tuple[torch.Tensor, torch.Tensor]:
+def _head_chunk(hidden: torch.Tensor, head: torch.nn.Module, ids: torch.Tensor, temperature: float,
+                with_entropy: bool, entropy_grad: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """One chunk: hidden [n, ..., H] -> (logp [n, ...], entropy [n, ...] or empty) via the LM head."""
     logits = head(hidden).float()                                         # [n, ..., V]
-    logp, ent = _PickedLogprob.apply(logits.reshape(-1, logits.size(-1)), ids.reshape(-1), temperature, with_entropy)
-    return logp.view(ids.shape), (ent.detach().view(ids.shape) if with_entropy else logp.new_zeros(0))
+    logp, ent = _PickedLogprob.apply(logits.reshape(-1, logits.size(-1)), ids.reshape(-1), temperature, with_entropy,
+                                     entropy_grad)
+    if not with_entropy:
+        return logp.view(ids.shape), logp.new_zeros(0)
+    return logp.view(ids.shape), (ent if entropy_grad else ent.detach()).view(ids.shape)
 
 
 # Below this many bytes of full fp32 logits ([B, L, V]) the backward pass keeps them rather than
@@ -75,29 +88,31 @@ KEEP_LOGITS_BYTES = 512 * 2**20
 
 
 def head_logprobs(hidden: torch.Tensor, head: torch.nn.Linear, ids: torch.Tensor, temperature: float = 1.0,
-                  chunk: int = 256, with_entropy: bool = False,
-                  keep_logits_bytes: int | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+                  chunk: int = 256, with_entropy: bool = False, keep_logits_bytes: int | None = None,
+                  entropy_grad: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Per-token log-probs (and entropy) from final hidden states, `chunk` entries of dim 0 at a time.
 
     Only a chunk's logits exist at once in the forward pass. With autograd on and full logits larger
     than `keep_logits_bytes`, each chunk is checkpointed: the backward pass recomputes that chunk's
     logits instead of keeping all of them alive.
     hidden: [N, ..., H], head: the LM head (weight [V, H]), ids: [N, ...] -> logp [N, ...], entropy
-    [N, ...] (detached) or None.
+    [N, ...] (detached unless `entropy_grad`) or None.
     """
     from torch.utils.checkpoint import checkpoint
     limit = KEEP_LOGITS_BYTES if keep_logits_bytes is None else keep_logits_bytes
     big = hidden.numel() // hidden.size(-1) * head.weight.size(0) * 4 > limit
     lps, ents = [], []
     for s in range(0, hidden.size(0), chunk):
-        args = (hidden[s:s + chunk], head, ids[s:s + chunk], temperature, with_entropy)
+        args = (hidden[s:s + chunk], head, ids[s:s + chunk], temperature, with_entropy, entropy_grad)
         if big and torch.is_grad_enabled() and (hidden.requires_grad or head.weight.requires_grad):
             lp, ent = checkpoint(_head_chunk, *args, use_reentrant=False)
         else:
             lp, ent = _head_chunk(*args)
         lps.append(lp)
         ents.append(ent)
-    return torch.cat(lps), (torch.cat(ents).detach() if with_entropy else None)
+    if not with_entropy:
+        return torch.cat(lps), None
+    return torch.cat(lps), (torch.cat(ents) if entropy_grad else torch.cat(ents).detach())
 
 
 def completion_logits(model, input_ids: torch.Tensor, attention_mask: torch.Tensor,
@@ -291,7 +306,7 @@ def _pack_is_cheaper(config, input_ids: torch.Tensor, attention_mask: torch.Tens
 
 def completion_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, completion_len: int,
                         temperature: float = 1.0, with_entropy: bool = False, chunk_rows: int = 4,
-                        group_size: int = 1) -> tuple[torch.Tensor, torch.Tensor | None]:
+                        group_size: int = 1, entropy_grad: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-probs of the last `completion_len` tokens of each row (and their entropy). -> [B, Lc] each.
 
     Rows are [left-padded prompt | right-padded completion]; padding positions get 0. When rows come
@@ -300,13 +315,13 @@ def completion_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Te
     `_segment_attention`, others through a block mask when that costs fewer FLOPs), or else the
     prompt's KV cache is repeated to the rows. The LM head then runs only on real completion tokens,
     `chunk_rows * completion_len` at a time (`head_logprobs`). Models without a trunk/head split fall
-    back to full logits.
+    back to full logits. The entropy is detached unless `entropy_grad` (an entropy bonus in the loss).
     """
     ids = input_ids[:, -completion_len:]                                  # [B, Lc]
     decoder, head = _decoder_and_head(model)
     if decoder is None or getattr(getattr(model, "config", None), "final_logit_softcapping", None):
         logits = completion_logits(model, input_ids, attention_mask, completion_len)
-        ent = token_entropy(logits.detach(), temperature) if with_entropy else None
+        ent = token_entropy(logits if entropy_grad else logits.detach(), temperature) if with_entropy else None
         return token_logprobs(logits, ids, temperature), ent
     B, T = input_ids.shape
     P = T - completion_len
@@ -338,7 +353,8 @@ def completion_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Te
     scale = getattr(model.config, "logits_scaling", None) if hasattr(model, "config") else None
     if scale:                                                             # e.g. Granite divides logits
         temperature = temperature * scale
-    lp, ent = head_logprobs(hidden, head, ids[rows, cols], temperature, chunk_rows * completion_len, with_entropy)
+    lp, ent = head_logprobs(hidden, head, ids[rows, cols], temperature, chunk_rows * completion_len, with_entropy,
+                            entropy_grad=entropy_grad)
     logp = lp.new_zeros(B, completion_len).index_put((rows, cols), lp)       # [B, Lc]
     entropy = ent.new_zeros(B, completion_len).index_put((rows, cols), ent) if with_entropy else None
     return logp, entropy

@@ -1,93 +1,362 @@
-"""The GRPO objective, top to bottom: group-relative advantages, the k3 KL to the reference, the
-clipped surrogate, and how each published variant reduces per-token losses to one number.
+"""The GRPO objective as pure functions on tensors, read top to bottom: group-relative advantages, the
+k3 KL to the reference, the importance ratio, the per-token policy loss of each published variant, the
+masks and weights that decide which tokens count, and how each variant reduces per-token losses to the
+one number a micro-batch backpropagates. Where the log-probs come from is `grpo_core.logprobs`; when
+and on which samples this runs is `grpo_core.update`. Option names follow TRL's `GRPOConfig`.
 
-Notation: B = sequences in the batch (prompts x G), G = group size, L = completion length (padded).
-Per-token ratio rho = exp(logp - old_logp); per-token loss
-    -min(rho * A, clip(rho, 1 - eps_low, 1 + eps_high) * A) + beta * KL_k3(ref || pi)
-aggregated over tokens according to `loss_type` (DeepSeekMath GRPO, BNPO, Dr. GRPO, DAPO).
-Pure functions on tensors; where the log-probs come from is `grpo_core.logprobs`.
+Notation: B = sequences in a micro-batch, G = group size, L = completion length (padded), A_i = the
+advantage of sequence i, rho = exp(logp - old_logp) the per-token ratio to the rollout policy,
+sg[.] = stop-gradient. With the defaults (token ratio, loss_type grpo, no masks) the loss is
+
+    pg_loss1 = -A_i * rho
+    pg_loss2 = -A_i * clip(rho, 1 - eps_low, 1 + eps_high)
+    loss     = max(pg_loss1, pg_loss2) + beta * KL_k3(pi || ref)          per token, [B, L]
+
+then reduced over tokens as `loss_type` says (see `aggregate`), scaled so that the micro-batches of one
+optimizer step add up to that step's loss. `grpo_loss` lists, in order, what each option changes.
 """
 from __future__ import annotations
 
+from typing import Sequence
+
 import torch
 
+LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo")
+IMPORTANCE_SAMPLING_LEVELS = ("token", "sequence", "sequence_token")
+SAMPLER_CORRECTION_MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
 
-def group_advantages(rewards: torch.Tensor, group_size: int, scale_rewards: str = "group",
+
+# -- advantages -------------------------------------------------------------------------------------
+
+def _group_sizes(rewards: torch.Tensor, group_size: int | Sequence[int]) -> list[int]:
+    if isinstance(group_size, int):
+        return [group_size] * (rewards.numel() // group_size)
+    return list(group_size)
+
+
+def group_advantages(rewards: torch.Tensor, group_size: int | Sequence[int], scale_rewards: str = "group",
                      eps: float = 1e-4) -> torch.Tensor:
     """(r - group mean) / (std + eps), with the std of the group, of the batch, or none (Dr. GRPO).
 
-    rewards: [B] with groups laid out contiguously (B = num_groups * group_size). Returns [B].
+    rewards: [B] with groups laid out contiguously. `group_size` is G (every group has G members) or
+    the size of each group in order (groups that lost members; each needs >= 2 for a std). Returns [B].
     """
-    grouped = rewards.view(-1, group_size)                                # [B/G, G]
+    sizes = _group_sizes(rewards, group_size)
+    if scale_rewards not in ("group", "batch", "none"):
+        raise ValueError(f"scale_rewards must be group, batch or none, not {scale_rewards!r}")
+    if len(set(sizes)) > 1:                                               # ragged: one group at a time
+        groups = torch.split(rewards, sizes)
+        centred = torch.cat([g - g.mean() for g in groups])               # [B]
+        if scale_rewards == "group":
+            std = torch.cat([g.std().expand(len(g)) for g in groups])     # [B] unbiased std, as TRL
+            return centred / (std + eps)
+        return centred / (rewards.std() + eps) if scale_rewards == "batch" else centred
+    G = group_size if isinstance(group_size, int) else (sizes[0] if sizes else 1)
+    grouped = rewards.view(-1, G)                                         # [B/G, G]
     centred = grouped - grouped.mean(dim=1, keepdim=True)                 # [B/G, G]
     if scale_rewards == "group":
         centred = centred / (grouped.std(dim=1, keepdim=True) + eps)      # unbiased std, as TRL
     elif scale_rewards == "batch":
         centred = centred / (rewards.std() + eps)
-    elif scale_rewards != "none":
-        raise ValueError(f"scale_rewards must be group, batch or none, not {scale_rewards!r}")
-    return centred.reshape(-1)
+    return centred.reshape(-1)                                            # [B]
 
 
-def zero_std_groups(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
-    """[B/G] bool: groups whose rewards are all equal (they carry no learning signal)."""
-    grouped = rewards.view(-1, group_size)
-    return (grouped.max(dim=1).values - grouped.min(dim=1).values).abs() < 1e-8
+def zero_std_groups(rewards: torch.Tensor, group_size: int | Sequence[int]) -> torch.Tensor:
+    """[number of groups] bool: groups whose rewards are all equal (they carry no learning signal).
+    `group_size` as in `group_advantages`."""
+    groups = torch.split(rewards, _group_sizes(rewards, group_size))
+    return torch.stack([(g.max() - g.min()).abs() < 1e-8 for g in groups]) if groups else \
+        torch.zeros(0, dtype=torch.bool)
 
 
 def kl_k3(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
     """Per-token k3 estimator of KL(pi || ref): exp(ref - logp) - (ref - logp) - 1 (>= 0). [B, L]."""
-    delta = ref_logp - logp
+    delta = ref_logp - logp                                               # [B, L]
     return torch.exp(delta) - delta - 1
 
 
-def aggregate(per_token: torch.Tensor, mask: torch.Tensor, loss_type: str,
-              max_completion_length: int, num_tokens_in_batch: float | None = None) -> torch.Tensor:
-    """Reduce a [B, L] per-token loss to a scalar as each published variant does.
+# -- the importance ratio to the rollout policy -----------------------------------------------------
 
-    grpo:    mean over sequences of the per-sequence token mean (DeepSeekMath)
-    bnpo:    token mean over this batch
-    dr_grpo: token sum / (B * max_completion_length) (constant normaliser, Dr. GRPO)
-    dapo:    token sum / number of completion tokens in the whole generation batch (DAPO)
+def _sequence_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Mean of x over each sequence's completion tokens. [B, L] -> [B, 1]."""
+    return (x * mask).sum(-1, keepdim=True) / mask.sum(-1, keepdim=True).clamp(min=1)
+
+
+def importance_ratio(logp: torch.Tensor, old_logp: torch.Tensor, mask: torch.Tensor,
+                     level: str = "token") -> torch.Tensor:
+    """The ratio the policy loss clips (`importance_sampling_level`). logp/old_logp/mask: [B, L].
+
+    token:          rho_t = exp(logp_t - old_logp_t)                                       [B, L]
+    sequence:       s_i = exp(mean_t (logp_t - old_logp_t)), the geometric mean of the
+                    token ratios (GSPO; TRL's `sequence`)                                    [B, 1]
+    sequence_token: s_i,t = sg[s_i] * pi_t / sg[pi_t] = exp(sg[log s_i] + logp_t - sg[logp_t])
+                    (GSPO-token: the value of s_i, the gradient of one token)                [B, L]
+    With one advantage per sequence, sequence and sequence_token give the same loss and gradient
+    (GSPO paper, eqs. 11 and 18); sequence_token is there for token-level advantages.
     """
-    masked = per_token * mask
-    if loss_type == "grpo":
-        return (masked.sum(-1) / mask.sum(-1).clamp(min=1)).mean()
-    if loss_type == "bnpo":
-        return masked.sum() / mask.sum().clamp(min=1)
-    if loss_type == "dr_grpo":
-        return masked.sum() / (per_token.size(0) * max_completion_length)
-    if loss_type == "dapo":
-        denom = mask.sum() if num_tokens_in_batch is None else torch.as_tensor(num_tokens_in_batch)
-        return masked.sum() / denom.clamp(min=1)
-    raise ValueError(f"loss_type must be grpo, bnpo, dr_grpo or dapo, not {loss_type!r}")
+    log_ratio = logp - old_logp                                           # [B, L]
+    if level == "token":
+        return torch.exp(log_ratio)
+    log_s = _sequence_mean(log_ratio, mask)                               # [B, 1]
+    if level == "sequence":
+        return torch.exp(log_s)
+    if level == "sequence_token":
+        return torch.exp(log_s.detach() + logp - logp.detach())           # [B, L]
+    raise ValueError(f"importance_sampling_level must be one of {', '.join(IMPORTANCE_SAMPLING_LEVELS)}, "
+                     f"not {level!r}")
+
+
+# -- per-token policy losses (advantages: [B, 1]; ratio: [B, L] or [B, 1]) ----------------------------
+
+def clipped_surrogate(ratio: torch.Tensor, advantages: torch.Tensor, epsilon_low: float, epsilon_high: float,
+                      delta: float | None = None) -> torch.Tensor:
+    """PPO's pessimistic clipped surrogate, optionally two-sided (INTELLECT-2):
+
+        pg_loss1 = -A * min(rho, delta)            (min(rho, delta) only when delta is set)
+        pg_loss2 = -A * clip(rho, 1 - eps_low, 1 + eps_high)
+        loss     = max(pg_loss1, pg_loss2)
+
+    For A > 0 the max already picks the clipped term once rho > 1 + eps_high < delta, so delta only
+    bounds negative-advantage tokens, whose ratio is otherwise unbounded (TRL applies it the same way).
+    """
+    capped = ratio if delta is None else torch.clamp(ratio, max=delta)
+    pg_loss1 = -advantages * capped
+    pg_loss2 = -advantages * torch.clamp(ratio, 1 - epsilon_low, 1 + epsilon_high)
+    return torch.max(pg_loss1, pg_loss2)
+
+
+def cispo_loss(ratio: torch.Tensor, advantages: torch.Tensor, logp: torch.Tensor, cap: float) -> torch.Tensor:
+    """CISPO (MiniMax-M1), REINFORCE with a clipped, stop-gradient IS weight; no token is ever dropped:
+
+        loss = -sg[min(rho, cap)] * A * logp_t
+
+    The cap is `epsilon_high` itself, as TRL has it (ScaleRL's eps_max, e.g. 5.0; it plays the part of
+    MiniMax-M1's 1 + eps_high^IS); there is no lower bound. [B, L]."""
+    return -torch.clamp(ratio, max=cap).detach() * advantages * logp
+
+
+def sapo_loss(ratio: torch.Tensor, advantages: torch.Tensor, temperature_pos: float,
+              temperature_neg: float) -> torch.Tensor:
+    """SAPO: a soft, temperature-gated trust region instead of the hard clip (TRL's formula):
+
+        tau  = sapo_temperature_pos if A > 0 else sapo_temperature_neg
+        loss = -A * sigmoid(tau * (rho - 1)) * 4 / tau
+
+    Its gradient in rho is A * 4 sigma(1 - sigma), 1 at rho = 1 (as the plain surrogate) and fading
+    smoothly as rho leaves 1, faster for larger tau."""
+    tau = torch.where(advantages > 0, temperature_pos, temperature_neg).to(ratio.dtype)     # [B, 1]
+    return -advantages * torch.sigmoid(tau * (ratio - 1)) * 4 / tau
+
+
+# -- which tokens count, and how much -------------------------------------------------------------------
+
+def off_policy_sequence_mask(advantages: torch.Tensor, logp: torch.Tensor, sampler_logp: torch.Tensor,
+                             mask: torch.Tensor, threshold: float) -> torch.Tensor:
+    """Off-policy sequence masking (DeepSeek-V3.2; TRL's `off_policy_mask_threshold`): a sequence with a
+    negative advantage whose sampler drifted too far from the current policy gets no policy loss.
+
+        KL_i = mean_t (sampler_logp_t - sg[logp_t])       (KL(sampler || pi), sampled-token estimate)
+        keep_i = A_i >= 0  or  KL_i <= threshold
+
+    advantages: [B, 1]; logp/sampler_logp/mask: [B, L]; NaN sampler log-probs count as no drift.
+    Returns [B, 1] (1 keep, 0 drop)."""
+    drift = torch.nan_to_num(sampler_logp - logp.detach(), nan=0.0)        # [B, L]
+    kl = _sequence_mean(drift, mask)                                      # [B, 1]
+    return ((advantages >= 0) | (kl <= threshold)).to(mask.dtype)
+
+
+def high_entropy_mask(entropy: torch.Tensor, mask: torch.Tensor, top_quantile: float) -> torch.Tensor:
+    """Train only on the highest-entropy tokens (TRL's `top_entropy_quantile`, "80/20" forking tokens):
+    keep a completion token when its entropy is >= the (1 - top_quantile) quantile of the entropies of
+    this micro-batch's completion tokens (linear interpolation, torch.quantile). 1.0 keeps every token.
+    entropy/mask: [B, L] -> [B, L] (1 keep, 0 drop)."""
+    real = mask.bool()
+    values = entropy.detach()[real].float()                               # [N]
+    if values.numel() == 0:
+        return torch.zeros_like(mask)
+    threshold = torch.quantile(values, 1.0 - top_quantile)
+    return ((entropy.detach() >= threshold) & real).to(mask.dtype)
+
+
+@torch.no_grad()
+def sampler_correction_weight(old_logp: torch.Tensor, sampler_logp: torch.Tensor, mask: torch.Tensor,
+                              mode: str, cap: float) -> torch.Tensor:
+    """Importance weight from the sampler to the trainer (TRL's `vllm_importance_sampling_*`): the
+    rollout engine samples from pi_sampler, not exactly from the trainer's pi_old (other kernels,
+    precision, top-k/top-p), so each token's loss is reweighted by pi_old / pi_sampler:
+
+        token_*:    w_t = exp(old_logp_t - sampler_logp_t)                        [B, L]
+        sequence_*: w_i = exp(sum_t (old_logp_t - sampler_logp_t))                [B, 1]
+        *_truncate: w <- min(w, cap)        (truncated IS)
+        *_mask:     w <- 0 where w > cap    (masked IS)
+
+    old_logp/sampler_logp/mask: [B, L]; a NaN sampler log-prob (a token the sampler gave none for)
+    counts as ratio 1."""
+    if mode not in SAMPLER_CORRECTION_MODES:
+        raise ValueError(f"vllm_importance_sampling_mode must be one of {', '.join(SAMPLER_CORRECTION_MODES)}, "
+                         f"not {mode!r}")
+    diff = torch.nan_to_num((old_logp - sampler_logp) * mask, nan=0.0)    # [B, L]
+    if mode.startswith("sequence"):
+        diff = diff.sum(-1, keepdim=True)                                 # [B, 1]
+    weight = torch.exp(diff)
+    if mode.endswith("truncate"):
+        return torch.clamp(weight, max=cap)
+    return weight.masked_fill(weight > cap, 0.0)
+
+
+# -- reduction ----------------------------------------------------------------------------------------
+
+def aggregate(per_token_loss: torch.Tensor, mask: torch.Tensor, loss_type: str, max_completion_length: int,
+              num_micro_batches: int = 1, num_tokens_in_batch: float | None = None) -> torch.Tensor:
+    """Reduce one micro-batch's [B, L] per-token loss to its share of the optimizer step's loss.
+
+    grpo, sapo:  mean over sequences of each sequence's token mean (DeepSeekMath)
+    bnpo:        token mean over the micro-batch
+    dr_grpo:     token sum / (B * max_completion_length) (constant normaliser, Dr. GRPO)
+    dapo, cispo: token sum / num_tokens_in_batch, the completion tokens the whole step trains on (DAPO)
+
+    grpo, sapo, bnpo and dr_grpo normalise each micro-batch by itself, so the share is that value
+    divided by `num_micro_batches` (as TRL divides by the gradient-accumulation steps); the dapo/cispo
+    normaliser already counts the whole step's tokens, so its shares add up as they are. Without
+    `num_tokens_in_batch`, dapo counts this micro-batch's tokens, which is right only when it is the
+    whole step.
+    """
+    masked = per_token_loss * mask                                        # [B, L]
+    if loss_type in ("dapo", "cispo"):
+        if num_tokens_in_batch is None:
+            if num_micro_batches != 1:
+                raise ValueError(f"{loss_type} over several micro-batches needs num_tokens_in_batch (tokens per step)")
+            return masked.sum() / mask.sum().clamp(min=1)
+        return masked.sum() / torch.as_tensor(num_tokens_in_batch).clamp(min=1)
+    if loss_type in ("grpo", "sapo"):
+        micro_batch_loss = (masked.sum(-1) / mask.sum(-1).clamp(min=1)).mean()
+    elif loss_type == "bnpo":
+        micro_batch_loss = masked.sum() / mask.sum().clamp(min=1)
+    elif loss_type == "dr_grpo":
+        micro_batch_loss = masked.sum() / (per_token_loss.size(0) * max_completion_length)
+    else:
+        raise ValueError(f"loss_type must be one of {', '.join(LOSS_TYPES)}, not {loss_type!r}")
+    return micro_batch_loss / num_micro_batches
+
+
+# -- the loss of one micro-batch ------------------------------------------------------------------------
+
+def policy_loss(ratio: torch.Tensor, advantages: torch.Tensor, logp: torch.Tensor, loss_type: str,
+                epsilon_low: float, epsilon_high: float, delta: float | None, sapo_temperature_pos: float,
+                sapo_temperature_neg: float) -> torch.Tensor:
+    """The per-token policy loss `loss_type` names: `cispo_loss` (cap epsilon_high), `sapo_loss`, or
+    `clipped_surrogate` (grpo, bnpo, dr_grpo, dapo; with `delta`). [B, L] (or [B, 1] for a sequence
+    ratio, except cispo)."""
+    if loss_type == "cispo":
+        return cispo_loss(ratio, advantages, logp, epsilon_high)
+    if loss_type == "sapo":
+        return sapo_loss(ratio, advantages, sapo_temperature_pos, sapo_temperature_neg)
+    return clipped_surrogate(ratio, advantages, epsilon_low, epsilon_high, delta)
+
+
+def token_weights(advantages: torch.Tensor, logp: torch.Tensor, old_logp: torch.Tensor, mask: torch.Tensor, *,
+                  entropy: torch.Tensor | None, top_entropy_quantile: float, sampler_logp: torch.Tensor | None,
+                  off_policy_mask_threshold: float | None, sampler_correction: str | None,
+                  sampler_correction_cap: float) -> tuple[torch.Tensor | None, dict[str, torch.Tensor]]:
+    """What multiplies each token's policy loss (no gradient), in TRL's order: `off_policy_sequence_mask`
+    (against `sampler_logp`, or old_logp without one), `high_entropy_mask`, then
+    `sampler_correction_weight`. Returns it ([B, L]; None when nothing is enabled) and, per enabled
+    part, what it did to each token (for the statistics)."""
+    weight, touched = None, {}
+
+    def times(w: torch.Tensor) -> torch.Tensor:
+        return w if weight is None else weight * w
+
+    if off_policy_mask_threshold is not None:
+        behaviour = sampler_logp if sampler_logp is not None else old_logp
+        keep = off_policy_sequence_mask(advantages, logp, behaviour, mask, off_policy_mask_threshold)  # [B, 1]
+        weight = times(keep.expand_as(mask))
+        touched["off_policy_mask/dropped_frac"] = 1 - keep.expand_as(mask)
+    if top_entropy_quantile < 1.0:
+        if entropy is None:
+            raise ValueError("top_entropy_quantile < 1 needs the per-token entropy")
+        keep_tokens = high_entropy_mask(entropy, mask, top_entropy_quantile)      # [B, L]
+        weight = times(keep_tokens)
+        touched["entropy_mask/kept_frac"] = keep_tokens
+    if sampler_correction is not None:
+        if sampler_logp is None:
+            raise ValueError("vllm_importance_sampling_correction needs the sampler's log-probs (sampler_logp)")
+        is_weight = sampler_correction_weight(old_logp, sampler_logp, mask, sampler_correction,
+                                              sampler_correction_cap).expand_as(mask)
+        weight = times(is_weight)
+        touched["sampler_is/weight_mean"] = is_weight
+        touched["sampler_is/zeroed_frac"] = is_weight == 0
+    return weight, touched
 
 
 def grpo_loss(logp: torch.Tensor, old_logp: torch.Tensor, ref_logp: torch.Tensor | None,
               advantages: torch.Tensor, mask: torch.Tensor, *, beta: float, epsilon_low: float,
-              epsilon_high: float, loss_type: str, max_completion_length: int,
-              num_tokens_in_batch: float | None = None) -> tuple[torch.Tensor, dict[str, float]]:
-    """Clipped surrogate + beta * k3 KL. logp/old_logp/ref_logp/mask: [B, L]; advantages: [B].
+              epsilon_high: float, loss_type: str, max_completion_length: int, num_micro_batches: int = 1,
+              num_tokens_in_batch: float | None = None, importance_sampling_level: str = "token",
+              delta: float | None = None, sapo_temperature_pos: float = 1.0, sapo_temperature_neg: float = 1.05,
+              entropy: torch.Tensor | None = None, top_entropy_quantile: float = 1.0, entropy_coef: float = 0.0,
+              sampler_logp: torch.Tensor | None = None, off_policy_mask_threshold: float | None = None,
+              sampler_correction: str | None = None, sampler_correction_cap: float = 3.0,
+              ) -> tuple[torch.Tensor, dict[str, float]]:
+    """The loss of one micro-batch. logp/old_logp/ref_logp/mask/entropy/sampler_logp: [B, L];
+    advantages: [B]. In order (TRL's order):
 
-    Returns the scalar loss and detached statistics (masked token means).
+    1) ratio = `importance_ratio` at `importance_sampling_level`
+    2) the per-token `policy_loss` of `loss_type`
+    3) times `token_weights`: the off-policy sequence mask (`off_policy_mask_threshold`), the
+       high-entropy mask (`top_entropy_quantile` < 1), the sampler correction (`sampler_correction`
+       names a vllm_importance_sampling_mode; needs sampler_logp)
+    4) + beta * KL_k3(pi || ref)
+    5) - entropy_coef * entropy (an entropy bonus; `entropy` must carry its gradient)
+    6) `aggregate` as loss_type says
+
+    Returns this micro-batch's share of the step's loss (call backward on it, and sum it over the
+    step's micro-batches for the step's loss) and detached statistics of this micro-batch (masked token
+    means).
     """
-    adv = advantages.unsqueeze(1)                                          # [B, 1]
-    ratio = torch.exp(logp - old_logp)                                     # [B, L]
-    clipped = torch.clamp(ratio, 1 - epsilon_low, 1 + epsilon_high)        # [B, L]
-    per_token = -torch.min(ratio * adv, clipped * adv)                     # [B, L]
+    advantages = advantages.unsqueeze(1)                                  # [B, 1]
+    ratio = importance_ratio(logp, old_logp, mask, importance_sampling_level)       # [B, L] or [B, 1]
+    per_token_loss = policy_loss(ratio, advantages, logp, loss_type, epsilon_low, epsilon_high, delta,
+                                 sapo_temperature_pos, sapo_temperature_neg)
+    weight, touched = token_weights(
+        advantages, logp, old_logp, mask, entropy=entropy, top_entropy_quantile=top_entropy_quantile,
+        sampler_logp=sampler_logp, off_policy_mask_threshold=off_policy_mask_threshold,
+        sampler_correction=sampler_correction, sampler_correction_cap=sampler_correction_cap)
+    if weight is not None:
+        per_token_loss = per_token_loss * weight                          # [B, L]
     kl = None
     if beta != 0.0:
         if ref_logp is None:
             raise ValueError("beta > 0 needs reference log-probs")
-        kl = kl_k3(logp, ref_logp)
-        per_token = per_token + beta * kl
-    loss = aggregate(per_token, mask, loss_type, max_completion_length, num_tokens_in_batch)
+        kl = kl_k3(logp, ref_logp)                                        # [B, L]
+        per_token_loss = per_token_loss + beta * kl
+    if entropy_coef != 0.0:
+        if entropy is None or not entropy.requires_grad:
+            raise ValueError("entropy_coef > 0 needs the per-token entropy with its gradient")
+        per_token_loss = per_token_loss - entropy_coef * entropy
+    loss = aggregate(per_token_loss, mask, loss_type, max_completion_length, num_micro_batches,
+                     num_tokens_in_batch)
+    return loss, _statistics(ratio, advantages, mask, kl, touched, loss_type, epsilon_low, epsilon_high)
 
-    with torch.no_grad():
-        n = mask.sum().clamp(min=1)
-        mean = lambda x: ((x.float() * mask).sum() / n).item()
-        low = (ratio < 1 - epsilon_low) & (adv < 0)
-        high = (ratio > 1 + epsilon_high) & (adv > 0)
-        stats = {"clip_ratio/low_mean": mean(low), "clip_ratio/high_mean": mean(high),
-                 "clip_ratio/region_mean": mean(low | high), "kl": mean(kl) if kl is not None else 0.0}
-    return loss, stats
+
+@torch.no_grad()
+def _statistics(ratio, advantages, mask, kl, touched, loss_type, epsilon_low, epsilon_high) -> dict[str, float]:
+    """Masked token means: how often the ratio was clipped (by the hard clip, or by CISPO's cap; SAPO
+    has no hard clip), the KL, and the fractions each enabled mask or weight touched."""
+    num_tokens = mask.sum().clamp(min=1)
+    token_mean = lambda x: ((x.float() * mask).sum() / num_tokens).item()   # noqa: E731
+    ratio = ratio.detach().expand_as(mask)                                # [B, L]
+    none = torch.zeros_like(mask, dtype=torch.bool)
+    if loss_type == "cispo":
+        is_low_clipped, is_high_clipped = none, (ratio > epsilon_high) & (advantages > 0)
+    elif loss_type == "sapo":
+        is_low_clipped = is_high_clipped = none
+    else:
+        is_low_clipped = (ratio < 1 - epsilon_low) & (advantages < 0)     # [B, L]
+        is_high_clipped = (ratio > 1 + epsilon_high) & (advantages > 0)   # [B, L]
+    stats = {"clip_ratio/low_mean": token_mean(is_low_clipped),
+             "clip_ratio/high_mean": token_mean(is_high_clipped),
+             "clip_ratio/region_mean": token_mean(is_low_clipped | is_high_clipped),
+             "kl": token_mean(kl) if kl is not None else 0.0}
+    stats.update({name: token_mean(value) for name, value in touched.items()})
+    return stats

@@ -1,11 +1,15 @@
 """The policy being trained and its frozen reference.
 
-With LoRA the reference is the base model with the adapter disabled (no second copy in memory);
-with full fine-tuning it is a frozen copy of the starting weights.
+With LoRA the reference is, by default, the base model with the adapter disabled (no second copy in
+memory). When the run starts from an adapter (`reference: init`), or when the reference moves toward
+the policy (`sync_ref_model`), it is a second, frozen LoRA adapter named "reference" on the same base:
+the reference pass switches to it. With full fine-tuning the reference is a frozen copy of the
+starting weights.
 """
 from __future__ import annotations
 
 import contextlib
+import copy
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -16,6 +20,9 @@ from grpo_core.kernels.cpu_linear import use_onednn_linears
 from grpo_core.models import (ModelError, attach_lora, load_base_model, load_tokenizer, resolve_model,
                               select_device, select_dtype)
 
+POLICY_ADAPTER = "default"           # PEFT's name for the adapter a PeftModel is created with
+REFERENCE_ADAPTER = "reference"      # also the subdirectory a saved moving reference lives in
+
 
 @dataclass
 class Policy:
@@ -24,32 +31,131 @@ class Policy:
     device: torch.device
     use_peft: bool
     ref_model: torch.nn.Module | None = None   # only for full fine-tuning
+    reference_adapter: str | None = None       # LoRA: the frozen adapter that is the reference (None: base)
+    save_reference: bool = False               # the reference moves (sync_ref_model): checkpoints keep it
 
     @contextlib.contextmanager
     def reference(self):
         """Yields the module that computes reference log-probs."""
-        if self.use_peft:
+        if not self.use_peft:
+            yield self.ref_model
+        elif self.reference_adapter is None:
             with self.model.disable_adapter():
                 yield self.model
         else:
-            yield self.ref_model
+            with _active_adapter(self.model, self.reference_adapter):
+                yield self.model
 
     def trainable_parameters(self):
         return [p for p in self.model.parameters() if p.requires_grad]
 
+    @torch.no_grad()
+    def sync_reference(self, alpha: float) -> None:
+        """ref <- alpha * policy + (1 - alpha) * ref, parameter by parameter (TRL's sync_ref_model).
+
+        Full fine-tuning mixes the weights themselves. With LoRA it mixes the reference adapter's
+        factors A and B with the policy's: exact for alpha = 1 (a copy); for alpha < 1 the reference's
+        weight delta B_ref A_ref is the product of the mixed factors, not the mix of the two products
+        (that would need a growing rank)."""
+        for ref, live in self._reference_pairs():
+            ref.mul_(1.0 - alpha).add_(live.detach().to(ref.dtype), alpha=alpha)
+
+    def _reference_pairs(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        if not self.use_peft:
+            if self.ref_model is None:
+                raise ValueError("sync_ref_model needs a reference (beta > 0)")
+            return list(zip(self.ref_model.parameters(), self.model.parameters()))
+        if self.reference_adapter is None:
+            raise ValueError("sync_ref_model with LoRA needs a reference adapter (load_policy creates it)")
+        params = dict(self.model.named_parameters())
+        ref_key, live_key = f".{self.reference_adapter}.", f".{POLICY_ADAPTER}."
+        return [(p, params[name.replace(ref_key, live_key)]) for name, p in params.items() if ref_key in name]
+
     def save(self, out_dir: Path) -> Path:
-        """Adapter (LoRA) or full weights, plus the tokenizer."""
-        self.model.save_pretrained(out_dir)
+        """Adapter (LoRA) or full weights, plus the tokenizer; a moving reference into out_dir/reference."""
+        if self.use_peft:
+            adapters = [POLICY_ADAPTER] + ([self.reference_adapter] if self.save_reference else [])
+            self.model.save_pretrained(out_dir, selected_adapters=adapters)   # others into out_dir/<name>/
+        else:
+            self.model.save_pretrained(out_dir)
+            if self.save_reference and self.ref_model is not None:
+                self.ref_model.save_pretrained(Path(out_dir) / REFERENCE_ADAPTER)
         self.tokenizer.save_pretrained(out_dir)
         return out_dir
 
 
-def load_policy(cfg: GRPOConfig, checkpoint: str | Path | None = None, need_reference: bool = True) -> Policy:
-    """Base model (+ LoRA, fresh or from `checkpoint`), on the configured device and dtype."""
+@contextlib.contextmanager
+def _active_adapter(model, name: str):
+    """Run `model` with adapter `name` instead of the policy's; every requires_grad flag is restored
+    after (PEFT's set_adapter marks the active adapter trainable)."""
+    flags = [(p, p.requires_grad) for p in model.parameters()]
+    model.base_model.set_adapter(name)
+    try:
+        yield model
+    finally:
+        model.base_model.set_adapter(POLICY_ADAPTER)
+        for p, flag in flags:
+            p.requires_grad_(flag)
+
+
+def _saved_reference(checkpoint: str | Path | None) -> Path | None:
+    """The moving reference an earlier update saved next to its checkpoint, if any."""
+    if checkpoint is None:
+        return None
+    path = Path(checkpoint) / REFERENCE_ADAPTER
+    return path if (path / "adapter_config.json").exists() or (path / "config.json").exists() else None
+
+
+def add_reference_adapter(model, source: str | Path | None) -> str:
+    """A frozen copy of the policy adapter's configuration named "reference", with the weights of the
+    adapter saved at `source`, or (source None) the policy adapter's with B = 0, i.e. exactly the base."""
+    from peft import get_peft_model_state_dict, set_peft_model_state_dict
+    from peft.utils import load_peft_weights
+    config = copy.deepcopy(model.peft_config[POLICY_ADAPTER])
+    config.inference_mode = True
+    model.add_adapter(REFERENCE_ADAPTER, config)
+    if source is None:
+        weights = {k: (torch.zeros_like(v) if "lora_B" in k else v.clone())
+                   for k, v in get_peft_model_state_dict(model, adapter_name=POLICY_ADAPTER).items()}
+    else:
+        weights = load_peft_weights(str(source), device=str(next(model.parameters()).device))
+    result = set_peft_model_state_dict(model, weights, adapter_name=REFERENCE_ADAPTER)
+    missing = [k for k in getattr(result, "missing_keys", []) if f".{REFERENCE_ADAPTER}." in k]
+    if missing:
+        raise ModelError(f"reference adapter {source} does not match the policy adapter (missing {missing[:3]})")
+    for name, p in model.named_parameters():
+        if f".{REFERENCE_ADAPTER}." in name:
+            p.requires_grad_(False)
+    return REFERENCE_ADAPTER
+
+
+def _lora_reference(cfg: GRPOConfig, model, checkpoint, init_adapter) -> str | None:
+    """Which frozen adapter is the reference, created on `model`; None: the base (adapter disabled)."""
+    saved = _saved_reference(checkpoint)
+    if saved is not None:                                   # a moving reference, where the last update left it
+        return add_reference_adapter(model, saved)
+    if cfg.reference == "init" and init_adapter is not None:
+        return add_reference_adapter(model, init_adapter)
+    if cfg.sync_ref_model:                                  # the base, as an adapter that can move
+        return add_reference_adapter(model, None)
+    return None
+
+
+def load_policy(cfg: GRPOConfig, checkpoint: str | Path | None = None, need_reference: bool = True,
+                init_adapter: str | Path | None = None) -> Policy:
+    """Base model (+ LoRA, fresh or from `checkpoint`), on the configured device and dtype.
+
+    `init_adapter` is the adapter the run started from (the resolved `init_adapter` of the config; the
+    same directory as `checkpoint` at the first iteration): with `reference: init` it is the reference.
+    A reference saved inside `checkpoint` (sync_ref_model) takes precedence. No reference is built
+    when `need_reference` is False or beta = 0.
+    """
     base_dir = resolve_model(cfg.model)
     device = select_device(cfg.device)
     dtype = select_dtype(cfg.dtype, device)
     tokenizer = load_tokenizer(base_dir)
+    with_reference = need_reference and cfg.beta != 0.0
+    ref, reference_adapter = None, None
     if cfg.use_peft:
         base = load_base_model(base_dir, device, dtype)
         if checkpoint is None:
@@ -59,12 +165,12 @@ def load_policy(cfg: GRPOConfig, checkpoint: str | Path | None = None, need_refe
             if not (Path(checkpoint) / "adapter_config.json").exists():
                 raise ModelError(f"{checkpoint} holds no LoRA adapter (adapter_config.json missing)")
             model = PeftModel.from_pretrained(base, str(checkpoint), is_trainable=True).to(device)
-        ref = None
+        if with_reference:
+            reference_adapter = _lora_reference(cfg, model, checkpoint, init_adapter)
     else:
         model = load_base_model(Path(checkpoint) if checkpoint else base_dir, device, dtype)
-        ref = None
-        if need_reference and cfg.beta != 0.0:
-            ref = load_base_model(base_dir, device, dtype)
+        if with_reference:
+            ref = load_base_model(_saved_reference(checkpoint) or base_dir, device, dtype)
             ref.requires_grad_(False).eval()
     if cfg.cpu_onednn_linear:
         for m in (model, ref):
@@ -74,5 +180,5 @@ def load_policy(cfg: GRPOConfig, checkpoint: str | Path | None = None, need_refe
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         if cfg.use_peft:
             model.enable_input_require_grads()
-    return Policy(model=model, tokenizer=tokenizer, device=device, use_peft=cfg.use_peft, ref_model=ref)
-
+    return Policy(model=model, tokenizer=tokenizer, device=device, use_peft=cfg.use_peft, ref_model=ref,
+                  reference_adapter=reference_adapter, save_reference=with_reference and cfg.sync_ref_model)

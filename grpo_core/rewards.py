@@ -1,32 +1,62 @@
-"""Rule-based rewards. Each reward function scores a batch: (completions, tasks) -> list of float | None.
+"""Rewards: the built-in reward functions and `compute_rewards`, which runs any configured set of them.
 
-None means "could not be scored" (e.g. the sandbox failed): the caller leaves that sample out of its
-group rather than pretending it earned 0.
+Every reward function, built-in or plugin (grpo_core.plugins), has TRL's signature
+
+    f(prompts, completions, **columns) -> list[float | None]
+
+`prompts` are the tasks' questions (the user turn, no chat template), `completions` the model's answers,
+and `columns` one equal-length list per Task field other than the prompt (id, kind, source, answer, tests,
+entry_point, meta, ...), one per key of the tasks' `meta` that clashes with nothing (None where a task lacks
+it), plus the run context (CONTEXT_KEYS: token ids and counts, the length limits, the sandbox settings). A
+function without **kwargs gets only the columns it names. None means "cannot score this one" (e.g. the
+sandbox failed): that sample's total is None and the caller leaves it out of its group rather than
+pretending it earned 0. `async def` functions run concurrently with each other (and with the plain ones).
+Not here: GRPO advantages (grpo_core.loss) and where the scores are written or logged (tasks/score.py).
 """
 from __future__ import annotations
 
+import asyncio
+import inspect
+import math
+import numbers
 import re
-from typing import Callable, Sequence
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, fields
+from typing import Any, Callable, Sequence
 
 from grpo_core.answers import extract_answer, math_answers_match, reasoning_gym_score
+from grpo_core.plugins import REWARD_GROUP, check_reward_signature, load_plugin, metric_names
 from grpo_core.task import Task
-
-RewardFn = Callable[[Sequence[str], Sequence[Task]], list]
 
 # The whole completion: optional reasoning, then exactly one non-empty answer block, nothing after it.
 FORMAT_RE = re.compile(r"^(?:(?!<answer>|</answer>).)*<answer>(?:(?!<answer>|</answer>).)*\S(?:(?!<answer>|</answer>).)*</answer>\s*$",
                        re.DOTALL)
-
-
 CODE_BLOCK_RE = {lang: re.compile(rf"^(?:(?!```).)*```{lang}[ \t]*\n(?:(?!```).)*\S(?:(?!```).)*```\s*$", re.DOTALL)
                  for lang in ("python", "rust")}
 
+TASK_COLUMNS = tuple(f.name for f in fields(Task) if f.name != "prompt")
+CONTEXT_KEYS = ("completion_ids", "completion_lengths", "max_completion_length", "overlong_buffer_length",
+                "sandbox_backend", "code_reward_mode")
+KNOWN_COLUMNS = frozenset(TASK_COLUMNS + CONTEXT_KEYS)
 
-def format_reward(completions: Sequence[str], tasks: Sequence[Task]) -> list[float]:
-    """1 if the completion has the shape its task asks for, else 0: math, exactly one non-empty
-    <answer>...</answer> block at the end; code, exactly one non-empty ```python / ```rust block at the end."""
-    return [1.0 if (FORMAT_RE if t.kind == "math" else CODE_BLOCK_RE[t.kind]).match(c) else 0.0
-            for c, t in zip(completions, tasks)]
+
+class RewardOutputError(ValueError):
+    """A reward function returned something that is not one finite number (or None) per completion."""
+
+
+# -- built-in reward functions --------------------------------------------------------------------------
+
+
+def is_well_formatted(completion: str, kind: str) -> bool:
+    """The shape a task kind asks for: math, exactly one non-empty <answer>...</answer> block at the end;
+    code, exactly one non-empty ```python / ```rust block at the end."""
+    return bool((FORMAT_RE if kind == "math" else CODE_BLOCK_RE[kind]).match(completion))
+
+
+def format_reward(prompts: Sequence[str], completions: Sequence[str], kind: Sequence[str], **_) -> list[float]:
+    """1 if the completion has the shape its task kind asks for (is_well_formatted), else 0."""
+    return [1.0 if is_well_formatted(c, k) else 0.0 for c, k in zip(completions, kind)]
 
 
 def math_accuracy(completion: str, task: Task) -> float:
@@ -37,10 +67,17 @@ def math_accuracy(completion: str, task: Task) -> float:
     return 1.0 if math_answers_match(answer, str(task.answer)) else 0.0
 
 
-def accuracy_reward(completions: Sequence[str], tasks: Sequence[Task], *, sandbox_backend: str | None = None,
-                    code_reward_mode: str | None = None, **_) -> list[float | None]:
+def tasks_from_columns(prompts: Sequence[str], columns: dict[str, Any]) -> list[Task]:
+    """The Task objects back from the prompts and the Task-field columns (for the built-ins)."""
+    present = [f for f in TASK_COLUMNS if f in columns]
+    return [Task(prompt=p, **{f: columns[f][i] for f in present}) for i, p in enumerate(prompts)]
+
+
+def accuracy_reward(prompts: Sequence[str], completions: Sequence[str], *, sandbox_backend: str | None = None,
+                    code_reward_mode: str | None = None, **columns) -> list[float | None]:
     """Correctness: the tagged answer for math tasks; hidden tests in the sandbox for code tasks
     (`sandbox_backend` auto|docker|local, `code_reward_mode` fraction|binary)."""
+    tasks = tasks_from_columns(prompts, columns)
     out: list[float | None] = [None] * len(completions)
     code_idx = []
     for i, (c, t) in enumerate(zip(completions, tasks)):
@@ -68,7 +105,7 @@ def overlong_penalty(length: int, max_completion_length: int, buffer_length: int
     return -1.0
 
 
-def overlong_reward(completions: Sequence[str], tasks: Sequence[Task], *,
+def overlong_reward(prompts: Sequence[str], completions: Sequence[str], *,
                     completion_lengths: Sequence[int] | None = None, max_completion_length: int | None = None,
                     overlong_buffer_length: int | None = None, **_) -> list[float]:
     """DAPO overlong soft penalty in [-1, 0] from each completion's token count (weight it with
@@ -79,36 +116,150 @@ def overlong_reward(completions: Sequence[str], tasks: Sequence[Task], *,
     return [overlong_penalty(n, max_completion_length, buf) for n in completion_lengths]
 
 
-REWARD_FUNCS: dict[str, RewardFn] = {
+REWARD_FUNCS: dict[str, Callable[..., list]] = {
     "accuracy": accuracy_reward,
     "format": format_reward,
     "overlong": overlong_reward,
 }
 
-# Reward functions that take keyword context from the caller (token counts, limits, sandbox) besides the text.
-CONTEXT_FUNCS = {"accuracy", "overlong"}
-
 # The reward whose value is raw correctness (used for pass rates and dynamic sampling, never the shaped total).
 CORRECTNESS_FUNC = "accuracy"
 
 
-def reward_context(cfg, completion_lengths: Sequence[int]) -> dict:
-    """The keyword context reward functions get from a run's config (a GRPOConfig) and the token counts."""
-    return {"completion_lengths": list(completion_lengths), "max_completion_length": cfg.max_completion_length,
-            "overlong_buffer_length": cfg.overlong_buffer_length, "sandbox_backend": cfg.sandbox.backend,
-            "code_reward_mode": cfg.sandbox.reward_mode}
+# -- resolving config entries -----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class RewardFunc:
+    entry: str                      # as written in reward_funcs
+    name: str                       # metric name: reward/<name>, sys/reward_seconds/<name>
+    fn: Callable[..., Any]
+    accepts: frozenset[str] | None  # keyword columns it takes (None: all, it has **kwargs)
+    is_async: bool
+    origin: str                     # "built-in", "package.module:function" or the distribution of an entry point
+
+
+def resolve_reward(entry: str, field: str, name: str | None = None) -> RewardFunc:
+    """The reward function a reward_funcs entry names (built-in, "pkg.mod:fn" or entry point), checked."""
+    if entry in REWARD_FUNCS:
+        fn, origin = REWARD_FUNCS[entry], "built-in"
+    else:
+        plugin = load_plugin(entry, REWARD_GROUP, field, REWARD_FUNCS)
+        fn, origin = plugin.obj, plugin.origin
+    accepts = check_reward_signature(fn, entry, field, KNOWN_COLUMNS)
+    is_async = inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(getattr(fn, "__call__", None))
+    return RewardFunc(entry, name or entry, fn, accepts, is_async, origin)
+
+
+def resolve_reward_funcs(entries: Sequence[str]) -> list[RewardFunc]:
+    """Every reward_funcs entry resolved, each with its unique metric name; a PluginError names the bad one."""
+    return [resolve_reward(e, f"reward_funcs[{i}]", name)
+            for i, (e, name) in enumerate(zip(entries, metric_names(entries)))]
+
+
+# -- running them -------------------------------------------------------------------------------------------
+
+
+def reward_context(cfg, completion_ids: Sequence[Sequence[int]]) -> dict:
+    """The run context reward functions get: token ids and counts, and settings from the run's GRPOConfig."""
+    return {"completion_ids": [list(ids) for ids in completion_ids],
+            "completion_lengths": [len(ids) for ids in completion_ids],
+            "max_completion_length": cfg.max_completion_length, "overlong_buffer_length": cfg.overlong_buffer_length,
+            "sandbox_backend": cfg.sandbox.backend, "code_reward_mode": cfg.sandbox.reward_mode}
+
+
+def reward_columns(tasks: Sequence[Task], context: dict | None = None) -> dict[str, Any]:
+    """The keyword columns for a batch: Task fields, non-clashing meta keys, then the run context."""
+    columns: dict[str, Any] = {f: [getattr(t, f) for t in tasks] for f in TASK_COLUMNS}
+    reserved = KNOWN_COLUMNS | {"prompt", "prompts", "completions"}
+    meta_keys = dict.fromkeys(k for t in tasks for k in (t.meta or {}) if isinstance(k, str) and k not in reserved)
+    columns.update({k: [(t.meta or {}).get(k) for t in tasks] for k in meta_keys})
+    columns.update(context or {})
+    return columns
+
+
+def check_scores(name: str, values: Any, n: int) -> list[float | None]:
+    """`values` as one float (or None) per completion; anything else is a RewardOutputError naming `name`."""
+    if isinstance(values, (str, bytes, dict)) or not hasattr(values, "__iter__"):
+        raise RewardOutputError(f"reward function {name!r} returned a {type(values).__name__}; return a list with "
+                                f"one float (or None: cannot score) per completion")
+    values = list(values)
+    if len(values) != n:
+        raise RewardOutputError(f"reward function {name!r} returned {len(values)} scores for {n} completions; "
+                                f"return exactly one per completion (None where it cannot score)")
+    out: list[float | None] = []
+    for i, v in enumerate(values):
+        if v is not None and not isinstance(v, numbers.Real):
+            raise RewardOutputError(f"reward function {name!r} returned a {type(v).__name__} ({v!r:.40}) for "
+                                    f"completion {i}; return a float, or None for 'cannot score this one'")
+        if v is not None and not math.isfinite(float(v)):
+            raise RewardOutputError(f"reward function {name!r} returned {float(v)} for completion {i}; return a "
+                                    f"finite float, or None for 'cannot score this one'")
+        out.append(None if v is None else float(v))
+    return out
+
+
+def _kwargs_for(func: RewardFunc, columns: dict[str, Any]) -> dict[str, Any]:
+    return dict(columns) if func.accepts is None else {k: v for k, v in columns.items() if k in func.accepts}
+
+
+def _run_async(funcs: Sequence[RewardFunc], prompts: list, completions: list, columns: dict) -> list[tuple[Any, float]]:
+    """Await every async function concurrently in a fresh event loop (the caller may already be inside one)."""
+    async def timed(func: RewardFunc) -> tuple[Any, float]:
+        t0 = time.perf_counter()
+        try:
+            return await func.fn(prompts, completions, **_kwargs_for(func, columns)), time.perf_counter() - t0
+        except Exception as e:
+            e.add_note(f"in reward function {func.name!r} ({func.origin})")
+            raise
+
+    async def all_of() -> list[tuple[Any, float]]:
+        return list(await asyncio.gather(*(timed(f) for f in funcs)))
+    return asyncio.run(all_of())
+
+
+def _run_sync(func: RewardFunc, prompts: list, completions: list, columns: dict) -> tuple[Any, float]:
+    t0 = time.perf_counter()
+    try:
+        return func.fn(prompts, completions, **_kwargs_for(func, columns)), time.perf_counter() - t0
+    except Exception as e:
+        e.add_note(f"in reward function {func.name!r} ({func.origin})")
+        raise
+
+
+@dataclass
+class RewardScores:
+    totals: list[float | None]                  # weighted sum per completion; None if any function gave None
+    per_func: dict[str, list[float | None]]     # metric name -> one score per completion
+    seconds: dict[str, float]                   # metric name -> wall-clock seconds the function took
 
 
 def compute_rewards(completions: Sequence[str], tasks: Sequence[Task], funcs: Sequence[str],
-                    weights: Sequence[float], context: dict | None = None
-                    ) -> tuple[list[float | None], dict[str, list[float | None]]]:
-    """Weighted total per completion (None if any function could not score it) and each function's scores.
+                    weights: Sequence[float], context: dict | None = None) -> RewardScores:
+    """Run the reward functions `funcs` (reward_funcs entries) on (task, completion) pairs and weight them.
 
-    `context` (e.g. completion_lengths, max_completion_length) goes to the functions in CONTEXT_FUNCS."""
-    per_func = {name: REWARD_FUNCS[name](completions, tasks, **(context or {})) if name in CONTEXT_FUNCS
-                else REWARD_FUNCS[name](completions, tasks) for name in funcs}
+    `context`: the run context (reward_context). The async functions run on a helper thread while the plain
+    ones run here, in order."""
+    resolved = resolve_reward_funcs(funcs)
+    prompts, completions = [t.prompt for t in tasks], list(completions)
+    columns = reward_columns(tasks, context)
+    async_funcs = [f for f in resolved if f.is_async]
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="async-rewards") as pool:
+        pending = pool.submit(_run_async, async_funcs, prompts, completions, columns) if async_funcs else None
+        outputs = {f.name: _run_sync(f, prompts, completions, columns) for f in resolved if not f.is_async}
+        if pending is not None:
+            outputs.update({f.name: out for f, out in zip(async_funcs, pending.result())})
+    per_func = {f.name: check_scores(f.name, outputs[f.name][0], len(completions)) for f in resolved}
     totals: list[float | None] = []
     for i in range(len(completions)):
-        vals = [per_func[name][i] for name in funcs]
+        vals = [per_func[f.name][i] for f in resolved]
         totals.append(None if any(v is None for v in vals) else sum(w * v for w, v in zip(weights, vals)))
-    return totals, per_func
+    return RewardScores(totals, per_func, {f.name: outputs[f.name][1] for f in resolved})
+
+
+def correctness_scores(scores: RewardScores, funcs: Sequence[str], completions: Sequence[str],
+                       tasks: Sequence[Task], context: dict | None = None) -> list[float | None]:
+    """The built-in accuracy per completion (raw correctness): reused when configured, computed otherwise."""
+    if CORRECTNESS_FUNC in funcs:
+        return scores.per_func[metric_names(funcs)[list(funcs).index(CORRECTNESS_FUNC)]]
+    return compute_rewards(completions, tasks, [CORRECTNESS_FUNC], [1.0], context).per_func[CORRECTNESS_FUNC]

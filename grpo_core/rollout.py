@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from tqdm.auto import tqdm
 
 from grpo_core.kernels.cpu_linear import PackedLinear, sampling_weights
-from grpo_core.sampling import PromptFormat, RolloutBackend, Sample, SamplingParams, chat_prompt_ids
+from grpo_core.sampling import Completion, PromptFormat, RolloutBackend, Sample, SamplingParams, chat_prompt_ids
 from grpo_core.task import Task
 from grpo_core.kernels.lean_decode import LeanDecoder, positions
 
@@ -86,23 +86,37 @@ class HFGenerateSampler(BatchedBackend):
         else:
             kwargs.update(do_sample=True, temperature=params.temperature, top_p=params.top_p,
                           top_k=params.top_k or None)
-        gen = self.model.generate(input_ids=input_ids, attention_mask=attn, **kwargs)[:, input_ids.size(1):].cpu()
-        out = []
-        for ids in gen.tolist():
+        if params.logprobs:           # the scores generate samples from: after temperature, top-k, top-p
+            kwargs.update(output_scores=True, return_dict_in_generate=True)
+        out = self.model.generate(input_ids=input_ids, attention_mask=attn, **kwargs)
+        sequences = out.sequences if params.logprobs else out
+        gen = sequences[:, input_ids.size(1):]
+        logprobs = None
+        if params.logprobs:
+            scores = torch.stack(out.scores, dim=1).float()                              # [B, n, V]
+            logprobs = torch.log_softmax(scores, -1).gather(-1, gen[:, :, None]).squeeze(-1).cpu().tolist()
+        completions = []
+        for r, ids in enumerate(gen.cpu().tolist()):
             if eos in ids:
                 ids = ids[:ids.index(eos) + 1]
             else:
                 while ids and ids[-1] == pad:
                     ids.pop()
-            out.append(ids)
-        return out
+            completions.append(Completion(ids, logprobs[r][:len(ids)]) if params.logprobs else ids)
+        return completions
 
 
 def sample_next(logits: torch.Tensor, temperature: float, top_k: int, top_p: float, greedy: bool,
-                generator: torch.Generator | None) -> torch.Tensor:
-    """One token per row from the last-position logits [B, V] -> [B] (temperature, top-k, then top-p)."""
+                generator: torch.Generator | None, with_logprobs: bool = False):
+    """One token per row from the last-position logits [B, V] -> [B] (temperature, top-k, then top-p).
+
+    With `with_logprobs`, also the log-prob of each drawn token under the distribution it was drawn
+    from (greedy: the plain softmax) -> ([B], [B])."""
     if greedy:
-        return logits.argmax(-1)
+        tok = logits.argmax(-1)
+        if not with_logprobs:
+            return tok
+        return tok, torch.log_softmax(logits.float(), -1).gather(-1, tok[:, None]).squeeze(-1)
     logits = logits.float() / temperature
     if top_k and top_k < logits.size(-1):
         kth = torch.topk(logits, top_k, dim=-1).values[:, -1:]                # [B, 1]
@@ -113,7 +127,10 @@ def sample_next(logits: torch.Tensor, temperature: float, top_k: int, top_p: flo
         drop = cum - sorted_logits.softmax(-1) >= top_p                        # keep the smallest set reaching top_p
         sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
         logits = torch.full_like(logits, float("-inf")).scatter(-1, order, sorted_logits)
-    return draw(logits.softmax(-1), generator)
+    tok = draw(logits.softmax(-1), generator)
+    if not with_logprobs:
+        return tok
+    return tok, torch.log_softmax(logits, -1).gather(-1, tok[:, None]).squeeze(-1)
 
 
 def draw(probs: torch.Tensor, generator: torch.Generator | None, block: int = 256) -> torch.Tensor:
@@ -223,8 +240,14 @@ class KVCacheSampler(BatchedBackend):
         logits = logits[which]                                                     # [B, V]
         alive = torch.arange(B, device=self.device)                                # original row of each live row
         produced: list[list[int]] = [[] for _ in range(B)]
+        produced_logprobs: list[list[float]] = [[] for _ in range(B)]
         for t in range(params.max_new_tokens):
-            tok = sample_next(logits, params.temperature, params.top_k, params.top_p, params.greedy, generator)
+            tok = sample_next(logits, params.temperature, params.top_k, params.top_p, params.greedy, generator,
+                              with_logprobs=params.logprobs)
+            if params.logprobs:
+                tok, tok_logp = tok
+                for r, lp in zip(alive.tolist(), tok_logp.tolist()):
+                    produced_logprobs[r].append(lp)
             for r, tk in zip(alive.tolist(), tok.tolist()):
                 produced[r].append(tk)
             done = tok == eos                                                      # [b]
@@ -237,6 +260,8 @@ class KVCacheSampler(BatchedBackend):
                 self.forward.select(keep)
                 alive, tok = alive[keep], tok[keep]
             logits = self.forward.step(tok)
+        if params.logprobs:
+            return [Completion(ids, lps) for ids, lps in zip(produced, produced_logprobs)]
         return produced
 
 
@@ -254,7 +279,8 @@ def rollout(backend: RolloutBackend, tokenizer, tasks: Sequence[Task], n: int, p
             fmt: PromptFormat | str, max_prompt_length: int) -> list[Sample]:
     """n completions for every task, as Samples (groups contiguous, in task order).
 
-    `completion` is the response prefix (if any) + the decoded sampled tokens: what rewards judge."""
+    `completion` is the response prefix (if any) + the decoded sampled tokens: what rewards judge.
+    With params.logprobs each Sample carries its sampler log-probs."""
     fmt = PromptFormat.of(fmt)
     prompt_ids = [chat_prompt_ids(tokenizer, t, fmt, max_prompt_length) for t in tasks]
     completions = backend.generate(prompt_ids, n, params)
@@ -263,7 +289,8 @@ def rollout(backend: RolloutBackend, tokenizer, tasks: Sequence[Task], n: int, p
     for g, (task, p_ids, group) in enumerate(zip(tasks, prompt_ids, completions)):
         prefix = fmt.for_task(task).response_prefix
         for c_ids in group:
-            samples.append(Sample(task_id=task.id, group=g, prompt_ids=p_ids, completion_ids=c_ids,
+            samples.append(Sample(task_id=task.id, group=g, prompt_ids=p_ids, completion_ids=list(c_ids),
                                   completion=prefix + tokenizer.decode(c_ids, skip_special_tokens=True),
-                                  truncated=not (c_ids and c_ids[-1] == eos)))
+                                  truncated=not (c_ids and c_ids[-1] == eos),
+                                  sampler_logprobs=getattr(c_ids, "logprobs", None)))
     return samples

@@ -20,6 +20,7 @@ class SamplingParams:
     top_k: int = 0
     greedy: bool = False
     seed: int = 0
+    logprobs: bool = False      # also return each sampled token's log-prob under the sampler (`Completion`)
 
 
 @dataclass
@@ -32,14 +33,27 @@ class Sample:
     completion: str             # decoded, special tokens removed
     truncated: bool             # hit max_new_tokens without EOS
     extra: dict = field(default_factory=dict)
+    sampler_logprobs: list[float] | None = None   # per completion token, when SamplingParams.logprobs
 
     def to_dict(self) -> dict:
         return asdict(self)
 
 
+class Completion(list):
+    """One sampled completion: its token ids (a plain list of int to every reader) and, when
+    SamplingParams.logprobs asked for them, the log-prob of each token under the distribution the
+    sampler drew it from (after temperature, top-k and top-p; for greedy decoding, the plain softmax).
+    The trainer compares these with its own log-probs (the sampler/trainer importance correction)."""
+
+    def __init__(self, ids=(), logprobs: list[float] | None = None):
+        super().__init__(ids)
+        self.logprobs = logprobs
+
+
 class RolloutBackend(Protocol):
     def generate(self, prompts: Sequence[list[int]], n: int, params: SamplingParams) -> list[list[list[int]]]:
-        """For each prompt (token ids), n completions (token ids, EOS included if emitted)."""
+        """For each prompt (token ids), n completions (token ids, EOS included if emitted); with
+        params.logprobs each is a `Completion` carrying its sampler log-probs."""
 
 
 @dataclass(frozen=True)

@@ -1,6 +1,9 @@
 """The GRPO update over one scored rollout batch: advantages, old/reference log-probs, clipped steps.
 
 Pure torch: takes a Policy, an optimizer, a scheduler and the scored samples; returns per-step metrics.
+The objective itself is `grpo_core.loss`; this module decides which samples form each optimizer step
+and micro-batch, which frozen log-probs are needed, and runs the steps. It does not checkpoint or log.
+Groups that lost members (a sample that could not be scored) train on their survivors.
 """
 from __future__ import annotations
 
@@ -12,9 +15,9 @@ from typing import Sequence
 
 import torch
 
+from grpo_core.config import GRPOConfig
 from grpo_core.logprobs import completion_logprobs
 from grpo_core.loss import grpo_loss, group_advantages, zero_std_groups
-from grpo_core.config import GRPOConfig
 from grpo_core.policy import Policy
 
 
@@ -23,8 +26,22 @@ class ScoredSample:
     group: int
     prompt_ids: list[int]
     completion_ids: list[int]
-    reward: float
+    reward: float | None                        # None: could not be scored (the sample is left out)
     truncated: bool
+    sampler_logprobs: list[float] | None = None  # log-prob of each completion token under the sampler
+
+
+@dataclass
+class MicroBatch:
+    """The padded rows of one micro-batch and what its loss needs besides the current log-probs."""
+    input_ids: torch.Tensor                    # [b, T] left-padded prompt | right-padded completion
+    attention_mask: torch.Tensor               # [b, T]
+    completion_mask: torch.Tensor              # [b, Lc] 1 on completion tokens that get a loss
+    advantages: torch.Tensor                   # [b]
+    group_size: int = 1                        # rows come in contiguous groups of this size sharing a prompt
+    sampler_logp: torch.Tensor | None = None   # [b, Lc] the sampler's log-probs (NaN where it gave none)
+    old_logp: torch.Tensor | None = None       # [b, Lc] when the policy moves before the batch is used
+    ref_logp: torch.Tensor | None = None       # [b, Lc] when beta > 0
 
 
 def make_optimizer(policy: Policy, cfg: GRPOConfig) -> torch.optim.Optimizer:
@@ -53,16 +70,19 @@ def make_scheduler(optimizer: torch.optim.Optimizer, cfg: GRPOConfig) -> torch.o
     return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
 
 
-def keep_complete_groups(samples: Sequence[ScoredSample | None], group_size: int) -> list[ScoredSample]:
-    """Drop groups where a sample could not be scored (None) or that lost members; keep order."""
+def surviving_groups(samples: Sequence[ScoredSample | None]) -> tuple[list[ScoredSample], list[int]]:
+    """The samples that can train, each group's survivors contiguous, and the size of each group.
+
+    A sample is lost when it is None or has no reward (e.g. an infrastructure error while scoring);
+    its group keeps its other members, and a group with fewer than 2 survivors (no baseline) is dropped.
+    Groups keep their order of first appearance.
+    """
     by_group: dict[int, list[ScoredSample]] = {}
-    bad: set[int] = set()
-    for i, s in enumerate(samples):
-        if s is None:
-            bad.add(i // group_size)
-        else:
+    for s in samples:
+        if s is not None and s.reward is not None:
             by_group.setdefault(s.group, []).append(s)
-    return [s for g, members in by_group.items() if len(members) == group_size and g not in bad for s in members]
+    kept = [members for members in by_group.values() if len(members) >= 2]
+    return [s for members in kept for s in members], [len(members) for members in kept]
 
 
 def pad_batch(samples: Sequence[ScoredSample], pad_id: int, device: torch.device):
@@ -87,13 +107,6 @@ def pad_batch(samples: Sequence[ScoredSample], pad_id: int, device: torch.device
     return input_ids.to(device), attn.to(device), c_mask.to(device)
 
 
-@torch.no_grad()
-def _logprobs_no_grad(model, batch, temperature: float, chunk_rows: int, group_size: int) -> torch.Tensor:
-    input_ids, attn, c_mask = batch
-    return completion_logprobs(model, input_ids, attn, c_mask.size(1), temperature, chunk_rows=chunk_rows,
-                               group_size=group_size)[0]
-
-
 def peak_memory_gb(device: torch.device) -> float:
     """Peak accelerator memory allocated (CUDA) or peak resident set size of this process (CPU), in GB."""
     if device.type == "cuda":
@@ -102,23 +115,172 @@ def peak_memory_gb(device: torch.device) -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6      # Linux reports KiB
 
 
-def plan_steps(kept: Sequence[ScoredSample], G: int, steps_per_iteration: int, grad_accum: int,
-               seed: int) -> list[list[list[int]]]:
+def _group_members(group_sizes: int | Sequence[int], n_samples: int) -> list[list[int]]:
+    """Sample indices of each group, for groups laid out contiguously."""
+    sizes = [group_sizes] * (n_samples // group_sizes) if isinstance(group_sizes, int) else list(group_sizes)
+    starts = [sum(sizes[:g]) for g in range(len(sizes))]
+    return [list(range(start, start + size)) for start, size in zip(starts, sizes)]
+
+
+def plan_steps(kept: Sequence[ScoredSample], group_sizes: int | Sequence[int], steps_per_iteration: int,
+               grad_accum: int, seed: int) -> list[list[list[int]]]:
     """Whole groups -> optimizer steps -> micro-batches of sample indices.
 
-    Groups are shuffled into `steps_per_iteration` steps; inside a step they are sorted by length and
-    cut into `grad_accum` contiguous micro-batches, so each micro-batch pads to similar lengths.
+    `group_sizes`: G when every group is complete, else the size of each group in order. Groups are
+    shuffled into `steps_per_iteration` steps; inside a step they are sorted by length and cut into
+    `grad_accum` contiguous micro-batches (by group count), so each micro-batch pads to similar lengths.
     """
-    groups = list(range(len(kept) // G))
+    members = _group_members(group_sizes, len(kept))
+    groups = list(range(len(members)))
     random.Random(seed).shuffle(groups)
     steps = [groups[i::steps_per_iteration] for i in range(steps_per_iteration)]
     plan = []
     for step_groups in (s for s in steps if s):
-        step_groups = sorted(step_groups, key=lambda g: max(len(kept[g * G + j].completion_ids) for j in range(G)))
+        step_groups = sorted(step_groups, key=lambda g: max(len(kept[i].completion_ids) for i in members[g]))
         n = len(step_groups)
         cuts = [round(i * n / grad_accum) for i in range(grad_accum + 1)]
         chunks = [step_groups[cuts[i]:cuts[i + 1]] for i in range(grad_accum)]
-        plan.append([[g * G + j for g in chunk for j in range(G)] for chunk in chunks if chunk])
+        plan.append([[i for g in chunk for i in members[g]] for chunk in chunks if chunk])
+    return plan
+
+
+def batch_statistics(samples: Sequence[ScoredSample | None], kept: Sequence[ScoredSample],
+                     group_sizes: Sequence[int], G: int) -> dict[str, float]:
+    """Group counts, and reward and completion-length statistics of the kept samples."""
+    n_groups_in = -(-len(samples) // G)
+    stats = {"groups_total": float(n_groups_in), "groups_unscorable": float(n_groups_in - len(group_sizes)),
+             "samples_unscorable": float(sum(s is None or s.reward is None for s in samples)),
+             "groups_incomplete": float(sum(size < G for size in group_sizes))}
+    if not kept:
+        return stats
+    rewards = torch.tensor([s.reward for s in kept], dtype=torch.float32)             # [N]
+    lengths = [len(s.completion_ids) for s in kept]
+    stats.update({
+        "frac_reward_zero_std": zero_std_groups(rewards, group_sizes).float().mean().item(),
+        "reward_std": rewards.std().item() if len(kept) > 1 else 0.0,
+        "completion_length_mean": sum(lengths) / len(lengths), "completion_length_min": float(min(lengths)),
+        "completion_length_max": float(max(lengths)),
+        "truncated_frac": sum(s.truncated for s in kept) / len(kept)})
+    return stats
+
+
+def sampler_logprob_rows(rows: Sequence[ScoredSample], completion_len: int, device: torch.device) -> torch.Tensor:
+    """The sampler's log-probs of the rows' completion tokens, right-padded. -> [b, Lc] (NaN: none given)."""
+    out = torch.full((len(rows), completion_len), float("nan"))
+    for r, s in enumerate(rows):
+        lp = s.sampler_logprobs[:len(s.completion_ids)]
+        if lp:
+            out[r, :len(lp)] = torch.tensor(lp, dtype=torch.float32)
+    return out.to(device)
+
+
+def make_micro_batch(rows: Sequence[ScoredSample], advantages: torch.Tensor, pad_id: int, device: torch.device,
+                     mask_truncated: bool, group_size: int = 1, with_sampler_logprobs: bool = False) -> MicroBatch:
+    """Pad `rows` into one micro-batch; with `mask_truncated`, truncated answers get no loss."""
+    input_ids, attention_mask, completion_mask = pad_batch(rows, pad_id, device)
+    if mask_truncated:                                       # truncated answers: no loss, no token count
+        truncated = torch.tensor([r.truncated for r in rows], device=device)
+        completion_mask = completion_mask * (~truncated).float().unsqueeze(1)
+    sampler_logp = sampler_logprob_rows(rows, completion_mask.size(1), device) if with_sampler_logprobs else None
+    return MicroBatch(input_ids, attention_mask, completion_mask, advantages.to(device), group_size, sampler_logp)
+
+
+@torch.no_grad()
+def _logprobs_no_grad(model, mb: MicroBatch, cfg: GRPOConfig) -> torch.Tensor:
+    return completion_logprobs(model, mb.input_ids, mb.attention_mask, mb.completion_mask.size(1), cfg.temperature,
+                               chunk_rows=cfg.logit_chunk_rows, group_size=mb.group_size)[0]
+
+
+def attach_frozen_logprobs(policy: Policy, micro_batches: Sequence[MicroBatch], cfg: GRPOConfig,
+                           need_old: bool) -> dict[str, float]:
+    """Fill in each micro-batch's old log-probs (when `need_old`) and reference log-probs (when
+    beta > 0), under the current weights; return the seconds each took."""
+    seconds = {"reference_seconds": 0.0, "old_logprob_seconds": 0.0}
+    policy.model.eval()
+    for mb in micro_batches:
+        if need_old:
+            t = time.perf_counter()
+            mb.old_logp = _logprobs_no_grad(policy.model, mb, cfg)
+            seconds["old_logprob_seconds"] += time.perf_counter() - t
+        if cfg.beta != 0.0:
+            t = time.perf_counter()
+            with policy.reference() as ref_model:
+                mb.ref_logp = _logprobs_no_grad(ref_model, mb, cfg)
+            seconds["reference_seconds"] += time.perf_counter() - t
+    return seconds
+
+
+def micro_batch_loss(logp: torch.Tensor, entropy: torch.Tensor, mb: MicroBatch, cfg: GRPOConfig, n_mb: int,
+                     tokens_per_step: float) -> tuple[torch.Tensor, dict[str, float]]:
+    """`grpo_loss` of one micro-batch with the objective the config describes."""
+    old_logp = logp.detach() if mb.old_logp is None else mb.old_logp     # on-policy: ratio exactly 1
+    return grpo_loss(
+        logp, old_logp, mb.ref_logp, mb.advantages, mb.completion_mask, beta=cfg.beta,
+        epsilon_low=cfg.epsilon, epsilon_high=cfg.epsilon_high, loss_type=cfg.loss_type,
+        max_completion_length=cfg.max_completion_length, num_micro_batches=n_mb,
+        num_tokens_in_batch=tokens_per_step, importance_sampling_level=cfg.importance_sampling_level,
+        delta=cfg.delta, sapo_temperature_pos=cfg.sapo_temperature_pos, sapo_temperature_neg=cfg.sapo_temperature_neg,
+        entropy=entropy, top_entropy_quantile=cfg.top_entropy_quantile, entropy_coef=cfg.entropy_coef,
+        sampler_logp=mb.sampler_logp, off_policy_mask_threshold=cfg.off_policy_mask_threshold,
+        sampler_correction=cfg.vllm_importance_sampling_mode if cfg.vllm_importance_sampling_correction else None,
+        sampler_correction_cap=cfg.vllm_importance_sampling_cap)
+
+
+def optimizer_step(policy: Policy, optimizer, scheduler, micro_batches: Sequence[MicroBatch], cfg: GRPOConfig,
+                   tokens_per_step: float) -> dict[str, float]:
+    """One optimizer step: accumulate the gradients of its micro-batches, clip, step; return its metrics.
+
+    `loss` is the step's loss (the sum of the micro-batches' shares); the other statistics are means
+    over the micro-batches.
+    """
+    t0 = time.perf_counter()
+    optimizer.zero_grad(set_to_none=True)
+    step_tokens = sum(mb.completion_mask.sum().item() for mb in micro_batches)
+    n_mb = len(micro_batches)
+    metrics: dict[str, float] = {}
+    step_loss = 0.0
+    for mb in micro_batches:
+        logp, entropy = completion_logprobs(
+            policy.model, mb.input_ids, mb.attention_mask, mb.completion_mask.size(1), cfg.temperature,
+            with_entropy=True, chunk_rows=cfg.logit_chunk_rows, group_size=mb.group_size,
+            entropy_grad=cfg.entropy_coef > 0)                                               # [b, Lc]
+        loss, stats = micro_batch_loss(logp, entropy, mb, cfg, n_mb, tokens_per_step)
+        loss.backward()
+        step_loss += loss.item()
+        mask = mb.completion_mask
+        stats["entropy"] = ((entropy.detach() * mask).sum() / mask.sum().clamp(min=1)).item()
+        for k, v in stats.items():
+            metrics[k] = metrics.get(k, 0.0) + v / n_mb
+        del logp, entropy, loss
+    grad_norm = torch.nn.utils.clip_grad_norm_(
+        policy.trainable_parameters(), cfg.max_grad_norm if cfg.max_grad_norm > 0 else float("inf")).item()
+    optimizer.step()
+    scheduler.step()
+    metrics.update({"loss": step_loss, "grad_norm": grad_norm, "learning_rate": scheduler.get_last_lr()[0],
+                    "step_seconds": time.perf_counter() - t0, "step_tokens": step_tokens,
+                    "peak_memory_gb": peak_memory_gb(policy.device)})
+    return metrics
+
+
+def plan_micro_batches(policy: Policy, kept: Sequence[ScoredSample], group_sizes: Sequence[int],
+                       advantages: torch.Tensor, cfg: GRPOConfig, seed: int) -> list[list[MicroBatch]]:
+    """The padded micro-batches of each optimizer step. A micro-batch whose groups all have one size
+    shares each group's prompt pass (`completion_logprobs`' group layouts); one that mixes sizes (groups
+    that lost members next to complete ones) runs every row on its own."""
+    size_of = [size for size in group_sizes for _ in range(size)]                     # [N] size of i's group
+    with_sampler_logprobs = all(s.sampler_logprobs is not None for s in kept)
+    if cfg.vllm_importance_sampling_correction and not with_sampler_logprobs:
+        raise ValueError("vllm_importance_sampling_correction needs the sampler's log-probs on every sample "
+                         "(ScoredSample.sampler_logprobs): roll out with SamplingParams(logprobs=True), or set "
+                         "vllm_importance_sampling_correction: false")
+    plan = []
+    for step in plan_steps(kept, group_sizes, cfg.steps_per_iteration, cfg.gradient_accumulation_steps, seed):
+        plan.append([])
+        for idx in step:
+            sizes = {size_of[i] for i in idx}
+            plan[-1].append(make_micro_batch([kept[i] for i in idx], advantages[idx], policy.tokenizer.pad_token_id,
+                                             policy.device, cfg.mask_truncated_completions,
+                                             sizes.pop() if len(sizes) == 1 else 1, with_sampler_logprobs))
     return plan
 
 
@@ -126,102 +288,48 @@ def grpo_update(policy: Policy, optimizer, scheduler, samples: Sequence[ScoredSa
                 cfg: GRPOConfig, seed: int, progress=None) -> tuple[list[dict[str, float]], dict[str, float]]:
     """Run steps_per_iteration x num_iterations optimizer steps on one rollout batch.
 
-    `samples` are laid out group-contiguously (G = cfg.num_generations per group); a None entry (not
-    scorable) removes its whole group. Returns (per-step metrics, batch-level metrics).
+    `samples` are laid out group-contiguously (cfg.num_generations per group); a None entry or a None
+    reward (not scorable) is left out and its group trains on its survivors (`surviving_groups`).
+    With sync_ref_model, the reference moves toward the policy every ref_model_sync_steps optimizer
+    steps (counted by the scheduler, so across calls and resumes). Returns (per-step metrics,
+    batch-level metrics).
     """
-    G = cfg.num_generations
-    device = policy.device
+    G, device = cfg.num_generations, policy.device
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
-    kept = keep_complete_groups(samples, G)
-    n_groups_in = len(samples) // G
-    batch_stats = {"groups_total": float(n_groups_in), "groups_unscorable": float(n_groups_in - len(kept) // G)}
+
+    # 1) the groups that can train, and their advantages over their surviving members
+    kept, group_sizes = surviving_groups(samples)
+    batch_stats = batch_statistics(samples, kept, group_sizes, G)
     if not kept:
         return [], batch_stats
-    rewards_all = torch.tensor([s.reward for s in kept], dtype=torch.float32)             # [N]
-    lengths = [len(s.completion_ids) for s in kept]
-    batch_stats.update({
-        "frac_reward_zero_std": zero_std_groups(rewards_all, G).float().mean().item(),
-        "reward_std": rewards_all.std().item() if len(kept) > 1 else 0.0,
-        "completion_length_mean": sum(lengths) / len(lengths), "completion_length_min": float(min(lengths)),
-        "completion_length_max": float(max(lengths)),
-        "truncated_frac": sum(s.truncated for s in kept) / len(kept)})
-    advantages = group_advantages(rewards_all, G, cfg.scale_rewards)                       # [N]
-    pad_id = policy.tokenizer.pad_token_id
-    model = policy.model
-    chunk = cfg.logit_chunk_rows
+    rewards = torch.tensor([s.reward for s in kept], dtype=torch.float32)             # [N]
+    advantages = group_advantages(rewards, group_sizes, cfg.scale_rewards)             # [N]
 
-    def batch_of(idx: list[int]):
-        rows = [kept[i] for i in idx]
-        batch = pad_batch(rows, pad_id, device)
-        if cfg.mask_truncated_completions:                      # truncated answers: no loss, no token count
-            trunc = torch.tensor([r.truncated for r in rows], device=device)
-            batch = (batch[0], batch[1], batch[2] * (~trunc).float().unsqueeze(1))
-        return batch
-
-    plan = plan_steps(kept, G, cfg.steps_per_iteration, cfg.gradient_accumulation_steps, seed)
+    # 2) plan optimizer steps and micro-batches
+    plan = plan_micro_batches(policy, kept, group_sizes, advantages, cfg, seed)
+    micro_batches = [mb for step in plan for mb in step]
+    total_tokens = sum(mb.completion_mask.sum().item() for mb in micro_batches)
     # DAPO normalises by the completion tokens of the whole generation batch, spread evenly over the
     # optimizer steps it feeds (TRL: num_items_in_batch * grad_accum / steps_per_generation).
-    batches = {tuple(idx): batch_of(idx) for step in plan for idx in step}
-    total_tokens = sum(b[2].sum().item() for b in batches.values())
-    dapo_norm = max(total_tokens, 1.0) / len(plan)
+    tokens_per_step = max(total_tokens, 1.0) / len(plan)
 
-    # Old log-probs only when the policy moves before a sample is used (mu > 1 or several steps per
-    # rollout); otherwise the ratio is exactly 1 and logp.detach() stands in. Reference only when beta > 0.
+    # 3) old and reference log-probs: old ones only when the policy moves before a sample is used
+    # (mu > 1 or several steps per rollout; otherwise the ratio is exactly 1), reference only when beta > 0
     need_old = cfg.num_iterations > 1 or len(plan) > 1
-    old_lp: dict[tuple, torch.Tensor] = {}
-    ref_lp: dict[tuple, torch.Tensor] = {}
-    t_old = t_ref = 0.0
-    model.eval()
-    for key, batch in batches.items():
-        if need_old:
-            t = time.perf_counter()
-            old_lp[key] = _logprobs_no_grad(model, batch, cfg.temperature, chunk, G)
-            t_old += time.perf_counter() - t
-        if cfg.beta != 0.0:
-            t = time.perf_counter()
-            with policy.reference() as ref_model:
-                ref_lp[key] = _logprobs_no_grad(ref_model, batch, cfg.temperature, chunk, G)
-            t_ref += time.perf_counter() - t
-    batch_stats.update({"reference_seconds": t_ref, "old_logprob_seconds": t_old, "num_tokens": total_tokens})
+    batch_stats.update(attach_frozen_logprobs(policy, micro_batches, cfg, need_old))
+    batch_stats["num_tokens"] = total_tokens
 
-    model.train()
+    # 4) optimizer steps: num_iterations passes over the planned steps
+    policy.model.train()
     step_metrics = []
-    params = policy.trainable_parameters()
     for _ in range(cfg.num_iterations):
-        for step_mbs in plan:
-            t0 = time.perf_counter()
-            optimizer.zero_grad(set_to_none=True)
-            step_tokens = sum(batches[tuple(idx)][2].sum().item() for idx in step_mbs)
-            acc: dict[str, float] = {}
-            n_mb = len(step_mbs)
-            for idx in step_mbs:
-                key = tuple(idx)
-                input_ids, attn, c_mask = batches[key]
-                logp, ent = completion_logprobs(model, input_ids, attn, c_mask.size(1), cfg.temperature,
-                                                with_entropy=True, chunk_rows=chunk, group_size=G)  # [b, Lc]
-                old = old_lp[key] if need_old else logp.detach()
-                loss, stats = grpo_loss(
-                    logp, old, ref_lp.get(key), advantages[idx].to(device), c_mask, beta=cfg.beta,
-                    epsilon_low=cfg.epsilon, epsilon_high=cfg.epsilon_upper, loss_type=cfg.loss_type,
-                    max_completion_length=cfg.max_completion_length, num_tokens_in_batch=dapo_norm)
-                # grpo/bnpo/dr_grpo average over accumulated micro-batches (TRL divides by grad-accum
-                # steps); dapo's normaliser already counts the tokens of the whole step.
-                (loss if cfg.loss_type == "dapo" else loss / n_mb).backward()
-                stats["entropy"] = ((ent * c_mask).sum() / c_mask.sum().clamp(min=1)).item()
-                stats["loss"] = loss.item() * (n_mb if cfg.loss_type == "dapo" else 1)  # dapo: sum of parts
-                for k, v in stats.items():
-                    acc[k] = acc.get(k, 0.0) + v / n_mb
-                del logp, loss
-            grad_norm = torch.nn.utils.clip_grad_norm_(
-                params, cfg.max_grad_norm if cfg.max_grad_norm > 0 else float("inf")).item()
-            optimizer.step()
-            scheduler.step()
-            dt = time.perf_counter() - t0
-            acc.update({"grad_norm": grad_norm, "learning_rate": scheduler.get_last_lr()[0],
-                        "step_seconds": dt, "step_tokens": step_tokens,
-                        "peak_memory_gb": peak_memory_gb(device)})
-            step_metrics.append(acc)
+        for step in plan:
+            metrics = optimizer_step(policy, optimizer, scheduler, step, cfg, tokens_per_step)
+            if cfg.sync_ref_model and scheduler.last_epoch % cfg.ref_model_sync_steps == 0:
+                policy.sync_reference(cfg.ref_model_mixup_alpha)
+                metrics["ref_model_synced"] = 1.0
+            step_metrics.append(metrics)
             if progress is not None:
                 progress.update(1)
     return step_metrics, batch_stats

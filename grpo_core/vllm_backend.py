@@ -4,7 +4,10 @@
 The base model is loaded once into a vLLM engine (colocated on the same GPU, sharing it with the
 trainer via gpu_memory_utilization); the current LoRA adapter is saved to a temporary directory and
 passed with each generate call as a LoRARequest, so the policy that samples is the policy being trained.
-Full fine-tuning pushes the trainer's weights into the engine before each rollout.
+Full fine-tuning pushes the trainer's weights into the engine before each rollout. With
+SamplingParams.logprobs each completion carries the engine's log-prob of every sampled token, taken
+after temperature and top-k/top-p (`logprobs_mode="processed_logprobs"`, vLLM >= 0.10.2, as TRL asks
+for): the trainer's importance correction compares them with its own.
 
 Not testable without a GPU: bench/gpu_checks.sh exercises it on a GPU machine.
 """
@@ -15,14 +18,14 @@ import tempfile
 from pathlib import Path
 
 from grpo_core.models import resolve_model
-from grpo_core.sampling import SamplingParams
+from grpo_core.sampling import Completion, SamplingParams
 
 
 class VLLMBackend:
     _ids = itertools.count(1)
 
     def __init__(self, model_dir: str, policy, dtype: str = "bfloat16", gpu_memory_utilization: float = 0.3,
-                 max_lora_rank: int = 16, max_model_len: int = 2048):
+                 max_lora_rank: int = 16, max_model_len: int = 2048, sampler_logprobs: bool = False):
         try:
             from vllm import LLM
         except ImportError as e:      # the extra is not installed
@@ -30,9 +33,17 @@ class VLLMBackend:
                               "and a CUDA GPU; use rollout_backend: static otherwise") from e
         self.policy = policy
         self.use_lora = policy.use_peft
-        self.llm = LLM(model=str(model_dir), dtype=dtype, gpu_memory_utilization=gpu_memory_utilization,
-                       enable_lora=self.use_lora, max_lora_rank=max_lora_rank, max_model_len=max_model_len,
-                       enable_prefix_caching=True)
+        # processed log-probs (what the token was drawn from), only asked for when they are used
+        extra = {"logprobs_mode": "processed_logprobs"} if sampler_logprobs else {}
+        try:
+            self.llm = LLM(model=str(model_dir), dtype=dtype, gpu_memory_utilization=gpu_memory_utilization,
+                           enable_lora=self.use_lora, max_lora_rank=max_lora_rank, max_model_len=max_model_len,
+                           enable_prefix_caching=True, **extra)
+        except TypeError as e:
+            if not extra:
+                raise
+            raise ImportError("sampler log-probs (vllm_importance_sampling_correction, off_policy_mask_threshold) "
+                              "need vLLM >= 0.10.2 (logprobs_mode)") from e
         self.eos = policy.tokenizer.eos_token_id
         self._tmp = tempfile.TemporaryDirectory(prefix="grpo-vllm-lora-")
 
@@ -40,7 +51,8 @@ class VLLMBackend:
     def from_policy(cls, policy, cfg) -> "VLLMBackend":
         dtype = "bfloat16" if cfg.dtype in ("auto", "bfloat16") else "float32"
         return cls(resolve_model(cfg.model), policy, dtype=dtype, max_lora_rank=max(16, cfg.lora_r),
-                   max_model_len=cfg.max_prompt_length + cfg.max_completion_length)
+                   max_model_len=cfg.max_prompt_length + cfg.max_completion_length,
+                   sampler_logprobs=cfg.needs_sampler_logprobs)
 
     def _sync(self):
         """The adapter (LoRA) to pass along, or the full weights pushed into the engine."""
@@ -48,7 +60,7 @@ class VLLMBackend:
             from vllm.lora.request import LoRARequest
             i = next(self._ids)
             path = Path(self._tmp.name) / f"adapter-{i}"
-            self.policy.model.save_pretrained(path)
+            self.policy.model.save_pretrained(path, selected_adapters=["default"])
             return LoRARequest(f"policy-{i}", i, str(path))
         state = self.policy.model.state_dict()
         runner = self.llm.llm_engine.model_executor.driver_worker.model_runner.model     # vLLM V0-style API
@@ -59,7 +71,8 @@ class VLLMBackend:
         from vllm import SamplingParams as VSP
         from vllm.inputs import TokensPrompt
         sp = VSP(n=n, temperature=0.0 if params.greedy else params.temperature, top_p=params.top_p,
-                 top_k=params.top_k if params.top_k else -1, max_tokens=params.max_new_tokens, seed=params.seed)
+                 top_k=params.top_k if params.top_k else -1, max_tokens=params.max_new_tokens, seed=params.seed,
+                 logprobs=0 if params.logprobs else None)        # 0: the sampled token's only
         lora = self._sync()
         outs = self.llm.generate([TokensPrompt(prompt_token_ids=list(p)) for p in prompts], sp, lora_request=lora,
                                  use_tqdm=False)
@@ -68,8 +81,11 @@ class VLLMBackend:
             group = []
             for c in o.outputs:
                 ids = list(c.token_ids)
+                logprobs = [step[t].logprob for t, step in zip(ids, c.logprobs)] if params.logprobs else None
                 if c.finish_reason == "stop" and (not ids or ids[-1] != self.eos):
                     ids.append(self.eos)       # keep the "EOS included when the model stopped" convention
-                group.append(ids)
+                    if logprobs is not None:
+                        logprobs.append(float("nan"))              # not sampled: no correction for it
+                group.append(Completion(ids, logprobs) if params.logprobs else ids)
             result.append(group)
         return result

@@ -500,27 +500,37 @@ def run_rust(job):
         stages["test"] = dict(stages.pop("test_build"))
         stages["test"]["status"] = "error" if st == "fail" else st
         return done()
-    # Only the binary survives: sources and build tree (hidden tests) are gone before it runs.
-    run_dir = _fresh_dir()
-    shutil.copy(exe, os.path.join(run_dir, "harness"))
-    shutil.rmtree(work, ignore_errors=True)
-    nonce = secrets.token_hex(16)
     left = max(1.0, lim["test_timeout_s"] - (time.monotonic() - t0))
-    run_env = _base_env({"LD_LIBRARY_PATH": job["rust_libdir"]} if job.get("rust_libdir") else {})
-    r = run_capped([os.path.join(run_dir, "harness")], stdin_bytes=(nonce + "\n").encode(),
-                   timeout=left, cap=cap, env=run_env, cwd=run_dir, limits=dict(lim, cpu_s=left))
-    results, prefix = [], nonce + " "
-    for line in r["out"].decode("utf-8", "replace").splitlines():
-        if line.startswith(prefix):
-            parts = line[len(prefix):].split(" ")
-            if len(parts) == 2 and parts[1] in ("ok", "FAILED"):
-                results.append([parts[0], parts[1] == "ok"])
+    r, results, nonce = _run_harness(exe, work, job, left)
     status = "timeout" if r["timed_out"] else "pass"
     stages["test"] = {"status": status, "dt": time.monotonic() - t0 + stages.pop("test_build")["dt"],
                       "rc": r["rc"], "detail": ""}
     out_wo_nonce = r["out"].replace(nonce.encode(), b"<nonce>")
     return done(results=results, truncated=r["truncated"], stdout=_text(out_wo_nonce, cap),
                 stderr=_text(r["err"], cap))
+
+
+def _run_harness(exe, work, job, left):
+    """Run the compiled test harness with `left` seconds. Only the binary survives: the sources and
+    build tree (hidden tests) are deleted before it runs. Each test reports `<nonce> <name> ok|FAILED`
+    on stdout, with a nonce made for this run and passed on stdin; other lines are ignored.
+    Returns (run record, [[name, passed], ...], nonce)."""
+    lim = job["limits"]
+    run_dir = _fresh_dir()
+    shutil.copy(exe, os.path.join(run_dir, "harness"))
+    shutil.rmtree(work, ignore_errors=True)
+    nonce = secrets.token_hex(16)
+    run_env = _base_env({"LD_LIBRARY_PATH": job["rust_libdir"]} if job.get("rust_libdir") else {})
+    r = run_capped([os.path.join(run_dir, "harness")], stdin_bytes=(nonce + "\n").encode(),
+                   timeout=left, cap=int(lim.get("output_bytes", 16384)), env=run_env, cwd=run_dir,
+                   limits=dict(lim, cpu_s=left))
+    results, prefix = [], nonce + " "
+    for line in r["out"].decode("utf-8", "replace").splitlines():
+        if line.startswith(prefix):
+            parts = line[len(prefix):].split(" ")
+            if len(parts) == 2 and parts[1] in ("ok", "FAILED"):
+                results.append([parts[0], parts[1] == "ok"])
+    return r, results, nonce
 
 
 def _write(path, text):

@@ -1,16 +1,37 @@
-"""Run-level steps of a training run that are not stages: resolving the starting adapter, merging DAPO
-dynamic-sampling rounds, registering the best adapter, and small helpers for run metrics. The flow
-(flows/train.py) only composes these with the stage tasks."""
+"""Run-level steps of a training run that are not stages: refusing a resume with a changed config,
+resolving the starting adapter, merging DAPO dynamic-sampling rounds, choosing and registering the best
+adapter, and the per-iteration run metrics. The flow (flows/train.py) only composes these with the stage tasks."""
 from __future__ import annotations
 
 import shutil
 from pathlib import Path
 
 from grpo_core import dynamic_sampling as dsamp
-from grpo_core.config import GRPOConfig
+from grpo_core.config import ConfigError, GRPOConfig, flatten
 from grpo_core.io import read_json, write_jsonl
 from tasks import tracking
-from tasks.common import mlflow_run_id, update_run_state
+from tasks.layout import semantic_config
+from tasks.run_state import mlflow_run_id, update_run_state
+
+
+def check_same_config(cfg: GRPOConfig, run_dir: Path) -> None:
+    """Resuming with a config that changes what is computed would mix two runs in one: refuse.
+    Operational fields (retries, tracking, paths) may change."""
+    prev_path = run_dir / "config.yaml"
+    if not prev_path.exists():
+        return
+    import yaml
+    try:
+        prev = GRPOConfig.model_validate(yaml.safe_load(prev_path.read_text()) or {}).model_dump(mode="json")
+    except ValueError:
+        return        # an older, now-invalid config: the stage keys decide what re-runs
+    a, b = flatten(semantic_config(prev)), flatten(semantic_config(cfg.model_dump(mode="json")))
+    diff = sorted(k for k in a.keys() | b.keys() if a.get(k) != b.get(k))
+    if diff:
+        raise ConfigError(
+            f"run {run_dir.name!r} already exists with a different config ({', '.join(f'{k}: {a.get(k)!r} -> {b.get(k)!r}' for k in diff[:6])}"
+            f"{' ...' if len(diff) > 6 else ''}); resume it unchanged with `grpo resume {run_dir.name}` "
+            f"or start a new run with another --run-name")
 
 
 def init_checkpoint(cfg: GRPOConfig, run_dir: Path, run_id: str) -> str | None:
@@ -53,6 +74,15 @@ def numeric(d: dict | None, prefix: str) -> dict[str, float]:
     return out
 
 
+def iteration_metrics(curated: dict, seconds: float) -> dict[str, float]:
+    """The run metrics of one finished iteration (step = iteration): what curation reported, and time."""
+    metrics = {**numeric(curated.get("metrics"), "data/"), **numeric(curated.get("sources"), "data/source/"),
+               "sys/iteration_seconds": seconds}
+    if "num_prompts" in curated:
+        metrics["data/num_prompts"] = curated["num_prompts"]
+    return metrics
+
+
 def merge_dynamic_rounds(cfg: GRPOConfig, run_dir: str, iteration: int,
                          rounds: list[tuple[list[dict], list[dict]]]) -> tuple[str, str, dict]:
     """Merge the informative groups of the first rollout and its refill rounds into
@@ -66,13 +96,19 @@ def merge_dynamic_rounds(cfg: GRPOConfig, run_dir: str, iteration: int,
     return str(samples), str(scores), stats
 
 
+def best_iteration(cfg: GRPOConfig, evals: dict, default: int) -> int:
+    """The iteration (>= 1) with the highest held-out tracking.best_metric, ties to the later one; `default`
+    when no trained iteration was evaluated. `evals`: {iteration: metrics} (keys may be strings, as in
+    summary.json)."""
+    metric = cfg.tracking.best_metric
+    scored = {int(k): m[metric] for k, m in evals.items() if int(k) >= 1 and metric in m}
+    return max(scored, key=lambda k: (scored[k], k)) if scored else default
+
+
 def register_best_adapter(cfg: GRPOConfig, run_id: str, evals: dict) -> dict | None:
     """Register the best-by-eval (or the final) iteration's adapter in the MLflow Model Registry."""
     if cfg.tracking.register_adapter == "none" or not cfg.tracking.registered_model_name:
         return None
     final = cfg.pipeline_iterations
-    it = final
-    scored = {k: m[cfg.tracking.best_metric] for k, m in evals.items() if k >= 1 and cfg.tracking.best_metric in m}
-    if cfg.tracking.register_adapter == "best" and scored:
-        it = max(scored, key=lambda k: (scored[k], k))     # ties: the later iteration
+    it = best_iteration(cfg, evals, final) if cfg.tracking.register_adapter == "best" else final
     return tracking.register_adapter(cfg, run_id, it, evals.get(it))

@@ -1,16 +1,19 @@
 """MLflow bookkeeping: one MLflow run per training run, logged by explicit run id (thread-safe)."""
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
 from typing import Any
 
 from grpo_core.config import GRPOConfig
-from grpo_core.io import read_json, write_json
+from grpo_core.io import read_json, read_jsonl, write_json
 
 
 def tracking_uri(cfg: GRPOConfig) -> str:
@@ -42,8 +45,31 @@ def _git_commit() -> str:
         return "unknown"
 
 
+@contextlib.contextmanager
+def _store_creation_lock(cfg: GRPOConfig):
+    """Runs that start at once against one new SQLite store would each create its tables (and one would
+    fail): the first MLflow calls of a run hold an exclusive lock on `<db>.lock` beside the store."""
+    uri = tracking_uri(cfg)
+    if not uri.startswith("sqlite:///"):
+        yield
+        return
+    lock_path = Path(uri[len("sqlite:///"):] + ".lock")
+    lock_path.parent.mkdir(parents=True, exist_ok=True)
+    with open(lock_path, "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+
+
 def start_or_resume_run(cfg: GRPOConfig, run_dir: Path, flow_run_id: str | None) -> str:
     """Create the MLflow run for this training run, or reopen the one recorded in run.json."""
+    with _store_creation_lock(cfg):
+        return _start_or_resume_run(cfg, run_dir, flow_run_id)
+
+
+def _start_or_resume_run(cfg: GRPOConfig, run_dir: Path, flow_run_id: str | None) -> str:
     c = client(cfg)
     state_path = run_dir / "run.json"
     state = read_json(state_path) if state_path.exists() else {}
@@ -122,6 +148,23 @@ def logged_steps(cfg: GRPOConfig, run_id: str, key: str) -> set[int]:
     return {m.step for m in client(cfg).get_metric_history(run_id, key)}
 
 
+def log_update_steps(cfg: GRPOConfig, run_id: str, steps: list[dict], first_step: int,
+                     with_first: dict[str, float]) -> None:
+    """An update's per-step metrics under train/ at global steps first_step, first_step + 1, ...;
+    `with_first` (the iteration's reward and rollout metrics) rides on the first step. Resume-aware: steps
+    already logged (an update killed after logging, before its record) are skipped."""
+    done = logged_steps(cfg, run_id, "train/loss")
+    for i, m in enumerate(steps):
+        step = first_step + i
+        if step in done:
+            continue
+        metrics = {f"train/{k}": v for k, v in m.items()}
+        metrics["train/tokens_per_second"] = m["step_tokens"] / max(m["step_seconds"], 1e-9)
+        if i == 0:
+            metrics.update(with_first)
+        log_metrics(cfg, run_id, metrics, step)
+
+
 def log_artifacts(cfg: GRPOConfig, run_id: str, local_dir: str | Path, artifact_path: str) -> None:
     client(cfg).log_artifacts(run_id, str(local_dir), artifact_path)
 
@@ -131,31 +174,86 @@ def end_run(cfg: GRPOConfig, run_id: str, status: str = "FINISHED") -> None:
 
 
 # -- Model Registry -----------------------------------------------------------------------------------
+# Versions are addressed by alias, never by "latest": `champion` is the best adapter registered so far
+# (by tracking.best_metric), `run-<run name>` the one each run registered at its end.
+CHAMPION = "champion"
+
+
+def run_alias(run_name: str) -> str:
+    """The alias of a run's registered version: run-<name>, with characters aliases refuse ('.') as '_'."""
+    return "run-" + re.sub(r"[^\w-]", "_", run_name)
+
+
+def ensure_registered_model(c, name: str, description: str) -> None:
+    from mlflow.exceptions import MlflowException
+    try:
+        c.create_registered_model(name, description=description)
+    except MlflowException as e:
+        if "RESOURCE_ALREADY_EXISTS" not in str(e.error_code) and "already exists" not in str(e):
+            raise
+
+
+def _beats_champion(c, name: str, metric: str, value: float | None) -> bool:
+    """Whether a new version with `value` of `metric` should take the champion alias: there is no
+    champion yet, the champion has no value, or the new one is at least as good (higher is better)."""
+    from mlflow.exceptions import MlflowException
+    try:
+        held = c.get_model_version_by_alias(name, CHAMPION).tags.get(metric)
+    except MlflowException:
+        return True
+    return held is None or (value is not None and float(value) >= float(held))
+
 
 def register_adapter(cfg: GRPOConfig, run_id: str, iteration: int, metrics: dict | None = None) -> dict | None:
-    """Register the adapter logged at adapters/iter-<iteration> under tracking.registered_model_name.
-    Returns {"name", "version", "uri"} or None when registration is off."""
+    """Register the adapter logged at adapters/iter-<iteration> under tracking.registered_model_name, with
+    the alias run-<run name>, and `champion` when it beats the current one.
+    Returns {"name", "version", "uri", "aliases"} or None when registration is off."""
     name = cfg.tracking.registered_model_name
     if not name or cfg.tracking.register_adapter == "none":
         return None
     c = client(cfg)
-    from mlflow.exceptions import MlflowException
-    try:
-        c.create_registered_model(name, description="LoRA adapters trained by grpo-pipeline. Load one with "
-                                                     "tasks.tracking.load_adapter('models:/NAME/VERSION').")
-    except MlflowException as e:
-        if "RESOURCE_ALREADY_EXISTS" not in str(e.error_code) and "already exists" not in str(e):
-            raise
+    ensure_registered_model(c, name, "LoRA adapters trained by grpo-pipeline. Load one with tasks.tracking."
+                                     "load_adapter('models:/NAME@champion') or '@run-<run name>'.")
+    value = (metrics or {}).get(cfg.tracking.best_metric)
     source = f"{c.get_run(run_id).info.artifact_uri}/adapters/iter-{iteration}"
     tags = {"iteration": str(iteration), "base_model": cfg.model, "run_name": cfg.run_name or "",
             "selected_by": cfg.tracking.register_adapter}
-    if metrics and cfg.tracking.best_metric in metrics:
-        tags[cfg.tracking.best_metric] = str(metrics[cfg.tracking.best_metric])
+    if value is not None:
+        tags[cfg.tracking.best_metric] = str(value)
+    champion = _beats_champion(c, name, cfg.tracking.best_metric, value)
     mv = c.create_model_version(name, source, run_id=run_id, tags=tags)
+    aliases = [run_alias(cfg.run_name or run_id)] + ([CHAMPION] if champion else [])
+    for alias in aliases:
+        c.set_registered_model_alias(name, alias, mv.version)
     uri = f"models:/{name}/{mv.version}"
-    set_tags(cfg, run_id, {"registered_model": uri, "best_adapter_uri": f"runs:/{run_id}/adapters/iter-{iteration}",
+    set_tags(cfg, run_id, {"registered_model": uri, "registered_aliases": ",".join(aliases),
+                           "best_adapter_uri": f"runs:/{run_id}/adapters/iter-{iteration}",
                            "best_iteration": str(iteration)})
-    return {"name": name, "version": mv.version, "uri": uri}
+    return {"name": name, "version": mv.version, "uri": uri, "aliases": aliases}
+
+
+def register_export(cfg: GRPOConfig, run_id: str, local_dir: str | Path, iteration: int, name: str | None,
+                    adapter_only: bool = False) -> dict:
+    """Log an exported model directory (grpo_core.export) as the run's artifacts export/iter-<k>[-adapter]
+    and, for a merged export with a `name`, create a registered model version whose source is that
+    artifact path, aliased run-<run name>. Returns {"artifact_uri"} and, when registered, "name",
+    "version", "uri" and "alias_uri"."""
+    artifact_path = f"export/iter-{iteration}" + ("-adapter" if adapter_only else "")
+    log_artifacts(cfg, run_id, local_dir, artifact_path)
+    out = {"artifact_uri": f"runs:/{run_id}/{artifact_path}"}
+    if adapter_only or not name:
+        return out
+    c = client(cfg)
+    ensure_registered_model(c, name, "Plain Hugging Face models exported by `grpo export` (LoRA merged into the "
+                                     "weights): transformers.AutoModelForCausalLM.from_pretrained on the files.")
+    source = f"{c.get_run(run_id).info.artifact_uri}/{artifact_path}"
+    mv = c.create_model_version(name, source, run_id=run_id, tags={
+        "iteration": str(iteration), "base_model": cfg.model, "run_name": cfg.run_name or ""})
+    alias = run_alias(cfg.run_name or run_id)
+    c.set_registered_model_alias(name, alias, mv.version)
+    set_tags(cfg, run_id, {"exported_model": f"models:/{name}/{mv.version}"})
+    return {**out, "name": name, "version": mv.version, "uri": f"models:/{name}/{mv.version}",
+            "alias_uri": f"models:/{name}@{alias}"}
 
 
 def download_adapter(uri: str, dst: str | Path, tracking: str | None = None) -> Path:
@@ -197,13 +295,27 @@ def previous_best_adapter(cfg: GRPOConfig, exclude_run_id: str | None = None) ->
     return None
 
 
+def model_version(c, model_uri: str):
+    """The registered version a models:/ URI names: NAME@ALIAS, NAME/VERSION or NAME/latest."""
+    ref = model_uri[len("models:/"):]
+    if "@" in ref:
+        name, alias = ref.split("@", 1)
+        return c.get_model_version_by_alias(name, alias)
+    name, _, version = ref.partition("/")
+    if version in ("", "latest"):
+        return max(c.search_model_versions(f"name='{name}'"), key=lambda v: int(v.version))
+    return c.get_model_version(name, version)
+
+
 def load_adapter(model_uri: str, tracking: str | None = None, base_model: str | None = None):
     """The one call that loads a trained adapter back: returns (peft_model, tokenizer).
 
         from tasks.tracking import load_adapter
-        model, tok = load_adapter("models:/grpo-adapter/latest", tracking="sqlite:///runs/mlflow.db")
+        model, tok = load_adapter("models:/grpo-adapter@champion", tracking="sqlite:///runs/mlflow.db")
 
-    The base model comes from the model version's (or run's) `base_model` tag unless given."""
+    `model_uri`: models:/NAME@ALIAS (champion, run-<run name>), models:/NAME/VERSION, runs:/ID/PATH or a
+    local adapter dir. The base model comes from the model version's (or run's) `base_model` tag unless
+    given."""
     import tempfile
     from mlflow.tracking import MlflowClient
     from peft import PeftModel
@@ -211,15 +323,7 @@ def load_adapter(model_uri: str, tracking: str | None = None, base_model: str | 
     tracking = tracking or os.environ.get("MLFLOW_TRACKING_URI")
     c = MlflowClient(tracking_uri=tracking, registry_uri=tracking)
     if base_model is None and model_uri.startswith("models:/"):
-        name, _, ver = model_uri[len("models:/"):].partition("/")
-        if "@" in name and not ver:
-            name, ver = name.split("@", 1)[0], "@" + name.split("@", 1)[1]
-        if ver in ("", "latest"):
-            mv = max(c.search_model_versions(f"name='{name}'"), key=lambda v: int(v.version))
-        elif ver.startswith("@"):
-            mv = c.get_model_version_by_alias(name, ver[1:])
-        else:
-            mv = c.get_model_version(name, ver)
+        mv = model_version(c, model_uri)
         base_model = mv.tags.get("base_model") or c.get_run(mv.run_id).data.tags.get("base_model")
     elif base_model is None and model_uri.startswith("runs:/"):
         base_model = c.get_run(model_uri[len("runs:/"):].split("/", 1)[0]).data.tags.get("base_model")
@@ -255,3 +359,60 @@ def download_artifacts(cfg: GRPOConfig, run_id: str, path: str, dst: str | Path)
 
 def list_artifact_paths(cfg: GRPOConfig, run_id: str, path: str | None = None) -> list[str]:
     return [f.path for f in client(cfg).list_artifacts(run_id, path)]
+
+
+# -- completion tables during training (issue 14) -----------------------------------------------------
+COMPLETIONS_DIR = "completions"
+
+
+def completion_advantages(batch: list, scale_rewards: str) -> list[float | None]:
+    """Each sample's advantage as the update computed it (grpo_core.update.surviving_groups, then
+    grpo_core.loss.group_advantages); None where a sample did not train (unscorable, or its group kept
+    fewer than 2 members). `batch`: tasks.update.scored_batch's list."""
+    import torch
+    from grpo_core.loss import group_advantages
+    from grpo_core.update import surviving_groups
+    kept, group_sizes = surviving_groups(batch)
+    if not kept:
+        return [None] * len(batch)
+    advantages = group_advantages(torch.tensor([s.reward for s in kept], dtype=torch.float32), group_sizes,
+                                  scale_rewards)                                           # [N]
+    by_sample = {id(s): float(a) for s, a in zip(kept, advantages)}
+    return [None if s is None else by_sample.get(id(s)) for s in batch]
+
+
+def completion_table(samples: list[dict], scores: list[dict], advantages: list[float | None], iteration: int,
+                     max_prompts: int, decode) -> dict[str, list]:
+    """Columns for log_table: the first `max_prompts` prompts (as the model saw them, `decode`d), each with
+    all its completions, the reward of each reward function, the total and the advantage."""
+    groups = set(list(dict.fromkeys(r["group"] for r in samples))[:max_prompts])
+    funcs = list(dict.fromkeys(f for sc in scores for f in sc.get("rewards", {})))
+    cols: dict[str, list] = {c: [] for c in ("iteration", "group", "task_id", "prompt", "completion",
+                                             *[f"reward_{f}" for f in funcs], "reward", "advantage", "correct",
+                                             "length", "truncated")}
+    prompts: dict[int, str] = {}
+    for r, sc, adv in zip(samples, scores, advantages):
+        if r["group"] not in groups:
+            continue
+        if r["group"] not in prompts:
+            prompts[r["group"]] = decode(r["prompt_ids"])
+        row = {"iteration": iteration, "group": r["group"], "task_id": r["task_id"], "prompt": prompts[r["group"]],
+               "completion": r["completion"], "reward": sc["reward"], "advantage": adv,
+               "correct": sc.get("correct"), "length": len(r["completion_ids"]), "truncated": r["truncated"],
+               **{f"reward_{f}": sc["rewards"].get(f) for f in funcs}}
+        for c in cols:
+            cols[c].append(row[c])
+    return cols
+
+
+def log_completions(cfg: GRPOConfig, run_id: str | None, iteration: int, batch: list, samples: str | Path,
+                    scores: str | Path, tokenizer) -> bool:
+    """Every tracking.log_completions_steps iterations, the completion table of this iteration's update as
+    completions/iter_<kkkk>.json (once: a re-run stage finds it and skips). True if logged."""
+    t = cfg.tracking
+    if not (t.log_completions and run_id and iteration % t.log_completions_steps == 0):
+        return False
+    table = completion_table(list(read_jsonl(samples)), list(read_jsonl(scores)),
+                             completion_advantages(batch, cfg.scale_rewards), iteration, t.log_completions_prompts,
+                             lambda ids: tokenizer.decode(ids, skip_special_tokens=True))
+    return log_table(cfg, run_id, table, f"{COMPLETIONS_DIR}/iter_{iteration:04d}.json")

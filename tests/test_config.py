@@ -19,7 +19,7 @@ def test_overrides_parse_types_and_sections(tmp_path):
     cfg = load_config(p, ["learning_rate=1e-5", "data.operations=['+','-']", "use_peft=false", "epsilon_high=0.28"])
     assert cfg.beta == 0.1 and cfg.learning_rate == 1e-5 and cfg.use_peft is False
     assert cfg.data.max_digits == 2 and cfg.data.operations == ["+", "-"]
-    assert cfg.epsilon_upper == 0.28
+    assert cfg.epsilon_high == 0.28
 
 
 @pytest.mark.parametrize("override, field", [
@@ -64,3 +64,75 @@ def test_shipped_configs_validate():
     from pathlib import Path
     for p in sorted(Path(__file__).parent.parent.joinpath("configs").glob("*.yaml")):
         load_config(p)
+
+
+def test_trl_defaults_are_resolved_on_validation():
+    cfg = GRPOConfig(epsilon=0.3, reward_funcs=["accuracy", "format", "overlong"])
+    assert cfg.epsilon_high == 0.3 and cfg.reward_weights == [1.0, 1.0, 1.0]
+    explicit = GRPOConfig(epsilon_high=0.28, reward_weights=[1.0, 0.2])
+    assert explicit.epsilon_high == 0.28 and explicit.reward_weights == [1.0, 0.2]
+    cfg.run_name = "r"                                   # assignment re-validates; the resolved values stay
+    assert cfg.epsilon_high == 0.3 and load_config(None, ["epsilon=0.1"]).epsilon_high == 0.1
+
+
+def test_help_renders_and_states_no_speed_figures():
+    import re
+    from grpo_core.config import field_help
+    text = field_help()
+    assert "epsilon_high" in text and "cpu_onednn_linear" in text
+    assert not re.search(r"\d\s*x faster|faster than|fastest|GFLOP", text), text
+
+
+@pytest.mark.parametrize("overrides, fields", [
+    (["delta=1.1", "epsilon_high=0.28"], ["delta", "epsilon_high"]),            # delta <= 1 + epsilon_high
+    (["delta=2.0", "loss_type=sapo"], ["delta", "loss_type"]),
+    (["top_entropy_quantile=0"], ["top_entropy_quantile"]),
+    (["top_entropy_quantile=1.5"], ["top_entropy_quantile"]),
+    (["sapo_temperature_pos=0"], ["sapo_temperature_pos"]),
+    (["sapo_temperature_neg=-1"], ["sapo_temperature_neg"]),
+    (["loss_type=cispo"], ["loss_type", "epsilon_high"]),                      # cispo caps at epsilon_high itself
+    (["importance_sampling_level=group"], ["importance_sampling_level"]),
+    (["vllm_importance_sampling_mode=token_clip"], ["vllm_importance_sampling_mode"]),
+    (["vllm_importance_sampling_cap=0.5"], ["vllm_importance_sampling_cap"]),
+    (["off_policy_mask_threshold=-0.1"], ["off_policy_mask_threshold"]),
+    (["entropy_coef=-0.01"], ["entropy_coef"]),
+    (["sync_ref_model=true", "beta=0"], ["sync_ref_model", "beta"]),
+    (["ref_model_mixup_alpha=1.5"], ["ref_model_mixup_alpha"]),
+    (["ref_model_sync_steps=0"], ["ref_model_sync_steps"]),
+    (["reference=previous"], ["reference"]),
+])
+def test_variant_options_bad_values_name_the_fields(overrides, fields):
+    with pytest.raises(ConfigError) as e:
+        load_config(None, overrides)
+    for field in fields:
+        assert field in str(e.value), (field, str(e.value))
+
+
+def test_variant_options_defaults_are_plain_grpo_and_good_values_load():
+    cfg = GRPOConfig()
+    assert (cfg.importance_sampling_level, cfg.loss_type, cfg.delta, cfg.top_entropy_quantile, cfg.entropy_coef,
+            cfg.off_policy_mask_threshold, cfg.vllm_importance_sampling_correction, cfg.sync_ref_model) == \
+        ("token", "grpo", None, 1.0, 0.0, None, False, False)
+    assert cfg.reference == "init" and not cfg.needs_sampler_logprobs
+    good = load_config(None, ["importance_sampling_level=sequence", "loss_type=cispo", "epsilon_high=5.0",
+                              "top_entropy_quantile=0.2", "entropy_coef=0.001", "off_policy_mask_threshold=0.5",
+                              "vllm_importance_sampling_correction=true", "vllm_importance_sampling_mode=token_mask",
+                              "sync_ref_model=true", "ref_model_sync_steps=4", "reference=base"])
+    assert good.needs_sampler_logprobs and good.epsilon_high == 5.0
+    assert load_config(None, ["delta=1.5", "epsilon_high=0.28"]).delta == 1.5
+    assert load_config(None, ["loss_type=sapo", "sapo_temperature_neg=2"]).sapo_temperature_neg == 2.0
+    # reference: init without an init adapter is fine (it means the base)
+    assert load_config(None, ["reference=init"]).init_adapter is None
+
+
+def test_variant_options_are_logged_and_shown_in_help():
+    from grpo_core.config import field_help
+    names = ["importance_sampling_level", "delta", "sapo_temperature_pos", "sapo_temperature_neg",
+             "top_entropy_quantile", "entropy_coef", "off_policy_mask_threshold",
+             "vllm_importance_sampling_correction", "vllm_importance_sampling_mode", "vllm_importance_sampling_cap",
+             "sync_ref_model", "ref_model_mixup_alpha", "ref_model_sync_steps", "reference"]
+    flat, text = GRPOConfig().flat(), field_help()
+    for name in names:
+        assert name in flat, name                                  # MLflow params (tasks/tracking logs cfg.flat())
+        line = next(ln for ln in text.splitlines() if ln.strip().startswith(f"{name} ="))
+        assert " - " in line, line                                 # with a description

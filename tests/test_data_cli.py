@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from grpo_core.data.cli import register
+from flows.cli.data import register
 from grpo_core.task import read_tasks
 from grpo_core.io import write_jsonl
 

@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from flows.eval_cli import register
+from flows.cli.eval import register
 from grpo_core.io import read_jsonl
 from tasks import tracking
 from test_evaluation import evaluated_run  # noqa: F401 - fixture (tests/ is on sys.path under pytest)

@@ -92,6 +92,43 @@ def test_summarize_computes_pass_at_k_rewards_and_lengths_per_source():
     assert m["eval/monitor/empty_answer_frac"] == 0.0
 
 
+def test_format_rate_and_strict_pass_count_the_shape_whatever_the_reward_funcs():
+    rows = [
+        _row("a1", "arith", "greedy", True, completion="<answer>1</answer>"),             # correct, formatted
+        _row("a2", "arith", "greedy", True, completion="1"),                              # correct, no tags
+        _row("a3", "arith", "greedy", False, completion="<answer>2</answer>"),            # wrong, formatted
+        _row("a4", "arith", "greedy", None, completion="<answer>2</answer> more"),        # unscored, not formatted
+    ]
+    for r in rows:
+        r["rewards"] = {"unit_match": 0.5}       # `format` is not a reward function here
+    m = summarize(rows, ks=[1])
+    assert m["eval/greedy/format_rate"] == pytest.approx(2 / 4)
+    assert m["eval/greedy/strict_pass_at_1"] == pytest.approx(1 / 3)      # the unscored one is left out
+    assert m["eval/greedy/accuracy"] == pytest.approx(2 / 3)
+    assert m["eval/arith/greedy/strict_pass_at_1"] == pytest.approx(1 / 3)
+    assert m["eval/greedy/reward/unit_match"] == 0.5
+
+
+def test_score_samples_uses_plugin_rewards_and_marks_the_format(tmp_path, monkeypatch):
+    from types import SimpleNamespace
+
+    from grpo_core import rewards
+    from grpo_core.evaluation import score_samples
+    from grpo_core.task import Task
+
+    def shout(prompts, completions, **kwargs):
+        return [float(c.isupper()) for c in completions]
+    monkeypatch.setitem(rewards.REWARD_FUNCS, "shout", shout)
+    cfg = GRPOConfig(reward_funcs=["shout"])
+    task = Task(id="t", kind="math", source="s", prompt="What is 1 + 1?", answer="2")
+    samples = [SimpleNamespace(task_id="t", completion=c, completion_ids=[1, 2], truncated=False)
+               for c in ("<answer>2</answer>", "<ANSWER>2</ANSWER>")]
+    rows = score_samples(samples, {"t": task}, cfg, "greedy")
+    assert [r["rewards"] for r in rows] == [{"shout": 0.0, "accuracy": 1.0}, {"shout": 1.0, "accuracy": 0.0}]
+    assert [r["formatted"] for r in rows] == [True, False] and [r["correct"] for r in rows] == [True, False]
+    assert [r["reward_total"] for r in rows] == [0.0, 1.0]        # accuracy measured, weighted 0
+
+
 # -- monitors -----------------------------------------------------------------------------------
 @pytest.mark.parametrize("completion", ["", "   \n", "<answer></answer>", "<think></think><answer> </answer>",
                                         "Let me see. <answer>\n</answer>", "</answer><answer>"])
@@ -176,7 +213,7 @@ def test_trend_monitors_trip_on_hacking_patterns_and_not_on_clean_progress():
 
 
 def test_eval_table_is_compact_before_after():
-    from flows.cli import format_eval_table
+    from flows.cli.format import format_eval_table
     m0 = {**_evalm(0.3, 0.5), "eval/a/greedy/pass_at_1": 0.4, "eval/b/greedy/pass_at_1": 0.6,
           "eval/monitor/tripped/length_collapse": 0.0, "eval/a/greedy/completion_length": 3.0}
     m2 = {**_evalm(0.6, 0.7), "eval/a/greedy/pass_at_1": 0.5, "eval/b/greedy/pass_at_1": 0.9}

@@ -1,7 +1,7 @@
 """The lean Llama-family sampling forward gives the logits of the model's own forward: left-padded
 prompts, grouped-query attention, shared-prompt cache copies, dropped rows, and a Qwen2 model with
 q/k/v biases; unsupported architectures fall back to the model's own call. (Its update trunk is checked
-against the full padded pass in test_algorithm.py.)"""
+against the full padded pass in test_logprobs.py.)"""
 from __future__ import annotations
 
 import torch

@@ -1,8 +1,9 @@
 """Retry, fail-fast, kill-and-resume, registry and compare through the real engines: Prefect (the
 session's test server) and MLflow on SQLite in a temp dir, on the tiny random model.
 
-Faults are injected with the test-only switch GRPO_FAULT_FILE (tasks/common.py: fault_point): the
-stage code runs unmodified and the failure comes through Prefect's real retry machinery."""
+Faults are injected by tests/faults.py (patched into the stage decorator's seams, armed by a rules file
+in GRPO_FAULT_FILE): the stage code runs unmodified and the failure comes through Prefect's real retry
+machinery. A CLI run in a child process goes through tests/fault_runner.py to get the same patches."""
 from __future__ import annotations
 
 import json
@@ -16,6 +17,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from tests import faults
 from tests.conftest import tiny_config
 
 REPO = Path(__file__).resolve().parent.parent
@@ -24,7 +26,8 @@ REPO = Path(__file__).resolve().parent.parent
 def _arm(tmp_path: Path, monkeypatch, *rules: dict) -> Path:
     f = tmp_path / "faults.json"
     f.write_text(json.dumps(list(rules)))
-    monkeypatch.setenv("GRPO_FAULT_FILE", str(f))
+    monkeypatch.setenv(faults.FAULT_ENV, str(f))
+    faults.install(monkeypatch)
     return f
 
 
@@ -52,11 +55,11 @@ def _assert_no_duplicate_steps(uri: str, run_id: str) -> int:
 
 def test_transient_failure_is_retried_and_run_completes(prefect_engine, grpo_home, mlflow_uri, tmp_path, monkeypatch):
     from flows.train import training_run
-    faults = _arm(tmp_path, monkeypatch, {"point": "rollout", "iteration": 1, "times": 1, "error": "OSError"})
+    rules = _arm(tmp_path, monkeypatch, {"point": "rollout", "iteration": 1, "times": 1, "error": "OSError"})
     cfg = tiny_config(tmp_path, pipeline_iterations=1, eval={"enabled": False},
                       stages={"rollout": {"retries": 2, "retry_delay_seconds": 0}})
     summary = training_run(cfg)
-    assert json.loads(faults.read_text())[0]["times"] == 0          # the first attempt did fail ...
+    assert json.loads(rules.read_text())[0]["times"] == 0           # the first attempt did fail ...
     run_dir = Path(summary["run_dir"])
     assert (run_dir / "iter-1" / "rollout.json").exists()            # ... and the retry completed the run
     assert json.loads((run_dir / "run.json").read_text())["status"] == "finished"
@@ -69,14 +72,14 @@ def test_transient_failure_is_retried_and_run_completes(prefect_engine, grpo_hom
 def test_bad_input_is_not_retried(prefect_engine, grpo_home, mlflow_uri, tmp_path, monkeypatch):
     """A permanent error (ValueError: bad input) fails at once even with retries configured."""
     from flows.train import training_run
-    from tasks.common import run_status
-    faults = _arm(tmp_path, monkeypatch, {"point": "score", "iteration": 1, "times": 5, "error": "ValueError"})
+    from tasks.run_state import run_status
+    rules = _arm(tmp_path, monkeypatch, {"point": "score", "iteration": 1, "times": 5, "error": "ValueError"})
     cfg = tiny_config(tmp_path, pipeline_iterations=1, eval={"enabled": False},
                       stages={"score": {"retries": 3, "retry_delay_seconds": 0}})
     t0 = time.perf_counter()
     with pytest.raises(Exception, match="injected fault"):
         training_run(cfg)
-    assert json.loads(faults.read_text())[0]["times"] == 4            # one attempt only
+    assert json.loads(rules.read_text())[0]["times"] == 4             # one attempt only
     run_dir = Path(cfg["output_dir"]) / cfg["run_name"]
     assert not (run_dir / "iter-1" / "score.json").exists()
     st = run_status(run_dir)
@@ -133,10 +136,10 @@ def test_sigkill_during_update_then_resume(prefect_engine, grpo_home, mlflow_uri
     equals an uninterrupted run's bit for bit, and MLflow holds no step twice."""
     import torch
     from prefect.settings import PREFECT_API_URL
-    from flows.ops_cli import compare_runs
+    from flows.cli.ops import compare_runs
     from flows.train import training_run
     from grpo_core.io import read_json
-    from tasks.common import run_status
+    from tasks.run_state import run_status
     from tasks.tracking import load_adapter
 
     # The tiny random model never earns accuracy/format rewards; the DAPO length penalty varies with the
@@ -147,14 +150,14 @@ def test_sigkill_during_update_then_resume(prefect_engine, grpo_home, mlflow_uri
     cfg_file = tmp_path / "k.yaml"
     cfg_file.write_text(yaml.safe_dump(cfg))
     marker = tmp_path / "in-update"
-    faults = tmp_path / "faults.json"
-    faults.write_text(json.dumps([{"point": "update:saved", "iteration": 1, "action": "hang", "marker": str(marker)}]))
-    env = {**os.environ, "GRPO_FAULT_FILE": str(faults), "PREFECT_API_URL": PREFECT_API_URL.value(),
+    rules = tmp_path / "faults.json"
+    rules.write_text(json.dumps([{"point": "update:saved", "iteration": 1, "action": "hang", "marker": str(marker)}]))
+    env = {**os.environ, faults.FAULT_ENV: str(rules), "PREFECT_API_URL": PREFECT_API_URL.value(),
            "PYTHONPATH": str(REPO)}
     log = tmp_path / "killed.log"
     with open(log, "w") as out:
-        proc = subprocess.Popen([sys.executable, "-m", "flows.cli", "train", "--config", str(cfg_file)], cwd=REPO,
-                                env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        proc = subprocess.Popen([sys.executable, "-m", "tests.fault_runner", "train", "--config", str(cfg_file)],
+                                cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
     _wait_for(marker, proc, 300, log)
     os.killpg(proc.pid, signal.SIGKILL)
     proc.wait(30)
@@ -170,7 +173,7 @@ def test_sigkill_during_update_then_resume(prefect_engine, grpo_home, mlflow_uri
             "iter-1/samples.jsonl", "iter-1/scores.jsonl"]
     before = {p: (run_dir / p).stat().st_mtime_ns for p in done}
 
-    monkeypatch.delenv("GRPO_FAULT_FILE", raising=False)
+    monkeypatch.delenv(faults.FAULT_ENV, raising=False)
     t0 = time.perf_counter()
     summary = training_run(cfg)                                         # what `grpo resume k` calls
     resume_s = time.perf_counter() - t0
@@ -238,7 +241,7 @@ def test_prefect_flow_run_retry_reruns_failed_stage_onward(prefect_engine, grpo_
     from prefect.settings import PREFECT_API_URL
     from flows.train import training_run
     from grpo_core.io import read_json
-    from tasks.common import run_status
+    from tasks.run_state import run_status
     _arm(tmp_path, monkeypatch, {"point": "score", "iteration": 1, "times": 1, "error": "ValueError"})
     cfg = tiny_config(tmp_path, pipeline_iterations=1, eval={"enabled": False})
     with pytest.raises(Exception, match="injected fault"):
@@ -246,7 +249,7 @@ def test_prefect_flow_run_retry_reruns_failed_stage_onward(prefect_engine, grpo_
     run_dir = Path(cfg["output_dir"]) / cfg["run_name"]
     state = read_json(run_dir / "run.json")
     done = {p: (run_dir / "iter-1" / p).stat().st_mtime_ns for p in ("curate.json", "rollout.json")}
-    env = {k: v for k, v in os.environ.items() if k != "GRPO_FAULT_FILE"}
+    env = {k: v for k, v in os.environ.items() if k != faults.FAULT_ENV}
     env.update(PREFECT_API_URL=PREFECT_API_URL.value(), PYTHONPATH=str(REPO))
     t0 = time.perf_counter()
     r = subprocess.run([str(Path(sys.executable).parent / "prefect"), "flow-run", "retry", state["flow_run_id"],
@@ -286,7 +289,7 @@ def test_next_run_starts_from_previous_best_adapter(prefect_engine, grpo_home, m
     rollout_rec = read_json(Path(second["run_dir"]) / "iter-1" / "rollout.json")
     assert rollout_rec["key"]                                        # ... is what iteration 1 started from
     upd = read_json(Path(second["run_dir"]) / "iter-1" / "update.json")
-    from tasks.common import input_key
+    from tasks.layout import input_key
     samples, scores = (str(Path(second["run_dir"]) / "iter-1" / f) for f in ("samples.jsonl", "scores.jsonl"))
     cfg2 = tiny_config(tmp_path, run_name="day-2", pipeline_iterations=1, eval={"enabled": False},
                        init_adapter="previous")

@@ -1,5 +1,5 @@
-"""Operations logic without an engine: which errors retry, stage keys, fault switch, run status, CLI,
-compose file structure."""
+"""Operations logic without an engine: which errors retry, stage keys and the stage decorator, the
+test-only fault switch, run status, CLI, compose file structure."""
 from __future__ import annotations
 
 import json
@@ -13,8 +13,11 @@ import yaml
 
 from grpo_core.config import ConfigError, GRPOConfig, StageRetryConfig
 from grpo_core.task import TaskValidationError
+from grpo_core.io import write_json
 from grpo_core.models import ModelError
-from tasks import common
+from tasks import layout, run_state
+from tasks.retry import TransientError, is_transient
+from tests import faults
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -25,7 +28,7 @@ REPO = Path(__file__).resolve().parent.parent
     (TimeoutError(), True),
     (subprocess.TimeoutExpired("cargo", 5), True),
     (RuntimeError("CUDA out of memory. Tried to allocate 2.00 GiB"), True),
-    (common.TransientError("retry me"), True),
+    (TransientError("retry me"), True),
     (FileNotFoundError("no such file"), False),
     (ConfigError("bad field"), False),
     (TaskValidationError("malformed task"), False),
@@ -35,7 +38,7 @@ REPO = Path(__file__).resolve().parent.parent
     (RuntimeError("some logic bug"), False),
 ])
 def test_is_transient(exc, transient):
-    assert common.is_transient(exc) is transient
+    assert is_transient(exc) is transient
 
 
 def test_is_transient_follows_cause_but_bad_input_wins():
@@ -45,20 +48,20 @@ def test_is_transient_follows_cause_but_bad_input_wins():
         except ConnectionError as e:
             raise RuntimeError("scoring failed") from e
     except RuntimeError as wrapped:
-        assert common.is_transient(wrapped)
+        assert is_transient(wrapped)
     try:
         try:
             raise OSError("x")
         except OSError as e:
             raise ValueError("malformed row") from e
     except ValueError as wrapped:
-        assert not common.is_transient(wrapped)
+        assert not is_transient(wrapped)
 
 
 def test_docker_errors_classified():
     docker = pytest.importorskip("docker")
-    assert common.is_transient(docker.errors.APIError("500 Server Error"))
-    assert not common.is_transient(docker.errors.ImageNotFound("no image"))
+    assert is_transient(docker.errors.APIError("500 Server Error"))
+    assert not is_transient(docker.errors.ImageNotFound("no image"))
 
 
 def test_retry_delays_back_off():
@@ -73,35 +76,67 @@ def test_input_key_ignores_operational_fields():
     b = GRPOConfig(model="tiny-random", output_dir="/elsewhere", run_name="x",
                    stages={"update": {"retries": 5}}, tracking={"experiment_name": "e2"}).model_dump(mode="json")
     c = GRPOConfig(model="tiny-random", learning_rate=1e-3).model_dump(mode="json")
-    assert common.input_key(config=a, x=1) == common.input_key(config=b, x=1)
-    assert common.input_key(config=a, x=1) != common.input_key(config=c, x=1)
+    assert layout.input_key(config=a, x=1) == layout.input_key(config=b, x=1)
+    assert layout.input_key(config=a, x=1) != layout.input_key(config=c, x=1)
 
 
 def test_fault_point_fires_the_configured_number_of_times(tmp_path, monkeypatch):
     f = tmp_path / "faults.json"
     f.write_text(json.dumps([{"point": "rollout", "iteration": 1, "times": 1, "error": "OSError"}]))
-    monkeypatch.setenv(common.FAULT_ENV, str(f))
-    common.fault_point("rollout", 2)           # other iteration: nothing
-    common.fault_point("score", 1)             # other stage: nothing
+    monkeypatch.setenv(faults.FAULT_ENV, str(f))
+    faults.fault_point("rollout", 2)           # other iteration: nothing
+    faults.fault_point("score", 1)             # other stage: nothing
     with pytest.raises(OSError, match="injected fault"):
-        common.fault_point("rollout", 1)
-    common.fault_point("rollout", 1)           # spent
+        faults.fault_point("rollout", 1)
+    faults.fault_point("rollout", 1)           # spent
     assert json.loads(f.read_text())[0]["times"] == 0
-    monkeypatch.delenv(common.FAULT_ENV)
-    common.fault_point("rollout", 1)
+    monkeypatch.delenv(faults.FAULT_ENV)
+    faults.fault_point("rollout", 1)
+
+
+def test_stage_decorator_skips_completed_work_and_fault_points_fire_where_named(tmp_path, monkeypatch):
+    """The record is the resume point: same key -> body skipped; a changed key input -> body re-runs.
+    The fault points sit at "about to work" and "outputs written, record not yet"."""
+    from tasks.stage import stage
+    calls = []
+
+    @stage("toy", key=lambda config, upstream, **_: {"config": config, "upstream": upstream})
+    def toy(config: dict, run_dir: str, iteration: int, upstream: str, note: str) -> dict:
+        calls.append(note)
+        return {"out": upstream + note}
+
+    config, run = GRPOConfig(model="tiny-random").model_dump(mode="json"), str(tmp_path / "r")
+    rec = toy.fn(config, run, 1, "a", "x")
+    assert rec["out"] == "ax" and rec["stage"] == "toy" and rec["iteration"] == 1
+    assert rec["key"] == layout.input_key(config=config, upstream="a")
+    assert toy.fn(config, run, 1, "a", "y") == rec and calls == ["x"]          # not a key input: skipped
+    assert toy.fn(config, run, 1, "b", "y")["out"] == "by" and calls == ["x", "y"]
+
+    f = tmp_path / "faults.json"
+    f.write_text(json.dumps([{"point": "toy", "iteration": 2, "error": "ValueError"},
+                             {"point": "toy:saved", "iteration": 3, "error": "OSError"}]))
+    monkeypatch.setenv(faults.FAULT_ENV, str(f))
+    faults.install(monkeypatch)
+    toy.fn(config, run, 1, "b", "z")                                          # complete: no fault point
+    with pytest.raises(ValueError, match="injected fault at toy"):
+        toy.fn(config, run, 2, "a", "z")
+    with pytest.raises(OSError, match="injected fault at toy:saved"):
+        toy.fn(config, run, 3, "a", "z")
+    assert calls == ["x", "y", "z"]                                           # iteration 3 worked ...
+    assert not layout.record_path(run, 3, "toy").exists()                      # ... but left no record
 
 
 def test_run_status_and_last_stage(tmp_path):
     run = tmp_path / "r"
     (run / "iter-0").mkdir(parents=True)
     (run / "config.yaml").write_text("pipeline_iterations: 3\n")
-    assert common.run_status(run)["status"] == "created"
-    common.write_json(run / "iter-0" / "evaluate.json", {})
+    assert run_state.run_status(run)["status"] == "created"
+    write_json(run / "iter-0" / "evaluate.json", {})
     for st in ("curate", "rollout", "score"):
-        common.finish_stage(run, 1, st, "k", {})
-    common.update_run_state(run, status="running", pid=2 ** 22 + 12345, host=__import__("socket").gethostname(),
-                            mlflow_run_id="abc")
-    st = common.run_status(run)
+        layout.finish_stage(run, 1, st, "k", {})
+    run_state.update_run_state(run, status="running", pid=2 ** 22 + 12345, host=__import__("socket").gethostname(),
+                               mlflow_run_id="abc")
+    st = run_state.run_status(run)
     assert st["status"] == "killed"            # "running" but its process is gone
     assert st["last_completed"] == "iter-1/score"
     assert st["iterations"] == "0/3"
@@ -109,21 +144,21 @@ def test_run_status_and_last_stage(tmp_path):
 
 
 def test_same_config_check(tmp_path):
-    from flows.train import _check_same_config
+    from tasks.run import check_same_config
     cfg = GRPOConfig(model="tiny-random", run_name="r", output_dir=str(tmp_path))
     run = tmp_path / "r"
     run.mkdir()
     (run / "config.yaml").write_text(cfg.to_yaml())
-    _check_same_config(GRPOConfig(model="tiny-random", run_name="r", output_dir=str(tmp_path),
+    check_same_config(GRPOConfig(model="tiny-random", run_name="r", output_dir=str(tmp_path),
                                   stages={"rollout": {"retries": 4}}), run)       # operational: fine
     with pytest.raises(ConfigError, match="learning_rate"):
-        _check_same_config(GRPOConfig(model="tiny-random", run_name="r", output_dir=str(tmp_path),
+        check_same_config(GRPOConfig(model="tiny-random", run_name="r", output_dir=str(tmp_path),
                                       learning_rate=1.0), run)
 
 
 def test_invalid_config_fails_fast_with_nothing_written(tmp_path):
     """`grpo train` with an invalid field: exit 2, a message naming the field, no run directory."""
-    from flows.cli import main
+    from flows.cli.main import main
     out = tmp_path / "runs"
     rc = main(["train", "--set", "model=tiny-random", "--set", "learning_rate=-1", "--output-dir", str(out),
                "--run-name", "bad"])
@@ -135,7 +170,7 @@ def test_invalid_config_fails_fast_with_nothing_written(tmp_path):
 
 
 def test_ops_parser():
-    from flows.ops_cli import build_parser
+    from flows.cli.main import build_parser
     p = build_parser()
     a = p.parse_args(["schedule", "--cron", "0 3 * * *", "--config", "x.yaml", "--init-from-previous"])
     assert a.cron == "0 3 * * *" and a.init_from_previous and a.work_pool is None

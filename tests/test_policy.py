@@ -1,5 +1,6 @@
-"""Policy and reference: LoRA reference = base with the adapter disabled; full fine-tuning keeps a frozen
-copy; gradient checkpointing changes memory, not gradients."""
+"""Policy and reference: LoRA reference = base with the adapter disabled, or the starting adapter frozen
+(`reference: init`); full fine-tuning keeps a frozen copy; gradient checkpointing changes memory, not
+gradients."""
 from __future__ import annotations
 
 import pytest
@@ -74,3 +75,49 @@ def test_gradient_checkpointing_same_gradients(grpo_home, use_peft):
         grads.append([p.grad.clone() for p in pol.trainable_parameters()])
     for a, b in zip(*grads):
         assert torch.allclose(a, b, atol=1e-6)
+
+
+def non_trivial_adapter(out_dir, seed: int = 1):
+    """A saved LoRA adapter whose B is not zero (it changes the model's output)."""
+    pol = load_policy(cfg_of(beta=0.0), need_reference=False)
+    for n, p in pol.model.named_parameters():
+        if "lora_B" in n:
+            torch.nn.init.normal_(p, std=0.3, generator=torch.Generator().manual_seed(seed))
+    pol.save(out_dir)
+    return out_dir
+
+
+@pytest.mark.parametrize("reference", ["init", "base"])
+def test_reference_init_is_the_starting_adapter(grpo_home, tmp_path, reference):
+    """Training from an adapter: `reference: init` (the default) makes that adapter, frozen, the KL reference,
+    so the KL is zero at the first step; `reference: base` measures it against the base model."""
+    init = non_trivial_adapter(tmp_path / "init")
+    cfg = cfg_of(beta=0.04, reference=reference, init_adapter=str(init))
+    pol = load_policy(cfg, init, init_adapter=init)
+    opt = make_optimizer(pol, cfg)
+    metrics, _ = grpo_update(pol, opt, make_scheduler(opt, cfg), samples(), cfg, seed=0)
+    if reference == "init":
+        assert pol.reference_adapter == "reference"
+        assert metrics[0]["kl"] == pytest.approx(0.0, abs=1e-7)
+        assert all(p.requires_grad is False for n, p in pol.model.named_parameters() if ".reference." in n)
+        assert not any(".reference." in n for n, p in pol.model.named_parameters() if p.requires_grad)
+    else:
+        assert pol.reference_adapter is None and metrics[0]["kl"] > 1e-4
+    # a later iteration: the checkpoint is another adapter, the reference stays the starting one (or the base)
+    later = non_trivial_adapter(tmp_path / "later", seed=2)
+    pol = load_policy(cfg, later, init_adapter=init)
+    with pol.reference() as ref:
+        got = logits(ref)
+    start = load_policy(cfg_of(beta=0.0), init, need_reference=False)
+    if reference == "base":
+        with start.model.disable_adapter():
+            expect = logits(start.model)
+    else:
+        expect = logits(start.model)
+    assert torch.allclose(got, expect, atol=1e-6)
+    assert not torch.allclose(logits(pol.model), expect, atol=1e-4)          # the policy is the later adapter
+
+
+def test_reference_init_without_init_adapter_is_the_base(grpo_home):
+    pol = load_policy(cfg_of(beta=0.04, reference="init"))
+    assert pol.reference_adapter is None                  # the base, with the adapter disabled, as before

@@ -1,5 +1,6 @@
 """Rollout backends on a real tiny model: our KV-cache sampler agrees with transformers' generate,
-drops finished rows correctly, honours temperature/top-k/top-p, and leaves a LoRA model unchanged."""
+drops finished rows correctly, honours temperature/top-k/top-p, leaves a LoRA model unchanged, and (when
+asked) records the log-prob of each sampled token under the distribution it was drawn from."""
 from __future__ import annotations
 
 import pytest
@@ -9,7 +10,7 @@ from transformers import AutoModelForCausalLM
 from grpo_core.kernels.cpu_linear import available as cpu_linear_available, use_onednn_linears
 from grpo_core.models import attach_lora, load_tokenizer
 from grpo_core.rollout import HFGenerateSampler, KVCacheSampler, draw, merged_lora, sample_next
-from grpo_core.sampling import SamplingParams
+from grpo_core.sampling import Completion, SamplingParams
 
 CPU = torch.device("cpu")
 
@@ -137,3 +138,78 @@ def test_draw_matches_the_distribution_and_never_picks_zero_probability():
     assert chi2 < 20.5                                              # p = 0.001 at 5 degrees of freedom
     assert draw(probs.repeat(3, 1), torch.Generator().manual_seed(5)).tolist() == \
         draw(probs.repeat(3, 1), torch.Generator().manual_seed(5)).tolist()
+
+
+# -- the sampler's own log-probs (for the trainer's importance correction) ---------------------------------
+
+def hand_logprob(logits: torch.Tensor, token: int, temperature: float, top_k: int, top_p: float) -> float:
+    """log-prob of `token` under softmax(logits / T) restricted to the top-k, then to the smallest set of
+    most likely tokens whose mass reaches top_p, renormalised (what the sampler draws from)."""
+    z = logits.double() / temperature
+    order = torch.argsort(z, descending=True).tolist()
+    keep = order[:top_k] if top_k else order
+    probs = torch.softmax(z[keep], -1).tolist()
+    kept, mass = [], 0.0
+    for tok, p in zip(keep, probs):
+        if mass >= top_p:
+            break
+        kept.append(tok)
+        mass += p
+    assert token in kept
+    return (z[token] - torch.logsumexp(z[kept], -1)).item()
+
+
+@pytest.mark.parametrize("top_k, top_p", [(0, 1.0), (6, 0.8)])
+def test_static_sampler_records_the_logprobs_it_sampled_from(tiny, top_k, top_p):
+    model, tok = tiny
+    prompts = prompts_of(tok)
+    params = SamplingParams(max_new_tokens=6, temperature=0.8, top_k=top_k, top_p=top_p, seed=3, logprobs=True)
+    groups = KVCacheSampler(model, tok, CPU, batch_size=4, progress=False).generate(prompts, 3, params)
+    checked = 0
+    with torch.no_grad():
+        for p, group in zip(prompts, groups):
+            for c in group:
+                assert isinstance(c, Completion) and len(c.logprobs) == len(c)
+                logits = model(input_ids=torch.tensor([p + list(c)])).logits[0, len(p) - 1:-1]
+                for t, token in enumerate(c):
+                    assert c.logprobs[t] == pytest.approx(hand_logprob(logits[t], token, 0.8, top_k, top_p), abs=1e-4)
+                    checked += 1
+    assert checked > 20
+    plain = KVCacheSampler(model, tok, CPU, batch_size=4, progress=False).generate(
+        prompts, 3, SamplingParams(max_new_tokens=6, temperature=0.8, top_k=top_k, top_p=top_p, seed=3))
+    assert plain == groups and not isinstance(plain[0][0], Completion)    # the flag changes nothing else
+
+
+def test_hf_sampler_records_logprobs_too(tiny):
+    model, tok = tiny
+    prompts = prompts_of(tok)
+    greedy = SamplingParams(max_new_tokens=8, greedy=True, logprobs=True)
+    hf = HFGenerateSampler(model, tok, CPU, batch_size=2, progress=False).generate(prompts, 1, greedy)
+    ours = KVCacheSampler(model, tok, CPU, progress=False).generate(prompts, 1, greedy)
+    assert hf == ours
+    for a, b in zip(hf, ours):
+        assert a[0].logprobs == pytest.approx(b[0].logprobs, abs=1e-4)
+    sampled = HFGenerateSampler(model, tok, CPU, batch_size=2, progress=False).generate(
+        prompts, 2, SamplingParams(max_new_tokens=5, seed=1, logprobs=True))
+    with torch.no_grad():
+        for p, group in zip(prompts, sampled):
+            for c in group:
+                logits = model(input_ids=torch.tensor([p + list(c)])).logits[0, len(p) - 1:-1]
+                expect = [hand_logprob(logits[t], token, 1.0, 0, 1.0) for t, token in enumerate(c)]
+                assert c.logprobs == pytest.approx(expect, abs=1e-4)
+
+
+def test_rollout_puts_the_sampler_logprobs_on_each_sample(tiny):
+    from grpo_core.rollout import rollout
+    from grpo_core.task import Task
+    model, tok = tiny
+    tasks = [Task(id="t0", kind="math", source="test", prompt="1+1?"), Task(id="t1", kind="math", source="test",
+                                                                           prompt="2+2?")]
+    backend = KVCacheSampler(model, tok, CPU, progress=False)
+    with_lp = rollout(backend, tok, tasks, 2, SamplingParams(max_new_tokens=4, seed=0, logprobs=True), "", 64)
+    without = rollout(backend, tok, tasks, 2, SamplingParams(max_new_tokens=4, seed=0), "", 64)
+    assert all(len(s.sampler_logprobs) == len(s.completion_ids) for s in with_lp)
+    assert all(type(s.completion_ids) is list for s in with_lp)
+    assert all(s.sampler_logprobs is None for s in without)
+    assert [s.completion_ids for s in with_lp] == [s.completion_ids for s in without]
+    assert with_lp[0].to_dict()["sampler_logprobs"] == with_lp[0].sampler_logprobs

@@ -1,9 +1,10 @@
-"""Run-level steps outside the stages (tasks/run.py): metric extraction and the dynamic-sampling merge.
+"""Run-level steps outside the stages (tasks/run.py): metric extraction, the dynamic-sampling merge and
+the choice of the best iteration.
 Starting adapters and registration are exercised end to end in test_ops_flow.py."""
 from __future__ import annotations
 
 from grpo_core.io import read_jsonl
-from tasks.run import merge_dynamic_rounds, numeric
+from tasks.run import best_iteration, merge_dynamic_rounds, numeric
 from tests.conftest import tiny_config
 from tests.test_dynamic_sampling import round_rows
 
@@ -25,3 +26,12 @@ def test_merge_dynamic_rounds_writes_the_merged_rows_without_a_tracking_run(tmp_
     assert samples.endswith("iter-1/samples.dynamic.jsonl") and scores.endswith("iter-1/scores.dynamic.jsonl")
     assert [s["task_id"] for s in read_jsonl(samples)] == ["a1", "a1", "b0", "b0"]
     assert stats["groups_kept"] == 2 and stats["groups_dropped"] == 1
+
+
+def test_best_iteration_is_the_highest_metric_after_the_base_model_ties_to_the_later():
+    from grpo_core.config import GRPOConfig
+    cfg = GRPOConfig(tracking={"best_metric": "eval/greedy/pass_at_1"})
+    m = lambda v: {"eval/greedy/pass_at_1": v}
+    assert best_iteration(cfg, {0: m(0.9), 1: m(0.5), 2: m(0.7), 3: m(0.7), 4: {}}, default=4) == 3
+    assert best_iteration(cfg, {"0": m(0.1), "1": m(0.3), "2": m(0.2)}, default=2) == 1    # summary.json keys
+    assert best_iteration(cfg, {0: m(1.0)}, default=5) == 5                                # only the base model

@@ -93,3 +93,24 @@ def test_rust_reward_end_to_end_docker():
 def test_malformed_task_gives_none():
     bad = Task(id="bad", kind="python", source="t", prompt="p", entry_point="f", tests={"format": "io", "cases": []})
     assert code_accuracy(["def f(): pass"], [bad], backend="local", retries=0) == [None]
+
+
+@pytest.mark.parametrize("backend", ["local", "docker"])
+def test_accuracy_reward_runs_code_tasks_through_the_same_columns(backend):
+    """The built-in `accuracy`, called the TRL way (prompts, completions, **columns), mixes math and code:
+    code is judged in the sandbox named by the run context, math in-process; a malformed code task is None
+    and so is its total (the sample is left out, never scored 0)."""
+    if backend == "docker":
+        need_docker()
+    from grpo_core.rewards import compute_rewards
+    math_task = Task(id="m", kind="math", source="s", prompt="What is 1 + 1?", answer="2")
+    bad = Task(id="bad", kind="python", source="t", prompt="p", entry_point="f", tests={"format": "io", "cases": []})
+    completions = ["```python\ndef add(a, b):\n    return a + b\n```", "<answer>2</answer>",
+                   "```python\ndef add(a, b):\n    return 3\n```", "def f(): pass"]
+    scores = compute_rewards(completions, [PY_TASK, math_task, PY_TASK, bad], ["accuracy", "format"], [1.0, 0.5],
+                             context={"sandbox_backend": backend, "code_reward_mode": "fraction"})
+    assert scores.per_func["accuracy"] == [1.0, 1.0, 0.5, None]
+    assert scores.totals == [1.5, 1.5, 1.0, None]
+    binary = compute_rewards(completions[2:3], [PY_TASK], ["accuracy"], [1.0],
+                             context={"sandbox_backend": backend, "code_reward_mode": "binary"})
+    assert binary.per_func["accuracy"] == [0.0]

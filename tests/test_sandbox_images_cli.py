@@ -10,7 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from sandbox import cli, images
+from flows.cli import sandbox as cli
+from sandbox import images
 from sandbox_support import need_docker
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -26,10 +27,10 @@ def _parser():
 def test_register_adds_sandbox_subcommands():
     ap = _parser()
     a = ap.parse_args(["sandbox", "build-images", "--force", "--method", "debootstrap", "--only", "rust"])
-    assert a.func is cli._cmd_build_images and a.force and a.method == "debootstrap" and a.only == "rust"
+    assert a.func is cli.cmd_build_images and a.force and a.method == "debootstrap" and a.only == "rust"
     a = ap.parse_args(["sandbox", "run-file", "x.py", "t.json", "--language", "python", "--entry-point", "f"])
-    assert a.func is cli._cmd_run_file and a.entry_point == "f"
-    assert ap.parse_args(["sandbox", "check"]).func is cli._cmd_check
+    assert a.func is cli.cmd_run_file and a.entry_point == "f"
+    assert ap.parse_args(["sandbox", "check"]).func is cli.cmd_check
     with pytest.raises(SystemExit):
         ap.parse_args(["sandbox"])
 

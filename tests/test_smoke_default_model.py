@@ -36,7 +36,7 @@ def test_default_model_rollout_and_update(real_home):
     text = " ".join(s.completion for s in samples)
     assert any(ch.isdigit() for ch in text)                  # a real pretrained model answers with numbers
     totals, _ = compute_rewards([s.completion for s in samples], [tasks[s.group] for s in samples],
-                                cfg.reward_funcs, cfg.weights)
+                                cfg.reward_funcs, cfg.reward_weights)
     # A fixed, varied reward so the step surely has signal even if the model got every answer equally right.
     batch = [ScoredSample(s.group, s.prompt_ids, s.completion_ids, float(i % 2) + t, s.truncated)
              for i, (s, t) in enumerate(zip(samples, totals))]

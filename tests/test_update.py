@@ -91,7 +91,7 @@ def reference_step_loss(policy, cfg, samples, idx_mbs, adv, old_lp, dapo_norm):
                 if masked:
                     continue
                 rho = torch.exp(lp[t] - old_lp[i][t])
-                j = torch.minimum(rho * adv[i], torch.clamp(rho, 1 - cfg.epsilon, 1 + cfg.epsilon_upper) * adv[i])
+                j = torch.minimum(rho * adv[i], torch.clamp(rho, 1 - cfg.epsilon, 1 + cfg.epsilon_high) * adv[i])
                 d = ref[t] - lp[t]
                 j = j - cfg.beta * (torch.exp(d) - d - 1)
                 acc, n = acc + j, n + 1
@@ -180,13 +180,21 @@ def test_metrics_clipping_and_masking(grpo_home):
     assert batch["completion_length_max"] == max(len(s.completion_ids) for s in samples)
 
 
-def test_unscorable_sample_drops_its_group(grpo_home):
+def test_unscorable_samples_leave_their_group_to_the_survivors(grpo_home):
+    """A sample that could not be scored (None, or no reward) is left out and its group trains on the
+    others; a group left with one member (no baseline) is dropped. tests/test_update_variants.py checks
+    the survivors' advantages and gradients."""
     cfg, policy = tiny_policy()
-    samples = make_samples(2, 4)
-    samples[1] = None
+    samples = make_samples(3, 4)
+    samples[1] = None                                                    # group 0 keeps 3 of 4
+    for i in (4, 5, 6):                                                  # group 1 keeps 1 of 4: dropped
+        samples[i] = None if i != 6 else ScoredSample(1, samples[7].prompt_ids, [11], None, False)
     opt = make_optimizer(policy, cfg)
     metrics, batch = grpo_update(policy, opt, make_scheduler(opt, cfg), samples, cfg, seed=0)
-    assert batch["groups_unscorable"] == 1 and metrics[0]["step_tokens"] > 0
+    assert batch["groups_total"] == 3 and batch["groups_unscorable"] == 1
+    assert batch["samples_unscorable"] == 4 and batch["groups_incomplete"] == 1
+    counted = sum(len(s.completion_ids) for s in samples[:4] + samples[8:] if s is not None)
+    assert metrics[0]["step_tokens"] == counted
 
 
 def test_lr_schedule_with_warmup():

@@ -39,7 +39,7 @@ from grpo_core.data import curation
 from grpo_core.data.records import REASONS, Rejection
 from grpo_core.task import Task, read_tasks
 from grpo_core.io import atomic_dir, atomic_write_text, write_jsonl
-from grpo_core.data.sources import SOURCE_NAMES, get_loader
+from grpo_core.data.sources import SOURCE_NAMES, check_source, get_loader
 from grpo_core.data.validate import validate
 
 # -- config ----------------------------------------------------------------------------------------------
@@ -106,8 +106,7 @@ class BuildConfig(_Strict):
         for i, s in enumerate(v):
             if not isinstance(s, dict) or "name" not in s:
                 raise ValueError(f"sources[{i}] must be a mapping with a 'name' (one of {', '.join(SOURCE_NAMES)})")
-            if s["name"] not in SOURCE_NAMES:
-                raise ValueError(f"sources[{i}].name {s['name']!r} is unknown; use one of {', '.join(SOURCE_NAMES)}")
+            check_source(s["name"], f"sources[{i}].name")    # built in or a plugin; the error says the fix
         return v
 
 
@@ -197,6 +196,7 @@ def build(cfg: BuildConfig, policy: curation.PolicyFn | None = None, progress: b
     train, ev = curation.split(tasks, cfg.eval_fraction)
     if cfg.eval_total is not None and len(ev) > cfg.eval_total:
         ev = sorted(ev, key=lambda t: curation.stable_hash(str(cfg.seed), t.content_hash()))[:cfg.eval_total]
+    curation.use_eval_wording(train, ev)
     external = [t for f in cfg.eval_files for t in read_any(f)]
     t0 = time.monotonic()
     x = cfg.decontam

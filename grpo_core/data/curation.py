@@ -43,6 +43,59 @@ def text_key(text: str) -> str:
     return " ".join(re.findall(r"\w+|[^\w\s]", text))
 
 
+_OPERATORS = set("+-*/^%=()")
+_COMMUTATIVE = {"+", "*"}
+_WORD_OPERATORS = {"plus": "+", "minus": "-", "times": "*"}
+_NUMBER = re.compile(r"\d+(?:\.\d+)?$")
+# Words and punctuation that only phrase an arithmetic question ("What is 3 + 5?", "Compute 3 + 5.",
+# "State the final answer to the following arithmetic problem: 3 + 5 ="): a question made of these and
+# one expression asks that expression, whatever the wording. A word outside this list ("modulo",
+# "apples") keeps the whole question as its key.
+TEMPLATE_WORDS = frozenset("what is compute calculate evaluate find work out solve the value of give result "
+                           "state final answer to following arithmetic problem expression please ? . : !".split())
+
+
+def _expression(tokens: list[str]) -> list[str] | None:
+    """The arithmetic expression a templated question asks, or None when it says more than that."""
+    body = [t for t in tokens if t not in TEMPLATE_WORDS]
+    while body and body[-1] == "=":
+        body.pop()
+    if not all(_NUMBER.match(t) or t in _OPERATORS for t in body):
+        return None
+    if not any(_NUMBER.match(t) for t in body) or not any(t in _OPERATORS for t in body):
+        return None
+    return body
+
+
+def _sort_commutative(tokens: list[str]) -> list[str]:
+    """Operands of a lone + or * in ascending order: '5 + 3' -> '3 + 5' (not '2 + 5 * 3', not '5 - 3')."""
+    tokens = list(tokens)
+    for i in range(1, len(tokens) - 1):
+        before = tokens[i - 2] if i >= 2 else ""
+        after = tokens[i + 2] if i + 2 < len(tokens) else ""
+        a, op, b = tokens[i - 1], tokens[i], tokens[i + 1]
+        if (op in _COMMUTATIVE and _NUMBER.match(a) and _NUMBER.match(b) and before not in _OPERATORS
+                and after not in _OPERATORS and float(a) > float(b)):
+            tokens[i - 1], tokens[i + 1] = b, a
+    return tokens
+
+
+def canonical_question(text: str) -> str:
+    """What a question asks, for telling questions apart by content: `text_key` tokens with numbers
+    written one way ('1,000' -> '1000', '2.50' -> '2.5', '×' -> '*', 'plus' -> '+'), the wording of a
+    templated arithmetic question dropped ('What is 3 + 5?' and 'Compute 3 + 5.' both give '3 + 5'),
+    and the operands of a lone commutative operation in order ('5 + 3' is '3 + 5'; '5 - 3' is not
+    '3 - 5', nor is '2 + 3 * 4' '3 + 2 * 4', where the '+' is not alone)."""
+    text = unicodedata.normalize("NFKC", text).lower().replace("×", "*").replace("·", "*")
+    text = re.sub(r"(?<=\d),(?=\d{3}\b)", "", text)
+    text = re.sub(r"\b(\d+)\.(\d*[1-9])?0+\b", lambda m: m.group(1) + (f".{m.group(2)}" if m.group(2) else ""), text)
+    tokens = re.findall(r"\d+(?:\.\d+)?|\w+|[^\w\s]", text)
+    tokens = [_WORD_OPERATORS[t] if t in _WORD_OPERATORS and 0 < i < len(tokens) - 1
+              and _NUMBER.match(tokens[i - 1]) and _NUMBER.match(tokens[i + 1]) else t
+              for i, t in enumerate(tokens)]
+    return " ".join(_sort_commutative(_expression(tokens) or tokens))
+
+
 def stable_hash(*parts: str) -> int:
     return int.from_bytes(hashlib.blake2b("\x1f".join(parts).encode(), digest_size=8).digest(), "big")
 
@@ -74,7 +127,7 @@ def minhash(sh: set[int], num_perm: int = 64, seed: int = 1) -> np.ndarray:
 
 def dedupe(tasks: Sequence[Task], near_threshold: float = 0.85, k: int = 5, num_perm: int = 64,
            bands: int = 16) -> tuple[list[Task], list[Rejection]]:
-    """Drop exact duplicates (same content hash or same normalised prompt) and near-duplicates
+    """Drop exact duplicates (same content hash or same `canonical_question`) and near-duplicates
     (MinHash LSH candidates confirmed by exact shingle Jaccard >= near_threshold). First seen wins."""
     kept: list[Task] = []
     rejected: list[Rejection] = []
@@ -84,7 +137,7 @@ def dedupe(tasks: Sequence[Task], near_threshold: float = 0.85, k: int = 5, num_
     kept_shingles: list[set[int]] = []
     rows = num_perm // bands
     for t in tasks:
-        ch, pk = t.content_hash(), hashlib.sha256(text_key(t.prompt).encode()).hexdigest()
+        ch, pk = t.content_hash(), hashlib.sha256(canonical_question(t.prompt).encode()).hexdigest()
         first = seen_content.get(ch) or seen_prompt.get(pk)
         if first:
             rejected.append(Rejection(t.id, t.source, "duplicate_exact", f"same as {first}"))
@@ -116,18 +169,30 @@ def dedupe(tasks: Sequence[Task], near_threshold: float = 0.85, k: int = 5, num_
 # -- split --------------------------------------------------------------------------------------------
 
 
-def split_of(task: Task, eval_fraction: float, salt: str = "grpo-split-v1") -> str:
-    """'eval' or 'train' from the task's content hash only: stable across runs, machines and order."""
+def split_of(task: Task, eval_fraction: float, salt: str = "grpo-split-v2") -> str:
+    """'eval' or 'train' from what the task asks (kind + `canonical_question`), never its id: stable
+    across runs, machines and order, and the same for two wordings of one question."""
     if eval_fraction <= 0:
         return "train"
-    return "eval" if stable_hash(salt, task.content_hash()) / 2 ** 64 < eval_fraction else "train"
+    return "eval" if stable_hash(salt, task.kind, canonical_question(task.prompt)) / 2 ** 64 < eval_fraction else "train"
 
 
-def split(tasks: Iterable[Task], eval_fraction: float, salt: str = "grpo-split-v1") -> tuple[list[Task], list[Task]]:
+def split(tasks: Iterable[Task], eval_fraction: float, salt: str = "grpo-split-v2") -> tuple[list[Task], list[Task]]:
     train, ev = [], []
     for t in tasks:
         (ev if split_of(t, eval_fraction, salt) == "eval" else train).append(t)
     return train, ev
+
+
+def use_eval_wording(train: Iterable[Task], ev: Iterable[Task]) -> None:
+    """Tasks that carry a second wording (`meta["eval_prompt"]`) are asked in it when held out, so
+    evaluation uses words training never saw; training tasks drop it. The split is unaffected:
+    `canonical_question` ignores the wording of a templated question."""
+    for t in train:
+        t.meta.pop("eval_prompt", None)
+    for t in ev:
+        if (reworded := t.meta.pop("eval_prompt", None)):
+            t.prompt = reworded
 
 
 # -- decontaminate -----------------------------------------------------------------------------------
@@ -140,7 +205,8 @@ def ngrams(text: str, n: int) -> set[str]:
 
 def decontaminate(train: Sequence[Task], eval_tasks: Sequence[Task], n: int = 8, threshold: float = 0.5,
                   boilerplate_df: int = 20) -> tuple[list[Task], list[Rejection]]:
-    """Drop training tasks whose prompt shares >= `threshold` of its word n-grams with eval prompts.
+    """Drop training tasks that ask an eval question again (same `canonical_question`), or whose prompt
+    shares >= `threshold` of its word n-grams with eval prompts.
 
     N-grams found in >= `boilerplate_df` different prompts (instructions, templates shared by a whole
     source) are ignored, so a shared "Reply in one ```rust block" does not make everything overlap.
@@ -153,8 +219,12 @@ def decontaminate(train: Sequence[Task], eval_tasks: Sequence[Task], n: int = 8,
             df[g] += 1
     common = {g for g, c in df.items() if c >= boilerplate_df}
     eval_set = set().union(*eval_grams) - common if eval_grams else set()
+    eval_questions = {canonical_question(t.prompt) for t in eval_tasks}
     kept, rejected = [], []
     for t, grams in zip(train, per_task):
+        if canonical_question(t.prompt) in eval_questions:
+            rejected.append(Rejection(t.id, t.source, "contaminated", "asks an eval question again"))
+            continue
         grams = grams - common
         if grams and eval_set:
             frac = len(grams & eval_set) / len(grams)

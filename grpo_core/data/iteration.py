@@ -1,55 +1,144 @@
 """What the `curate` stage does with curated data each iteration (pure Python; `tasks/curate.py` calls it).
 
-Once per run: resolve `data.curated` (a built dataset directory, a .parquet/.jsonl task file, or a
-curation YAML built into the run directory) and write the held-out split. Every iteration: re-measure
-each task's pass rate from the previous iterations' scores (later iterations win), drop tasks outside
+Once per run: resolve `data.curated` and write the held-out split. `data.curated` may name
+  - a dataset directory from `grpo data build` (used as is),
+  - a curation YAML (built once into <run_dir>/data/built),
+  - the user's own JSONL/CSV/Parquet file or `datasets` directory (`save_to_disk`): read with the same
+    column aliases as `grpo data build` (sources/files.py), then validated, deduplicated and split by
+    content like any build, cached by the file's content hash so that a second run reuses it.
+The resolution is recorded in <run_dir>/data/curated.json. Every iteration: re-measure each task's pass
+rate from the previous iterations' scores (later iterations win), drop tasks outside
 `data.pass_rate_band` (groups that are all right or all wrong teach nothing), and draw
 `data.prompts_per_iteration` prompts with the configured per-source/group weights.
 """
 from __future__ import annotations
 
+import hashlib
 import json
+import re
 from collections import Counter
 from pathlib import Path
 from typing import Any
 
 from grpo_core.data import curation
-from grpo_core.data.build import build, load_build_config, read_any, read_dataset
+from grpo_core.data.build import BuildConfig, build, load_build_config, read_dataset
+from grpo_core.data.records import REASONS
 from grpo_core.task import Task, write_tasks
-from grpo_core.io import atomic_write_text
+from grpo_core.io import atomic_write_text, read_json
 
-FILE_EVAL_FRACTION = 0.1  # held-out share when data.curated is a single task file
+FILE_EVAL_FRACTION = 0.1  # held-out share of a user's file
+FILE_LOADERS = {".jsonl": "jsonl", ".csv": "csv", ".parquet": "parquet"}
+HF_DISK_MARKERS = ("dataset_info.json", "dataset_dict.json", "state.json")
+FILE_BUILD_VERSION = "user-file-v1"  # part of the cache key: bump when the file pipeline changes
 
 
-def resolve_curated(spec: str, run_dir: str | Path) -> Path:
-    """The dataset `data.curated` names; a curation YAML is built once into <run_dir>/data/built."""
-    p = Path(spec)
-    if p.suffix not in (".yaml", ".yml"):
-        if not p.exists():
-            raise FileNotFoundError(f"data.curated: {spec!r} does not exist; give a dataset directory from "
-                                    "`grpo data build`, a .parquet/.jsonl task file, or a curation YAML")
-        return p
-    marker = Path(run_dir) / "data" / "curated.json"
-    if marker.is_file():
-        return Path(json.loads(marker.read_text())["path"])
-    result = build(load_build_config(p, {"out_dir": str(Path(run_dir) / "data" / "built")}))
-    atomic_write_text(marker, json.dumps({"path": str(result.path), "hash": result.report["dataset_hash"]}))
+# -- resolving data.curated ------------------------------------------------------------------------------
+
+
+def is_built_dataset(path: Path) -> bool:
+    return path.is_dir() and (path / "train.parquet").is_file()
+
+
+def file_source(path: Path) -> dict[str, Any]:
+    """The `grpo data build` source spec that reads the user's file or `datasets` directory."""
+    if path.is_dir():
+        if any((path / m).is_file() for m in HF_DISK_MARKERS):
+            return {"name": "hf_disk", "path": str(path)}
+        raise ValueError(f"data.curated: {str(path)!r} is a directory but neither a `grpo data build` dataset "
+                         "(train.parquet) nor a `datasets` directory written with save_to_disk")
+    if path.suffix.lower() not in FILE_LOADERS:
+        raise ValueError(f"data.curated: {str(path)!r} has an unknown type; give a .jsonl, .csv or .parquet file, "
+                         "a `datasets` directory, a dataset from `grpo data build` or a curation YAML")
+    return {"name": FILE_LOADERS[path.suffix.lower()], "path": str(path)}
+
+
+def content_key(path: Path) -> str:
+    """Hash of the file's bytes (of every file, for a directory) and of how it is curated."""
+    h = hashlib.sha256(f"{FILE_BUILD_VERSION}:{FILE_EVAL_FRACTION}".encode())
+    files = [path] if path.is_file() else sorted(f for f in path.rglob("*") if f.is_file())
+    for f in files:
+        h.update(f"\n{f.relative_to(path) if f != path else f.name}\n".encode())
+        with open(f, "rb") as fh:
+            for chunk in iter(lambda: fh.read(1 << 20), b""):
+                h.update(chunk)
+    return h.hexdigest()
+
+
+def build_user_file(path: Path, cache_dir: Path) -> Path:
+    """Validate, dedupe and split the user's file once; later calls with the same bytes reuse the result."""
+    name = re.sub(r"[^A-Za-z0-9._-]", "_", path.stem).lstrip("._-") or "data"
+    key = content_key(path)[:16]
+    marker = cache_dir / f"{name}-{key}.json"
+    if marker.is_file() and Path(cached := read_json(marker)["path"]).is_dir():
+        return Path(cached)
+    cfg = BuildConfig(name=name, out_dir=str(cache_dir / f"{name}-{key}"), sources=[file_source(path)],
+                      eval_fraction=FILE_EVAL_FRACTION)
+    result = build(cfg)
+    if not result.train:
+        raise ValueError(f"data.curated: no usable rows in {str(path)!r}\n"
+                         + describe_rejections(str(path), result.path))
+    atomic_write_text(marker, json.dumps({"path": str(result.path), "file": str(path), "content_key": key}))
     return result.path
 
 
+def resolve_curated(spec: str, run_dir: str | Path, cache_dir: str | Path | None = None) -> Path:
+    """The built dataset directory `data.curated` stands for, resolved (and built if needed) once per run.
+
+    User files are cached under `cache_dir` (default <run_dir>/data/curated); curation YAMLs are built
+    into <run_dir>/data/built."""
+    marker = Path(run_dir) / "data" / "curated.json"
+    if marker.is_file() and (resolved := read_json(marker)).get("spec", spec) == spec:
+        return Path(resolved["path"])
+    p = Path(spec)
+    if p.suffix in (".yaml", ".yml"):
+        path = build(load_build_config(p, {"out_dir": str(Path(run_dir) / "data" / "built")})).path
+    elif not p.exists():
+        raise FileNotFoundError(f"data.curated: {spec!r} does not exist; give a dataset directory from "
+                                "`grpo data build`, a curation YAML, or a .jsonl/.csv/.parquet file")
+    elif is_built_dataset(p):
+        path = p
+    else:
+        path = build_user_file(p, Path(cache_dir) if cache_dir else Path(run_dir) / "data" / "curated")
+    atomic_write_text(marker, json.dumps({"spec": spec, "path": str(path), **dataset_summary(path)}))
+    return path
+
+
+def dataset_summary(path: Path) -> dict[str, Any]:
+    """Counts of a built dataset from its report: totals and rows rejected per reason."""
+    report = path / "report.json"
+    if not report.is_file():
+        return {"hash": None, "totals": {}, "rejections": {}}
+    rep = json.loads(report.read_text())
+    return {"hash": rep.get("dataset_hash"), "totals": rep.get("totals", {}), "rejections": rep.get("rejections", {})}
+
+
+def describe_rejections(spec: str, path: Path) -> str:
+    """One paragraph for the user: how many rows were kept, how many were rejected and why."""
+    s = dataset_summary(path)
+    t = s["totals"]
+    lines = [f"data.curated {spec}: {t.get('train', '?')} training and {t.get('eval', '?')} held-out tasks "
+             f"({path}); {t.get('rejected', 0)} rows rejected"
+             + (f", one line each in {path / 'rejections.jsonl'}:" if s["rejections"] else ".")]
+    lines += [f"  {n:6d}  {reason}: {REASONS.get(reason, '')}" for reason, n in
+              sorted(s["rejections"].items(), key=lambda kv: -kv[1])]
+    return "\n".join(lines)
+
+
 def splits_of(path: Path) -> tuple[list[Task], list[Task]]:
-    """(train, eval) of a built dataset directory, or a hash split of a single task file."""
-    if path.is_dir():
-        return read_dataset(path, "train"), read_dataset(path, "eval")
-    return curation.split(read_any(path), FILE_EVAL_FRACTION)
+    """(train, eval) of a built dataset directory."""
+    return read_dataset(path, "train"), read_dataset(path, "eval")
 
 
-def eval_tasks(spec: str, run_dir: str | Path, n: int) -> list[Task]:
+def eval_tasks(spec: str, run_dir: str | Path, n: int, cache_dir: str | Path | None = None) -> list[Task]:
     """Up to n held-out tasks, in a stable order."""
-    _, ev = splits_of(resolve_curated(spec, run_dir))
+    _, ev = splits_of(resolve_curated(spec, run_dir, cache_dir))
     if not ev:
-        raise ValueError(f"data.curated {spec!r} has no eval split; build it with eval_fraction > 0")
+        raise ValueError(f"data.curated {spec!r} has no eval split; build it with eval_fraction > 0 "
+                         "(a user file needs enough distinct rows for a 10% split)")
     return sorted(ev, key=lambda t: t.content_hash())[:n]
+
+
+# -- each iteration ---------------------------------------------------------------------------------------
 
 
 def previous_pass_rates(run_dir: str | Path, iteration: int) -> dict[str, tuple[float, int]]:
@@ -84,9 +173,10 @@ def draw_prompts(pool: list[Task], n: int, weights: dict[str, float], seed: int,
 
 
 def curate_iteration(spec: str, run_dir: str | Path, iteration: int, n: int, weights: dict[str, float],
-                     band: tuple[float, float], recalibrate: bool, seed: int, out_dir: str | Path) -> dict[str, Any]:
+                     band: tuple[float, float], recalibrate: bool, seed: int, out_dir: str | Path,
+                     cache_dir: str | Path | None = None) -> dict[str, Any]:
     """Write <out_dir>/prompts.jsonl and curation.json; return the stage record fields."""
-    path = resolve_curated(spec, run_dir)
+    path = resolve_curated(spec, run_dir, cache_dir)
     train, _ = splits_of(path)
     if not train:
         raise ValueError(f"data.curated {spec!r} has no training tasks")
@@ -97,5 +187,6 @@ def curate_iteration(spec: str, run_dir: str | Path, iteration: int, n: int, wei
     report_path = atomic_write_text(Path(out_dir) / "curation.json", json.dumps(report, indent=2))
     return {"prompts": str(out), "num_prompts": len(prompts), "sources": info["sources"],
             "report": str(report_path), "dataset": str(path),
+            "rejections": dataset_summary(path)["rejections"],
             "metrics": {"pool": info["pool"], "in_band": info["in_band"], "out_of_band": info["out_of_band"],
                         "measured": info["measured"]}}

@@ -17,7 +17,7 @@ def model_policy(model: str, max_new_tokens: int = 64, temperature: float = 1.0,
     import torch
 
     from grpo_core.models import load_base_model, load_tokenizer, resolve_model, select_device
-    from grpo_core.rewards import accuracy_reward
+    from grpo_core.rewards import CORRECTNESS_FUNC, compute_rewards
     from grpo_core.rollout import HFGenerateSampler, rollout
     from grpo_core.sampling import SamplingParams
 
@@ -32,7 +32,8 @@ def model_policy(model: str, max_new_tokens: int = 64, temperature: float = 1.0,
 
     def policy(tasks: Sequence[Task], k: int) -> list[list[float]]:
         samples = rollout(backend, tok, tasks, k, params, fmt, max_prompt_length)
-        scores = accuracy_reward([s.completion for s in samples], [tasks[s.group] for s in samples])
+        scores = compute_rewards([s.completion for s in samples], [tasks[s.group] for s in samples],
+                                 [CORRECTNESS_FUNC], [1.0]).per_func[CORRECTNESS_FUNC]
         out: list[list[float]] = [[] for _ in tasks]
         for s, r in zip(samples, scores):
             if r is not None:          # unscorable (sandbox failure): left out, not counted as wrong

@@ -3,7 +3,8 @@
 Each row becomes a Task. Columns are matched by name (first present wins):
   prompt <- prompt | question | problem | instruction;  answer <- answer | final_answer | solution_value
   tests  <- tests (a dict, or a JSON string);  reference_solution <- reference_solution | canonical_solution
-  id, kind, entry_point, difficulty, license, meta are used when present.
+  id, kind, entry_point, difficulty, license, meta, and source/provenance are used when present (so a
+  file in the task schema itself, e.g. one written by `write_tasks`, keeps its sources).
 Rule: a row with neither an `answer` nor `tests` is rejected as not automatically verifiable;
 a row whose fields do not fit the schema is rejected as invalid_schema with the field named.
 """
@@ -24,7 +25,7 @@ ALIASES = {
     "answer": ("answer", "final_answer", "solution_value"),
     "reference_solution": ("reference_solution", "canonical_solution"),
 }
-PASSTHROUGH = ("id", "kind", "tests", "entry_point", "difficulty", "license", "meta")
+PASSTHROUGH = ("id", "kind", "tests", "entry_point", "difficulty", "license", "meta", "source", "provenance")
 
 
 def _first(row: dict[str, Any], names: tuple[str, ...]) -> Any:
@@ -63,12 +64,12 @@ def row_to_task(row: dict[str, Any], source: str, origin: str, index: int,
     meta = _maybe_json(row.get("meta")) or {}
     try:
         difficulty = None if row.get("difficulty") in (None, "") else float(row["difficulty"])
-        task = Task(id=tid, kind=str(kind), source=source, prompt=str(prompt),
+        task = Task(id=tid, kind=str(kind), source=str(row.get("source") or source), prompt=str(prompt),
                     answer=None if answer is None else str(answer), tests=tests,
                     entry_point=row.get("entry_point") or None,
                     reference_solution=_first(row, ALIASES["reference_solution"]),
                     difficulty=difficulty, license=str(row.get("license") or license),
-                    provenance=f"{origin} row {index}", meta=meta if isinstance(meta, dict) else {"meta": meta})
+                    provenance=str(row.get("provenance") or f"{origin} row {index}"), meta=meta if isinstance(meta, dict) else {"meta": meta})
         if task.tests is not None and not isinstance(task.tests, dict):
             raise TaskValidationError(f"task {tid!r}: field 'tests' must be a JSON object with a 'format' key")
         return task.validate()

@@ -1,6 +1,7 @@
 """`grpo data ...`: build a curated dataset, print its statistics, list the sources.
 
-The pipeline CLI (`flows/cli.py`) calls `register(subparsers)`; each command sets `func(args) -> int`.
+The curation itself is grpo_core.data (build, stats, the source loaders); this module parses the
+arguments and prints the results.
 """
 from __future__ import annotations
 
@@ -8,8 +9,9 @@ import argparse
 import json
 import sys
 
+from flows.cli.format import format_source_counts
 from grpo_core.data.records import REASONS
-from grpo_core.data.sources import SOURCE_NAMES, get_loader
+from grpo_core.data.sources import list_sources
 
 BUILD_EPILOG = """\
 The config is YAML (a standalone file, or a training config with a `curation:` section):
@@ -50,7 +52,7 @@ def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     s.add_argument("--json", action="store_true", help="print JSON instead of a table")
     s.set_defaults(func=cmd_stats)
 
-    ls = dsub.add_parser("sources", help="list data sources and rejection reasons")
+    ls = dsub.add_parser("sources", help="list data sources (built-in and installed plugins) and rejection reasons")
     ls.set_defaults(func=cmd_sources)
     return d
 
@@ -71,17 +73,10 @@ def cmd_build(args) -> int:
     rep = result.report
     print(f"dataset {result.path}")
     print(f"  train {len(result.train)}  eval {len(result.eval)}  hash {rep['dataset_hash'][:12]}")
-    _print_sources(rep["sources"])
+    print(format_source_counts(rep["sources"]))
     print("  rejections: " + (", ".join(f"{k}={v}" for k, v in rep["rejections"].items()) or "none"))
     print(f"  report: {result.path / 'report.json'}")
     return 0
-
-
-def _print_sources(sources: dict) -> None:
-    print(f"  {'source':<16}{'group':<11}{'loaded':>7}{'valid':>7}{'train':>7}{'eval':>6}  rejected")
-    for name, v in sources.items():
-        rej = ", ".join(f"{k}={n}" for k, n in v["rejected"].items())
-        print(f"  {name:<16}{v['group']:<11}{v['loaded']:>7}{v['valid']:>7}{v['train']:>7}{v['eval']:>6}  {rej}")
 
 
 def cmd_stats(args) -> int:
@@ -112,24 +107,19 @@ def cmd_stats(args) -> int:
 
 
 def cmd_sources(args) -> int:
+    sources = list_sources()
     print("sources (name, group, what):")
-    for name in SOURCE_NAMES:
-        loader, group = get_loader(name)
-        doc = (sys.modules[loader.__module__].__doc__ or "").strip().splitlines()[0]
-        print(f"  {name:<16}{group:<11}{doc}")
+    for s in sources:
+        if s.origin == "built-in":
+            print(f"  {s.name:<16}{s.group:<11}{s.summary}")
+    plugins = [s for s in sources if s.origin != "built-in"]
+    print("plugin sources (entry-point group grpo_pipeline.sources; name, group, what, from):")
+    for s in plugins:
+        print(f"  {s.name:<16}{s.group:<11}{s.summary}  [{s.origin}]")
+    if not plugins:
+        print('  none installed (any source may also be written "package.module:function")')
     print("rejection reasons:")
     for r, text in REASONS.items():
         print(f"  {r:<21}{text}")
     return 0
 
-
-def main(argv: list[str] | None = None) -> int:
-    """Standalone entry point (`python -m grpo_core.data.cli build --config ...`)."""
-    p = argparse.ArgumentParser(prog="grpo")
-    register(p.add_subparsers(dest="command", required=True))
-    args = p.parse_args(["data", *(argv if argv is not None else sys.argv[1:])])
-    return args.func(args)
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,6 +1,7 @@
-"""Operations subcommands: `grpo resume`, `grpo runs`, `grpo schedule`, `grpo compare`, `grpo adapter`.
+"""Operations commands: `grpo resume`, `grpo runs`, `grpo schedule`, `grpo compare`, `grpo adapter`.
 
-`flows/cli.py` hooks them in with `ops_cli.register(sub)`; each handler is also a plain function.
+Each handler is also a plain function (`list_runs`, `compare_runs`); the tables they print live in
+flows/cli/format.py. Flows and tracking are imported inside the handlers, after main.configure_env().
 """
 from __future__ import annotations
 
@@ -10,10 +11,10 @@ import math
 import sys
 from pathlib import Path
 
+from flows.cli.format import format_comparison, format_eval_table, format_runs_table
 from grpo_core.config import ConfigError, GRPOConfig, load_config
 
-MAIN_CURVES = ("reward/mean", "train/loss", "train/kl", "eval/greedy/pass_at_1", "eval/sampled/pass_at_1",
-               "eval/greedy/accuracy")
+MAIN_CURVES = ("reward/mean", "train/loss", "train/kl", "eval/greedy/pass_at_1", "eval/sampled/pass_at_1")
 DEFAULT_METRIC_PREFIXES = ("eval/greedy/", "eval/sampled/", "reward/", "train/loss", "train/kl", "train/reward",
                            "data/", "sys/iteration_seconds")
 
@@ -43,12 +44,10 @@ def run_config(run_dir: Path, overrides: list[str] | None = None) -> GRPOConfig:
 
 def cmd_resume(args) -> int:
     import time
-    from flows.cli import format_eval_table
-    from flows.train import training_run
-    from tasks.common import run_status
+    from flows.train import preflight, training_run
+    from tasks.run_state import run_status
     run_dir = find_run_dir(args.run, args.output_dir)
     cfg = run_config(run_dir, args.set)
-    from flows.train import preflight
     preflight(cfg)
     before = run_status(run_dir)
     print(f"Resuming {run_dir} (status {before['status']}, last completed {before['last_completed']}, "
@@ -66,7 +65,7 @@ def cmd_resume(args) -> int:
 # -- grpo runs ------------------------------------------------------------------------------------------
 
 def list_runs(output_dir: str | Path) -> list[dict]:
-    from tasks.common import run_status
+    from tasks.run_state import run_status
     root = Path(output_dir)
     rows = [run_status(d) for d in sorted(root.iterdir()) if (d / "config.yaml").exists()] if root.is_dir() else []
     return sorted(rows, key=lambda r: r["updated"])
@@ -80,13 +79,7 @@ def cmd_runs(args) -> int:
     if not rows:
         print(f"no runs under {args.output_dir}")
         return 0
-    cols = ("run", "status", "iterations", "last_completed", "mlflow_run_id", "updated")
-    widths = {c: max(len(c), *(len(str(r[c])) for r in rows)) for c in cols}
-    print("  ".join(c.upper().ljust(widths[c]) for c in cols))
-    for r in rows:
-        print("  ".join(str(r[c]).ljust(widths[c]) for c in cols))
-        if r["status"] in ("failed", "killed") and r.get("error"):
-            print(f"    error: {r['error']}")
+    print(format_runs_table(rows))
     if any(r["status"] in ("failed", "killed") for r in rows):
         print("\ncontinue a failed or killed run with: grpo resume RUN"
               + (f" --output-dir {args.output_dir}" if args.output_dir != "runs" else ""))
@@ -165,31 +158,11 @@ def compare_runs(runs: list[str], output_dir: str | None = None, tracking_uri: s
     metrics = [f[2].data.metrics for f in fetched]
     keys = sorted(k for k in set().union(*metrics) if k.startswith(tuple(prefixes)))
     final = {k: [m.get(k) for m in metrics] for k in keys}
-    table = _table(labels, diff, final, [f[2].info.status for f in fetched])
+    table = format_comparison(labels, diff, final, [f[2].info.status for f in fetched])
     result = {"labels": labels, "config_diff": diff, "final_metrics": final, "table": table}
     if png:
         result["png"] = _plot(fetched, png)
     return result
-
-
-def _fmt(v) -> str:
-    if v is None:
-        return "-"
-    if isinstance(v, float):
-        return "nan" if math.isnan(v) else f"{v:.4g}"
-    return str(v)
-
-
-def _table(labels, diff, final, statuses) -> str:
-    w0 = max([28, *(len(k) for k in [*diff, *final])]) + 2
-    w = max(14, *(len(l) + 2 for l in labels))
-    head = "".ljust(w0) + "".join(l.rjust(w) for l in labels)
-    lines = [head, "status".ljust(w0) + "".join(s.rjust(w) for s in statuses), "",
-             "config differences" + ("" if diff else ": none")]
-    lines += [k.ljust(w0) + "".join(_fmt(v)[:w - 1].rjust(w) for v in vals) for k, vals in diff.items()]
-    lines += ["", "final metrics"]
-    lines += [k.ljust(w0) + "".join(_fmt(v).rjust(w) for v in vals) for k, vals in final.items()]
-    return "\n".join(lines)
 
 
 def _plot(fetched, png: str) -> str:
@@ -292,23 +265,3 @@ def register(sub) -> None:
     f.add_argument("--tracking-uri")
     f.set_defaults(func=cmd_adapter_fetch)
 
-
-def build_parser() -> argparse.ArgumentParser:
-    """A parser with only the operations commands (tests; `python -m flows.ops_cli`)."""
-    p = argparse.ArgumentParser(prog="grpo")
-    register(p.add_subparsers(dest="command", required=True))
-    return p
-
-
-def main(argv: list[str] | None = None) -> int:
-    from flows import cli  # noqa: F401 - sets the offline/quiet environment defaults
-    args = build_parser().parse_args(argv)
-    try:
-        return args.func(args)
-    except ConfigError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-
-
-if __name__ == "__main__":
-    sys.exit(main())

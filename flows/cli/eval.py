@@ -16,6 +16,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+from flows.cli.format import format_eval_table
+
 EPILOG = """\
 --dataset is a JSONL file of task rows (grpo_core.task.Task: id, kind, source, prompt, answer or
 tests, ...) or the name 'arithmetic' (questions from the config's data section, the split runs hold out).
@@ -137,7 +139,7 @@ def _log_to_mlflow(cfg, args, metrics: dict, rows: list[dict], alerts: list, ada
     """A new MLflow run (step 0) holding this evaluation, tagged with what was evaluated."""
     import time
     from tasks import tracking
-    from tasks.evaluate import log_evaluation
+    from tasks.eval_logging import log_evaluation
     c = tracking.client(cfg)
     run = c.create_run(tracking.experiment_id(cfg), run_name=time.strftime("eval-%Y%m%d-%H%M%S"), tags={
         "grpo.kind": "eval", "base_model": cfg.model, "adapter": adapter or "(base model)",
@@ -164,7 +166,6 @@ def _write_outputs(out: Path, cfg, metrics: dict, rows: list[dict]) -> None:
 
 
 def cmd_eval(args) -> int:
-    from flows.cli import format_eval_table
     metrics, rows, alerts = run_eval(args)
     for a in alerts:
         print(f"WARNING: reward-hacking monitor '{a.name}' tripped: {a.message}", file=sys.stderr)

@@ -1,32 +1,31 @@
-"""``grpo sandbox ...`` subcommands (hooked into the grpo CLI with :func:`register`).
+"""``grpo sandbox ...``: build the sandbox images, check or try the sandbox. The sandbox package is the
+library (sandbox.api.score, sandbox.images); these commands only parse arguments and print.
 
     grpo sandbox build-images [--force] [--method auto|dockerfile|debootstrap] [--only python|rust]
     grpo sandbox check                      # engine, images, bubblewrap, chosen backend
     grpo sandbox run-file CODE TESTS.json --language python|rust [--entry-point NAME] [--backend B]
     grpo sandbox reap                       # remove sandbox containers left by dead processes
-
-Standalone: ``python -m sandbox.cli <subcommand>``.
 """
 from __future__ import annotations
 
 import argparse
 import json
-import sys
+
+from sandbox.images import add_build_args, run_build
 
 
 def register(subparsers) -> argparse.ArgumentParser:
     """Add the ``sandbox`` command to an argparse ``subparsers`` object; returns its parser."""
     p = subparsers.add_parser("sandbox", help="build sandbox images, check or try the sandbox",
-                              description=__doc__.split("\n")[0])
+                              description="Build the sandbox images, check the sandbox, run one file in it.")
     sub = p.add_subparsers(dest="sandbox_cmd", required=True)
 
     b = sub.add_parser("build-images", help="build the Python and Rust sandbox images")
-    from sandbox.images import add_build_args
     add_build_args(b)
-    b.set_defaults(func=_cmd_build_images)
+    b.set_defaults(func=cmd_build_images)
 
     c = sub.add_parser("check", help="report engine, images, bubblewrap and the backend 'auto' picks")
-    c.set_defaults(func=_cmd_check)
+    c.set_defaults(func=cmd_check)
 
     r = sub.add_parser("run-file", help="run one code file against a tests JSON file; print the verdict")
     r.add_argument("code", help="source file (the completion's code)")
@@ -34,19 +33,18 @@ def register(subparsers) -> argparse.ArgumentParser:
     r.add_argument("--language", required=True, choices=["python", "rust"])
     r.add_argument("--entry-point", default=None, help="function name (python)")
     r.add_argument("--backend", default="auto", choices=["auto", "docker", "local"])
-    r.set_defaults(func=_cmd_run_file)
+    r.set_defaults(func=cmd_run_file)
 
     x = sub.add_parser("reap", help="remove sandbox containers whose owning process is gone")
-    x.set_defaults(func=_cmd_reap)
+    x.set_defaults(func=cmd_reap)
     return p
 
 
-def _cmd_build_images(args) -> int:
-    from sandbox.images import run_build
+def cmd_build_images(args) -> int:
     return run_build(args)
 
 
-def _cmd_check(args) -> int:
+def cmd_check(args) -> int:
     from sandbox.docker_backend import docker_available, engine_answers
     from sandbox.images import IMAGES, image_exists
     from sandbox.local_backend import bwrap_works
@@ -60,7 +58,7 @@ def _cmd_check(args) -> int:
     return 0
 
 
-def _cmd_run_file(args) -> int:
+def cmd_run_file(args) -> int:
     from sandbox.types import Job
     from sandbox.api import score
     with open(args.code, encoding="utf-8") as f:
@@ -73,19 +71,8 @@ def _cmd_run_file(args) -> int:
     return 0 if v.status == "pass" else 1
 
 
-def _cmd_reap(args) -> int:
+def cmd_reap(args) -> int:
     from sandbox.docker_backend import reap_leftovers
     print(f"removed {reap_leftovers()} container(s)")
     return 0
 
-
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m sandbox.cli")
-    sub = ap.add_subparsers(dest="cmd", required=True)
-    register(sub)
-    args = ap.parse_args(["sandbox", *(sys.argv[1:] if argv is None else argv)])
-    return args.func(args)
-
-
-if __name__ == "__main__":
-    sys.exit(main())

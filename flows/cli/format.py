@@ -1,0 +1,104 @@
+"""The tables the commands print, as plain strings: held-out metrics before/after, the runs of a
+directory, runs side by side, the sources of a built dataset. Pure functions of their inputs; no
+command logic and no I/O here."""
+from __future__ import annotations
+
+import math
+
+EVAL_MODES = ("greedy", "sampled")
+RUN_COLUMNS = ("run", "status", "iterations", "last_completed", "mlflow_run_id", "updated")
+
+
+# -- held-out metrics -----------------------------------------------------------------------------------
+
+def _eval_row_rank(key: str):
+    """Sort key of a metric row of the eval table, or None for a metric the table leaves out."""
+    parts = key.split("/")
+    if len(parts) >= 3 and parts[1] in EVAL_MODES:                      # overall: eval/<mode>/<metric>
+        metric = "/".join(parts[2:])
+        if metric == "accuracy":                    # grpo_core.evaluation's older alias of greedy pass_at_1
+            return None
+        order = ((0, int(metric[8:])) if metric.startswith("pass_at_") and metric[8:].isdigit() else
+                 (1, 0) if metric.startswith("reward/") else (2, 0))
+        return (0, EVAL_MODES.index(parts[1]), order, metric)
+    if len(parts) == 4 and parts[2] in EVAL_MODES and parts[3] == "pass_at_1":   # per source / kind
+        return (1, parts[1], EVAL_MODES.index(parts[2]), "")
+    if parts[1:2] == ["monitor"] and (parts[-1].endswith("_frac") or parts[-1] in ("length_ratio", "tripped_count")) \
+            and len(parts) == 3:
+        return (2, 0, 0, parts[2])
+    return None
+
+
+def format_eval_table(evals: dict) -> str:
+    """Compact before/after table of held-out metrics (iteration 0 = base model): overall metrics,
+    pass@1 per source, and the monitors; at most 6 iteration columns (first + last 5) and the change."""
+    if not evals:
+        return "(evaluation disabled)"
+    iters = sorted(evals, key=int)
+    shown = iters if len(iters) <= 6 else [iters[0], *iters[-5:]]
+    keys = {k for m in evals.values() for k in m}
+    ranks = {k: _eval_row_rank(k) for k in keys}
+    sources = {k.split("/")[1] for k, r in ranks.items() if r and r[0] == 1}
+    rows = sorted((k for k, r in ranks.items() if r is not None and not (r[0] == 1 and len(sources) < 2)
+                   and not (k.endswith("/unscored_frac") and not any(evals[i].get(k) for i in iters))),
+                  key=ranks.__getitem__)
+    if not rows:
+        return "(no evaluation metrics)"
+    width = max(len(k) for k in rows) + 2
+    head = f"{'metric':<{width}}" + "".join(f"{'iter ' + str(i):>10}" for i in shown)
+    head += f"{'change':>10}" if len(shown) > 1 else ""
+    lines = [head, "-" * len(head)]
+    for k in rows:
+        vals = [evals[i].get(k) for i in shown]
+        cells = "".join(f"{v:>10.3f}" if v is not None else f"{'-':>10}" for v in vals)
+        if len(shown) > 1:
+            cells += f"{vals[-1] - vals[0]:>+10.3f}" if vals[0] is not None and vals[-1] is not None else f"{'':>10}"
+        lines.append(f"{k:<{width}}" + cells)
+    return "\n".join(lines)
+
+
+# -- runs -----------------------------------------------------------------------------------------------
+
+def format_runs_table(rows: list[dict]) -> str:
+    """One line per run (tasks.run_state.run_status), and the error under a failed or killed one."""
+    widths = {c: max(len(c), *(len(str(r[c])) for r in rows)) for c in RUN_COLUMNS}
+    lines = ["  ".join(c.upper().ljust(widths[c]) for c in RUN_COLUMNS)]
+    for r in rows:
+        lines.append("  ".join(str(r[c]).ljust(widths[c]) for c in RUN_COLUMNS))
+        if r["status"] in ("failed", "killed") and r.get("error"):
+            lines.append(f"    error: {r['error']}")
+    return "\n".join(lines)
+
+
+def _cell(value) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, float):
+        return "nan" if math.isnan(value) else f"{value:.4g}"
+    return str(value)
+
+
+def format_comparison(labels: list[str], config_diff: dict, final_metrics: dict, statuses: list[str]) -> str:
+    """Runs side by side: status, the config fields that differ, the final value of each metric."""
+    name_width = max([28, *(len(k) for k in [*config_diff, *final_metrics])]) + 2
+    width = max(14, *(len(label) + 2 for label in labels))
+    head = "".ljust(name_width) + "".join(label.rjust(width) for label in labels)
+    lines = [head, "status".ljust(name_width) + "".join(s.rjust(width) for s in statuses), "",
+             "config differences" + ("" if config_diff else ": none")]
+    lines += [k.ljust(name_width) + "".join(_cell(v)[:width - 1].rjust(width) for v in vals)
+              for k, vals in config_diff.items()]
+    lines += ["", "final metrics"]
+    lines += [k.ljust(name_width) + "".join(_cell(v).rjust(width) for v in vals) for k, vals in final_metrics.items()]
+    return "\n".join(lines)
+
+
+# -- datasets -------------------------------------------------------------------------------------------
+
+def format_source_counts(sources: dict) -> str:
+    """Per source of a built dataset (its report's `sources`): loaded, valid, split sizes, rejections."""
+    lines = [f"  {'source':<16}{'group':<11}{'loaded':>7}{'valid':>7}{'train':>7}{'eval':>6}  rejected"]
+    for name, v in sources.items():
+        rejected = ", ".join(f"{k}={n}" for k, n in v["rejected"].items())
+        lines.append(f"  {name:<16}{v['group']:<11}{v['loaded']:>7}{v['valid']:>7}{v['train']:>7}{v['eval']:>6}"
+                     f"  {rejected}")
+    return "\n".join(lines)

@@ -1,0 +1,76 @@
+"""`grpo`: the parser, the environment defaults, and running one command.
+
+Each command group registers itself (`register(subparsers)` in train, eval, export, ops, data, sandbox);
+this module only assembles them, sets the offline/quiet environment defaults and maps the errors a
+user can fix to exit status 2. Nothing here runs at import time.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+from flows.cli import data, export, ops, sandbox, train
+from flows.cli import eval as evaluate
+from grpo_core.config import ConfigError
+from grpo_core.models import ModelError
+
+COMMAND_GROUPS = (train, evaluate, export, ops, data, sandbox)         # the order `grpo --help` lists them in
+
+# Offline, quiet, robust defaults. A value already in the environment wins.
+ENV_DEFAULTS = {
+    "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+    "HF_HUB_OFFLINE": "1",
+    "TRANSFORMERS_OFFLINE": "1",
+    "HF_DATASETS_OFFLINE": "1",
+    "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "180",
+    "TOKENIZERS_PARALLELISM": "false",
+    "MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR": "false",
+}
+
+
+def configure_env() -> None:
+    """Set ENV_DEFAULTS where unset. Call before Prefect, transformers or huggingface_hub are
+    imported: they read these variables once, at import."""
+    for name, value in ENV_DEFAULTS.items():
+        os.environ.setdefault(name, value)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="grpo", formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="GRPO training pipeline for small language models: Prefect flows (curate, rollout, "
+                    "score, update, evaluate), rewards checked by programs, everything tracked in MLflow.",
+        epilog="Run `grpo <command> --help` for the options of a command.")
+    subparsers = p.add_subparsers(dest="command", metavar="<command>", required=True)
+    for group in COMMAND_GROUPS:
+        group.register(subparsers)
+    return p
+
+
+def _quiet_libraries() -> None:
+    """Keep the terminal for our progress bars and results: no per-load bars or deprecation chatter."""
+    import warnings
+    warnings.filterwarnings("ignore", category=FutureWarning)
+    warnings.filterwarnings("ignore", category=DeprecationWarning)
+    from transformers.utils import logging as hf_logging
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+
+
+def main(argv: list[str] | None = None) -> int:
+    configure_env()
+    args = build_parser().parse_args(argv)
+    _quiet_libraries()
+    try:
+        return args.func(args)
+    except (ConfigError, ModelError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("interrupted; re-run the same command with --run-name to resume", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,106 @@
+"""`grpo train`, `grpo config`, `grpo model fetch`: start a training run, show the config it would use,
+fetch a built-in model. The run itself is flows.train.training_run; this module only turns arguments
+into a validated config and prints the summary."""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+from flows.cli.format import format_eval_table
+from grpo_core.config import field_help, load_config
+
+TRAIN_EPILOG = """\
+Configuration fields (set in the YAML file or with --set key=value; dotted keys for sections):
+{fields}
+
+Examples:
+  grpo train                                   # the default: SmolLM2-135M-Instruct on 1-digit addition
+  grpo train --config configs/default.yaml --set learning_rate=1e-4 --set data.max_digits=2
+  grpo train --set model=tiny-random --set pipeline_iterations=1   # a quick smoke run
+  grpo train --data my_questions.csv           # your own questions (rows without a checkable answer are rejected)
+Re-running with the same --run-name resumes that run: completed stages are skipped.
+"""
+
+
+def default_run_name() -> str:
+    return time.strftime("run-%Y%m%d-%H%M%S")
+
+
+def _load(args):
+    overrides = list(args.set or [])
+    if getattr(args, "run_name", None):
+        overrides.append(f"run_name={args.run_name}")
+    if getattr(args, "output_dir", None):
+        overrides.append(f"output_dir={args.output_dir}")
+    if getattr(args, "data", None):     # --data FILE: the shortcut for --set data.curated=FILE
+        overrides.append(f"data.curated={json.dumps(str(Path(args.data).resolve()))}")
+    return load_config(args.config, overrides)
+
+
+def cmd_train(args) -> int:
+    cfg = _load(args)
+    if cfg.run_name is None:
+        cfg.run_name = default_run_name()
+    # Imported here, not at the top: Prefect must see the environment main.configure_env() sets.
+    from flows.train import preflight, training_run
+    from tasks.tracking import ui_command
+    preflight(cfg)  # a re-run whose settings contradict the existing run fails here, before the engine starts
+    t0 = time.time()
+    summary = training_run(config=cfg.model_dump(mode="json"))
+    minutes = (time.time() - t0) / 60
+    print("\n" + "=" * 72)
+    print(f"Run {cfg.run_name} finished in {minutes:.1f} min. Held-out evaluation (iteration 0 = base model):\n")
+    print(format_eval_table(summary["evals"]))
+    print(f"\nRun directory:   {summary['run_dir']}")
+    print(f"Final adapter:   {summary['final_checkpoint']}")
+    print(f"MLflow run id:   {summary['mlflow_run_id']}")
+    print(f"Open the UI:     {ui_command(cfg)}")
+    return 0
+
+
+def cmd_config(args) -> int:
+    cfg = _load(args)
+    sys.stdout.write(cfg.to_yaml())
+    return 0
+
+
+def cmd_model_fetch(args) -> int:
+    from grpo_core.models import resolve_model
+    path = resolve_model(args.model)
+    print(path)
+    return 0
+
+
+def _with_config(sp: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    sp.add_argument("--config", "-c", metavar="YAML", help="config file (YAML); defaults apply to missing fields")
+    sp.add_argument("--set", "-s", action="append", metavar="KEY=VALUE",
+                    help="override a field, e.g. --set beta=0.0 --set data.max_digits=2 (repeatable)")
+    return sp
+
+
+def register(subparsers) -> None:
+    """Add `train`, `config` and `model fetch` to the `grpo` parser's subparsers."""
+    t = _with_config(subparsers.add_parser(
+        "train", help="run a GRPO training run (the main job)",
+        description="Train a model with GRPO. Evaluates the base model, then runs pipeline_iterations iterations "
+                    "of curate -> rollout -> score -> update -> evaluate as a Prefect flow, logging to MLflow.",
+        epilog=TRAIN_EPILOG.format(fields=field_help()), formatter_class=argparse.RawDescriptionHelpFormatter))
+    t.add_argument("--run-name", help="name of the run directory (default: run-<date>-<time>); reuse to resume")
+    t.add_argument("--output-dir", help="where run directories and the local MLflow store live (default: runs)")
+    t.add_argument("--data", metavar="FILE", help="train on your own questions: a JSONL/CSV/Parquet file or a "
+                   "`datasets` directory (columns prompt|question|problem, answer or tests), a dataset from "
+                   "`grpo data build`, or a curation YAML; same as --set data.curated=FILE")
+    t.set_defaults(func=cmd_train)
+
+    c = _with_config(subparsers.add_parser("config",
+                                           help="print the validated config as YAML (defaults + file + overrides)"))
+    c.set_defaults(func=cmd_config)
+
+    m = subparsers.add_parser("model", help="model utilities")
+    msub = m.add_subparsers(dest="model_command", metavar="<action>", required=True)
+    f = msub.add_parser("fetch", help="fetch and convert a built-in model into $GRPO_HOME (done on first use anyway)")
+    f.add_argument("model", nargs="?", default="smollm2-135m-instruct")
+    f.set_defaults(func=cmd_model_fetch)

@@ -1,0 +1,68 @@
+"""What an evaluation reports beyond its record: warnings for tripped monitors, and the MLflow side
+(metrics at step = iteration, a sample table per iteration, plots, monitor tags, the held-out split).
+Shared by the evaluate stage and `grpo eval --mlflow`; computes nothing itself."""
+from __future__ import annotations
+
+import sys
+import tempfile
+from pathlib import Path
+
+from grpo_core.config import GRPOConfig
+from grpo_core.monitors import Alert
+from tasks import tracking
+
+TABLE_DIR = "eval_samples"
+PLOT_DIR = "plots"
+
+
+def report_alerts(alerts: list[Alert], where: str) -> None:
+    """Print a warning per tripped monitor (and to the Prefect log when inside a flow)."""
+    log = None
+    try:
+        from prefect import get_run_logger
+        log = get_run_logger()
+    except Exception:  # noqa: BLE001 - outside a flow/task run there is no run logger
+        pass
+    for a in alerts:
+        msg = f"reward-hacking monitor '{a.name}' tripped ({where}): {a.message}"
+        print(f"WARNING: {msg}", file=sys.stderr, flush=True)
+        if log is not None:
+            log.warning(msg)
+
+
+def sample_table(rows: list[dict], iteration: int, max_rows: int) -> dict[str, list]:
+    """Columns for mlflow's log_table: prompt, completion, each reward, verdict, ..."""
+    rows = rows[:max_rows]
+    funcs = list(dict.fromkeys(f for r in rows for f in r["rewards"]))
+    cols: dict[str, list] = {c: [] for c in ("iteration", "mode", "source", "task_id", "sample", "prompt",
+                                             "answer", "completion", *[f"reward_{f}" for f in funcs],
+                                             "reward_total", "verdict", "length", "truncated")}
+    for r in rows:
+        for c in ("mode", "source", "task_id", "sample", "prompt", "completion", "reward_total", "verdict",
+                  "length", "truncated"):
+            cols[c].append(r[c])
+        cols["answer"].append(r.get("answer"))
+        cols["iteration"].append(iteration)
+        for f in funcs:
+            cols[f"reward_{f}"].append(r["rewards"].get(f))
+    return cols
+
+
+def log_evaluation(cfg: GRPOConfig, run_id: str, iteration: int, metrics: dict, rows: list[dict],
+                   history: dict[int, dict], lengths: dict[int, list[int]], alerts: list[Alert],
+                   eval_path: str | Path | None = None) -> None:
+    """Everything an evaluation puts into MLflow. `history`/`lengths` include this iteration."""
+    tracking.log_metrics(cfg, run_id, metrics, step=iteration)
+    if cfg.eval.table_rows:
+        tracking.log_table(cfg, run_id, sample_table(rows, iteration, cfg.eval.table_rows),
+                           f"{TABLE_DIR}/iter-{iteration:03d}.json")
+    if alerts:
+        tracking.set_tags(cfg, run_id, {f"monitor.{a.name}": f"iteration {iteration}: {a.message}" for a in alerts})
+    if eval_path is not None and iteration == min(history):
+        tracking.log_artifact(cfg, run_id, eval_path, "data")
+    if cfg.eval.plots:
+        from grpo_core.eval_plots import make_plots
+        with tempfile.TemporaryDirectory() as tmp:
+            for p in make_plots(history, lengths, Path(tmp), cfg.eval.ks,
+                                cfg.eval.max_completion_length or cfg.max_completion_length):
+                tracking.log_artifact(cfg, run_id, p, PLOT_DIR)

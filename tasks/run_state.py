@@ -1,0 +1,103 @@
+"""Run-level state in <run_dir>/run.json (MLflow run id, status, attempts, the process running it) and
+the status `grpo runs` / `grpo resume` show, derived from run.json and the stage records present.
+Stage records themselves are tasks/layout.py's."""
+from __future__ import annotations
+
+import os
+import socket
+import time
+from pathlib import Path
+from typing import Any
+
+from grpo_core.io import read_json, write_json
+from tasks.layout import STAGES
+
+
+def mlflow_run_id(run_dir: str | Path) -> str | None:
+    """The MLflow run of this training run (recorded in run.json when the flow starts), if any."""
+    return _run_fact(run_dir, "mlflow_run_id")
+
+
+def init_adapter_path(run_dir: str | Path) -> str | None:
+    """The adapter the run started from (config `init_adapter`, resolved once into the run dir), if any."""
+    return _run_fact(run_dir, "init_adapter_path")
+
+
+def _run_fact(run_dir: str | Path, name: str):
+    p = run_state_path(run_dir)
+    return read_json(p).get(name) if p.exists() else None
+
+
+def run_state_path(run_dir: str | Path) -> Path:
+    return Path(run_dir) / "run.json"
+
+
+def update_run_state(run_dir: str | Path, **fields: Any) -> dict:
+    """Merge fields into run.json (atomic)."""
+    p = run_state_path(run_dir)
+    state = read_json(p) if p.exists() else {}
+    state.update(fields)
+    write_json(p, state)
+    return state
+
+
+def mark_running(run_dir: str | Path, flow_run_id: str | None) -> dict:
+    p = run_state_path(run_dir)
+    state = read_json(p) if p.exists() else {}
+    attempts = state.get("attempts", 0) + 1
+    return update_run_state(run_dir, status="running", pid=os.getpid(), host=socket.gethostname(),
+                            attempts=attempts, flow_run_id=flow_run_id,
+                            flow_run_ids=[*state.get("flow_run_ids", []), flow_run_id] if flow_run_id else
+                            state.get("flow_run_ids", []),
+                            updated=time.strftime("%Y-%m-%dT%H:%M:%S%z"))
+
+
+def _alive(pid: int | None, host: str | None) -> bool | None:
+    if not pid or host != socket.gethostname():
+        return None             # unknown (another machine)
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def last_completed_stage(run_dir: str | Path) -> tuple[int, str] | None:
+    """(iteration, stage) of the latest stage record, in pipeline order; iteration 0 = the base eval."""
+    best = None
+    for d in Path(run_dir).glob("iter-*"):
+        try:
+            k = int(d.name.split("-", 1)[1])
+        except ValueError:
+            continue
+        for i, st in enumerate(STAGES):
+            if (d / f"{st}.json").exists() and (best is None or (k, i) > best[:2]):
+                best = (k, i, st)
+    return None if best is None else (best[0], best[2])
+
+
+def iterations_done(run_dir: str | Path) -> int:
+    """Iterations whose update completed (the evaluate after it may be pending)."""
+    done = [int(p.parent.name.split("-", 1)[1]) for p in Path(run_dir).glob("iter-*/update.json")]
+    return max(done, default=0)
+
+
+def run_status(run_dir: str | Path) -> dict:
+    """What `grpo runs` shows for one run directory."""
+    run_dir = Path(run_dir)
+    state = read_json(run_state_path(run_dir)) if run_state_path(run_dir).exists() else {}
+    status = state.get("status", "created")
+    if status == "running" and _alive(state.get("pid"), state.get("host")) is False:
+        status = "killed"        # the process died without saying so (SIGKILL, OOM, power)
+    last = last_completed_stage(run_dir)
+    total = None
+    if (run_dir / "config.yaml").exists():
+        import yaml
+        total = (yaml.safe_load((run_dir / "config.yaml").read_text()) or {}).get("pipeline_iterations")
+    return {"run": run_dir.name, "status": status,
+            "last_completed": f"iter-{last[0]}/{last[1]}" if last else "-",
+            "iterations": f"{iterations_done(run_dir)}/{total if total is not None else '?'}",
+            "mlflow_run_id": state.get("mlflow_run_id", "-"), "updated": state.get("updated", "-"),
+            "error": state.get("error")}

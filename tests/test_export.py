@@ -1,0 +1,187 @@
+"""Export: a merged model loads with plain transformers (no peft) and answers as the adapter does; at the
+library level (grpo_core.export) on a hand-made adapter, and through `grpo export` on a real tiny run."""
+import json
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+from grpo_core.config import GRPOConfig
+from grpo_core.export import ModelCard, export_model, generation_settings
+from grpo_core.models import load_tokenizer, resolve_model
+from grpo_core.policy import load_policy
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture
+def trained_adapter(tmp_path):
+    """A tiny policy whose LoRA weights are far from zero, saved as a checkpoint."""
+    cfg = GRPOConfig(model="tiny-random", cpu_onednn_linear=False)
+    torch.manual_seed(0)
+    policy = load_policy(cfg, need_reference=False)
+    with torch.no_grad():
+        for name, p in policy.model.named_parameters():
+            if "lora_" in name:
+                p.normal_(0, 0.3)
+    return cfg, policy.save(tmp_path / "adapter")
+
+
+def _greedy(model, tok, prompts):
+    out = []
+    for p in prompts:
+        ids = tok(p, return_tensors="pt")
+        gen = model.generate(**ids, max_new_tokens=8, do_sample=False, pad_token_id=tok.pad_token_id)
+        out.append(tok.decode(gen[0, ids["input_ids"].shape[1]:]))
+    return out
+
+
+def test_merged_export_answers_like_the_adapter(trained_adapter, tmp_path):
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+    cfg, adapter = trained_adapter
+    base_dir = resolve_model(cfg.model)
+    settings = generation_settings(1.0, 0.9, 0, 48)
+    out = export_model(base_dir, adapter, tmp_path / "export",
+                       ModelCard(base_model=cfg.model, run_name="r", mlflow_run_id="abc", iteration=3,
+                                 system_prompt="Answer in <answer> tags."), settings)
+    assert not (out / "adapter_config.json").exists()
+    plain = AutoModelForCausalLM.from_pretrained(out).eval()          # no peft involved
+    tok = load_tokenizer(out)
+    base = AutoModelForCausalLM.from_pretrained(base_dir)
+    adapted = PeftModel.from_pretrained(base, str(adapter)).eval()
+    prompts = [f"What is {a} + {b}?" for a in range(4) for b in range(5)]               # 20 prompts
+    merged_answers = _greedy(plain, tok, prompts)
+    assert merged_answers == _greedy(adapted, tok, prompts)
+    assert merged_answers != _greedy(AutoModelForCausalLM.from_pretrained(base_dir).eval(), tok, prompts)  # it trained
+    gen = json.loads((out / "generation_config.json").read_text())
+    assert gen["temperature"] == 1.0 and gen["top_p"] == 0.9 and gen["max_new_tokens"] == 48
+    assert tok.chat_template and "quantization_config" not in json.loads((out / "config.json").read_text())
+    card = (out / "README.md").read_text()
+    assert "abc" in card and "Answer in <answer> tags." in card and "iteration 3" in card
+
+
+def test_adapter_only_export_and_no_overwrite(trained_adapter, tmp_path):
+    cfg, adapter = trained_adapter
+    card = ModelCard(base_model=cfg.model, run_name="r", mlflow_run_id=None, iteration=1)
+    out = export_model(resolve_model(cfg.model), adapter, tmp_path / "a", card, generation_settings(1.0, 1.0, 0, 8),
+                       adapter_only=True)
+    assert (out / "adapter_config.json").exists() and (out / "generation_config.json").exists()
+    assert not (out / "model.safetensors").exists()
+    with pytest.raises(FileExistsError, match="--overwrite"):
+        export_model(resolve_model(cfg.model), adapter, out, card, {}, adapter_only=True)
+
+
+def test_export_of_a_directory_without_adapter_fails_and_leaves_nothing(tmp_path):
+    card = ModelCard(base_model="tiny-random", run_name="r", mlflow_run_id=None, iteration=1)
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(Exception, match="adapter_config.json"):
+        export_model(resolve_model("tiny-random"), tmp_path / "empty", tmp_path / "x", card,
+                     generation_settings(1.0, 1.0, 0, 8))
+    assert not (tmp_path / "x").exists() and sorted(p.name for p in tmp_path.iterdir()) == ["empty"]
+
+
+# -- `grpo export` on a real run ----------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def tiny_run(prefect_engine, tiny_model_dir, tmp_path_factory):
+    """`grpo train --config configs/tiny.yaml` (2 iterations), MLflow on SQLite in a temp dir.
+    -> (run dir, tracking uri, mlflow run id)."""
+    import shutil
+    from flows.cli.main import main
+    from grpo_core.io import read_json
+    tmp = tmp_path_factory.mktemp("export-run")
+    shutil.copytree(tiny_model_dir, tmp / "grpo_home" / "models" / "tiny-random")
+    uri = f"sqlite:///{tmp / 'mlflow.db'}"
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("GRPO_HOME", str(tmp / "grpo_home"))
+        mp.setenv("MLFLOW_TRACKING_URI", uri)
+        assert main(["train", "--config", str(REPO / "configs" / "tiny.yaml"), "--run-name", "tiny",
+                     "--output-dir", str(tmp / "runs")]) == 0
+        run_dir = tmp / "runs" / "tiny"
+        _move_adapter(run_dir / "iter-2" / "update" / "checkpoint")
+        yield run_dir, uri, read_json(run_dir / "run.json")["mlflow_run_id"]
+
+
+def _move_adapter(checkpoint: Path) -> None:
+    """Two tiny-random iterations earn no reward, so LoRA B is still 0 and a merge would change nothing:
+    give the checkpoint weights far from zero, so that equal answers mean the merge is right."""
+    from safetensors.torch import load_file, save_file
+    path = checkpoint / "adapter_model.safetensors"
+    gen = torch.Generator().manual_seed(0)
+    save_file({k: torch.randn(v.shape, generator=gen, dtype=v.dtype) * 0.3 for k, v in load_file(path).items()},
+              path)
+
+
+def _run_config(run_dir: Path) -> GRPOConfig:
+    return GRPOConfig.model_validate(yaml.safe_load((run_dir / "config.yaml").read_text()))
+
+
+def _chat_prompts(tok, prefix: str) -> list[str]:
+    return [tok.apply_chat_template([{"role": "user", "content": f"What is {a} + {b}?"}], add_generation_prompt=True,
+                                    tokenize=False) + prefix for a in range(4) for b in range(5)]      # 20 prompts
+
+
+def test_grpo_export_loads_with_plain_transformers_and_is_registered(tiny_run, tmp_path, capsys):
+    from mlflow.tracking import MlflowClient
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+    from flows.cli.main import main
+    run_dir, uri, run_id = tiny_run
+    cfg = _run_config(run_dir)
+    out = tmp_path / "export"
+    assert main(["export", str(run_dir), "--out", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "iteration 2" in printed and "models:/grpo-model/1 (models:/grpo-model@run-tiny)" in printed
+
+    # 1) plain transformers answers as the adapter does
+    plain = AutoModelForCausalLM.from_pretrained(out).eval()
+    tok = load_tokenizer(out)
+    adapted = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(resolve_model("tiny-random")),
+                                        str(run_dir / "iter-2" / "update" / "checkpoint")).eval()
+    prompts = _chat_prompts(tok, cfg.data.response_prefix)
+    merged_answers = _greedy(plain, tok, prompts)
+    assert merged_answers == _greedy(adapted, tok, prompts)
+    assert merged_answers != _greedy(AutoModelForCausalLM.from_pretrained(resolve_model("tiny-random")).eval(), tok,
+                                     prompts)                                       # the adapter matters
+
+    # 2) the card and sampling settings come from the run
+    gen = json.loads((out / "generation_config.json").read_text())
+    assert gen["max_new_tokens"] == cfg.max_completion_length == 12 and gen["temperature"] == cfg.temperature
+    card = (out / "README.md").read_text()
+    assert run_id in card and "iteration 2" in card and "eval/greedy/pass_at_1" in card
+    assert repr(cfg.data.system_prompt) in card and all(repr(q) in card for q, _ in cfg.data.few_shot)
+
+    # 3) the registered model version's source is the export logged as the run's artifacts
+    c = MlflowClient(tracking_uri=uri, registry_uri=uri)
+    mv = c.get_model_version("grpo-model", "1")
+    assert mv.run_id == run_id and mv.source == f"{c.get_run(run_id).info.artifact_uri}/export/iter-2"
+    assert str(c.get_model_version_by_alias("grpo-model", "run-tiny").version) == "1"
+    logged = {f.path.rpartition("/")[2] for f in c.list_artifacts(run_id, "export/iter-2")}
+    assert {p.name for p in out.iterdir()} == logged
+
+
+def test_grpo_export_best_adapter_only_and_errors(tiny_run, tmp_path, capsys):
+    from flows.cli.main import main
+    from grpo_core.io import read_json
+    from tasks.evaluate import eval_history
+    from tasks.run import best_iteration
+    run_dir, uri, run_id = tiny_run
+    cfg = _run_config(run_dir)
+    best = best_iteration(cfg, eval_history(run_dir), 2)
+    out = tmp_path / "adapter"
+    assert main(["export", "tiny", "--output-dir", str(run_dir.parent), "--best", "--adapter-only",
+                 "--out", str(out)]) == 0
+    assert f"iteration {best}" in capsys.readouterr().out
+    assert read_json(out / "adapter_config.json") == \
+        read_json(run_dir / f"iter-{best}" / "update" / "checkpoint" / "adapter_config.json")
+    assert main(["export", str(run_dir), "--iteration", "1", "--adapter-only", "--out", str(out)]) == 2
+    assert "--overwrite" in capsys.readouterr().err
+    assert main(["export", str(run_dir), "--iteration", "1", "--adapter-only", "--out", str(out), "--overwrite"]) == 0
+    assert main(["export", str(run_dir), "--iteration", "5", "--out", str(tmp_path / "x")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "no checkpoint for iteration 5" in err
+    assert main(["export", "no-such-run", "--out", str(tmp_path / "y")]) == 2
+    assert "no run 'no-such-run'" in capsys.readouterr().err
+    assert not (tmp_path / "x").exists() and not (tmp_path / "y").exists()

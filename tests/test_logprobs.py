@@ -1,0 +1,122 @@
+"""grpo_core.logprobs: per-token log-probs and entropy without the full log-softmax, the chunked LM
+head, and every layout of completion_logprobs (padded, packed groups, repeated prompt KV) against plain
+unpadded forward passes, values and gradients."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from grpo_core.logprobs import completion_logits, completion_logprobs, head_logprobs, token_entropy, token_logprobs
+
+
+# -- log-probs without the full log-softmax ---------------------------------------------------------
+
+def test_token_logprobs_and_entropy_match_log_softmax():
+    g = torch.Generator().manual_seed(1)
+    logits = torch.randn(3, 4, 17, generator=g)
+    ids = torch.randint(0, 17, (3, 4), generator=g)
+    for T in (1.0, 0.7):
+        full = torch.log_softmax(logits / T, -1)
+        assert torch.allclose(token_logprobs(logits, ids, T), full.gather(-1, ids[..., None])[..., 0], atol=1e-6)
+        assert torch.allclose(token_entropy(logits, T), -(full.exp() * full).sum(-1), atol=1e-5)
+
+
+def test_chunked_head_logprobs_value_and_gradient():
+    g = torch.Generator().manual_seed(2)
+    hidden = torch.randn(5, 6, 8, generator=g, requires_grad=True)
+    head = torch.nn.Linear(8, 19, bias=False)
+    w = head.weight
+    with torch.no_grad():
+        w.copy_(torch.randn(19, 8, generator=g))
+    ids = torch.randint(0, 19, (5, 6), generator=g)
+    for keep in (0, 10**9):                   # checkpointed chunks, and chunks whose logits are kept
+        lp, ent = head_logprobs(hidden, head, ids, temperature=0.9, chunk=2, with_entropy=True,
+                                keep_logits_bytes=keep)
+        lp_full = token_logprobs(hidden @ w.T, ids, 0.9)
+        assert torch.allclose(lp, lp_full, atol=1e-5)
+        assert torch.allclose(ent, token_entropy(hidden @ w.T, 0.9), atol=1e-4)
+        gh, gw = torch.autograd.grad((lp * torch.arange(6.)).sum(), (hidden, w))
+        gh2, gw2 = torch.autograd.grad((lp_full * torch.arange(6.)).sum(), (hidden, w))
+        assert torch.allclose(gh, gh2, atol=1e-5) and torch.allclose(gw, gw2, atol=1e-5)
+
+
+def test_completion_logprobs_match_unpadded_forward(tiny_model_dir):
+    """Left-padded prompts + right-padded completions give each sequence's own unpadded log-probs."""
+    from transformers import AutoModelForCausalLM
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir).eval()
+    seqs = [([5, 6, 7, 8], [9, 10, 11]), ([12, 13], [14, 15, 16, 17, 18]), ([20, 21, 22], [23])]
+    P, C = 4, 5
+    ids = torch.zeros(3, P + C, dtype=torch.long)
+    attn = torch.zeros(3, P + C, dtype=torch.long)
+    for r, (p, c) in enumerate(seqs):
+        ids[r, P - len(p):P] = torch.tensor(p)
+        ids[r, P:P + len(c)] = torch.tensor(c)
+        attn[r, P - len(p):P + len(c)] = 1
+    with torch.no_grad():
+        lp, ent = completion_logprobs(model, ids, attn, C, temperature=1.0, with_entropy=True, chunk_rows=2)
+        lp_logits = token_logprobs(completion_logits(model, ids, attn, C), ids[:, -C:])
+        for r, (p, c) in enumerate(seqs):
+            x = torch.tensor([p + c])
+            own = torch.log_softmax(model(x).logits[0, len(p) - 1:-1], -1).gather(-1, torch.tensor(c)[:, None])[:, 0]
+            assert torch.allclose(lp[r, :len(c)], own, atol=1e-4)
+            assert torch.allclose(lp_logits[r, :len(c)], own, atol=1e-4)
+
+
+@pytest.mark.parametrize("layout", ["lean_segments", "packed_mask", "repeated_kv", "packed_checkpointed"])
+def test_shared_prompt_path_equals_full_pass_value_and_gradient(tiny_model_dir, monkeypatch, layout):
+    """Groups of rows with one prompt: running the prompt once (each group packed into one row of
+    unpadded completions, through the lean trunk or a block mask, or the prompt's KV repeated) == the
+    full padded pass, values and gradients."""
+    import grpo_core.logprobs as alg
+    from grpo_core.logprobs import _groups_share_prompt
+    if layout != "lean_segments":
+        monkeypatch.setattr(alg.LeanDecoder, "of", classmethod(lambda cls, model: None))
+    monkeypatch.setattr(alg, "_pack_is_cheaper", lambda *a: layout != "repeated_kv")
+    from grpo_core.models import attach_lora
+    from transformers import AutoModelForCausalLM
+    model = attach_lora(AutoModelForCausalLM.from_pretrained(tiny_model_dir), 4, 8, 0.0, ["q_proj", "k_proj", "v_proj", "o_proj"])
+    for n, p in model.named_parameters():
+        if "lora_B" in n:
+            torch.nn.init.normal_(p, std=0.2, generator=torch.Generator().manual_seed(0))
+    prompts, G, P, C = [[5, 6, 7], [8, 9, 10, 11]], 3, 4, 4
+    ids = torch.zeros(len(prompts) * G, P + C, dtype=torch.long)
+    attn = torch.zeros_like(ids)
+    g = torch.Generator().manual_seed(3)
+    for r in range(ids.size(0)):
+        p = prompts[r // G]
+        n = int(torch.randint(1, C + 1, (1,), generator=g))
+        ids[r, P - len(p):P] = torch.tensor(p)
+        ids[r, P:P + n] = torch.randint(12, 90, (n,), generator=g)
+        attn[r, P - len(p):P + n] = 1
+    assert _groups_share_prompt(ids, attn, P, G) and not _groups_share_prompt(ids, attn, P, 2)
+    mask = attn[:, P:].float()
+    params = [p for p in model.parameters() if p.requires_grad]
+    if layout == "packed_checkpointed":
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.enable_input_require_grads()
+        model.train()
+    out = []
+    for gs in (1, G):
+        lp, ent = completion_logprobs(model, ids, attn, C, with_entropy=True, group_size=gs)
+        grads = torch.autograd.grad((lp * mask).sum(), params)
+        out.append((lp * mask, ent * mask, grads))
+    assert torch.allclose(out[0][0], out[1][0], atol=1e-5)
+    assert torch.allclose(out[0][1], out[1][1], atol=1e-4)
+    for a, b in zip(out[0][2], out[1][2]):
+        assert torch.allclose(a, b, atol=1e-5)
+
+
+def test_pack_is_chosen_only_when_it_saves_work(tiny_model_dir):
+    from grpo_core.logprobs import _pack_is_cheaper
+    from transformers import AutoConfig
+    config = AutoConfig.from_pretrained(tiny_model_dir)
+    config._attn_implementation = "sdpa"                   # what loading the model resolves it to
+    G, P, C = 8, 6, 40
+    ids = torch.zeros(2 * G, P + C, dtype=torch.long)
+    short = torch.zeros_like(ids)
+    short[:, :P + 3] = 1                                   # answers of 3 tokens padded to 40: pack them
+    assert _pack_is_cheaper(config, ids, short, C, G)
+    full = torch.ones_like(ids)                            # every answer full length: nothing to unpad
+    assert not _pack_is_cheaper(config, ids, full, C, G)
+    config._attn_implementation = "flash_attention_2"      # ignores custom masks: never packed
+    assert not _pack_is_cheaper(config, ids, short, C, G)

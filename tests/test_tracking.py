@@ -1,0 +1,160 @@
+"""MLflow side of training (tasks/tracking.py): completion tables logged during training, with the
+advantages the update used, and registry aliases (`champion`, `run-<name>`) instead of "latest".
+
+The unit tests build the tables from hand-made rows; the rest share one tiny training run (real Prefect
+engine, MLflow on SQLite in a temp dir) and read what it left in MLflow."""
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch
+
+from grpo_core.config import GRPOConfig
+from grpo_core.loss import group_advantages
+from grpo_core.update import ScoredSample
+from tasks import tracking
+from tests.conftest import tiny_config
+
+G = 4
+
+
+def _sample(group: int, reward: float | None) -> ScoredSample | None:
+    return None if reward is None else ScoredSample(group=group, prompt_ids=[1], completion_ids=[2],
+                                                    reward=reward, truncated=False)
+
+
+# -- the table, from hand-made rows -------------------------------------------------------------------
+
+@pytest.mark.parametrize("scale_rewards", ["group", "batch", "none"])
+def test_completion_advantages_are_the_update_s(scale_rewards):
+    """Group 0 trains on all four, group 1 on its three scored members, group 2 (one survivor) not at all."""
+    rewards = [1.0, 0.0, 0.5, 0.0, None, 1.0, 0.0, 0.25, None, None, None, 1.0]
+    batch = [_sample(i // G, r) for i, r in enumerate(rewards)]
+    got = tracking.completion_advantages(batch, scale_rewards)
+    want = group_advantages(torch.tensor([1.0, 0.0, 0.5, 0.0, 1.0, 0.0, 0.25]), [4, 3], scale_rewards).tolist()
+    assert [a for a in got if a is not None] == pytest.approx(want)
+    assert [i for i, a in enumerate(got) if a is None] == [4, 8, 9, 10, 11]
+
+
+def test_completion_table_keeps_whole_groups_of_the_first_prompts():
+    samples = [{"group": i // G, "task_id": f"t{i // G}", "prompt_ids": [i // G], "completion": f"c{i}",
+                "completion_ids": [0] * (i + 1), "truncated": i == 3} for i in range(3 * G)]
+    scores = [{"reward": float(i % 2), "rewards": {"correctness": float(i % 2), "format": 0.5},
+               "correct": bool(i % 2)} for i in range(3 * G)]
+    decoded = []
+    table = tracking.completion_table(samples, scores, [0.1] * (3 * G), iteration=7, max_prompts=2,
+                                      decode=lambda ids: decoded.append(ids) or f"prompt {ids[0]}")
+    assert len(table["completion"]) == 2 * G and set(table["group"]) == {0, 1}
+    assert table["prompt"][:G] == ["prompt 0"] * G and decoded == [[0], [1]]          # decoded once per prompt
+    assert table["reward_correctness"] == [0.0, 1.0] * G and table["reward_format"] == [0.5] * (2 * G)
+    assert table["iteration"] == [7] * (2 * G) and table["truncated"][3] is True and table["length"][:2] == [1, 2]
+    assert {len(v) for v in table.values()} == {2 * G}
+
+
+def test_log_completions_respects_the_config(tmp_path):
+    cfg = GRPOConfig(tracking={"log_completions": True, "log_completions_steps": 2})
+    assert tracking.log_completions(cfg, "run-id", 1, [], "unused", "unused", None) is False   # not an Nth iteration
+    assert tracking.log_completions(cfg, None, 2, [], "unused", "unused", None) is False        # no MLflow run
+    off = GRPOConfig(tracking={"log_completions": False})
+    assert tracking.log_completions(off, "run-id", 2, [], "unused", "unused", None) is False
+
+
+def test_run_alias_is_a_valid_mlflow_alias():
+    assert tracking.run_alias("nightly-1") == "run-nightly-1"
+    assert tracking.run_alias("exp.2_b") == "run-exp_2_b"
+
+
+# -- one tiny training run ----------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def tiny_run(prefect_engine, tiny_model_dir, tmp_path_factory):
+    """A 2-iteration tiny run evaluated every iteration, 2 prompts per completion table.
+    -> (summary, config, tracking uri)."""
+    tmp = tmp_path_factory.mktemp("tracking-run")
+    shutil.copytree(tiny_model_dir, tmp / "grpo_home" / "models" / "tiny-random")
+    uri = f"sqlite:///{tmp / 'mlflow.db'}"
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("GRPO_HOME", str(tmp / "grpo_home"))
+        mp.setenv("MLFLOW_TRACKING_URI", uri)
+        from flows.train import training_run
+        config = tiny_config(tmp, tracking={"log_completions_prompts": 2})
+        yield training_run(config), GRPOConfig.model_validate(config), uri
+
+
+def test_completion_tables_are_logged_per_iteration_with_training_advantages(tiny_run, tmp_path):
+    import pandas as pd
+    from grpo_core.io import read_jsonl
+    from tasks.update import scored_batch
+    summary, cfg, _ = tiny_run
+    run_id, run_dir = summary["mlflow_run_id"], summary["run_dir"]
+    assert tracking.list_artifact_paths(cfg, run_id, "completions") == \
+        ["completions/iter_0001.json", "completions/iter_0002.json"]
+    local = tracking.download_artifacts(cfg, run_id, "completions/iter_0002.json", tmp_path)
+    table = pd.read_json(local, orient="split")
+    assert len(table) == 2 * cfg.num_generations and table["group"].nunique() == 2
+    assert {"prompt", "completion", "reward", "advantage", *[f"reward_{f}" for f in cfg.reward_funcs]} <= \
+        set(table.columns)
+    samples, scores = f"{run_dir}/iter-2/samples.jsonl", f"{run_dir}/iter-2/scores.jsonl"
+    want = tracking.completion_advantages(scored_batch(samples, scores), cfg.scale_rewards)[:len(table)]
+    assert table["advantage"].tolist() == pytest.approx([float("nan") if a is None else a for a in want],
+                                                        nan_ok=True)
+    assert table["reward"].tolist() == [s["reward"] for s in list(read_jsonl(scores))[:len(table)]]
+    # a re-run update stage (resume after a kill) logs nothing twice
+    from grpo_core.policy import load_policy
+    tok = load_policy(cfg, None, need_reference=False).tokenizer
+    assert tracking.log_completions(cfg, run_id, 2, scored_batch(samples, scores), samples, scores, tok) is False
+    again = pd.read_json(tracking.download_artifacts(cfg, run_id, "completions/iter_0002.json", tmp_path / "b"),
+                         orient="split")
+    assert len(again) == len(table)
+
+
+def test_champion_alias_names_the_best_iteration_and_loads(tiny_run):
+    from mlflow.tracking import MlflowClient
+    from tasks.run import best_iteration
+    summary, cfg, uri = tiny_run
+    c = MlflowClient(tracking_uri=uri, registry_uri=uri)
+    champion = c.get_model_version_by_alias("grpo-adapter", "champion")
+    best = best_iteration(cfg, summary["evals"], cfg.pipeline_iterations)
+    assert champion.tags["iteration"] == str(best) and champion.run_id == summary["mlflow_run_id"]
+    assert c.get_model_version_by_alias("grpo-adapter", "run-t").version == champion.version
+    assert summary["registered_model"]["aliases"] == ["run-t", "champion"]
+
+    model, tok = tracking.load_adapter("models:/grpo-adapter@champion", tracking=uri)
+    from safetensors.torch import load_file
+    want = load_file(f"{summary['run_dir']}/iter-{best}/update/checkpoint/adapter_model.safetensors")
+    got = {n.replace(".default", ""): p.detach().cpu() for n, p in model.named_parameters() if "lora_" in n}
+    assert tok is not None and got.keys() == want.keys()
+    assert all(torch.equal(got[k].to(want[k].dtype), want[k]) for k in want)
+
+
+def test_champion_moves_only_to_an_adapter_at_least_as_good(tiny_run):
+    """Two more registrations on the same run: a worse one gets only its run alias, a better one the champion."""
+    from mlflow.tracking import MlflowClient
+    summary, cfg, uri = tiny_run
+    c = MlflowClient(tracking_uri=uri, registry_uri=uri)
+    held = float(c.get_model_version_by_alias("grpo-adapter", "champion").tags[cfg.tracking.best_metric])
+    worse = cfg.model_copy(update={"run_name": "worse"})
+    r = tracking.register_adapter(worse, summary["mlflow_run_id"], 1, {cfg.tracking.best_metric: held - 1})
+    assert r["aliases"] == ["run-worse"]
+    better = cfg.model_copy(update={"run_name": "better"})
+    r = tracking.register_adapter(better, summary["mlflow_run_id"], 1, {cfg.tracking.best_metric: held + 1})
+    assert r["aliases"] == ["run-better", "champion"]
+    assert c.get_model_version_by_alias("grpo-adapter", "champion").version == r["version"]
+
+
+def test_runs_starting_at_once_share_a_new_sqlite_store(tmp_path):
+    """Two processes that open the same not-yet-created MLflow SQLite store at the same moment both get
+    their run (without the creation lock one of them fails with 'table ... already exists')."""
+    import subprocess
+    import sys
+    script = ("import sys; from pathlib import Path; from grpo_core.config import GRPOConfig; "
+              "from tasks import tracking; "
+              "cfg = GRPOConfig(model='tiny-random', output_dir=sys.argv[1], run_name=sys.argv[2]); "
+              "d = Path(sys.argv[1]) / sys.argv[2]; d.mkdir(parents=True); "
+              "print(tracking.start_or_resume_run(cfg, d, None))")
+    procs = [subprocess.Popen([sys.executable, "-c", script, str(tmp_path), f"r{i}"], stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for i in range(3)]
+    outs = [p.communicate(timeout=300) for p in procs]
+    assert [p.returncode for p in procs] == [0, 0, 0], [err[-500:] for _, err in outs]
+    assert len({out.strip() for out, _ in outs}) == 3

@@ -1,0 +1,333 @@
+"""The GRPO variants through grpo_update on a real tiny LoRA model: each optimizer step's gradient equals
+the gradient of the published objective computed sequence by sequence (unpadded forward passes,
+`published_objective`), with hand-computed advantages; groups that lost members train on their
+survivors; the sampler/trainer importance correction from a sampler that really differs from the
+trainer; the moving reference (sync_ref_model); the entropy bonus's gradient."""
+from __future__ import annotations
+
+import copy
+import math
+import random
+
+import pytest
+import torch
+
+from grpo_core.config import GRPOConfig
+from grpo_core.logprobs import completion_logprobs, head_logprobs, token_entropy
+from grpo_core.loss import sampler_correction_weight
+from grpo_core.policy import REFERENCE_ADAPTER, load_policy
+from grpo_core.rollout import KVCacheSampler
+from grpo_core.sampling import SamplingParams
+from grpo_core.update import (ScoredSample, grpo_update, make_micro_batch, make_optimizer, make_scheduler, plan_steps,
+                              surviving_groups)
+from published_objective import Options, Sequence, micro_batch_loss
+
+
+class RecordingSGD(torch.optim.SGD):
+    """Plain SGD that records, at every step, the parameters it starts from and the gradient it applies."""
+
+    def __init__(self, params, lr):
+        params = list(params)
+        super().__init__(params, lr=lr)
+        self.plist, self.before, self.grads = params, [], []
+
+    def step(self, closure=None):
+        self.before.append([p.detach().clone() for p in self.plist])
+        self.grads.append([p.grad.detach().clone() for p in self.plist])
+        return super().step(closure)
+
+
+def tiny_policy(G: int, **over):
+    cfg = GRPOConfig(**{**dict(model="tiny-random", device="cpu", dtype="float32", num_generations=G,
+                               max_completion_length=8, lora_r=4, lora_alpha=8, max_grad_norm=0.0), **over})
+    policy = load_policy(cfg)
+    torch.manual_seed(0)
+    for name, p in policy.model.named_parameters():      # a non-zero adapter: policy != reference from the start
+        if "lora_B.default" in name:
+            torch.nn.init.normal_(p, std=0.2)
+    return cfg, policy
+
+
+def make_samples(n_groups: int, G: int, seed: int) -> list[ScoredSample]:
+    rng = random.Random(seed)
+    out = []
+    for g in range(n_groups):
+        prompt = [rng.randrange(10, 90) for _ in range(rng.randint(3, 6))]
+        for _ in range(G):
+            comp = [rng.randrange(10, 90) for _ in range(rng.randint(1, 7))]
+            out.append(ScoredSample(g, prompt, comp, float(rng.randint(0, 3)), rng.random() < 0.2))
+    return out
+
+
+def seq_forward(model, s: ScoredSample, temperature: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """(log pi(token | prefix), entropy) for one sequence's completion, unpadded. -> [len], [len]"""
+    ids = torch.tensor([s.prompt_ids + s.completion_ids])
+    logits = model(input_ids=ids).logits[0, len(s.prompt_ids) - 1:-1].float() / temperature
+    logp = torch.log_softmax(logits, -1).gather(-1, torch.tensor(s.completion_ids)[:, None])[:, 0]
+    return logp, token_entropy(logits)
+
+
+def hand_advantages(rewards_by_group: list[list[float]]) -> list[float]:
+    """(r - mean) / (unbiased std + 1e-4) within each group, Python floats."""
+    out = []
+    for r in rewards_by_group:
+        m = sum(r) / len(r)
+        sd = math.sqrt(sum((x - m) ** 2 for x in r) / (len(r) - 1))
+        out += [(x - m) / (sd + 1e-4) for x in r]
+    return out
+
+
+def options_of(cfg: GRPOConfig) -> Options:
+    return Options(loss_type=cfg.loss_type, beta=cfg.beta, eps_low=cfg.epsilon, eps_high=cfg.epsilon_high,
+                   level=cfg.importance_sampling_level, delta=cfg.delta, tau_pos=cfg.sapo_temperature_pos,
+                   tau_neg=cfg.sapo_temperature_neg, top_entropy_quantile=cfg.top_entropy_quantile,
+                   entropy_coef=cfg.entropy_coef, off_policy_threshold=cfg.off_policy_mask_threshold,
+                   sampler_mode=cfg.vllm_importance_sampling_mode if cfg.vllm_importance_sampling_correction else None,
+                   sampler_cap=cfg.vllm_importance_sampling_cap)
+
+
+def reference_step_loss(policy, cfg, kept, idx_mbs, adv, old_lp, dapo_norm):
+    """The published objective of one optimizer step over its micro-batches, sequence by sequence."""
+    o = options_of(cfg)
+    total = 0.0
+    for idx in idx_mbs:
+        seqs = []
+        for i in idx:
+            s = kept[i]
+            lp, ent = seq_forward(policy.model, s)
+            with torch.no_grad(), policy.reference() as ref_model:
+                ref = seq_forward(ref_model, s)[0]
+            n = 0 if cfg.mask_truncated_completions and s.truncated else len(s.completion_ids)
+            seqs.append(Sequence(logp=list(lp[:n]), old=old_lp[i][:n].tolist(), advantage=adv[i],
+                                 ref=ref[:n].tolist(), sampler=(s.sampler_logprobs or [])[:n], entropy=list(ent[:n])))
+        total = total + micro_batch_loss(seqs, o, len(idx_mbs), cfg.max_completion_length, dapo_norm)
+    return total
+
+
+def check_steps_match_published_objective(policy, cfg, samples, kept, group_sizes, adv, seed=5):
+    """Run grpo_update with recording SGD; every step's gradient == the published objective's."""
+    with torch.no_grad():
+        old_lp = [seq_forward(policy.model, s)[0] for s in kept]            # the rollout policy
+    opt = RecordingSGD(policy.trainable_parameters(), lr=2.0)                # big steps: ratios leave the clip range
+    metrics, batch = grpo_update(policy, opt, make_scheduler(opt, cfg), samples, cfg, seed=seed)
+    plan = plan_steps(kept, group_sizes, cfg.steps_per_iteration, cfg.gradient_accumulation_steps, seed)
+    assert len(opt.grads) == len(metrics) == cfg.num_iterations * len(plan)
+    counted = sum(len(s.completion_ids) for s in kept if not (cfg.mask_truncated_completions and s.truncated))
+    for k in range(len(opt.grads)):
+        with torch.no_grad():
+            for p, v in zip(opt.plist, opt.before[k]):
+                p.copy_(v)
+        loss = reference_step_loss(policy, cfg, kept, plan[k % len(plan)], adv, old_lp, counted / len(plan))
+        grads = torch.autograd.grad(loss, opt.plist)
+        for g_ref, g in zip(grads, opt.grads[k]):
+            assert torch.allclose(g, g_ref, atol=2e-5, rtol=1e-3), (k, (g - g_ref).abs().max())
+    return metrics, batch
+
+
+# -- groups that lost members ----------------------------------------------------------------------------
+
+def test_group_that_lost_two_of_eight_trains_on_its_six_survivors(grpo_home):
+    G = 8
+    cfg, policy = tiny_policy(G, beta=0.04, num_iterations=2, gradient_accumulation_steps=2, loss_type="bnpo")
+    samples = make_samples(4, G, seed=3)
+    for i in (1, 5):
+        samples[i] = None                                                   # group 0: 6 of 8 survive
+    samples[9] = ScoredSample(1, samples[9].prompt_ids, samples[9].completion_ids, None, False)  # group 1: 7 of 8
+    for i in range(24, 31):
+        samples[i] = None                                                   # group 3: 1 of 8, dropped
+    kept, sizes = surviving_groups(samples)
+    assert sizes == [6, 7, 8]
+    assert kept[:6] == [samples[i] for i in (0, 2, 3, 4, 6, 7)]
+    rewards = [[s.reward for s in kept[:6]], [s.reward for s in kept[6:13]], [s.reward for s in kept[13:]]]
+    adv = hand_advantages(rewards)
+    group0 = [s.reward for s in kept[:6]]
+    mean0 = sum(group0) / 6
+    std0 = math.sqrt(sum((r - mean0) ** 2 for r in group0) / 5)
+    assert adv[:6] == pytest.approx([(r - mean0) / (std0 + 1e-4) for r in group0])
+    assert len(set(group0)) > 1                                             # the survivors carry a signal
+    metrics, batch = check_steps_match_published_objective(policy, cfg, samples, kept, sizes, adv)
+    assert batch["groups_unscorable"] == 1 and batch["groups_incomplete"] == 2
+    assert batch["samples_unscorable"] == 10
+
+
+def test_ragged_group_shares_its_prompt_pass(grpo_home):
+    """A micro-batch whose groups all lost members down to one size runs each group's prompt once
+    (group_size = 6); its log-probs and gradients equal the row-by-row padded pass."""
+    G = 8
+    cfg, policy = tiny_policy(G)
+    samples = make_samples(2, G, seed=4)
+    for i in (1, 5, 8, 15):
+        samples[i] = None
+    kept, sizes = surviving_groups(samples)
+    assert sizes == [6, 6]
+    mb = make_micro_batch(kept, torch.zeros(12), policy.tokenizer.pad_token_id, policy.device, False, group_size=6)
+    params = policy.trainable_parameters()
+    out = []
+    for gs in (1, 6):
+        lp, _ = completion_logprobs(policy.model, mb.input_ids, mb.attention_mask, mb.completion_mask.size(1),
+                                    group_size=gs)
+        out.append((lp * mb.completion_mask, torch.autograd.grad((lp * mb.completion_mask).sum(), params)))
+    assert torch.allclose(out[0][0], out[1][0], atol=1e-5)
+    for a, b in zip(out[0][1], out[1][1]):
+        assert torch.allclose(a, b, atol=1e-5)
+
+
+# -- each variant on a real model ---------------------------------------------------------------------------
+
+VARIANTS = {
+    "gspo": dict(importance_sampling_level="sequence", loss_type="dapo", num_iterations=2),
+    "cispo": dict(loss_type="cispo", epsilon_high=1.3, num_iterations=2, steps_per_iteration=2),
+    "sapo": dict(loss_type="sapo", num_iterations=2, sapo_temperature_neg=2.0),
+    "delta_entropy": dict(delta=1.5, top_entropy_quantile=0.5, entropy_coef=0.05, num_iterations=2,
+                          gradient_accumulation_steps=2, loss_type="dr_grpo"),
+}
+
+
+@pytest.mark.parametrize("name", list(VARIANTS))
+def test_variant_steps_match_published_objective(grpo_home, name):
+    G = 4
+    cfg, policy = tiny_policy(G, beta=0.04, **VARIANTS[name])
+    samples = make_samples(4, G, seed=len(name))
+    kept, sizes = surviving_groups(samples)
+    adv = hand_advantages([[s.reward for s in kept[g * G:(g + 1) * G]] for g in range(4)])
+    metrics, _ = check_steps_match_published_objective(policy, cfg, samples, kept, sizes, adv)
+    if cfg.top_entropy_quantile < 1:
+        assert 0 < metrics[0]["entropy_mask/kept_frac"] < 1
+
+
+# -- the sampler/trainer importance correction --------------------------------------------------------------
+
+def perturbed_sampler(policy, std: float = 0.15):
+    """A copy of the policy whose LoRA weights differ a little: a sampler that is not the trainer."""
+    model = copy.deepcopy(policy.model)
+    g = torch.Generator().manual_seed(7)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B.default" in name:
+                p.add_(torch.randn(p.shape, generator=g) * std)
+    return model
+
+
+def sampled_batch(policy, sampler_model, G: int, n_groups: int = 3, seed: int = 0) -> list[ScoredSample]:
+    tok = policy.tokenizer
+    prompts = [tok(t)["input_ids"] for t in ("12+3=", "hello there", "abc")][:n_groups]
+    backend = KVCacheSampler(sampler_model, tok, policy.device, progress=False)
+    groups = backend.generate(prompts, G, SamplingParams(max_new_tokens=6, seed=seed, logprobs=True))
+    rng = random.Random(seed)
+    return [ScoredSample(g, prompts[g], list(c), float(rng.randint(0, 2)), len(c) == 6, c.logprobs)
+            for g, grp in enumerate(groups) for c in grp]
+
+
+@pytest.mark.parametrize("mode", ["token_truncate", "sequence_mask"])
+def test_sampler_correction_from_a_perturbed_sampler(grpo_home, mode):
+    G = 4
+    cfg, policy = tiny_policy(G, beta=0.04, vllm_importance_sampling_correction=True,
+                              vllm_importance_sampling_mode=mode, vllm_importance_sampling_cap=1.02,
+                              off_policy_mask_threshold=0.01, num_iterations=2)
+    sampler_model = perturbed_sampler(policy)
+    samples = sampled_batch(policy, sampler_model, G)
+    # 1) the sampler recorded its own log-probs: log softmax of the perturbed model, token by token
+    with torch.no_grad():
+        for s in samples:
+            sampler_lp = seq_forward(sampler_model, s)[0]
+            assert torch.allclose(torch.tensor(s.sampler_logprobs), sampler_lp, atol=1e-4)
+    # 2) the correction weights by hand: pi_trainer / pi_sampler per token (or per sequence), then capped
+    with torch.no_grad():
+        trainer_lp = [seq_forward(policy.model, s)[0] for s in samples]
+    hand = []
+    for s, lp in zip(samples, trainer_lp):
+        diffs = [a - b for a, b in zip(lp.tolist(), s.sampler_logprobs)]
+        if mode == "token_truncate":
+            hand.append([min(math.exp(d), 1.02) for d in diffs])
+        else:
+            w = math.exp(sum(diffs))
+            hand.append([0.0 if w > 1.02 else w] * len(diffs))
+    mb = make_micro_batch(samples, torch.zeros(len(samples)), policy.tokenizer.pad_token_id, policy.device, False,
+                          group_size=G, with_sampler_logprobs=True)
+    old = torch.nn.utils.rnn.pad_sequence(trainer_lp, batch_first=True)
+    weights = sampler_correction_weight(old, mb.sampler_logp, mb.completion_mask, mode, 1.02)
+    for r, w in enumerate(hand):
+        got = weights[r, :len(w)] if mode.startswith("token") else weights[r].expand(len(w))
+        assert got.tolist() == pytest.approx(w, rel=1e-4, abs=1e-6)
+    flat = [w for ws in hand for w in ws]
+    assert min(flat) < max(flat) and (max(flat) == pytest.approx(1.02) or min(flat) == 0.0)   # non-trivial
+    # 3) the update's gradients use exactly these weights (and the off-policy mask against the sampler)
+    kept, sizes = surviving_groups(samples)
+    adv = hand_advantages([[s.reward for s in kept[g * G:(g + 1) * G]] for g in range(len(sizes))])
+    metrics, _ = check_steps_match_published_objective(policy, cfg, samples, kept, sizes, adv)
+    assert metrics[0]["sampler_is/weight_mean"] != pytest.approx(1.0)
+
+
+def test_correction_without_sampler_logprobs_names_the_fix(grpo_home):
+    cfg, policy = tiny_policy(4, vllm_importance_sampling_correction=True)
+    opt = make_optimizer(policy, cfg)
+    with pytest.raises(ValueError, match="SamplingParams\\(logprobs=True\\)"):
+        grpo_update(policy, opt, make_scheduler(opt, cfg), make_samples(2, 4, 0), cfg, seed=0)
+
+
+# -- the moving reference ---------------------------------------------------------------------------------
+
+def reference_tensors(policy) -> list[torch.Tensor]:
+    if policy.use_peft:
+        return [p.detach().clone() for n, p in policy.model.named_parameters() if f".{REFERENCE_ADAPTER}." in n]
+    return [p.detach().clone() for p in policy.ref_model.parameters()]
+
+
+def live_tensors(policy) -> list[torch.Tensor]:
+    if policy.use_peft:
+        return [p.detach().clone() for n, p in policy.model.named_parameters() if ".default." in n]
+    return [p.detach().clone() for p in policy.model.parameters()]
+
+
+@pytest.mark.parametrize("use_peft", [True, False])
+def test_sync_ref_model_mixes_the_reference_every_n_steps(grpo_home, tmp_path, use_peft):
+    G = 4
+    cfg, policy = tiny_policy(G, use_peft=use_peft, beta=0.04, sync_ref_model=True, ref_model_sync_steps=2,
+                              ref_model_mixup_alpha=0.25, learning_rate=0.05)
+    if use_peft:
+        assert policy.reference_adapter == REFERENCE_ADAPTER
+        ref_b = [p for n, p in policy.model.named_parameters() if f"lora_B.{REFERENCE_ADAPTER}." in n]
+        assert ref_b and all(p.abs().max() == 0 for p in ref_b)          # starts as the base: B = 0
+    opt = make_optimizer(policy, cfg)
+    sched = make_scheduler(opt, cfg)
+    start = reference_tensors(policy)
+    m1, _ = grpo_update(policy, opt, sched, make_samples(2, G, 1), cfg, seed=0)        # global step 1: no sync
+    assert "ref_model_synced" not in m1[0]
+    for a, b in zip(start, reference_tensors(policy)):
+        assert torch.equal(a, b)                                                       # never trained
+    m2, _ = grpo_update(policy, opt, sched, make_samples(2, G, 2), cfg, seed=1)        # global step 2: sync
+    assert m2[0]["ref_model_synced"] == 1.0
+    for ref0, live, ref1 in zip(start, live_tensors(policy), reference_tensors(policy)):
+        assert torch.allclose(ref1, 0.25 * live + 0.75 * ref0, atol=1e-7)
+    assert any((a - b).abs().max() > 0 for a, b in zip(start, reference_tensors(policy)))
+    # the moved reference travels with the checkpoint and is the reference of the next iteration
+    out = tmp_path / "ckpt"
+    policy.save(out)
+    assert (out / REFERENCE_ADAPTER).is_dir()
+    reloaded = load_policy(cfg, out)
+    for a, b in zip(reference_tensors(policy), reference_tensors(reloaded)):
+        assert torch.equal(a, b)
+
+
+# -- the entropy bonus's gradient ----------------------------------------------------------------------------
+
+def test_entropy_gradient_of_the_fused_head_matches_autograd():
+    g = torch.Generator().manual_seed(0)
+    hidden = torch.randn(10, 8, generator=g, requires_grad=True)
+    head = torch.nn.Linear(8, 30, bias=False)
+    ids = torch.randint(0, 30, (10,), generator=g)
+    w = torch.randn(10, generator=g)
+    for T in (1.0, 0.7):
+        for keep in (None, 0):                                # full logits kept, and chunks recomputed
+            lp, ent = head_logprobs(hidden, head, ids, T, chunk=4, with_entropy=True, entropy_grad=True,
+                                    keep_logits_bytes=keep)
+            got = torch.autograd.grad((ent * w).sum() + lp.sum(), [hidden, head.weight])
+            logits = head(hidden) / T
+            ref_ent = token_entropy(logits)
+            ref_lp = torch.log_softmax(logits, -1).gather(-1, ids[:, None])[:, 0]
+            expect = torch.autograd.grad((ref_ent * w).sum() + ref_lp.sum(), [hidden, head.weight])
+            assert torch.allclose(ent, ref_ent, atol=1e-5)
+            for a, b in zip(got, expect):
+                assert torch.allclose(a, b, atol=1e-5)
+    _, detached = head_logprobs(hidden, head, ids, with_entropy=True)
+    assert not detached.requires_grad

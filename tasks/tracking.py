@@ -25,8 +25,11 @@ def tracking_uri(cfg: GRPOConfig) -> str:
 
 
 def client(cfg: GRPOConfig):
+    """A client for this run's store; the registry lives in the same store (never the process-global
+    registry URI that an earlier `load_adapter` in this process may have set)."""
     from mlflow.tracking import MlflowClient
-    return MlflowClient(tracking_uri=tracking_uri(cfg))
+    uri = tracking_uri(cfg)
+    return MlflowClient(tracking_uri=uri, registry_uri=uri)
 
 
 def ui_command(cfg: GRPOConfig) -> str:

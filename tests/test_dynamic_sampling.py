@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import pytest
 
+from grpo_core.task import Task
+
 from grpo_core.dynamic_sampling import count_informative, is_informative, merge_rounds
 from grpo_core.rewards import compute_rewards, overlong_penalty, overlong_reward
 
@@ -51,12 +53,13 @@ def test_overlong_penalty_dapo_shape():
     assert overlong_penalty(10, 20, 4) == 0.0 and overlong_penalty(16, 20, 4) == 0.0
     assert overlong_penalty(18, 20, 4) == pytest.approx(-0.5) and overlong_penalty(20, 20, 4) == -1.0
     assert overlong_penalty(25, 20, 4) == -1.0
-    assert overlong_reward(["a", "b"], [None, None], completion_lengths=[3, 19], max_completion_length=20,
+    assert overlong_reward(["p", "q"], ["a", "b"], completion_lengths=[3, 19], max_completion_length=20,
                            overlong_buffer_length=4) == [0.0, -0.75]
-    assert overlong_reward(["a"], [None]) == [0.0]                # no token counts: no penalty
-    totals, per = compute_rewards(["x", "y"], [None, None], ["overlong"], [0.5],
-                                  context={"completion_lengths": [1, 8], "max_completion_length": 8})
-    assert per["overlong"] == [0.0, -1.0] and totals == [0.0, -0.5]   # default buffer 8 // 4 = 2
+    assert overlong_reward(["p"], ["a"]) == [0.0]                # no token counts: no penalty
+    task = Task(id="t", kind="math", source="s", prompt="What is 1 + 1?", answer="2")
+    scores = compute_rewards(["x", "y"], [task, task], ["overlong"], [0.5],
+                             context={"completion_lengths": [1, 8], "max_completion_length": 8})
+    assert scores.per_func["overlong"] == [0.0, -1.0] and scores.totals == [0.0, -0.5]   # default buffer 8 // 4 = 2
 
 
 @pytest.mark.slow

@@ -8,7 +8,7 @@ from safetensors.torch import load_file
 from conftest import tiny_config
 
 
-def digit_fraction(completions, tasks):
+def digit_fraction(prompts, completions, **columns):
     """A dense toy reward (share of digits) so a random model's groups are never all-equal."""
     return [sum(ch.isdigit() for ch in c) / max(1, len(c)) for c in completions]
 

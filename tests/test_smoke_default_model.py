@@ -29,14 +29,14 @@ def test_default_model_rollout_and_update(real_home):
     cfg = GRPOConfig(num_generations=4, max_completion_length=24, learning_rate=1e-3)
     policy = load_policy(cfg)
     assert policy.model.config.vocab_size == 49152
-    tasks = arithmetic.train_tasks(2, 1, 1, ["+"], seed=0, exclude=set())
+    tasks = arithmetic.train_tasks(2, 1, 1, ["+"], seed=0)
     samples = rollout(HFGenerateSampler(policy.model, policy.tokenizer, policy.device), policy.tokenizer, tasks,
                       cfg.num_generations, SamplingParams(max_new_tokens=24, seed=0), cfg.data.prompt_format, 256)
     assert len(samples) == 8 and all(s.completion_ids for s in samples)
     text = " ".join(s.completion for s in samples)
     assert any(ch.isdigit() for ch in text)                  # a real pretrained model answers with numbers
-    totals, _ = compute_rewards([s.completion for s in samples], [tasks[s.group] for s in samples],
-                                cfg.reward_funcs, cfg.reward_weights)
+    totals = compute_rewards([s.completion for s in samples], [tasks[s.group] for s in samples],
+                             cfg.reward_funcs, cfg.reward_weights).totals
     # A fixed, varied reward so the step surely has signal even if the model got every answer equally right.
     batch = [ScoredSample(s.group, s.prompt_ids, s.completion_ids, float(i % 2) + t, s.truncated)
              for i, (s, t) in enumerate(zip(samples, totals))]

@@ -66,7 +66,7 @@ def export_run(run: str, out: str | Path, iteration: int | None = None, best: bo
     # 2) the model directory, with the card and sampling settings of training
     card = ModelCard(base_model=cfg.model, run_name=run_dir.name, mlflow_run_id=run_id, iteration=k,
                      system_prompt=cfg.data.system_prompt, few_shot=[tuple(x) for x in cfg.data.few_shot],
-                     response_prefix=cfg.data.response_prefix, eval_table=format_eval_table(evals))
+                     response_prefix=cfg.data.prompt_format.response_prefix, eval_table=format_eval_table(evals))
     sampling = generation_settings(cfg.temperature, cfg.top_p, cfg.top_k, cfg.max_completion_length)
     try:
         path = export_model(resolve_model(cfg.model), checkpoint_of(run_dir, k), out, card, sampling,

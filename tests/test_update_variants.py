@@ -21,20 +21,7 @@ from grpo_core.sampling import SamplingParams
 from grpo_core.update import (ScoredSample, grpo_update, make_micro_batch, make_optimizer, make_scheduler, plan_steps,
                               surviving_groups)
 from published_objective import Options, Sequence, micro_batch_loss
-
-
-class RecordingSGD(torch.optim.SGD):
-    """Plain SGD that records, at every step, the parameters it starts from and the gradient it applies."""
-
-    def __init__(self, params, lr):
-        params = list(params)
-        super().__init__(params, lr=lr)
-        self.plist, self.before, self.grads = params, [], []
-
-    def step(self, closure=None):
-        self.before.append([p.detach().clone() for p in self.plist])
-        self.grads.append([p.grad.detach().clone() for p in self.plist])
-        return super().step(closure)
+from test_update import RecordingSGD
 
 
 def tiny_policy(G: int, **over):

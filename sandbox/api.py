@@ -74,6 +74,17 @@ Verdict statuses
 crash, out of memory, output limit, entry point missing); ``infra_error`` the sandbox itself
 failed (engine down, image missing, malformed task) — callers must NOT turn it into a reward,
 they should retry or drop the sample.
+
+Code that exits or crashes before its tests run (``sys.exit(0)`` or a crash while the module
+loads, a Rust compile error) is an ``error`` on purpose: no test ran, so nothing passed, whatever
+the exit code says. Code that exits inside a test (``os._exit(0)`` in the function,
+``std::process::exit`` in Rust) is a ``fail``: that test and the ones after it never reported.
+``Verdict.passed`` counts only tests that reported a pass.
+
+Rust code is compiled as the library crate ``solution`` (version 0.1.0) with the environment
+Cargo sets for one (``CARGO_PKG_NAME``, ``CARGO_PKG_VERSION*``, ``CARGO_CRATE_NAME``, and
+``CARGO_MANIFEST_DIR`` pointing at a read-only directory with a generated ``Cargo.toml`` and
+``src/lib.rs``), so ``env!("CARGO_...")`` in code written for Cargo builds here too.
 """
 from __future__ import annotations
 

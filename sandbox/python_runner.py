@@ -255,7 +255,7 @@ def _wipe(d):
         p = os.path.join(d, name)
         try:
             if os.path.isdir(p) and not os.path.islink(p):
-                shutil.rmtree(p, ignore_errors=True)
+                _rmtree(p)
             else:
                 os.unlink(p)
         except OSError:
@@ -460,13 +460,15 @@ def run_rust(job):
     work = _fresh_dir()
     out_dir = os.path.join(work, "out")
     os.makedirs(out_dir)
-    env = _base_env({"PATH": bindir + ":" + _base_env()["PATH"]})
-    lib_rs = os.path.join(work, "lib.rs")
-    _write(lib_rs, job["lib_rs"])
+    crate = os.path.join(work, "crate")
+    lib_rs = os.path.join(crate, "src", "lib.rs")
+    _write_crate(crate, job["lib_rs"])
+    env = _base_env(dict(cargo_env(crate, bindir), CARGO_CRATE_NAME=CRATE_NAME,
+                         PATH=bindir + ":" + _base_env()["PATH"]))
     stages = {}
     rlim = dict(lim, cpu_s=1e6, rlimit_as=False)  # compilers map far more than they use
     common = ["--edition", "2021", "-C", "debuginfo=0", "--color", "never"]
-    lib_args = common + ["--crate-type", "rlib", "--crate-name", "solution", lib_rs]
+    lib_args = common + ["--crate-type", "rlib", "--crate-name", CRATE_NAME, lib_rs]
 
     def stage(name, argv, timeout):
         r = run_capped(argv, timeout=timeout, cap=cap, env=env, cwd=work, limits=rlim)
@@ -492,6 +494,7 @@ def run_rust(job):
     _write(main_rs, job["main_rs"])
     t0 = time.monotonic()
     exe = os.path.join(out_dir, "harness")
+    env["CARGO_CRATE_NAME"] = "harness"
     st = stage("test_build", [os.path.join(bindir, "rustc")] + common +
                ["--crate-type", "bin", "--crate-name", "harness", main_rs, "--extern",
                 "solution=" + os.path.join(out_dir, "libsolution.rlib"), "-L", out_dir,
@@ -518,7 +521,7 @@ def _run_harness(exe, work, job, left):
     lim = job["limits"]
     run_dir = _fresh_dir()
     shutil.copy(exe, os.path.join(run_dir, "harness"))
-    shutil.rmtree(work, ignore_errors=True)
+    _rmtree(work)
     nonce = secrets.token_hex(16)
     run_env = _base_env({"LD_LIBRARY_PATH": job["rust_libdir"]} if job.get("rust_libdir") else {})
     r = run_capped([os.path.join(run_dir, "harness")], stdin_bytes=(nonce + "\n").encode(),
@@ -531,6 +534,48 @@ def _run_harness(exe, work, job, left):
             if len(parts) == 2 and parts[1] in ("ok", "FAILED"):
                 results.append([parts[0], parts[1] == "ok"])
     return r, results, nonce
+
+
+CRATE_NAME, CRATE_VERSION = "solution", "0.1.0"
+
+
+def cargo_env(manifest_dir, bindir):
+    """The variables Cargo sets when it compiles a library crate, so code that uses
+    ``env!("CARGO_PKG_NAME")`` and friends builds here as it would under ``cargo build``."""
+    major, minor, patch = CRATE_VERSION.split(".")
+    env = {"CARGO_PKG_NAME": CRATE_NAME, "CARGO_PKG_VERSION": CRATE_VERSION,
+           "CARGO_PKG_VERSION_MAJOR": major, "CARGO_PKG_VERSION_MINOR": minor,
+           "CARGO_PKG_VERSION_PATCH": patch, "CARGO_PKG_VERSION_PRE": "",
+           "CARGO_MANIFEST_DIR": manifest_dir,
+           "CARGO_MANIFEST_PATH": os.path.join(manifest_dir, "Cargo.toml"),
+           "CARGO_PRIMARY_PACKAGE": "1", "CARGO": os.path.join(bindir, "cargo")}
+    for key in ("AUTHORS", "DESCRIPTION", "HOMEPAGE", "REPOSITORY", "LICENSE", "LICENSE_FILE",
+                "RUST_VERSION", "README"):
+        env["CARGO_PKG_" + key] = ""
+    return env
+
+
+def _write_crate(crate, lib_rs):
+    """``crate/Cargo.toml`` + ``crate/src/lib.rs``, then read-only (``CARGO_MANIFEST_DIR``)."""
+    os.makedirs(os.path.join(crate, "src"))
+    _write(os.path.join(crate, "Cargo.toml"), '[package]\nname = "%s"\nversion = "%s"\n'
+           'edition = "2021"\n\n[lib]\npath = "src/lib.rs"\n' % (CRATE_NAME, CRATE_VERSION))
+    _write(os.path.join(crate, "src", "lib.rs"), lib_rs)
+    for path in (os.path.join(crate, "Cargo.toml"), os.path.join(crate, "src", "lib.rs")):
+        os.chmod(path, 0o444)
+    os.chmod(os.path.join(crate, "src"), 0o555)
+    os.chmod(crate, 0o555)
+
+
+def _rmtree(path):
+    """Remove a tree, including directories left read-only (the crate dir, or by the code)."""
+    for root, dirs, _ in os.walk(path):
+        for d in dirs:
+            try:
+                os.chmod(os.path.join(root, d), 0o700, follow_symlinks=False)
+            except (OSError, NotImplementedError):
+                pass
+    shutil.rmtree(path, ignore_errors=True)
 
 
 def _write(path, text):

@@ -6,11 +6,12 @@ See :mod:`sandbox.api` for the two formats (``io`` and ``assert``).
 from __future__ import annotations
 
 import ast
+import builtins
 import functools
 import json
 import math
 import random
-import threading
+import types
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -161,27 +162,46 @@ def _compile_check(src: str, field: str):
     return compile(tree, f"<{field}>", "exec")
 
 
-# Checks may draw random inputs: run them one at a time with a fixed seed, so planning and
-# judging see the same calls.
-_CHECK_LOCK = threading.Lock()
+# Checks may draw random inputs. Each run gets its own seeded ``random`` module, so planning and
+# judging see the same calls even while other threads of this process draw from the global one.
+CHECK_SEED = 20261129
+
+
+def _private_random() -> types.ModuleType:
+    """A copy of the ``random`` module whose functions draw from a fresh seeded generator."""
+    rng = random.Random(CHECK_SEED)
+    mod = types.ModuleType("random")
+    mod.__dict__.update({k: v for k, v in vars(random).items() if not k.startswith("__")})
+    for name in dir(rng):
+        if not name.startswith("_") and callable(getattr(random, name, None)):
+            if getattr(getattr(random, name), "__self__", None) is random._inst:
+                setattr(mod, name, getattr(rng, name))
+    return mod
+
+
+def _check_builtins() -> dict[str, Any]:
+    rand = _private_random()
+    real_import = builtins.__import__
+
+    def check_import(name, globals=None, locals=None, fromlist=(), level=0):
+        if name == "random" and level == 0:
+            return rand
+        return real_import(name, globals, locals, fromlist, level)
+
+    return {**vars(builtins), "__import__": check_import}
 
 
 def _run_check(chk: _Check, candidate: Callable, on_assert: Callable) -> None:
-    ns: dict[str, Any] = {"__name__": "__check__", "__sbx_assert__": on_assert}
-    with _CHECK_LOCK:
-        state = random.getstate()
-        random.seed(20261129)
-        try:
-            if chk.setup:
-                exec(_compile_check(chk.setup, "setup"), ns)  # trusted task code, on the host
-            exec(_compile_check(chk.check, "check"), ns)
-            ns[chk.entry_point] = candidate
-            check = ns.get("check")
-            if not callable(check):
-                raise TaskFormatError("tests['check'] must define a function check(candidate)")
-            check(candidate)
-        finally:
-            random.setstate(state)
+    ns: dict[str, Any] = {"__name__": "__check__", "__sbx_assert__": on_assert,
+                          "__builtins__": _check_builtins()}
+    if chk.setup:
+        exec(_compile_check(chk.setup, "setup"), ns)  # trusted task code, on the host
+    exec(_compile_check(chk.check, "check"), ns)
+    ns[chk.entry_point] = candidate
+    check = ns.get("check")
+    if not callable(check):
+        raise TaskFormatError("tests['check'] must define a function check(candidate)")
+    check(candidate)
 
 
 @functools.lru_cache(maxsize=4096)

@@ -110,6 +110,38 @@ def check(candidate):
     assert plan.n_tests == 5 and all(r.passed for r in plan.judge(records))
 
 
+
+def test_random_checks_judge_the_planned_calls_while_other_threads_draw_randoms():
+    """Another thread drawing from the global ``random`` (a Prefect or HTTP client's jitter)
+    while a check runs must not change the inputs the check draws."""
+    import random
+    import sys
+    import threading
+    check = ("from random import randint, choice\nimport random as r\n"
+             "def check(candidate):\n    for _ in range(400):\n"
+             "        x = randint(0, 10**6) + r.random() + len(choice('abc'))\n"
+             "        assert candidate(x) == x\n")
+    stop, draws = threading.Event(), [0]
+
+    def noise():
+        while not stop.is_set():
+            random.random()
+            draws[0] += 1
+
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+    thread = threading.Thread(target=noise)
+    thread.start()
+    try:
+        plan = python_tests.plan({"format": "assert", "check": check}, "f")
+        results = plan.judge([_rec(i, decode(c[0])[0]) for i, c in enumerate(plan.calls)])
+    finally:
+        stop.set()
+        thread.join()
+        sys.setswitchinterval(interval)
+    assert draws[0] > 0
+    assert plan.n_tests == 400 and all(r.passed for r in results), [r.detail for r in results][:3]
+
 @pytest.mark.parametrize("tests,entry,msg", [
     ({"format": "io", "cases": []}, "f", "cases"),
     ({"format": "io", "cases": [{"args": [1]}]}, "f", "expected"),

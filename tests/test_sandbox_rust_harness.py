@@ -30,6 +30,14 @@ CASES = {
     # name: (code, expected status, expected passed tests, expected stage statuses (build, clippy))
     "good": (GOOD, "pass", 3, ("pass", "pass")),
     "wrong": ("pub fn add(a: i32, b: i32) -> i32 { a - b }" + DIV, "fail", 1, ("pass", "pass")),
+    # code written for Cargo: its compile-time environment and manifest dir are there, as under cargo
+    "cargo_env": ('''pub const NAME: &str = env!("CARGO_PKG_NAME");
+pub const MANIFEST: &str = include_str!(concat!(env!("CARGO_MANIFEST_DIR"), "/Cargo.toml"));
+pub fn add(a: i32, b: i32) -> i32 {
+    let version_ok = env!("CARGO_PKG_VERSION").split('.').next() == Some(env!("CARGO_PKG_VERSION_MAJOR"));
+    let ok = NAME == "solution" && env!("CARGO_CRATE_NAME") == NAME && MANIFEST.contains(NAME);
+    if ok && version_ok { a + b } else { a * b }
+}''' + DIV, "pass", 3, ("pass", "pass")),
     "compile_error": ("pub fn add(a: i32, b: i32) -> i32 { a + }", "error", 0, ("fail", "skipped")),
     "lint": ("pub fn add(a: i32, b: i32) -> i32 { return a + b; }" + DIV, "fail", 3, ("pass", "fail")),
     # lint suppression cannot beat -F clippy::all

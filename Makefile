@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 TORCH_SPEC ?= torch==2.13.0
 RUN_ARGS ?=
 
-.PHONY: venv run test test-fast images clean
+.PHONY: venv run test test-slow test-all images clean
 
 venv: $(VENV)/.installed
 
@@ -20,11 +20,16 @@ $(VENV)/.installed: pyproject.toml
 run: venv
 	$(BIN)/grpo train --config configs/default.yaml $(RUN_ARGS)
 
+# The default suite: everything but the tests marked slow (about 10 min on 2 cores).
 test: venv
-	$(BIN)/python -m pytest -q
-
-test-fast: venv
 	$(BIN)/python -m pytest -q -m "not slow"
+
+# The slow half: the real default model, kill-and-resume, workers, Docker-scored runs (CI runs both).
+test-slow: venv
+	$(BIN)/python -m pytest -q -m slow
+
+test-all: venv
+	$(BIN)/python -m pytest -q
 
 clean:
 	rm -rf runs .pytest_cache

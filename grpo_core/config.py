@@ -74,7 +74,8 @@ class DataConfig(_Section):
     @model_validator(mode="after")
     def _digits_order(self):
         if self.min_digits > self.max_digits:
-            raise ValueError(f"data.min_digits ({self.min_digits}) must be <= data.max_digits ({self.max_digits})")
+            raise ValueError(f"data.min_digits ({self.min_digits}) must be <= data.max_digits ({self.max_digits}); "
+                             f"lower data.min_digits or raise data.max_digits")
         return self
 
     @model_validator(mode="after")
@@ -140,6 +141,29 @@ class SandboxConfig(_Section):
         "auto", description="auto: Docker when an engine answers, else the weaker local (bubblewrap) backend")
     reward_mode: Literal["fraction", "binary"] = Field(
         "fraction", description="code correctness: fraction of hidden tests passed, or 1 only if all pass")
+    images: dict[Literal["python", "rust"], str] = Field(
+        default_factory=dict, description="Docker image per language (python, rust) for backend docker; default "
+                                          "grpo-sandbox-python:1 and grpo-sandbox-rust:1 (`grpo sandbox build-images`)")
+
+    def check_ready(self, languages: set[str]) -> None:
+        """Before a run with code tasks in `languages` on backend docker: the engine answers and every image
+        exists, else a ConfigError naming the field to fix (auto falls back to local; local needs neither)."""
+        if self.backend != "docker" or not languages:
+            return
+        from sandbox.docker_backend import missing_images
+        from sandbox.images import IMAGES
+        refs = {lang: self.images.get(lang, IMAGES[lang]) for lang in sorted(languages)}
+        missing = missing_images(list(refs.values()))
+        if missing is None:
+            raise ConfigError("sandbox.backend is 'docker' but no Docker engine answers. Fix: start Docker "
+                              "(infra/setup_docker.sh), or set sandbox.backend: local (or auto)")
+        for lang, ref in refs.items():
+            build = f"`grpo sandbox build-images --only {lang}` builds {IMAGES[lang]}"
+            if ref in missing:
+                raise ConfigError(f"sandbox.images.{lang}: Docker image {ref!r} does not exist. Fix: "
+                                  + (f"build it ({build})" if ref == IMAGES[lang] else
+                                     f"pull or build it, or set sandbox.images.{lang} to an existing image ({build})")
+                                  + ", or set sandbox.backend: local")
 
 
 class StageRetryConfig(_Section):
@@ -310,6 +334,10 @@ class GRPOConfig(_Section):
                                     "\"package.module:function\", or a name installed packages register under the "
                                     "entry-point group grpo_pipeline.rewards (README: Train on your own task)")
     reward_weights: list[float] | None = Field(None, description="one weight per reward_funcs entry; default: all 1")
+    correctness_func: str = Field("accuracy", description="the reward whose value is raw correctness (1.0 = "
+                                  "correct): pass@k and strict accuracy in evaluation, dynamic sampling, "
+                                  "difficulty calibration; a reward_funcs entry or any name reward_funcs accepts "
+                                  "(weight 0 unless it is in reward_funcs)")
 
     @field_validator("reward_funcs")
     @classmethod
@@ -319,6 +347,13 @@ class GRPOConfig(_Section):
         from grpo_core.rewards import resolve_reward_funcs
         resolve_reward_funcs(entries)
         return entries
+
+    @field_validator("correctness_func")
+    @classmethod
+    def _correctness_func_resolves(cls, entry: str) -> str:
+        from grpo_core.rewards import resolve_reward
+        resolve_reward(entry, "correctness_func", entry)
+        return entry
     # -- sections ---------------------------------------------------------------------------
     data: DataConfig = Field(default_factory=DataConfig)
     eval: EvalConfig = Field(default_factory=EvalConfig)
@@ -362,16 +397,33 @@ def flatten(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
     return out
 
 
-def _format_errors(err: ValidationError, source: str) -> str:
-    lines = [f"invalid configuration ({source}):"]
-    for e in err.errors():
-        field = ".".join(str(p) for p in e["loc"]) or "(top level)"
-        msg = e["msg"].removeprefix("Value error, ")
-        if e["type"] == "extra_forbidden":
-            msg = "unknown field (check the spelling; `grpo train --help` lists the fields)"
-        lines.append(f"  {field}: {msg} (got {e.get('input')!r})" if e["type"] != "extra_forbidden"
-                     else f"  {field}: {msg}")
-    return "\n".join(lines)
+# pydantic's wording -> ours: "Input should be greater than 0" -> "must be > 0"
+_MSG_WORDS = (("Input should be ", "must be "), ("String should ", "must "), ("List should ", "must "),
+              ("greater than or equal to ", ">= "), ("less than or equal to ", "<= "), ("greater than ", "> "),
+              ("less than ", "< "))
+
+
+def _one_error(e: dict, path: str | None, overridden: set[str]) -> str:
+    """One pydantic error as `config field 'a.b': <what is wrong>, got <value> (fix the value in <where>)`."""
+    field = ".".join(str(p) for p in e["loc"] if p != "[key]")
+    key = ".".join(str(p) for p in e["loc"] if not isinstance(p, int) and p != "[key]")    # what --set takes
+    msg = e["msg"].removeprefix("Value error, ")
+    if e["type"] == "value_error":           # our validators' messages name their fields and the fix
+        return msg if not field or msg.startswith(field.split(".")[0]) else f"config field '{field}': {msg}"
+    from_file = bool(path) and key not in overridden
+    if e["type"] == "extra_forbidden":
+        return (f"config field '{field}': unknown field; check the spelling (`grpo train --help` lists the "
+                f"fields) and fix or remove it {f'in {path}' if from_file else f'from --set {key}=...'}")
+    where = f"in {path} or --set {key}=..." if from_file else f"given with --set {key}=..."
+    for a, b in _MSG_WORDS:
+        msg = msg.replace(a, b)
+    got = repr(e.get("input"))
+    return f"config field '{field}': {msg}, got {got[:60] + '...' if len(got) > 60 else got} (fix the value {where})"
+
+
+def _format_errors(err: ValidationError, path: str | None, overridden: set[str]) -> str:
+    """The validation errors as one line: each names its field, the bad value and where to fix it."""
+    return "; ".join(dict.fromkeys(_one_error(e, path or "", overridden) for e in err.errors()))
 
 
 def parse_override(item: str) -> tuple[list[str], Any]:
@@ -392,7 +444,6 @@ def parse_override(item: str) -> tuple[list[str], Any]:
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> GRPOConfig:
     """Load YAML (optional), apply `key=value` overrides, validate. Raises ConfigError naming the field."""
     data: dict[str, Any] = {}
-    source = "defaults"
     if path is not None:
         p = Path(path)
         if not p.is_file():
@@ -400,10 +451,11 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
         try:
             data = yaml.safe_load(p.read_text()) or {}
         except yaml.YAMLError as e:
-            raise ConfigError(f"config file {str(p)!r} is not valid YAML: {e}") from e
+            raise ConfigError(f"config file {str(p)!r} is not valid YAML: {_yaml_problem(e)}; fix the syntax there "
+                              f"(indentation, a missing ':' or an unclosed quote or bracket)") from e
         if not isinstance(data, dict):
-            raise ConfigError(f"config file {str(p)!r} must hold a mapping of field: value")
-        source = str(p)
+            raise ConfigError(f"config file {str(p)!r} must hold a mapping of field: value; write one `field: value` "
+                              f"per line (e.g. learning_rate: 1.0e-4), not a list or a single value")
     for item in overrides or []:
         keys, value = parse_override(item)
         node = data
@@ -412,12 +464,18 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
             if not isinstance(node, dict):
                 raise ConfigError(f"override {item!r}: {k!r} is not a section")
         node[keys[-1]] = value
-    if overrides:
-        source += " + --set overrides"
     try:
         return GRPOConfig.model_validate(data)
     except ValidationError as e:
-        raise ConfigError(_format_errors(e, source)) from None
+        overridden = {".".join(parse_override(item)[0]) for item in overrides or []}
+        raise ConfigError(_format_errors(e, None if path is None else str(path), overridden)) from None
+
+
+def _yaml_problem(e: yaml.YAMLError) -> str:
+    """Where and what: 'line 3, column 7: mapping values are not allowed here'."""
+    mark = getattr(e, "problem_mark", None)
+    problem = getattr(e, "problem", None) or str(e).splitlines()[0]
+    return f"line {mark.line + 1}, column {mark.column + 1}: {problem}" if mark is not None else problem
 
 
 def field_help() -> str:

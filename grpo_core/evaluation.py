@@ -35,7 +35,7 @@ from grpo_core.task import Task
 from grpo_core.monitors import completion_flags, text_monitor_metrics
 from grpo_core.passk import mean_pass_at_k
 from grpo_core.policy import Policy
-from grpo_core.rewards import CORRECTNESS_FUNC, compute_rewards, correctness_scores, is_well_formatted, reward_context
+from grpo_core.rewards import compute_rewards, correctness_scores, is_well_formatted, reward_context
 from grpo_core.sampling import SamplingParams
 from grpo_core.rollout import make_backend, rollout
 
@@ -79,14 +79,14 @@ def score_samples(samples, tasks_by_id: dict[str, Task], cfg: GRPOConfig, mode: 
     """One row per completion: what the sample table shows and what the metrics are computed from."""
     funcs = list(cfg.reward_funcs)
     weights = list(cfg.reward_weights)
-    if CORRECTNESS_FUNC not in funcs:          # correctness is always measured, never weighted in
-        funcs.append(CORRECTNESS_FUNC)
+    if cfg.correctness_func not in funcs:      # correctness is always measured, never weighted in
+        funcs.append(cfg.correctness_func)
         weights.append(0.0)
     sample_tasks = [tasks_by_id[s.task_id] for s in samples]
     completions = [s.completion for s in samples]
     context = reward_context(cfg, [s.completion_ids for s in samples])        # as the score stage does
     scores = compute_rewards(completions, sample_tasks, funcs, weights, context)
-    correctness = correctness_scores(scores, funcs, completions, sample_tasks, context)
+    correctness = correctness_scores(scores, funcs, completions, sample_tasks, context, cfg.correctness_func)
     rows, seen = [], defaultdict(int)
     for i, (s, t) in enumerate(zip(samples, sample_tasks)):
         acc = correctness[i]

@@ -5,7 +5,7 @@ Per completion (pure text checks):
   * for code tasks, a static scan for exit calls, test-runner access and lint suppression - the
     tricks that fool harnesses which trust exit status or in-process test results.
 Across iterations (on the eval metrics):
-  * format reward rising while correctness falls (vs the previous evaluation of the run)
+  * format rate rising while correctness falls (vs the previous evaluation of the run)
   * answer-length collapse or blow-up (vs iteration 0, the base model)
 A tripped monitor is a warning, not a verdict: the sandbox decides rewards, the monitor tells the user
 to look at the sample table.
@@ -134,7 +134,7 @@ def check_monitors(metrics: dict[str, float], previous: dict[str, float] | None,
     if previous:
         tripped, why = False, []
         for m in _modes(metrics):
-            fk, ak = f"eval/{m}/reward/format", f"eval/{m}/pass_at_1"
+            fk, ak = f"eval/{m}/format_rate", f"eval/{m}/pass_at_1"
             if fk in previous and ak in previous and fk in metrics:
                 df, da = metrics[fk] - previous[fk], metrics[ak] - previous[ak]
                 out[f"eval/monitor/{m}/format_delta"] = df
@@ -144,7 +144,7 @@ def check_monitors(metrics: dict[str, float], previous: dict[str, float] | None,
                     why.append(f"{m}: format {previous[fk]:.2f}->{metrics[fk]:.2f} while pass@1 "
                                f"{previous[ak]:.2f}->{metrics[ak]:.2f}")
         verdict("format_up_accuracy_down", tripped,
-                "format reward rose while correctness fell since the previous evaluation (" + "; ".join(why) + ")")
+                "the format rate rose while correctness fell since the previous evaluation (" + "; ".join(why) + ")")
     if baseline:
         for m in _modes(metrics):
             lk = f"eval/{m}/completion_length"

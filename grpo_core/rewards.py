@@ -37,7 +37,7 @@ CODE_BLOCK_RE = {lang: re.compile(rf"^(?:(?!```).)*```{lang}[ \t]*\n(?:(?!```).)
 
 TASK_COLUMNS = tuple(f.name for f in fields(Task) if f.name != "prompt")
 CONTEXT_KEYS = ("completion_ids", "completion_lengths", "max_completion_length", "overlong_buffer_length",
-                "sandbox_backend", "code_reward_mode")
+                "sandbox_backend", "code_reward_mode", "sandbox_images")
 KNOWN_COLUMNS = frozenset(TASK_COLUMNS + CONTEXT_KEYS)
 
 
@@ -74,9 +74,11 @@ def tasks_from_columns(prompts: Sequence[str], columns: dict[str, Any]) -> list[
 
 
 def accuracy_reward(prompts: Sequence[str], completions: Sequence[str], *, sandbox_backend: str | None = None,
-                    code_reward_mode: str | None = None, **columns) -> list[float | None]:
+                    code_reward_mode: str | None = None, sandbox_images: dict[str, str] | None = None,
+                    **columns) -> list[float | None]:
     """Correctness: the tagged answer for math tasks; hidden tests in the sandbox for code tasks
-    (`sandbox_backend` auto|docker|local, `code_reward_mode` fraction|binary)."""
+    (`sandbox_backend` auto|docker|local, `code_reward_mode` fraction|binary, `sandbox_images` the Docker
+    image per language)."""
     tasks = tasks_from_columns(prompts, columns)
     out: list[float | None] = [None] * len(completions)
     code_idx = []
@@ -88,7 +90,7 @@ def accuracy_reward(prompts: Sequence[str], completions: Sequence[str], *, sandb
     if code_idx:
         from grpo_core.code_rewards import code_accuracy  # imported only when code tasks are present
         scores = code_accuracy([completions[i] for i in code_idx], [tasks[i] for i in code_idx],
-                               backend=sandbox_backend, mode=code_reward_mode)
+                               backend=sandbox_backend, mode=code_reward_mode, images=sandbox_images)
         for i, s in zip(code_idx, scores):
             out[i] = s
     return out
@@ -122,7 +124,8 @@ REWARD_FUNCS: dict[str, Callable[..., list]] = {
     "overlong": overlong_reward,
 }
 
-# The reward whose value is raw correctness (used for pass rates and dynamic sampling, never the shaped total).
+# The default reward whose value is raw correctness (pass rates, dynamic sampling; never the shaped total).
+# A run may name another one: GRPOConfig.correctness_func.
 CORRECTNESS_FUNC = "accuracy"
 
 
@@ -165,7 +168,8 @@ def reward_context(cfg, completion_ids: Sequence[Sequence[int]]) -> dict:
     return {"completion_ids": [list(ids) for ids in completion_ids],
             "completion_lengths": [len(ids) for ids in completion_ids],
             "max_completion_length": cfg.max_completion_length, "overlong_buffer_length": cfg.overlong_buffer_length,
-            "sandbox_backend": cfg.sandbox.backend, "code_reward_mode": cfg.sandbox.reward_mode}
+            "sandbox_backend": cfg.sandbox.backend, "code_reward_mode": cfg.sandbox.reward_mode,
+            "sandbox_images": dict(cfg.sandbox.images)}
 
 
 def reward_columns(tasks: Sequence[Task], context: dict | None = None) -> dict[str, Any]:
@@ -178,25 +182,47 @@ def reward_columns(tasks: Sequence[Task], context: dict | None = None) -> dict[s
     return columns
 
 
-def check_scores(name: str, values: Any, n: int) -> list[float | None]:
-    """`values` as one float (or None) per completion; anything else is a RewardOutputError naming `name`."""
+def check_scores(name: str, values: Any, n: int, entry: str | None = None) -> list[float | None]:
+    """`values` as one float (or None) per completion; anything else is a RewardOutputError naming `name`
+    (and the reward_funcs `entry` it came from, when that says more)."""
+    src = f' (reward_funcs entry "{entry}")' if entry and entry != name else ""
     if isinstance(values, (str, bytes, dict)) or not hasattr(values, "__iter__"):
         raise RewardOutputError(f"reward function {name!r} returned a {type(values).__name__}; return a list with "
-                                f"one float (or None: cannot score) per completion")
+                                f"one float (or None: cannot score) per completion{src}")
     values = list(values)
     if len(values) != n:
         raise RewardOutputError(f"reward function {name!r} returned {len(values)} scores for {n} completions; "
-                                f"return exactly one per completion (None where it cannot score)")
+                                f"return exactly one per completion (None where it cannot score){src}")
     out: list[float | None] = []
     for i, v in enumerate(values):
         if v is not None and not isinstance(v, numbers.Real):
             raise RewardOutputError(f"reward function {name!r} returned a {type(v).__name__} ({v!r:.40}) for "
-                                    f"completion {i}; return a float, or None for 'cannot score this one'")
+                                    f"completion {i}; return a float, or None for 'cannot score this one'{src}")
         if v is not None and not math.isfinite(float(v)):
             raise RewardOutputError(f"reward function {name!r} returned {float(v)} for completion {i}; return a "
-                                    f"finite float, or None for 'cannot score this one'")
+                                    f"finite float, or None for 'cannot score this one'{src}")
         out.append(None if v is None else float(v))
     return out
+
+
+def _blame(e: Exception, func: RewardFunc) -> None:
+    """Name the function an exception came from: a note for the traceback and, on a plugin's exception,
+    `reward_func` = its reward_funcs entry, so that `plugin_failure` can report it as the user's error."""
+    e.add_note(f"in reward function {func.name!r} ({func.origin})")
+    if func.origin != "built-in":
+        try:
+            e.reward_func = func.entry
+        except AttributeError:     # an exception type without a __dict__
+            pass
+
+
+def plugin_failure(exc: BaseException) -> str | None:
+    """One line for an exception raised inside a plugin reward function (None when it was not one)."""
+    entry = getattr(exc, "reward_func", None)
+    if entry is None:
+        return None
+    return (f'reward function "{entry}" (reward_funcs) raised {type(exc).__name__}: {exc}. Fix the function or '
+            f"remove it from reward_funcs (`grpo --debug ...` shows its traceback)")
 
 
 def _kwargs_for(func: RewardFunc, columns: dict[str, Any]) -> dict[str, Any]:
@@ -210,7 +236,7 @@ def _run_async(funcs: Sequence[RewardFunc], prompts: list, completions: list, co
         try:
             return await func.fn(prompts, completions, **_kwargs_for(func, columns)), time.perf_counter() - t0
         except Exception as e:
-            e.add_note(f"in reward function {func.name!r} ({func.origin})")
+            _blame(e, func)
             raise
 
     async def all_of() -> list[tuple[Any, float]]:
@@ -223,7 +249,7 @@ def _run_sync(func: RewardFunc, prompts: list, completions: list, columns: dict)
     try:
         return func.fn(prompts, completions, **_kwargs_for(func, columns)), time.perf_counter() - t0
     except Exception as e:
-        e.add_note(f"in reward function {func.name!r} ({func.origin})")
+        _blame(e, func)
         raise
 
 
@@ -249,7 +275,7 @@ def compute_rewards(completions: Sequence[str], tasks: Sequence[Task], funcs: Se
         outputs = {f.name: _run_sync(f, prompts, completions, columns) for f in resolved if not f.is_async}
         if pending is not None:
             outputs.update({f.name: out for f, out in zip(async_funcs, pending.result())})
-    per_func = {f.name: check_scores(f.name, outputs[f.name][0], len(completions)) for f in resolved}
+    per_func = {f.name: check_scores(f.name, outputs[f.name][0], len(completions), f.entry) for f in resolved}
     totals: list[float | None] = []
     for i in range(len(completions)):
         vals = [per_func[f.name][i] for f in resolved]
@@ -258,8 +284,11 @@ def compute_rewards(completions: Sequence[str], tasks: Sequence[Task], funcs: Se
 
 
 def correctness_scores(scores: RewardScores, funcs: Sequence[str], completions: Sequence[str],
-                       tasks: Sequence[Task], context: dict | None = None) -> list[float | None]:
-    """The built-in accuracy per completion (raw correctness): reused when configured, computed otherwise."""
-    if CORRECTNESS_FUNC in funcs:
-        return scores.per_func[metric_names(funcs)[list(funcs).index(CORRECTNESS_FUNC)]]
-    return compute_rewards(completions, tasks, [CORRECTNESS_FUNC], [1.0], context).per_func[CORRECTNESS_FUNC]
+                       tasks: Sequence[Task], context: dict | None = None,
+                       correctness_func: str = CORRECTNESS_FUNC) -> list[float | None]:
+    """Raw correctness per completion (`correctness_func`'s value): reused when it is one of `funcs`,
+    computed otherwise."""
+    if correctness_func in funcs:
+        return scores.per_func[metric_names(funcs)[list(funcs).index(correctness_func)]]
+    name = metric_names([correctness_func])[0]
+    return compute_rewards(completions, tasks, [correctness_func], [1.0], context).per_func[name]

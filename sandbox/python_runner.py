@@ -460,9 +460,7 @@ def run_rust(job):
     work = _fresh_dir()
     out_dir = os.path.join(work, "out")
     os.makedirs(out_dir)
-    crate = os.path.join(work, "crate")
-    lib_rs = os.path.join(crate, "src", "lib.rs")
-    _write_crate(crate, job["lib_rs"])
+    crate, lib_rs = _write_crate(work, job["lib_rs"])
     env = _base_env(dict(cargo_env(crate, bindir), CARGO_CRATE_NAME=CRATE_NAME,
                          PATH=bindir + ":" + _base_env()["PATH"]))
     stages = {}
@@ -555,16 +553,18 @@ def cargo_env(manifest_dir, bindir):
     return env
 
 
-def _write_crate(crate, lib_rs):
-    """``crate/Cargo.toml`` + ``crate/src/lib.rs``, then read-only (``CARGO_MANIFEST_DIR``)."""
+def _write_crate(work, lib_rs):
+    """``work/crate/{Cargo.toml,src/lib.rs}``, made read-only (``CARGO_MANIFEST_DIR``).
+    -> (crate dir, lib.rs path)."""
+    crate = os.path.join(work, "crate")
+    manifest, lib_path = os.path.join(crate, "Cargo.toml"), os.path.join(crate, "src", "lib.rs")
     os.makedirs(os.path.join(crate, "src"))
-    _write(os.path.join(crate, "Cargo.toml"), '[package]\nname = "%s"\nversion = "%s"\n'
-           'edition = "2021"\n\n[lib]\npath = "src/lib.rs"\n' % (CRATE_NAME, CRATE_VERSION))
-    _write(os.path.join(crate, "src", "lib.rs"), lib_rs)
-    for path in (os.path.join(crate, "Cargo.toml"), os.path.join(crate, "src", "lib.rs")):
-        os.chmod(path, 0o444)
-    os.chmod(os.path.join(crate, "src"), 0o555)
-    os.chmod(crate, 0o555)
+    _write(manifest, '[package]\nname = "%s"\nversion = "%s"\nedition = "2021"\n\n[lib]\n'
+           'path = "src/lib.rs"\n' % (CRATE_NAME, CRATE_VERSION))
+    _write(lib_path, lib_rs)
+    for path, mode in ((manifest, 0o444), (lib_path, 0o444), (os.path.dirname(lib_path), 0o555), (crate, 0o555)):
+        os.chmod(path, mode)
+    return crate, lib_path
 
 
 def _rmtree(path):

@@ -25,7 +25,8 @@ def score(config: dict, run_dir: str, iteration: int, prompts: str, samples: str
     row_tasks = [tasks[r["task_id"]] for r in rows]
     context = reward_context(cfg, [r["completion_ids"] for r in rows])
     scores = compute_rewards(completions, row_tasks, cfg.reward_funcs, cfg.reward_weights, context)
-    correctness = correctness_scores(scores, cfg.reward_funcs, completions, row_tasks, context)
+    correctness = correctness_scores(scores, cfg.reward_funcs, completions, row_tasks, context,
+                                     cfg.correctness_func)
     scored = [{"task_id": r["task_id"], "group": r["group"], "reward": total,
                "rewards": {f: values[i] for f, values in scores.per_func.items()}, "correct": correctness[i]}
               for i, (r, total) in enumerate(zip(rows, scores.totals))]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import shutil
+from contextlib import contextmanager
 from pathlib import Path
 
 # Before Prefect/transformers are imported anywhere.
@@ -49,6 +50,18 @@ def mlflow_uri(tmp_path, monkeypatch) -> str:
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
     return uri
+
+
+@contextmanager
+def isolated_run_env(tmp: Path, tiny_model_dir: Path):
+    """For module-scoped run fixtures: $GRPO_HOME with the tiny model and MLflow on SQLite, both in
+    ``tmp``, set for the duration. -> the tracking URI."""
+    shutil.copytree(tiny_model_dir, tmp / "grpo_home" / "models" / "tiny-random")
+    uri = f"sqlite:///{tmp / 'mlflow.db'}"
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("GRPO_HOME", str(tmp / "grpo_home"))
+        mp.setenv("MLFLOW_TRACKING_URI", uri)
+        yield uri
 
 
 def tiny_config(tmp_path: Path, **overrides) -> dict:

@@ -185,7 +185,7 @@ def test_code_scan_leaves_clean_code_and_math_alone():
 
 
 def _evalm(fmt, acc, length=20.0, empty=0.0, **extra):
-    return {"eval/greedy/pass_at_1": acc, "eval/greedy/reward/format": fmt, "eval/greedy/completion_length": length,
+    return {"eval/greedy/pass_at_1": acc, "eval/greedy/format_rate": fmt, "eval/greedy/completion_length": length,
             "eval/monitor/empty_answer_frac": empty, **extra}
 
 

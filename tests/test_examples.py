@@ -84,6 +84,7 @@ def test_data_sources_lists_the_installed_plugin(example_site):
     assert "user" in line and "grpo-units-plugin 0.1.0 (grpo_units.sources:units_csv)" in line
 
 
+@pytest.mark.slow
 def test_train_with_the_example_config_logs_the_plugin_reward(example_site, tmp_path, grpo_home, mlflow_uri,
                                                               prefect_engine):
     """`grpo train --config examples/grpo-units-plugin/config.yaml` on the tiny model, as the README runs it

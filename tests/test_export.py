@@ -11,6 +11,7 @@ from grpo_core.config import GRPOConfig
 from grpo_core.export import ModelCard, export_model, generation_settings
 from grpo_core.models import load_tokenizer, resolve_model
 from grpo_core.policy import load_policy
+from tests.conftest import isolated_run_env
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -88,15 +89,10 @@ def test_export_of_a_directory_without_adapter_fails_and_leaves_nothing(tmp_path
 def tiny_run(prefect_engine, tiny_model_dir, tmp_path_factory):
     """`grpo train --config configs/tiny.yaml` (2 iterations), MLflow on SQLite in a temp dir.
     -> (run dir, tracking uri, mlflow run id)."""
-    import shutil
     from flows.cli.main import main
     from grpo_core.io import read_json
     tmp = tmp_path_factory.mktemp("export-run")
-    shutil.copytree(tiny_model_dir, tmp / "grpo_home" / "models" / "tiny-random")
-    uri = f"sqlite:///{tmp / 'mlflow.db'}"
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("GRPO_HOME", str(tmp / "grpo_home"))
-        mp.setenv("MLFLOW_TRACKING_URI", uri)
+    with isolated_run_env(tmp, tiny_model_dir) as uri:
         assert main(["train", "--config", str(REPO / "configs" / "tiny.yaml"), "--run-name", "tiny",
                      "--output-dir", str(tmp / "runs")]) == 0
         run_dir = tmp / "runs" / "tiny"

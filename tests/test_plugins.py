@@ -227,6 +227,29 @@ def test_score_stage_logs_each_function_and_its_time(plugin, tmp_path):
     assert json.dumps(rows)          # plain JSON: nothing pickled
 
 
+
+def test_correctness_func_names_the_plugin_that_decides_correct(plugin, tmp_path):
+    """`correctness_func` = a plugin: the score stage's raw correctness (dynamic sampling, pass rates) and
+    evaluation's pass@1 come from it, whether or not it is also a weighted reward."""
+    from grpo_core.evaluation import score_samples
+    from grpo_core.io import read_jsonl, write_jsonl
+    from grpo_core.sampling import Sample
+    from grpo_core.task import write_tasks
+    from tasks.score import score
+    prompts = write_tasks(tmp_path / "prompts.jsonl", [T7])
+    samples = [{"task_id": "a", "group": 0, "completion": c, "completion_ids": [1, 2, 3]}
+               for c in ("<answer>7</answer>", "SHOUTED")]
+    for funcs in (["format"], ["format", f"{plugin}:shout"]):
+        config = GRPOConfig(reward_funcs=funcs, correctness_func=f"{plugin}:shout", output_dir=str(tmp_path))
+        rec = score.fn(config.model_dump(mode="json"), str(tmp_path / "run"), 1, str(prompts),
+                       str(write_jsonl(tmp_path / "samples.jsonl", samples)))
+        assert [r["correct"] for r in read_jsonl(rec["scores"])] == [0.0, 1.0]
+        rows = score_samples([Sample("a", 0, [1], s["completion_ids"], s["completion"], False) for s in samples],
+                             {"a": T7}, config, "greedy")
+        assert [r["correct"] for r in rows] == [False, True]
+    with pytest.raises(ValueError, match="correctness_func"):
+        GRPOConfig(correctness_func=f"{plugin}:nope")
+
 # -- task sources ----------------------------------------------------------------------------------------------------
 
 

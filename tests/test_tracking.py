@@ -5,8 +5,6 @@ The unit tests build the tables from hand-made rows; the rest share one tiny tra
 engine, MLflow on SQLite in a temp dir) and read what it left in MLflow."""
 from __future__ import annotations
 
-import shutil
-
 import pytest
 import torch
 
@@ -14,7 +12,7 @@ from grpo_core.config import GRPOConfig
 from grpo_core.loss import group_advantages
 from grpo_core.update import ScoredSample
 from tasks import tracking
-from tests.conftest import tiny_config
+from tests.conftest import isolated_run_env, tiny_config
 
 G = 4
 
@@ -72,11 +70,7 @@ def tiny_run(prefect_engine, tiny_model_dir, tmp_path_factory):
     """A 2-iteration tiny run evaluated every iteration, 2 prompts per completion table.
     -> (summary, config, tracking uri)."""
     tmp = tmp_path_factory.mktemp("tracking-run")
-    shutil.copytree(tiny_model_dir, tmp / "grpo_home" / "models" / "tiny-random")
-    uri = f"sqlite:///{tmp / 'mlflow.db'}"
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("GRPO_HOME", str(tmp / "grpo_home"))
-        mp.setenv("MLFLOW_TRACKING_URI", uri)
+    with isolated_run_env(tmp, tiny_model_dir) as uri:
         from flows.train import training_run
         config = tiny_config(tmp, tracking={"log_completions_prompts": 2})
         yield training_run(config), GRPOConfig.model_validate(config), uri

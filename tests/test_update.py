@@ -43,13 +43,14 @@ def make_samples(n_groups: int, seed: int, truncated_frac: float = 0.25) -> list
     return out
 
 
-def tiny_policy(**over):
-    cfg = GRPOConfig(**{**dict(model="tiny-random", device="cpu", dtype="float32", num_generations=G,
+def tiny_policy(num_generations: int = G, **over):
+    """The tiny model with a random (non-zero) adapter, so the policy differs from the reference."""
+    cfg = GRPOConfig(**{**dict(model="tiny-random", device="cpu", dtype="float32", num_generations=num_generations,
                                max_completion_length=8, lora_r=4, lora_alpha=8, max_grad_norm=0.0), **over})
     policy = load_policy(cfg)
     torch.manual_seed(0)
     for name, p in policy.model.named_parameters():      # a non-zero adapter: policy != reference from the start
-        if "lora_B" in name:
+        if "lora_B.default" in name:
             torch.nn.init.normal_(p, std=0.2)
     return cfg, policy
 

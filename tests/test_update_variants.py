@@ -21,18 +21,7 @@ from grpo_core.sampling import SamplingParams
 from grpo_core.update import (ScoredSample, grpo_update, make_micro_batch, make_optimizer, make_scheduler, plan_steps,
                               surviving_groups)
 from published_objective import Options, Sequence, micro_batch_loss
-from test_update import RecordingSGD
-
-
-def tiny_policy(G: int, **over):
-    cfg = GRPOConfig(**{**dict(model="tiny-random", device="cpu", dtype="float32", num_generations=G,
-                               max_completion_length=8, lora_r=4, lora_alpha=8, max_grad_norm=0.0), **over})
-    policy = load_policy(cfg)
-    torch.manual_seed(0)
-    for name, p in policy.model.named_parameters():      # a non-zero adapter: policy != reference from the start
-        if "lora_B.default" in name:
-            torch.nn.init.normal_(p, std=0.2)
-    return cfg, policy
+from test_update import RecordingSGD, tiny_policy
 
 
 def make_samples(n_groups: int, G: int, seed: int) -> list[ScoredSample]:
@@ -205,7 +194,7 @@ def sampled_batch(policy, sampler_model, G: int, n_groups: int = 3, seed: int = 
             for g, grp in enumerate(groups) for c in grp]
 
 
-@pytest.mark.parametrize("mode", ["token_truncate", "sequence_mask"])
+@pytest.mark.parametrize("mode", ["token_truncate", pytest.param("sequence_mask", marks=pytest.mark.slow)])
 def test_sampler_correction_from_a_perturbed_sampler(grpo_home, mode):
     G = 4
     cfg, policy = tiny_policy(G, beta=0.04, vllm_importance_sampling_correction=True,

@@ -8,12 +8,14 @@ from pathlib import Path
 from prefect import flow
 from prefect.runtime import flow_run
 
+from grpo_core import models
 from grpo_core.config import GRPOConfig
+from grpo_core.data import iteration as data_iteration
 from grpo_core.io import atomic_write_text, read_json, write_json
 from tasks import run as run_steps, tracking
 from tasks.retry import retry_transient_only
 from tasks.run_state import mark_running, update_run_state
-from tasks.curate import curate
+from tasks.curate import curate, curated_cache
 from tasks.evaluate import evaluate
 from tasks.rollout import rollout
 from tasks.score import score
@@ -99,10 +101,23 @@ def _default_run_name() -> str:
 
 
 def preflight(cfg: GRPOConfig) -> None:
-    """Checks to run before starting the flow (fail in a second, not after the engine starts): an existing
-    run of the same name must have the same config."""
+    """What can be checked before the flow starts, checked now (fail in seconds, before the engine starts or
+    anything is written under output_dir), each check owned by its module: an existing run of the same name
+    has the same config; the device exists; the tracking server answers; the model directory is complete and
+    has the LoRA target modules; a local init_adapter fits it; data.curated yields training and held-out tasks;
+    the sandbox has its images when code tasks run on backend docker. Reward plugins are imported when the
+    config is validated. Each failure is a ConfigError, ModelError or InputError naming the field and the fix."""
     if cfg.run_name:
         run_steps.check_same_config(cfg, run_dir_of(cfg))
+    models.select_device(cfg.device)
+    tracking.check_reachable(cfg)
+    model_dir = models.check_model(cfg.model, cfg.lora_target_modules if cfg.use_peft else [])
+    if cfg.init_adapter and cfg.init_adapter != "previous" and ":/" not in cfg.init_adapter:
+        models.check_adapter(cfg.init_adapter, model_dir)         # MLflow URIs: checked once downloaded
+    kinds = {"math"}                                              # the built-in arithmetic task
+    if cfg.data.curated:
+        kinds = data_iteration.check_curated(cfg.data.curated, run_dir_of(cfg), curated_cache()) or set()
+    cfg.sandbox.check_ready(kinds & {"python", "rust"})
 
 
 @flow(name="grpo-training-run")

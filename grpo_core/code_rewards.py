@@ -88,12 +88,12 @@ class CodeScore:
 
 def score_code(completions: Sequence[str], tasks: Sequence[Task], mode: str | None = None,
                backend: str | None = None, rust_weights: Sequence[float] = RUST_STAGE_WEIGHTS,
-               retries: int = 1, workers: int | None = None) -> list[CodeScore]:
+               retries: int = 1, workers: int | None = None, images: dict[str, str] | None = None) -> list[CodeScore]:
     """Run every (completion, task) pair in the sandbox; infra errors are retried ``retries``
-    times, then their reward is None."""
-    from sandbox.api import score_batch
+    times, then their reward is None. ``images``: Docker image per language (config sandbox.images)."""
+    from sandbox.api import get_backend, score_batch
     mode = mode or os.environ.get("GRPO_CODE_REWARD_MODE", "fraction")
-    backend = backend or os.environ.get("GRPO_SANDBOX_BACKEND", "auto")
+    backend = get_backend(backend or os.environ.get("GRPO_SANDBOX_BACKEND", "auto"), images or None)
     jobs = [build_job(t, c) for c, t in zip(completions, tasks)]
     verdicts = score_batch(jobs, backend=backend, workers=workers)
     for _ in range(retries):

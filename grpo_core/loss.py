@@ -41,24 +41,16 @@ def group_advantages(rewards: torch.Tensor, group_size: int | Sequence[int], sca
     rewards: [B] with groups laid out contiguously. `group_size` is G (every group has G members) or
     the size of each group in order (groups that lost members; each needs >= 2 for a std). Returns [B].
     """
-    sizes = _group_sizes(rewards, group_size)
     if scale_rewards not in ("group", "batch", "none"):
         raise ValueError(f"scale_rewards must be group, batch or none, not {scale_rewards!r}")
-    if len(set(sizes)) > 1:                                               # ragged: one group at a time
-        groups = torch.split(rewards, sizes)
-        centred = torch.cat([g - g.mean() for g in groups])               # [B]
-        if scale_rewards == "group":
-            std = torch.cat([g.std().expand(len(g)) for g in groups])     # [B] unbiased std, as TRL
-            return centred / (std + eps)
-        return centred / (rewards.std() + eps) if scale_rewards == "batch" else centred
-    G = group_size if isinstance(group_size, int) else (sizes[0] if sizes else 1)
-    grouped = rewards.view(-1, G)                                         # [B/G, G]
-    centred = grouped - grouped.mean(dim=1, keepdim=True)                 # [B/G, G]
+    groups = torch.split(rewards, _group_sizes(rewards, group_size))      # each [G_i]
+    if not groups:
+        return rewards.clone()
+    centred = torch.cat([g - g.mean() for g in groups])                   # [B]
     if scale_rewards == "group":
-        centred = centred / (grouped.std(dim=1, keepdim=True) + eps)      # unbiased std, as TRL
-    elif scale_rewards == "batch":
-        centred = centred / (rewards.std() + eps)
-    return centred.reshape(-1)                                            # [B]
+        std = torch.cat([g.std().expand(len(g)) for g in groups])         # [B] unbiased std, as TRL
+        return centred / (std + eps)
+    return centred / (rewards.std() + eps) if scale_rewards == "batch" else centred
 
 
 def zero_std_groups(rewards: torch.Tensor, group_size: int | Sequence[int]) -> torch.Tensor:

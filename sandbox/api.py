@@ -110,34 +110,38 @@ def validate_tests(language: str, tests: Any, entry_point: str | None = None) ->
 _BACKENDS: dict[str, Any] = {}
 
 
-def get_backend(name: str | None = None):
+def get_backend(name: str | None = None, images: dict[str, str] | None = None):
     """Return a backend object: ``"docker"``, ``"local"`` or ``"auto"`` (default, or env
-    ``GRPO_SANDBOX_BACKEND``). Instances are shared (their warm containers are reused across calls)."""
+    ``GRPO_SANDBOX_BACKEND``). ``images``: language -> Docker image, overriding ``sandbox.images.IMAGES``
+    for those languages. Instances are shared (their warm containers are reused across calls)."""
     name = name or os.environ.get("GRPO_SANDBOX_BACKEND") or "auto"
     if name not in ("auto", "docker", "local"):
         raise ValueError(f"sandbox backend {name!r}: use 'auto', 'docker' or 'local'")
     if name == "auto":
         from sandbox.docker_backend import docker_available
-        name = "docker" if docker_available() else "local"
-    cached = _BACKENDS.get(name)
+        name = "docker" if docker_available(images) else "local"
+    key = (name, tuple(sorted((images or {}).items()))) if name == "docker" and images else name
+    cached = _BACKENDS.get(key)
     if cached is None or getattr(cached, "pid", os.getpid()) != os.getpid():  # new after fork
         if name == "docker":
             from sandbox.docker_backend import DockerBackend
-            _BACKENDS[name] = DockerBackend()
+            from sandbox.images import IMAGES
+            _BACKENDS[key] = DockerBackend({**IMAGES, **(images or {})})
         else:
             from sandbox.local_backend import LocalBackend
-            _BACKENDS[name] = LocalBackend()
-    return _BACKENDS[name]
+            _BACKENDS[key] = LocalBackend()
+    return _BACKENDS[key]
 
 
-def score_batch(jobs: Sequence[Job], backend: Any = "auto", workers: int | None = None) -> list[Verdict]:
+def score_batch(jobs: Sequence[Job], backend: Any = "auto", workers: int | None = None,
+                images: dict[str, str] | None = None) -> list[Verdict]:
     """Run ``jobs`` concurrently; return one :class:`Verdict` per job, in the same order.
 
     ``backend``: a name (``"auto"``, ``"docker"``, ``"local"``) or a backend object from
     :func:`get_backend` (reuse one across calls to keep its warm containers).
-    ``workers``: concurrent runs (default: CPU count).
+    ``workers``: concurrent runs (default: CPU count). ``images``: see :func:`get_backend`.
     """
-    be = get_backend(backend) if isinstance(backend, str) or backend is None else backend
+    be = get_backend(backend, images) if isinstance(backend, str) or backend is None else backend
     return be.score_batch(list(jobs), workers=workers)
 
 

@@ -59,15 +59,20 @@ def engine_answers() -> bool:
     return _available["engine"]
 
 
-def docker_available() -> bool:
-    """An engine answers and both sandbox images exist."""
-    if not engine_answers():
-        return False
+def docker_available(images: dict[str, str] | None = None) -> bool:
+    """An engine answers and the sandbox images exist (`images`: language -> image, default IMAGES)."""
     try:
-        c = _client(timeout=10)
-        return all(_image_exists(c, ref) for ref in IMAGES.values())
+        return missing_images(list({**IMAGES, **(images or {})}.values())) == []
     except Exception:  # noqa: BLE001
         return False
+
+
+def missing_images(refs: list[str]) -> list[str] | None:
+    """The image references among `refs` that the Docker engine does not have; None when no engine answers."""
+    if not engine_answers():
+        return None
+    c = _client(timeout=10)
+    return [ref for ref in refs if not _image_exists(c, ref)]
 
 
 def _image_exists(client, ref: str) -> bool:

@@ -9,6 +9,7 @@ from pathlib import Path
 from grpo_core import dynamic_sampling as dsamp
 from grpo_core.config import ConfigError, GRPOConfig, flatten
 from grpo_core.io import read_json, write_jsonl
+from grpo_core.models import check_adapter, resolve_model
 from tasks import tracking
 from tasks.layout import semantic_config
 from tasks.run_state import mlflow_run_id, update_run_state
@@ -48,6 +49,11 @@ def init_checkpoint(cfg: GRPOConfig, run_dir: Path, run_id: str) -> str | None:
             update_run_state(run_dir, init_adapter_uri=None)
             return None        # first run of a schedule: start from the base model
     local = tracking.download_adapter(uri, run_dir / ".init_adapter_download", tracking.tracking_uri(cfg))
+    try:
+        check_adapter(local, resolve_model(cfg.model), f"init_adapter ({uri})")   # made for this base model?
+    except ValueError:
+        shutil.rmtree(run_dir / ".init_adapter_download", ignore_errors=True)
+        raise
     dst = run_dir / "init_adapter"
     if local.resolve() != dst.resolve():
         if dst.exists():

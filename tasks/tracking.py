@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from grpo_core.config import GRPOConfig
+from grpo_core.config import ConfigError, GRPOConfig
 from grpo_core.io import read_json, read_jsonl, write_json
 
 
@@ -22,6 +22,27 @@ def tracking_uri(cfg: GRPOConfig) -> str:
     if os.environ.get("MLFLOW_TRACKING_URI"):
         return os.environ["MLFLOW_TRACKING_URI"]
     return f"sqlite:///{Path(cfg.output_dir).resolve() / 'mlflow.db'}"
+
+
+def check_reachable(cfg: GRPOConfig, timeout: float = 3.0) -> None:
+    """Before a run: an http(s) tracking server accepts a connection within `timeout` seconds, so that a
+    server that is down fails now, not after MLflow's minutes of retries. Raises ConfigError."""
+    import socket
+    from urllib.parse import urlsplit
+    uri = tracking_uri(cfg)
+    if not uri.startswith(("http://", "https://")):
+        return
+    field = "tracking.tracking_uri" if cfg.tracking.tracking_uri else "MLFLOW_TRACKING_URI"
+    try:
+        u = urlsplit(uri)
+        with socket.create_connection((u.hostname, u.port or (443 if u.scheme == "https" else 80)), timeout=timeout):
+            pass
+    except (OSError, ValueError) as e:
+        why = f"no answer within {timeout:g} s" if isinstance(e, TimeoutError) else \
+            getattr(e, "strerror", None) or str(e) or type(e).__name__
+        raise ConfigError(f"{field}: the MLflow server {uri} does not answer ({why}). Fix: start it (e.g. `mlflow "
+                          f"server --host {u.hostname} --port {u.port}`), point {field} at a running server, or unset "
+                          f"it to log to a local SQLite store under output_dir") from e
 
 
 def client(cfg: GRPOConfig):

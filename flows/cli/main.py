@@ -2,7 +2,9 @@
 
 Each command group registers itself (`register(subparsers)` in train, eval, export, ops, data, sandbox);
 this module only assembles them, sets the offline/quiet environment defaults and maps the errors a
-user can fix to exit status 2. Nothing here runs at import time.
+user can fix (USER_ERRORS, and an exception raised inside a reward plugin) to one line on stderr,
+`error: <what and how to fix it>`, and exit status 2; `grpo --debug ...` re-raises them with their
+traceback instead. Nothing here runs at import time.
 """
 from __future__ import annotations
 
@@ -13,9 +15,15 @@ import sys
 from flows.cli import data, export, ops, sandbox, train
 from flows.cli import eval as evaluate
 from grpo_core.config import ConfigError
+from grpo_core.io import InputError
 from grpo_core.models import ModelError
+from grpo_core.plugins import PluginError
+from grpo_core.rewards import RewardOutputError, plugin_failure
+from sandbox.types import TaskFormatError
 
 COMMAND_GROUPS = (train, evaluate, export, ops, data, sandbox)         # the order `grpo --help` lists them in
+# Errors in what the user gave (config, model, data, plugins): their messages name the field or file and the fix.
+USER_ERRORS = (ConfigError, ModelError, InputError, PluginError, RewardOutputError, TaskFormatError)
 
 # Offline, quiet, robust defaults. A value already in the environment wins.
 ENV_DEFAULTS = {
@@ -42,6 +50,8 @@ def build_parser() -> argparse.ArgumentParser:
         description="GRPO training pipeline for small language models: Prefect flows (curate, rollout, "
                     "score, update, evaluate), rewards checked by programs, everything tracked in MLflow.",
         epilog="Run `grpo <command> --help` for the options of a command.")
+    p.add_argument("--debug", action="store_true",
+                   help="on an error, show the full traceback (and Prefect's) instead of the one-line message")
     subparsers = p.add_subparsers(dest="command", metavar="<command>", required=True)
     for group in COMMAND_GROUPS:
         group.register(subparsers)
@@ -58,18 +68,29 @@ def _quiet_libraries() -> None:
     hf_logging.disable_progress_bar()
 
 
+def user_error_message(e: BaseException) -> str | None:
+    """The one-line message of an error the user can fix (None for anything else: a bug keeps its traceback)."""
+    text = str(e) if isinstance(e, USER_ERRORS) else plugin_failure(e)
+    if text is None:
+        return None
+    return "; ".join(line.strip() for line in text.splitlines() if line.strip()) or type(e).__name__
+
+
 def main(argv: list[str] | None = None) -> int:
     configure_env()
     args = build_parser().parse_args(argv)
     _quiet_libraries()
     try:
         return args.func(args)
-    except (ConfigError, ModelError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
     except KeyboardInterrupt:
         print("interrupted; re-run the same command with --run-name to resume", file=sys.stderr)
         return 130
+    except Exception as e:
+        message = None if args.debug else user_error_message(e)
+        if message is None:
+            raise
+        print(f"error: {message}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

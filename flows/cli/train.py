@@ -45,11 +45,13 @@ def cmd_train(args) -> int:
     if cfg.run_name is None:
         cfg.run_name = default_run_name()
     # Imported here, not at the top: Prefect must see the environment main.configure_env() sets.
+    from flows.cli.logs import run_console
     from flows.train import preflight, training_run
     from tasks.tracking import ui_command
-    preflight(cfg)  # a re-run whose settings contradict the existing run fails here, before the engine starts
+    preflight(cfg)  # bad model, data, adapter, tracking server, ... fail here, before the engine starts
     t0 = time.time()
-    summary = training_run(config=cfg.model_dump(mode="json"))
+    with run_console(getattr(args, "debug", False)):
+        summary = training_run(config=cfg.model_dump(mode="json"))
     minutes = (time.time() - t0) / 60
     print("\n" + "=" * 72)
     print(f"Run {cfg.run_name} finished in {minutes:.1f} min. Held-out evaluation (iteration 0 = base model):\n")

@@ -21,10 +21,10 @@ from pathlib import Path
 from typing import Any
 
 from grpo_core.data import curation
-from grpo_core.data.build import BuildConfig, build, load_build_config, read_dataset
+from grpo_core.data.build import BuildConfig, build, load_build_config, read_dataset, write_dataset
 from grpo_core.data.records import REASONS
 from grpo_core.task import Task, write_tasks
-from grpo_core.io import atomic_write_text, read_json
+from grpo_core.io import InputError, atomic_write_text, read_json
 
 FILE_EVAL_FRACTION = 0.1  # held-out share of a user's file
 FILE_LOADERS = {".jsonl": "jsonl", ".csv": "csv", ".parquet": "parquet"}
@@ -44,12 +44,39 @@ def file_source(path: Path) -> dict[str, Any]:
     if path.is_dir():
         if any((path / m).is_file() for m in HF_DISK_MARKERS):
             return {"name": "hf_disk", "path": str(path)}
-        raise ValueError(f"data.curated: {str(path)!r} is a directory but neither a `grpo data build` dataset "
-                         "(train.parquet) nor a `datasets` directory written with save_to_disk")
+        raise InputError(f"data.curated: {str(path)!r} is a directory but neither a `grpo data build` dataset "
+                         "(train.parquet) nor a `datasets` directory written with save_to_disk; point it at one "
+                         "of those or at a .jsonl/.csv/.parquet file")
     if path.suffix.lower() not in FILE_LOADERS:
-        raise ValueError(f"data.curated: {str(path)!r} has an unknown type; give a .jsonl, .csv or .parquet file, "
+        raise InputError(f"data.curated: {str(path)!r} has an unknown type; give a .jsonl, .csv or .parquet file, "
                          "a `datasets` directory, a dataset from `grpo data build` or a curation YAML")
     return {"name": FILE_LOADERS[path.suffix.lower()], "path": str(path)}
+
+
+def _missing(spec: str) -> str:
+    return (f"data.curated: {spec!r} does not exist; give a dataset directory from `grpo data build`, a "
+            "curation YAML, or a .jsonl/.csv/.parquet file")
+
+
+# What to do about the rows a user file lost, by the most common reason (grpo_core.data.records.REASONS).
+REJECTION_FIXES = {
+    "not_verifiable": "give each row an answer (answer|final_answer|solution_value) or hidden tests",
+    "invalid_schema": "give the file a prompt column (prompt|question|problem|instruction) and an answer column "
+                      "(answer|final_answer|solution_value) or tests",
+    "answer_unparseable": "write the answers as numbers or math expressions",
+    "duplicate_exact": "add distinct questions", "duplicate_near": "add distinct questions",
+}
+
+
+def no_usable_rows(spec: str, report: dict[str, Any], rejections: list) -> str:
+    """One line for a user file that yields no training task: what was rejected, why, and the fix."""
+    if not report["totals"].get("loaded"):
+        return f"data.curated: {spec!r} has no rows; add rows with a prompt and an answer (or hidden tests)"
+    reasons = Counter(r.reason for r in rejections).most_common()
+    first = next(r for r in rejections if r.reason == reasons[0][0])
+    return (f"data.curated: no usable rows in {spec!r}: {len(rejections)} rejected "
+            f"({', '.join(f'{n} {reason}' for reason, n in reasons)}; e.g. {first.detail or first.id}); "
+            f"{REJECTION_FIXES.get(reasons[0][0], 'fix the rows the reasons name')}")
 
 
 def content_key(path: Path) -> str:
@@ -73,12 +100,12 @@ def build_user_file(path: Path, cache_dir: Path) -> Path:
         return Path(cached)
     cfg = BuildConfig(name=name, out_dir=str(cache_dir / f"{name}-{key}"), sources=[file_source(path)],
                       eval_fraction=FILE_EVAL_FRACTION)
-    result = build(cfg)
+    result = build(cfg, write=False)        # written only when usable: a failed build leaves nothing behind
     if not result.train:
-        raise ValueError(f"data.curated: no usable rows in {str(path)!r}\n"
-                         + describe_rejections(str(path), result.path))
-    atomic_write_text(marker, json.dumps({"path": str(result.path), "file": str(path), "content_key": key}))
-    return result.path
+        raise InputError(no_usable_rows(str(path), result.report, result.rejections))
+    built = write_dataset(cfg, result.train, result.eval, result.rejections, result.report)
+    atomic_write_text(marker, json.dumps({"path": str(built), "file": str(path), "content_key": key}))
+    return built
 
 
 def resolve_curated(spec: str, run_dir: str | Path, cache_dir: str | Path | None = None) -> Path:
@@ -86,21 +113,56 @@ def resolve_curated(spec: str, run_dir: str | Path, cache_dir: str | Path | None
 
     User files are cached under `cache_dir` (default <run_dir>/data/curated); curation YAMLs are built
     into <run_dir>/data/built."""
+    if (done := already_resolved(spec, run_dir)) is not None:
+        return done
     marker = Path(run_dir) / "data" / "curated.json"
-    if marker.is_file() and (resolved := read_json(marker)).get("spec", spec) == spec:
-        return Path(resolved["path"])
     p = Path(spec)
     if p.suffix in (".yaml", ".yml"):
         path = build(load_build_config(p, {"out_dir": str(Path(run_dir) / "data" / "built")})).path
     elif not p.exists():
-        raise FileNotFoundError(f"data.curated: {spec!r} does not exist; give a dataset directory from "
-                                "`grpo data build`, a curation YAML, or a .jsonl/.csv/.parquet file")
+        raise FileNotFoundError(_missing(spec))
     elif is_built_dataset(p):
         path = p
     else:
         path = build_user_file(p, Path(cache_dir) if cache_dir else Path(run_dir) / "data" / "curated")
     atomic_write_text(marker, json.dumps({"spec": spec, "path": str(path), **dataset_summary(path)}))
     return path
+
+
+def already_resolved(spec: str, run_dir: str | Path) -> Path | None:
+    """The dataset a run already resolved `spec` to (its data/curated.json), if any."""
+    marker = Path(run_dir) / "data" / "curated.json"
+    if marker.is_file() and (resolved := read_json(marker)).get("spec", spec) == spec:
+        return Path(resolved["path"])
+    return None
+
+
+def check_curated(spec: str, run_dir: str | Path, cache_dir: str | Path) -> set[str] | None:
+    """Before a run: `data.curated` exists and yields training and held-out tasks (a user file is curated
+    now, into the same cache the run reads; a resumed run's own resolution is used as is). Returns the
+    task kinds it holds (None for a curation YAML, which the run builds: only its config is checked here).
+    Raises InputError naming the file and the fix; writes nothing under `run_dir`."""
+    p = already_resolved(spec, run_dir) or Path(spec)
+    if p.suffix in (".yaml", ".yml"):
+        try:
+            load_build_config(p)
+        except (FileNotFoundError, ValueError) as e:
+            raise InputError(f"data.curated: {'; '.join(str(e).splitlines())}") from e
+        return None
+    if not p.exists():
+        raise InputError(_missing(spec))
+    try:
+        train, ev = splits_of(p if is_built_dataset(p) else build_user_file(p, Path(cache_dir)))
+    except InputError:
+        raise
+    except (ValueError, OSError) as e:       # undecodable text, a corrupt Parquet file, ...
+        raise InputError(f"data.curated: {spec!r} cannot be read ({type(e).__name__}: "
+                         f"{str(e).splitlines()[0] if str(e) else ''}); fix or re-export the file") from e
+    if not train or not ev:
+        raise InputError(f"data.curated: {spec!r} has {len(train)} training and {len(ev)} held-out tasks; both "
+                         f"must be > 0: add distinct rows (a user file holds out {FILE_EVAL_FRACTION:.0%} of them) "
+                         f"or build the dataset with eval_fraction > 0")
+    return {t.kind for t in train + ev}
 
 
 def dataset_summary(path: Path) -> dict[str, Any]:
@@ -133,7 +195,7 @@ def eval_tasks(spec: str, run_dir: str | Path, n: int, cache_dir: str | Path | N
     """Up to n held-out tasks, in a stable order."""
     _, ev = splits_of(resolve_curated(spec, run_dir, cache_dir))
     if not ev:
-        raise ValueError(f"data.curated {spec!r} has no eval split; build it with eval_fraction > 0 "
+        raise InputError(f"data.curated {spec!r} has no eval split; build it with eval_fraction > 0 "
                          "(a user file needs enough distinct rows for a 10% split)")
     return sorted(ev, key=lambda t: t.content_hash())[:n]
 
@@ -179,7 +241,8 @@ def curate_iteration(spec: str, run_dir: str | Path, iteration: int, n: int, wei
     path = resolve_curated(spec, run_dir, cache_dir)
     train, _ = splits_of(path)
     if not train:
-        raise ValueError(f"data.curated {spec!r} has no training tasks")
+        raise InputError(f"data.curated {spec!r} has no training tasks; add rows or build it with a "
+                         "smaller eval_fraction")
     rates = previous_pass_rates(run_dir, iteration) if recalibrate else {}
     prompts, info = draw_prompts(train, n, weights, seed * 100_003 + iteration, band, rates)
     out = write_tasks(Path(out_dir) / "prompts.jsonl", prompts)

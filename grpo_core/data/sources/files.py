@@ -54,7 +54,8 @@ def row_to_task(row: dict[str, Any], source: str, origin: str, index: int,
     if tests in ("", None) or tests == {}:
         tests = None
     if not prompt:
-        return Rejection(tid, source, "invalid_schema", f"row {index}: no prompt column ({'/'.join(ALIASES['prompt'])})")
+        return Rejection(tid, source, "invalid_schema", f"row {index}: no prompt column "
+                         f"({'/'.join(ALIASES['prompt'])}) among its columns {sorted(row)}")
     if answer is None and tests is None:
         return Rejection(tid, source, "not_verifiable",
                          f"row {index}: no answer and no tests, so a reward cannot be computed by rule")

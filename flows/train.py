@@ -14,7 +14,7 @@ from grpo_core.data import iteration as data_iteration
 from grpo_core.io import atomic_write_text, read_json, write_json
 from tasks import run as run_steps, tracking
 from tasks.retry import retry_transient_only
-from tasks.run_state import mark_running, update_run_state
+from tasks.run_state import mark_ended_by, mark_running, update_run_state
 from tasks.curate import curate, curated_cache
 from tasks.evaluate import evaluate
 from tasks.rollout import rollout
@@ -157,10 +157,8 @@ def training_run(config: dict) -> dict:
         if registered is None:         # once per run: a re-run of a finished run does not add a version
             registered = run_steps.register_best_adapter(cfg, run_id, evals)
             update_run_state(run_dir, registered_model=registered)
-    except BaseException as e:
-        update_run_state(run_dir, status="failed", error=f"{type(e).__name__}: {e}"[:500],
-                         updated=time.strftime("%Y-%m-%dT%H:%M:%S%z"))
-        tracking.end_run(cfg, run_id, "FAILED")
+    except BaseException as e:        # Ctrl-C / SIGTERM: "interrupted"; anything else: "failed"
+        tracking.end_run(cfg, run_id, mark_ended_by(run_dir, e))
         raise
     tracking.end_run(cfg, run_id, "FINISHED")
     summary = {"run_dir": str(run_dir), "mlflow_run_id": run_id, "final_checkpoint": checkpoint,

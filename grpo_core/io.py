@@ -1,13 +1,19 @@
 """File helpers every layer shares: atomic writes (a reader sees the old file or the whole new one,
 never half of it), atomic directories, and JSON / JSONL records.
 
+A temp file or directory is named after its target and its writer (`.<name>.<host>-<pid>.<random>`), so
+that the next write of the same target removes what a writer killed mid-write (SIGKILL, OOM: no cleanup
+ran) left behind, and never what a live writer is still writing.
+
 Nothing here knows about tasks, models or stages; it is the bottom of `grpo_core`.
 """
 from __future__ import annotations
 
+import glob
 import json
 import os
 import shutil
+import socket
 import tempfile
 from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator
@@ -17,11 +23,43 @@ class InputError(ValueError):
     """A file the user gave (or a stage wrote) is malformed; the message names the file, line and fix."""
 
 
+def _host() -> str:
+    return socket.gethostname().replace(".", "_")
+
+
+def _temp_prefix(target: Path) -> str:
+    return f".{target.name}.{_host()}-{os.getpid()}."
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def remove_stale_temps(target: Path) -> None:
+    """Remove the temp files and directories of `target` whose writer, on this host, is dead."""
+    host = _host()
+    for p in target.parent.glob(f".{glob.escape(target.name)}.{glob.escape(host)}-*"):
+        pid = p.name[len(target.name) + len(host) + 3:].split(".", 1)[0]
+        if not pid.isdigit() or _alive(int(pid)):
+            continue
+        if p.is_dir() and not p.is_symlink():
+            shutil.rmtree(p, ignore_errors=True)
+        else:
+            p.unlink(missing_ok=True)
+
+
 def atomic_write_text(path: str | os.PathLike, text: str) -> Path:
     """Write a file so that readers see either the old content or the whole new content."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    remove_stale_temps(path)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=_temp_prefix(path), suffix=".tmp")
     try:
         with os.fdopen(fd, "w", encoding="utf-8") as f:
             f.write(text)
@@ -39,7 +77,8 @@ def atomic_dir(final: str | os.PathLike, build: Callable[[Path], None], replace:
     `final` is replaced when `replace`, else kept (another process won, or it has the same content)."""
     final = Path(final)
     final.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=final.parent, prefix=f".{final.name}."))
+    remove_stale_temps(final)
+    tmp = Path(tempfile.mkdtemp(dir=final.parent, prefix=_temp_prefix(final)))
     try:
         build(tmp)
         if final.exists() and replace:

@@ -78,6 +78,27 @@ def last_completed_stage(run_dir: str | Path) -> tuple[int, str] | None:
     return None if best is None else (best[0], best[2])
 
 
+# Statuses of a run that `grpo resume` continues (and `grpo runs` shows the error of).
+RESUMABLE = ("failed", "killed", "interrupted")
+
+
+def is_stop_request(e: BaseException) -> bool:
+    """Ctrl-C or SIGTERM (Prefect turns SIGTERM inside a flow into TerminationSignal): a clean stop."""
+    from prefect.exceptions import TerminationSignal
+    return isinstance(e, (KeyboardInterrupt, TerminationSignal))
+
+
+def mark_ended_by(run_dir: str | Path, e: BaseException) -> str:
+    """Record in run.json how an exception ended the run: "interrupted" (a stop request; resume it) or
+    "failed". -> the matching MLflow run status (KILLED or FAILED)."""
+    stopped = is_stop_request(e)
+    error = "stopped by " + ("SIGTERM" if not isinstance(e, KeyboardInterrupt) else "Ctrl-C") if stopped \
+        else f"{type(e).__name__}: {e}"[:500]
+    update_run_state(run_dir, status="interrupted" if stopped else "failed", error=error,
+                     updated=time.strftime("%Y-%m-%dT%H:%M:%S%z"))
+    return "KILLED" if stopped else "FAILED"
+
+
 def iterations_done(run_dir: str | Path) -> int:
     """Iterations whose update completed (the evaluate after it may be pending)."""
     done = [int(p.parent.name.split("-", 1)[1]) for p in Path(run_dir).glob("iter-*/update.json")]

@@ -22,6 +22,7 @@ import pytest
 import yaml
 
 from tests.conftest import tiny_config
+from tests.faults import leftovers
 
 PLUGIN = "gp_bad_rewards"
 PLUGIN_SOURCE = '''
@@ -214,12 +215,6 @@ if not __import__("torch").cuda.is_available():             # on a GPU machine t
 def visible_lines(text: str) -> list[str]:
     """The lines a terminal shows: a progress bar redrawn with '\\r' and erased at its end leaves none."""
     return [s for line in text.split("\n") if (s := line.rsplit("\r", 1)[-1].strip())]
-
-
-def leftovers(root: Path) -> list[str]:
-    """Temp files and half-built directories (io.atomic_write_text / atomic_dir) under root."""
-    return sorted(str(p.relative_to(root)) for p in root.rglob("*")
-                  if p.name.endswith(".tmp") or (p.is_dir() and p.name.startswith(".")))
 
 
 def _snapshot(root: Path) -> dict[str, float]:

@@ -41,3 +41,23 @@ def test_json_and_jsonl_round_trip_and_bad_line_is_named(tmp_path):
     p.write_text(p.read_text() + "\n{broken\n")
     with pytest.raises(InputError, match=r"r.jsonl:4: not valid JSON"):
         list(read_jsonl(p))
+
+
+def test_next_write_removes_temps_a_killed_writer_left_but_not_a_live_ones(tmp_path):
+    """A writer killed mid-write (SIGKILL: no cleanup) leaves its temp; the next write of the same target
+    removes it. A temp whose writer is alive (here: this process) is kept."""
+    import os
+    import subprocess
+    from grpo_core.io import _temp_prefix
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    def temp(target: str, pid: int, rest: str):
+        return tmp_path / (_temp_prefix(tmp_path / target).replace(f"-{os.getpid()}.", f"-{pid}.") + rest)
+    stale_file, live_file, stale_dir = temp("f.txt", dead.pid, "a.tmp"), temp("f.txt", os.getpid(), "b.tmp"), \
+        temp("out", dead.pid, "c")
+    stale_file.write_text("half")
+    live_file.write_text("half")
+    (stale_dir / "part").mkdir(parents=True)
+    atomic_write_text(tmp_path / "f.txt", "whole")
+    atomic_dir(tmp_path / "out", lambda d: (d / "a").write_text("1"))
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["f.txt", "out", live_file.name])

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -113,17 +112,6 @@ def test_malformed_data_fails_fast_nothing_written(prefect_engine, grpo_home, ml
     assert sorted(p.name for p in (run_dir / "iter-1").iterdir()) == ["prompts.jsonl"]
 
 
-def _wait_for(path: Path, proc: subprocess.Popen, timeout: float, log: Path) -> None:
-    deadline = time.time() + timeout
-    while not path.exists():
-        if proc.poll() is not None:
-            raise AssertionError(f"training exited early ({proc.returncode}):\n{log.read_text()[-4000:]}")
-        if time.time() > deadline:
-            os.killpg(proc.pid, signal.SIGKILL)
-            raise AssertionError(f"marker {path} not reached in {timeout}s:\n{log.read_text()[-4000:]}")
-        time.sleep(0.2)
-
-
 def _adapter_tensors(ckpt: Path) -> dict:
     from safetensors.torch import load_file
     return load_file(str(ckpt / "adapter_model.safetensors"))
@@ -149,18 +137,8 @@ def test_sigkill_during_update_then_resume(prefect_engine, grpo_home, mlflow_uri
     cfg = tiny_config(tmp_path, run_name="k", output_dir=str(tmp_path / "runs"), pipeline_iterations=2, **signal_opts)
     cfg_file = tmp_path / "k.yaml"
     cfg_file.write_text(yaml.safe_dump(cfg))
-    marker = tmp_path / "in-update"
-    rules = tmp_path / "faults.json"
-    rules.write_text(json.dumps([{"point": "update:saved", "iteration": 1, "action": "hang", "marker": str(marker)}]))
-    env = {**os.environ, faults.FAULT_ENV: str(rules), "PREFECT_API_URL": PREFECT_API_URL.value(),
-           "PYTHONPATH": str(REPO)}
-    log = tmp_path / "killed.log"
-    with open(log, "w") as out:
-        proc = subprocess.Popen([sys.executable, "-m", "tests.fault_runner", "train", "--config", str(cfg_file)],
-                                cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
-    _wait_for(marker, proc, 300, log)
-    os.killpg(proc.pid, signal.SIGKILL)
-    proc.wait(30)
+    faults.kill_at(["train", "--config", str(cfg_file)], {"point": "update:saved", "iteration": 1}, tmp_path,
+                   env={"PREFECT_API_URL": PREFECT_API_URL.value()})
 
     run_dir = tmp_path / "runs" / "k"
     st = run_status(run_dir)

@@ -60,12 +60,13 @@ def format_eval_table(evals: dict) -> str:
 # -- runs -----------------------------------------------------------------------------------------------
 
 def format_runs_table(rows: list[dict]) -> str:
-    """One line per run (tasks.run_state.run_status), and the error under a failed or killed one."""
+    """One line per run (tasks.run_state.run_status), and the error under a failed, killed or interrupted one."""
+    from tasks.run_state import RESUMABLE
     widths = {c: max(len(c), *(len(str(r[c])) for r in rows)) for c in RUN_COLUMNS}
     lines = ["  ".join(c.upper().ljust(widths[c]) for c in RUN_COLUMNS)]
     for r in rows:
         lines.append("  ".join(str(r[c]).ljust(widths[c]) for c in RUN_COLUMNS))
-        if r["status"] in ("failed", "killed") and r.get("error"):
+        if r["status"] in RESUMABLE and r.get("error"):
             lines.append(f"    error: {r['error']}")
     return "\n".join(lines)
 

@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import sys
+import threading
 
 from flows.cli import data, export, ops, sandbox, train
 from flows.cli import eval as evaluate
@@ -76,17 +78,45 @@ def user_error_message(e: BaseException) -> str | None:
     return "; ".join(line.strip() for line in text.splitlines() if line.strip()) or type(e).__name__
 
 
+def _sigterm_stops_like_ctrl_c() -> None:
+    """SIGTERM raises KeyboardInterrupt("SIGTERM") (inside a flow Prefect raises TerminationSignal instead)."""
+    def stop(signum, frame):
+        raise KeyboardInterrupt("SIGTERM")
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, stop)
+
+
+def _stop_signal(e: BaseException) -> str | None:
+    """"SIGTERM" or "Ctrl-C" when `e` is a stop request, else None."""
+    prefect_exceptions = sys.modules.get("prefect.exceptions")     # never imported just to check
+    if prefect_exceptions is not None and isinstance(e, prefect_exceptions.TerminationSignal):
+        return "SIGTERM"
+    if isinstance(e, KeyboardInterrupt):
+        return "SIGTERM" if e.args == ("SIGTERM",) else "Ctrl-C"
+    return None
+
+
+def _resume_hint(args) -> str:
+    name = getattr(args, "run_name", None) or getattr(args, "run", None)
+    if not name:
+        return "re-run the same command to continue"
+    out = getattr(args, "output_dir", None)
+    return f"resume with `grpo resume {name}" + (f" --output-dir {out}`" if out and out != "runs" else "`")
+
+
 def main(argv: list[str] | None = None) -> int:
     configure_env()
     args = build_parser().parse_args(argv)
     _quiet_libraries()
+    _sigterm_stops_like_ctrl_c()
     try:
         return args.func(args)
-    except KeyboardInterrupt:
-        print("interrupted; re-run the same command with --run-name to resume", file=sys.stderr)
-        return 130
-    except Exception as e:
-        message = None if args.debug else user_error_message(e)
+    except BaseException as e:      # a stop request, or a user error: one line; anything else: the traceback
+        how = _stop_signal(e)
+        if how is not None and not args.debug:
+            print(f"stopped by {how}; finished stages are kept, {_resume_hint(args)}", file=sys.stderr)
+            return 143 if how == "SIGTERM" else 130
+        message = None if args.debug or not isinstance(e, Exception) else user_error_message(e)
         if message is None:
             raise
         print(f"error: {message}", file=sys.stderr)

@@ -82,8 +82,9 @@ def cmd_runs(args) -> int:
         print(f"no runs under {args.output_dir}")
         return 0
     print(format_runs_table(rows))
-    if any(r["status"] in ("failed", "killed") for r in rows):
-        print("\ncontinue a failed or killed run with: grpo resume RUN"
+    from tasks.run_state import RESUMABLE
+    if any(r["status"] in RESUMABLE for r in rows):
+        print("\ncontinue a failed, killed or interrupted run with: grpo resume RUN"
               + (f" --output-dir {args.output_dir}" if args.output_dir != "runs" else ""))
     return 0
 

@@ -44,6 +44,7 @@ def cmd_train(args) -> int:
     cfg = _load(args)
     if cfg.run_name is None:
         cfg.run_name = default_run_name()
+    args.run_name, args.output_dir = cfg.run_name, cfg.output_dir     # for the resume hint if it is stopped
     # Imported here, not at the top: Prefect must see the environment main.configure_env() sets.
     from flows.cli.logs import run_console
     from flows.train import preflight, training_run

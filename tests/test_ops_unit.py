@@ -233,3 +233,13 @@ def test_compose_config_with_docker_plugin():
             assert r.returncode == 0, r.stderr
             return
     pytest.skip("neither `docker compose` nor `docker-compose` installed (the structure test covers the file)")
+
+
+def test_registered_adapter_line_names_aliases_and_the_call_that_loads_it():
+    from flows.cli.format import format_registered
+    reg = {"name": "grpo-adapter", "version": "3", "uri": "models:/grpo-adapter/3",
+           "aliases": ["run-exp1", "champion"]}
+    assert format_registered(reg) == ('models:/grpo-adapter/3 (aliases: run-exp1, champion)\n'
+                                      'Load it with:    load_adapter("models:/grpo-adapter@champion")')
+    assert format_registered({**reg, "aliases": []}) == "models:/grpo-adapter/3"
+    assert format_registered(None) is None

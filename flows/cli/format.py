@@ -103,3 +103,14 @@ def format_source_counts(sources: dict) -> str:
         lines.append(f"  {name:<16}{v['group']:<11}{v['loaded']:>7}{v['valid']:>7}{v['train']:>7}{v['eval']:>6}"
                      f"  {rejected}")
     return "\n".join(lines)
+
+
+def format_registered(reg: dict | None) -> str | None:
+    """The registered adapter as the line a user copies: version URI, its aliases, the alias URI to load."""
+    if not reg:
+        return None
+    aliases = reg.get("aliases") or []
+    line = reg["uri"] + (f" (aliases: {', '.join(aliases)})" if aliases else "")
+    if aliases:
+        line += f"\nLoad it with:    load_adapter(\"models:/{reg['name']}@{aliases[-1]}\")"
+    return line

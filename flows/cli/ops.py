@@ -11,7 +11,7 @@ import math
 import sys
 from pathlib import Path
 
-from flows.cli.format import format_comparison, format_eval_table, format_runs_table
+from flows.cli.format import format_comparison, format_eval_table, format_registered, format_runs_table
 from grpo_core.config import ConfigError, GRPOConfig, load_config
 
 MAIN_CURVES = ("reward/mean", "train/loss", "train/kl", "eval/greedy/pass_at_1", "eval/sampled/pass_at_1")
@@ -60,7 +60,7 @@ def cmd_resume(args) -> int:
     print(format_eval_table(summary["evals"]))
     print(f"\nFinal adapter:   {summary['final_checkpoint']}\nMLflow run id:   {summary['mlflow_run_id']}")
     if summary.get("registered_model"):
-        print(f"Registered as:   {summary['registered_model']['uri']}")
+        print(f"Registered as:   {format_registered(summary['registered_model'])}")
     return 0
 
 
@@ -262,7 +262,8 @@ def register(sub) -> None:
 
     a = sub.add_parser("adapter", help="trained adapters in MLflow")
     asub = a.add_subparsers(dest="adapter_command", metavar="<action>", required=True)
-    f = asub.add_parser("fetch", help="download an adapter (models:/NAME/VERSION, runs:/ID/PATH) to a directory")
+    f = asub.add_parser("fetch", help="download an adapter (models:/NAME@ALIAS, e.g. models:/grpo-adapter@champion "
+                        "or @run-<run name>; models:/NAME/VERSION; runs:/ID/PATH) to a directory")
     f.add_argument("uri")
     f.add_argument("--dest", default=".")
     f.add_argument("--tracking-uri")

@@ -9,7 +9,7 @@ import sys
 import time
 from pathlib import Path
 
-from flows.cli.format import format_eval_table
+from flows.cli.format import format_eval_table, format_registered
 from grpo_core.config import field_help, load_config
 
 TRAIN_EPILOG = """\
@@ -60,6 +60,8 @@ def cmd_train(args) -> int:
     print(f"\nRun directory:   {summary['run_dir']}")
     print(f"Final adapter:   {summary['final_checkpoint']}")
     print(f"MLflow run id:   {summary['mlflow_run_id']}")
+    if summary.get("registered_model"):
+        print(f"Registered as:   {format_registered(summary['registered_model'])}")
     print(f"Open the UI:     {ui_command(cfg)}")
     return 0
 

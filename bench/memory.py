@@ -6,9 +6,12 @@ reference pass runs), bf16 on CUDA.
     python bench/memory.py                      # CUDA if present (bf16), else CPU (fp32), whole model
     python bench/memory.py --layers 2 4 --skip-generate   # shallower copies, then extrapolate to 16 layers
 
-Phases, each with the peak so far: weights loaded, after generation (KV cache), after the reference and
-policy forward/backward of the update, after the optimizer step. On CUDA the figures are
-torch.cuda.max_memory_allocated; on CPU peak RSS of the process (includes the Python/torch runtime).
+The step is the pipeline's own: `grpo_update` (reference and policy log-probs, loss, backward, optimizer
+step) on the sampled group, and the script prints which `completion_logprobs` path the batch took
+(`logprob_path`: with gradient checkpointing on, the packed block-mask or the full-row path). Phases, each
+with the peak so far, in GiB: weights loaded, after generation (KV cache), after the update. On CUDA the
+figures are torch.cuda.max_memory_allocated; on CPU peak RSS of the process (ru_maxrss, KiB on Linux;
+includes the Python/torch runtime).
 On a CPU the whole 1B step takes a few minutes with the fp32 linears on oneDNN (--onednn). --layers
 runs shallower copies of the same model (identical width, vocabulary, batch and sequence length) and,
 without 16 among them, extrapolates linearly in the layer count to 16 layers: weights and checkpointed
@@ -20,7 +23,6 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import resource
 import sys
 import time
 from pathlib import Path
@@ -29,71 +31,70 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
-from grpo_core.logprobs import completion_logprobs  # noqa: E402
-from grpo_core.loss import grpo_loss, group_advantages  # noqa: E402
+from grpo_core.config import GRPOConfig  # noqa: E402
 from grpo_core.kernels.cpu_linear import use_onednn_linears  # noqa: E402
+from grpo_core.logprobs import logprob_path  # noqa: E402
 from grpo_core.models import attach_lora  # noqa: E402
-from grpo_core.sampling import SamplingParams  # noqa: E402
+from grpo_core.policy import Policy  # noqa: E402
 from grpo_core.rollout import KVCacheSampler  # noqa: E402
+from grpo_core.sampling import SamplingParams  # noqa: E402
+from grpo_core.update import ScoredSample, grpo_update, make_optimizer, make_scheduler, peak_memory_gib  # noqa: E402
 
 LLAMA_1B = dict(vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_attention_heads=32,
                 num_key_value_heads=8, max_position_embeddings=4096, rope_theta=500000.0, tie_word_embeddings=True,
                 bos_token_id=None, eos_token_id=1, pad_token_id=0)
 
 
-def peak_gb(device) -> float:
-    if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device) / 1e9
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6
-
-
 class _Tok:
     pad_token_id, eos_token_id = 0, 1
 
 
+def step_config(args) -> GRPOConfig:
+    """The update settings of the measured step (the pipeline's defaults otherwise)."""
+    return GRPOConfig(model="tiny-random", num_generations=args.group_size, max_completion_length=args.new_tokens,
+                      beta=0.04, loss_type="grpo", logit_chunk_rows=args.chunk_rows, gradient_checkpointing=True,
+                      learning_rate=1e-5, max_grad_norm=1.0)
+
+
 def one_step(layers: int, args, device, dtype) -> dict:
+    """Load the model, sample G completions (unless --skip-generate), run one real `grpo_update` step."""
     from transformers import LlamaConfig, LlamaForCausalLM
     torch.manual_seed(0)
-    cfg = LlamaConfig(num_hidden_layers=layers, **LLAMA_1B)
+    cfg = step_config(args)
+    mcfg = LlamaConfig(num_hidden_layers=layers, **LLAMA_1B)
     with torch.device(device):
-        base = LlamaForCausalLM(cfg).to(dtype)
+        base = LlamaForCausalLM(mcfg).to(dtype)
     n_params = sum(p.numel() for p in base.parameters())
     model = attach_lora(base, 16, 32, 0.0, ["q_proj", "k_proj", "v_proj", "o_proj"])
     if device.type == "cpu" and args.onednn != "off":
         use_onednn_linears(model, pack=args.onednn == "packed")
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.enable_input_require_grads()
+    policy = Policy(model, _Tok(), device, use_peft=True)
     out = {"layers": layers, "params_b": n_params / 1e9, "phases": {}}
     t0 = time.perf_counter()
-    out["phases"]["weights"] = peak_gb(device)
+    out["phases"]["weights"] = peak_memory_gib(device)
     G, P, L = args.group_size, args.prompt_tokens, args.new_tokens
-    prompt = torch.randint(2, cfg.vocab_size, (P,)).tolist()
+    prompt = torch.randint(2, mcfg.vocab_size, (P,)).tolist()
     if args.skip_generate:
-        completions = [torch.randint(2, cfg.vocab_size, (L,)).tolist() for _ in range(G)]
+        completions = [torch.randint(2, mcfg.vocab_size, (L,)).tolist() for _ in range(G)]
     else:
         be = KVCacheSampler(model, _Tok(), device, batch_size=G, progress=False, merge_lora=False)
         completions = be.generate([prompt], G, SamplingParams(max_new_tokens=L, seed=0))[0]
-        completions = [c + torch.randint(2, cfg.vocab_size, (L - len(c),)).tolist() for c in completions]  # full length
-        out["phases"]["generation"] = peak_gb(device)
-    ids = torch.tensor([prompt + c for c in completions], device=device)            # [G, P+L]
-    attn = torch.ones_like(ids)
-    mask = torch.ones(G, L, device=device)
-    adv = group_advantages(torch.arange(G, dtype=torch.float32), G).to(device)
-    with torch.no_grad(), model.disable_adapter():
-        ref = completion_logprobs(model, ids, attn, L, chunk_rows=args.chunk_rows)[0]
-    out["phases"]["reference"] = peak_gb(device)
+        completions = [c + torch.randint(2, mcfg.vocab_size, (L - len(c),)).tolist() for c in completions]  # full length
+        out["phases"]["generation"] = peak_memory_gib(device)
+    samples = [ScoredSample(0, prompt, c, float(i), False) for i, c in enumerate(completions)]
+    ids = torch.tensor([prompt + completions[0]], device=device)
     model.train()
-    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-5)
-    logp, _ = completion_logprobs(model, ids, attn, L, chunk_rows=args.chunk_rows)
-    loss, _ = grpo_loss(logp, logp.detach(), ref, adv, mask, beta=0.04, epsilon_low=0.2, epsilon_high=0.2,
-                        loss_type="grpo", max_completion_length=L)
-    loss.backward()
-    out["phases"]["backward"] = peak_gb(device)
-    opt.step()
-    out["phases"]["optimizer"] = peak_gb(device)
-    out["peak_gb"] = peak_gb(device)
+    out["logprob_path"] = logprob_path(model, ids.expand(G, -1), torch.ones_like(ids).expand(G, -1), L, G)
+    optimizer = make_optimizer(policy, cfg)
+    scheduler = make_scheduler(optimizer, cfg)
+    steps, _ = grpo_update(policy, optimizer, scheduler, samples, cfg, seed=0)
+    out["phases"]["update"] = peak_memory_gib(device)
+    out["peak_gib"] = peak_memory_gib(device)
+    out["update_seconds"] = steps[-1]["step_seconds"] if steps and "step_seconds" in steps[-1] else None
     out["seconds"] = time.perf_counter() - t0
-    del model, base, opt, logp, loss, ref
+    del model, base, optimizer, policy
     gc.collect()
     return out
 
@@ -140,15 +141,15 @@ def main(argv=None):
                 subprocess.run(cmd + (["--skip-generate"] if args.skip_generate else []), check=True)
                 r = json.loads(Path(f.name).read_text())
         res["runs"].append(r)
-        print(f"layers={n} params={r['params_b']:.2f}B  peak {r['peak_gb']:.2f} GB  phases: " +
+        print(f"layers={n} params={r['params_b']:.2f}B  log-prob path {r['logprob_path']}  peak {r['peak_gib']:.2f} GiB  phases: " +
               ", ".join(f"{k} {v:.2f}" for k, v in r["phases"].items()) + f"  ({r['seconds']:.0f} s)", flush=True)
     if len(layers) >= 2 and 16 not in layers:
         (a, ra), (b, rb) = (layers[0], res["runs"][0]), (layers[-1], res["runs"][-1])
-        slope = (rb["peak_gb"] - ra["peak_gb"]) / (b - a)
-        est = rb["peak_gb"] + slope * (16 - b)
-        res["extrapolated_16_layers_gb"] = est
-        print(f"ESTIMATE (linear in depth from {a} and {b} layers, {dtype}): 16 layers ~ {est:.1f} GB peak "
-              f"({slope:.2f} GB per layer); in bf16 weights and activations halve", flush=True)
+        slope = (rb["peak_gib"] - ra["peak_gib"]) / (b - a)
+        est = rb["peak_gib"] + slope * (16 - b)
+        res["extrapolated_16_layers_gib"] = est
+        print(f"ESTIMATE (linear in depth from {a} and {b} layers, {dtype}): 16 layers ~ {est:.1f} GiB peak "
+              f"({slope:.2f} GiB per layer); in bf16 weights and activations halve", flush=True)
     if args.json:
         Path(args.json).write_text(json.dumps(res, indent=2))
     return res

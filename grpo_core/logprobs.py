@@ -304,6 +304,27 @@ def _pack_is_cheaper(config, input_ids: torch.Tensor, attention_mask: torch.Tens
     return packed < padded
 
 
+def logprob_path(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, completion_len: int,
+                 group_size: int = 1) -> str:
+    """How `completion_logprobs` runs this batch: "packed-lean" (groups packed into one row each, lean
+    trunk), "packed-mask" (packed, block mask), "shared-kv" (each prompt once, its KV cache repeated),
+    "rows" (every row in full) or "full-logits" (no trunk/head split)."""
+    decoder, _ = _decoder_and_head(model)
+    if decoder is None or getattr(getattr(model, "config", None), "final_logit_softcapping", None):
+        return "full-logits"
+    P = input_ids.shape[1] - completion_len
+    shared = _groups_share_prompt(input_ids, attention_mask, P, group_size)
+    # Gradient checkpointing turns the KV cache off in training mode, so the repeated-KV path needs it off.
+    checkpointing = getattr(decoder, "gradient_checkpointing", False) and decoder.training
+    # Llama-family models take the lean trunk, whose attention computes only the allowed pairs: packing
+    # then never costs more than repeating the prompt's KV cache. Others pay S x S per packed row.
+    if shared and not checkpointing and LeanDecoder.of(model) is not None:
+        return "packed-lean"
+    if shared and _pack_is_cheaper(decoder.config, input_ids, attention_mask, completion_len, group_size):
+        return "packed-mask"
+    return "shared-kv" if shared and not checkpointing else "rows"
+
+
 def completion_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, completion_len: int,
                         temperature: float = 1.0, with_entropy: bool = False, chunk_rows: int = 4,
                         group_size: int = 1, entropy_grad: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -326,24 +347,19 @@ def completion_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Te
     B, T = input_ids.shape
     P = T - completion_len
     rows, cols = attention_mask[:, P:].bool().nonzero(as_tuple=True)          # [N] real completion tokens
-    shared = _groups_share_prompt(input_ids, attention_mask, P, group_size)
-    # Gradient checkpointing turns the KV cache off in training mode, so the repeated-KV path needs it off.
-    checkpointing = getattr(decoder, "gradient_checkpointing", False) and decoder.training
-    # Llama-family models take the lean trunk, whose attention computes only the allowed pairs: packing
-    # then never costs more than repeating the prompt's KV cache. Others pay S x S per packed row.
-    lean = None if checkpointing or not shared else LeanDecoder.of(model)
-    if lean is not None:
+    path = logprob_path(model, input_ids, attention_mask, completion_len, group_size)
+    if path == "packed-lean":
         p_ids, p_pos, _, src = _packed_groups(input_ids, attention_mask, completion_len, group_size, None)
         attend = _segment_attention(input_ids, attention_mask, completion_len, group_size)
-        hidden = lean.trunk(p_ids, p_pos, attend)                              # [n, S, H]
+        hidden = LeanDecoder.of(model).trunk(p_ids, p_pos, attend)             # [n, S, H]
         hidden = hidden.reshape(-1, hidden.size(-1))[src]                     # [N, H]
-    elif shared and _pack_is_cheaper(decoder.config, input_ids, attention_mask, completion_len, group_size):
+    elif path == "packed-mask":
         p_ids, p_pos, p_mask, src = _packed_groups(input_ids, attention_mask, completion_len, group_size,
                                                    head.weight.dtype)
         hidden = decoder(input_ids=p_ids, attention_mask=p_mask, position_ids=p_pos,
                          use_cache=False).last_hidden_state                    # [n, S, H]
         hidden = hidden.reshape(-1, hidden.size(-1))[src]                     # [N, H]
-    elif shared and not checkpointing:
+    elif path == "shared-kv":
         hidden = _shared_prompt_hidden(decoder, input_ids, attention_mask, completion_len, group_size)[rows, cols]
     else:
         position_ids = positions(attention_mask)     # [B, T]

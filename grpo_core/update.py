@@ -107,12 +107,12 @@ def pad_batch(samples: Sequence[ScoredSample], pad_id: int, device: torch.device
     return input_ids.to(device), attn.to(device), c_mask.to(device)
 
 
-def peak_memory_gb(device: torch.device) -> float:
-    """Peak accelerator memory allocated (CUDA) or peak resident set size of this process (CPU), in GB."""
+def peak_memory_gib(device: torch.device) -> float:
+    """Peak accelerator memory allocated (CUDA) or peak resident set size of this process (CPU), in GiB."""
     if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device) / 1e9
+        return torch.cuda.max_memory_allocated(device) / 2**30
     import resource
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6      # Linux reports KiB
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20      # Linux reports KiB
 
 
 def _group_members(group_sizes: int | Sequence[int], n_samples: int) -> list[list[int]]:
@@ -258,7 +258,7 @@ def optimizer_step(policy: Policy, optimizer, scheduler, micro_batches: Sequence
     scheduler.step()
     metrics.update({"loss": step_loss, "grad_norm": grad_norm, "learning_rate": scheduler.get_last_lr()[0],
                     "step_seconds": time.perf_counter() - t0, "step_tokens": step_tokens,
-                    "peak_memory_gb": peak_memory_gb(policy.device)})
+                    "peak_memory_gib": peak_memory_gib(policy.device)})
     return metrics
 
 

@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from grpo_core.logprobs import completion_logits, completion_logprobs, head_logprobs, token_entropy, token_logprobs
+from grpo_core.logprobs import (completion_logits, completion_logprobs, head_logprobs, logprob_path, token_entropy,
+                                token_logprobs)
 
 
 # -- log-probs without the full log-softmax ---------------------------------------------------------
@@ -95,6 +96,9 @@ def test_shared_prompt_path_equals_full_pass_value_and_gradient(tiny_model_dir, 
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         model.enable_input_require_grads()
         model.train()
+    expected_path = {"lean_segments": "packed-lean", "packed_mask": "packed-mask", "repeated_kv": "shared-kv",
+                     "packed_checkpointed": "packed-mask"}[layout]
+    assert logprob_path(model, ids, attn, C, G) == expected_path and logprob_path(model, ids, attn, C, 1) == "rows"
     out = []
     for gs in (1, G):
         lp, ent = completion_logprobs(model, ids, attn, C, with_entropy=True, group_size=gs)

@@ -168,7 +168,7 @@ def test_metrics_clipping_and_masking(grpo_home):
     metrics, batch = grpo_update(policy, opt, make_scheduler(opt, cfg), samples, cfg, seed=0)
     m = metrics[0]
     for key in ("loss", "kl", "entropy", "clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean",
-                "grad_norm", "learning_rate", "step_seconds", "step_tokens", "peak_memory_gb"):
+                "grad_norm", "learning_rate", "step_seconds", "step_tokens", "peak_memory_gib"):
         assert key in m and math.isfinite(m[key]), key
     for key in ("frac_reward_zero_std", "completion_length_mean", "completion_length_min", "completion_length_max",
                 "truncated_frac", "num_tokens"):

@@ -186,7 +186,9 @@ def main(argv=None) -> dict:
     if args.threads:
         torch.set_num_threads(args.threads)
     torch.manual_seed(0)
-    result: dict = {"workload": workload_config(args).model_dump(mode="json"), "torch_threads": torch.get_num_threads()}
+    from learning import machine
+    result: dict = {"machine": machine(), "workload": workload_config(args).model_dump(mode="json"),
+                    "torch_threads": torch.get_num_threads()}
     dtype = "bf16" if args.bf16 else "fp32"
     ours = Ours(args)
     rec: list[dict] = []

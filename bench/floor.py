@@ -1,0 +1,121 @@
+"""The hardware floor of one GRPO step on this machine, and how far a measured step is above it.
+
+    python bench/floor.py                                  # measure, then the floor of the step_speed workload
+    python bench/floor.py --step-json step.json            # ... and ours/floor, ours/TRL from a step_speed.py result
+
+Measured here, each the median of --repeats runs: the copy bandwidth (a large tensor copied, bytes read +
+written per second) and the matmul rate (a square matmul of --matmul-size) in fp32 and bf16. The floor of a
+step is what the weights and arithmetic alone force on this machine:
+
+  sampling   decode_steps x weight bytes / bandwidth      every decode step reads all the weights once
+  update     6 x params x tokens / matmul rate           reference forward (2N), policy forward (2N) and
+                                                          backward to the activations (2N) per token; the
+                                                          LoRA weight gradients are negligible
+
+with decode_steps = the longest completion (all rows decode together) and tokens = prompt + completion
+tokens of all rows. The workload defaults are bench/step_speed.py's (2 prompts x 8 completions, 64 new
+tokens, the default model); --step-json takes the tokens that step really generated. Every result records
+the CPU model, core count, versions and the git commit.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from learning import machine  # noqa: E402
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+def _median_seconds(fn, repeats: int) -> float:
+    fn()                                         # warm-up: page faults, kernel selection
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def copy_bandwidth(mib: int, repeats: int) -> float:
+    """Bytes read + written per second by a large tensor copy."""
+    src = torch.ones(mib * 2**20 // 4)
+    dst = torch.empty_like(src)
+    return 2 * src.numel() * 4 / _median_seconds(lambda: dst.copy_(src), repeats)
+
+
+def matmul_rate(n: int, dtype: torch.dtype, repeats: int) -> float:
+    """FLOP/s of an n x n x n matmul."""
+    a, b = torch.randn(n, n).to(dtype), torch.randn(n, n).to(dtype)
+    return 2 * n**3 / _median_seconds(lambda: a @ b, repeats)
+
+
+def step_floor(params: float, weight_bytes: int, decode_steps: int, tokens: int, bandwidth: float,
+               matmul: float) -> dict:
+    """Seconds the weights (sampling) and the arithmetic (update) alone need for one step."""
+    sampling = decode_steps * params * weight_bytes / bandwidth
+    update = 6 * params * tokens / matmul
+    return {"sampling_s": sampling, "update_s": update, "step_s": sampling + update}
+
+
+def model_params(model: str) -> float:
+    from transformers import AutoConfig, AutoModelForCausalLM
+    from grpo_core.models import resolve_model
+    with torch.device("meta"):
+        net = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(resolve_model(model)))
+    return float(sum(p.numel() for p in net.parameters()))
+
+
+def main(argv=None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="smollm2-135m-instruct", help="whose parameter count sets the floor")
+    ap.add_argument("--rows", type=int, default=16, help="completions per step (prompts x num_generations)")
+    ap.add_argument("--prompt-tokens", type=int, default=80, help="tokens of one prompt (chat template included)")
+    ap.add_argument("--new-tokens", type=int, default=64, help="completion tokens per row (and decode steps)")
+    ap.add_argument("--step-json", help="a bench/step_speed.py --json result: its measured step and tokens")
+    ap.add_argument("--copy-mib", type=int, default=512)
+    ap.add_argument("--matmul-size", type=int, default=2048)
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--json", help="write the figures here")
+    args = ap.parse_args(argv)
+    res = {"machine": machine(), "threads": torch.get_num_threads()}
+    res["copy_gb_s"] = copy_bandwidth(args.copy_mib, args.repeats) / 1e9
+    res["matmul_gflop_s"] = {k: matmul_rate(args.matmul_size, d, args.repeats) / 1e9 for k, d in DTYPES.items()}
+    print(f"{res['machine']['cpu']}, {res['machine']['cores']} cores, {res['threads']} torch threads: copy "
+          f"{res['copy_gb_s']:.1f} GB/s; matmul {args.matmul_size}^3 " +
+          ", ".join(f"{k} {v:.0f} GFLOP/s" for k, v in res["matmul_gflop_s"].items()), flush=True)
+    step = json.loads(Path(args.step_json).read_text()) if args.step_json else None
+    step_dtype = {"float32": "fp32", "bfloat16": "bf16"}.get((step or {}).get("workload", {}).get("dtype"), "fp32")
+    new_tokens = args.new_tokens
+    if step:                     # the completion tokens that step really generated, per row
+        new_tokens = step["ours"]["tokens_per_s"] * step["ours"]["median_s"] / args.rows
+    params = model_params(args.model)
+    tokens = args.rows * (args.prompt_tokens + new_tokens)
+    res.update(params=params, rows=args.rows, prompt_tokens=args.prompt_tokens, new_tokens=new_tokens, floor={})
+    for name, dtype in DTYPES.items():
+        f = step_floor(params, torch.finfo(dtype).bits // 8, round(new_tokens), tokens, res["copy_gb_s"] * 1e9,
+                       res["matmul_gflop_s"][name] * 1e9)
+        res["floor"][name] = f
+        line = (f"floor {name}: {f['step_s']:.2f} s/step (sampling {f['sampling_s']:.2f} s, update "
+                f"{f['update_s']:.2f} s)")
+        if step and step_dtype == name:
+            ours = step["ours"]["median_s"]
+            res["ours_over_floor"] = ours / f["step_s"]
+            line += f"; ours {ours:.2f} s = {res['ours_over_floor']:.2f}x the floor"
+            if step.get("ratio_trl_over_ours"):
+                line += f"; TRL / ours = {step['ratio_trl_over_ours']:.2f}x"
+        print(line, flush=True)
+    if args.json:
+        Path(args.json).write_text(json.dumps(res, indent=2))
+    return res
+
+
+if __name__ == "__main__":
+    main()

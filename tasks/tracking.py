@@ -104,7 +104,7 @@ def _start_or_resume_run(cfg: GRPOConfig, run_dir: Path, flow_run_id: str | None
         exp_id = experiment_id(cfg)
         run = c.create_run(exp_id, run_name=run_dir.name, tags={
             "git_commit": _git_commit(), "config_hash": cfg.config_hash(), "run_dir": str(run_dir.resolve()),
-            "base_model": cfg.model})
+            "base_model": cfg.model, **source_tags()})
         run_id = run.info.run_id
         log_params(c, run_id, cfg.flat())
         c.log_text(run_id, cfg.to_yaml(), "config.yaml")
@@ -115,6 +115,19 @@ def _start_or_resume_run(cfg: GRPOConfig, run_dir: Path, flow_run_id: str | None
     return run_id
 
 
+EXPERIMENT_KIND_TAG = "mlflow.experimentKind"
+
+
+def source_tags() -> dict[str, str]:
+    """MLflow's source tags: the command that started the run and the git commit of the code."""
+    import sys
+    tags = {"mlflow.source.type": "LOCAL", "mlflow.source.name": " ".join(["grpo", *sys.argv[1:]])[:500]}
+    commit = _git_commit()
+    if commit and commit != "unknown":
+        tags["mlflow.source.git.commit"] = commit
+    return tags
+
+
 def experiment_id(cfg: GRPOConfig) -> str:
     c = client(cfg)
     exp = c.get_experiment_by_name(cfg.tracking.experiment_name)
@@ -123,8 +136,9 @@ def experiment_id(cfg: GRPOConfig) -> str:
     artifacts = None
     if tracking_uri(cfg).startswith("sqlite:"):
         artifacts = (Path(cfg.output_dir).resolve() / "mlartifacts").as_uri()
-    try:
-        return c.create_experiment(cfg.tracking.experiment_name, artifact_location=artifacts)
+    try:        # a model-training experiment: the UI opens it on its runs and charts, not the GenAI view
+        return c.create_experiment(cfg.tracking.experiment_name, artifact_location=artifacts,
+                                   tags={EXPERIMENT_KIND_TAG: "custom_model_development"})
     except Exception:  # noqa: BLE001 - created concurrently by another run
         exp = c.get_experiment_by_name(cfg.tracking.experiment_name)
         if exp is None:

@@ -122,6 +122,19 @@ def test_champion_alias_names_the_best_iteration_and_loads(tiny_run):
     assert all(torch.equal(got[k].to(want[k].dtype), want[k]) for k in want)
 
 
+def test_experiment_is_a_training_experiment_and_runs_name_their_source(tiny_run):
+    """The UI opens the experiment as model training (not the GenAI view); runs carry the command and
+    the git commit as MLflow's source tags."""
+    from mlflow.tracking import MlflowClient
+    summary, cfg, uri = tiny_run
+    c = MlflowClient(tracking_uri=uri)
+    run = c.get_run(summary["mlflow_run_id"])
+    assert c.get_experiment(run.info.experiment_id).tags[tracking.EXPERIMENT_KIND_TAG] == "custom_model_development"
+    tags = run.data.tags
+    assert tags["mlflow.source.type"] == "LOCAL" and tags["mlflow.source.name"].startswith("grpo")
+    assert tags["mlflow.source.git.commit"] == tags["git_commit"] and len(tags["git_commit"]) == 40
+
+
 def test_champion_moves_only_to_an_adapter_at_least_as_good(tiny_run):
     """Two more registrations on the same run: a worse one gets only its run alias, a better one the champion."""
     from mlflow.tracking import MlflowClient

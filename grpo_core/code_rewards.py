@@ -90,7 +90,9 @@ def score_code(completions: Sequence[str], tasks: Sequence[Task], mode: str | No
                backend: str | None = None, rust_weights: Sequence[float] = RUST_STAGE_WEIGHTS,
                retries: int = 1, workers: int | None = None, images: dict[str, str] | None = None) -> list[CodeScore]:
     """Run every (completion, task) pair in the sandbox; infra errors are retried ``retries``
-    times, then their reward is None. ``images``: Docker image per language (config sandbox.images)."""
+    times, then their reward is None, unless the sandbox's engine is down: then this raises
+    ``sandbox.backends.EngineUnavailable`` (transient: the stage is retried once the engine may be back)
+    rather than drop every sample. ``images``: Docker image per language (config sandbox.images)."""
     from sandbox.api import get_backend, score_batch
     mode = mode or os.environ.get("GRPO_CODE_REWARD_MODE", "fraction")
     backend = get_backend(backend or os.environ.get("GRPO_SANDBOX_BACKEND", "auto"), images or None)
@@ -103,6 +105,8 @@ def score_code(completions: Sequence[str], tasks: Sequence[Task], mode: str | No
         log.warning("sandbox infra_error on %d job(s) (%s); retrying", len(again), verdicts[again[0]].detail)
         for i, v in zip(again, score_batch([jobs[i] for i in again], backend=backend, workers=workers)):
             verdicts[i] = v
+    if any(v.status == "infra_error" for v in verdicts):
+        backend.check_engine()
     return [CodeScore(verdict_reward(v, mode, rust_weights), v) for v in verdicts]
 
 

@@ -1,6 +1,9 @@
 """File helpers every layer shares: atomic writes (a reader sees the old file or the whole new one,
 never half of it), atomic directories, and JSON / JSONL records.
 
+A write that fails because its filesystem is full raises `DiskFullError` (an `OSError`, errno ENOSPC) naming
+the path, the filesystem and its free space, after removing its temp: nothing half-written stays.
+
 A temp file or directory is named after its target and its writer (`.<name>.<host>-<pid>.<random>`), so
 that the next write of the same target removes what a writer killed mid-write (SIGKILL, OOM: no cleanup
 ran) left behind, and never what a live writer is still writing.
@@ -9,6 +12,7 @@ Nothing here knows about tasks, models or stages; it is the bottom of `grpo_core
 """
 from __future__ import annotations
 
+import errno
 import glob
 import json
 import os
@@ -23,6 +27,47 @@ class InputError(ValueError):
     """A file the user gave (or a stage wrote) is malformed; the message names the file, line and fix."""
 
 
+class DiskFullError(OSError):
+    """A write failed because its filesystem is full; the message names the path, the filesystem and the fix."""
+
+    def __init__(self, message: str):
+        super().__init__(message)
+        self.errno = errno.ENOSPC
+
+
+_NEARLY_FULL = 1 << 20      # bytes: a failed write that leaves less than this free is taken for a full disk
+
+
+def _mount_point(path: Path) -> Path:
+    path = path.resolve()
+    while not os.path.ismount(path) and path != path.parent:
+        path = path.parent
+    return path
+
+
+def _disk_full_error(exc: BaseException, target: Path) -> DiskFullError | None:
+    """A DiskFullError for `exc` if a full filesystem caused it, else None. Call it before the temp is removed:
+    ENOSPC in the chain or the message (safetensors says it in words), or the filesystem of `target` nearly full
+    at the failure (torch.save's writer only says "unexpected pos")."""
+    if not isinstance(exc, Exception):
+        return None
+    chain, e = [], exc
+    while e is not None and all(e is not c for c in chain):
+        chain.append(e)
+        e = e.__cause__ or e.__context__
+    try:
+        usage = shutil.disk_usage(target.parent)
+    except OSError:
+        return None
+    said = any(getattr(e, "errno", None) == errno.ENOSPC or "no space left on device" in str(e).lower() for e in chain)
+    if not said and (usage.free >= _NEARLY_FULL or not isinstance(exc, (OSError, RuntimeError))):
+        return None
+    mib = lambda n: f"{n / (1 << 20):.1f} MiB"      # noqa: E731
+    mount = _mount_point(target.parent)
+    return DiskFullError(f"no space left on device writing {target}: the filesystem at {mount} is full ({mib(usage.free)} "
+                         f"free of {mib(usage.total)}). Fix: free space on {mount} (or write to a larger disk)")
+
+
 def _host() -> str:
     return socket.gethostname().replace(".", "_")
 
@@ -31,7 +76,8 @@ def _temp_prefix(target: Path) -> str:
     return f".{target.name}.{_host()}-{os.getpid()}."
 
 
-def _alive(pid: int) -> bool:
+def pid_alive(pid: int) -> bool:
+    """Whether process `pid` exists on this machine (one we may not signal counts as alive)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -46,7 +92,7 @@ def remove_stale_temps(target: Path) -> None:
     host = _host()
     for p in target.parent.glob(f".{glob.escape(target.name)}.{glob.escape(host)}-*"):
         pid = p.name[len(target.name) + len(host) + 3:].split(".", 1)[0]
-        if not pid.isdigit() or _alive(int(pid)):
+        if not pid.isdigit() or pid_alive(int(pid)):
             continue
         if p.is_dir() and not p.is_symlink():
             shutil.rmtree(p, ignore_errors=True)
@@ -66,8 +112,11 @@ def atomic_write_text(path: str | os.PathLike, text: str) -> Path:
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException as e:
+        full = _disk_full_error(e, path)
         Path(tmp).unlink(missing_ok=True)
+        if full is not None:
+            raise full from e
         raise
     return path
 
@@ -87,8 +136,11 @@ def atomic_dir(final: str | os.PathLike, build: Callable[[Path], None], replace:
             shutil.rmtree(tmp)
         else:
             os.replace(tmp, final)
-    except BaseException:
+    except BaseException as e:
+        full = _disk_full_error(e, final)
         shutil.rmtree(tmp, ignore_errors=True)
+        if full is not None:
+            raise full from e
         raise
     return final
 

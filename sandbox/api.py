@@ -73,7 +73,9 @@ Verdict statuses
 ``timeout`` a wall-clock limit was hit; ``error`` the code could not run (syntax/compile error,
 crash, out of memory, output limit, entry point missing); ``infra_error`` the sandbox itself
 failed (engine down, image missing, malformed task) — callers must NOT turn it into a reward,
-they should retry or drop the sample.
+they should retry or drop the sample. While a backend's engine is down (its jobs' error is
+``sandbox.backends.EngineUnavailable``), ``get_backend(...).check_engine()`` raises that error: retry
+later rather than drop every sample.
 
 Code that exits or crashes before its tests run (``sys.exit(0)`` or a crash while the module
 loads, a Rust compile error) is an ``error`` on purpose: no test ran, so nothing passed, whatever

@@ -26,6 +26,11 @@ class InfraError(RuntimeError):
     """The sandbox itself failed; the job's verdict becomes infra_error."""
 
 
+class EngineUnavailable(InfraError):
+    """The container engine does not answer (stopped, crashed, its socket gone): no job can run until it is
+    back. A job's verdict becomes infra_error; `Backend.check_engine` raises it for the caller to retry later."""
+
+
 class BoxDied(RuntimeError):
     """The box stopped answering mid-job (killed runner, OOM of the supervisor, deadline)."""
 
@@ -79,6 +84,10 @@ class Backend:
 
     def default_workers(self) -> int:
         return os.cpu_count() or 2
+
+    def check_engine(self) -> None:
+        """Raise :class:`EngineUnavailable` when the engine this backend runs jobs on does not answer now
+        (the local backend has none: nothing to check)."""
 
     def close(self) -> None:
         """Release resources (containers)."""

@@ -10,6 +10,12 @@ closed, garbled reply) the host kills and removes the whole container instead of
 
 Containers carry the label ``grpo.sandbox=1`` and ``grpo.sandbox.owner=<host>:<pid>``; boxes
 left behind by a dead process are reaped when a backend starts, and all of ours at exit.
+
+An engine that stops answering (stopped, restarted, crashed) makes the jobs it was running and those
+after it ``infra_error`` verdicts whose error is :class:`~sandbox.backends.EngineUnavailable`;
+``check_engine()`` raises it while the engine is away. Boxes that could not be removed meanwhile are
+removed once it answers again (the next box started, or ``close``); a warm box that died with the engine
+is replaced by a fresh one, so the backend keeps working after a restart.
 """
 from __future__ import annotations
 
@@ -26,10 +32,10 @@ import tempfile
 import threading
 import time
 import uuid
-from typing import Any
+from typing import Any, Callable
 
 from sandbox.types import Limits
-from sandbox.backends import RUNNER_PATH, Backend, BoxDied, InfraError, NonceChannel
+from sandbox.backends import RUNNER_PATH, Backend, BoxDied, EngineUnavailable, InfraError, NonceChannel
 from sandbox.images import IMAGES
 
 log = logging.getLogger("sandbox.docker")
@@ -44,6 +50,19 @@ _OWNER = f"{socket.gethostname()}:{os.getpid()}"
 def _client(timeout: int = 30):
     import docker  # imported lazily: the local backend must work without the SDK
     return docker.from_env(timeout=timeout)
+
+
+def engine_down(why: BaseException) -> EngineUnavailable:
+    """The error for an engine that does not answer: where, the innermost reason, and the fix."""
+    chain = []
+    while why is not None and all(why is not e for e in chain):     # the SDK nests the OSError in its args
+        chain.append(why)
+        why = why.__cause__ or next((a for a in why.args if isinstance(a, BaseException)), None)
+    root = chain[-1]
+    reason = getattr(root, "strerror", None) or " ".join(str(root).split())[:160]
+    host = os.environ.get("DOCKER_HOST", "unix:///var/run/docker.sock")
+    return EngineUnavailable(f"the Docker engine ({host}) does not answer ({type(root).__name__}: {reason}); start "
+                             "it (sudo bash infra/setup_docker.sh) or use the local sandbox backend")
 
 
 _available: dict[str, bool] = {}
@@ -117,7 +136,7 @@ class _Box(NonceChannel):
     """One container with its supervisor and the attached stdin/stdout stream."""
 
     def __init__(self, client, image: str, language: str, lim: Limits, runner_dir: str,
-                 instance: str = "", owner: str = _OWNER):
+                 instance: str = "", owner: str = _OWNER, left_behind: Callable[[str], None] | None = None):
         import docker
         self.nonce = secrets.token_hex(16)
         self.jobs_done = 0
@@ -125,6 +144,7 @@ class _Box(NonceChannel):
         self._pending = b""
         self._lines: list[bytes] = []
         self.stderr_tail = b""
+        self.name = f"grpo-sbx-{instance or 'box'}-{secrets.token_hex(6)}"   # known before the engine answers
         exec_opt = "exec" if language == "rust" else "noexec"
         try:
             self.ct = client.containers.create(
@@ -141,10 +161,14 @@ class _Box(NonceChannel):
                 volumes={runner_dir: {"bind": "/opt/sbx", "mode": "ro"}},
                 log_config=docker.types.LogConfig(type="none"),
                 labels={LABEL: "1", OWNER_LABEL: owner, "grpo.sandbox.language": language,
-                        "grpo.sandbox.instance": instance})
+                        "grpo.sandbox.instance": instance}, name=self.name)
         except docker.errors.ImageNotFound as e:
             raise InfraError(f"sandbox image {image!r} is missing; build it with "
                              "`python -m sandbox.images build` (or `grpo sandbox build-images`)") from e
+        except Exception:
+            if left_behind is not None:     # created, maybe, before the engine went away: remove it later
+                left_behind(self.name)
+            raise
         try:
             s = client.api.attach_socket(self.ct.id, params={"stdin": 1, "stdout": 1, "stderr": 1,
                                                              "stream": 1})
@@ -153,7 +177,8 @@ class _Box(NonceChannel):
             self.ct.start()
             self.sock.sendall((self.nonce + "\n").encode())
         except Exception:
-            self.destroy()
+            if not self.destroy() and left_behind is not None:   # the engine went away mid-start
+                left_behind(self.name)
             raise
 
     def _send(self, data: bytes) -> None:
@@ -194,28 +219,39 @@ class _Box(NonceChannel):
                 raise BoxDied("unterminated output line from the box exceeds 64 MiB")
 
     def post_mortem(self) -> str:
-        """Why did the box stop answering? "oom", "gone" (removed from outside: infra), or "died"."""
+        """Why did the box stop answering? "oom", "gone" (removed from outside, or engine trouble: infra), or
+        "died". The engine must first record the container's exit: one that is shutting down (and killing
+        its containers) never does, so that death is the engine's, not the code's."""
         import docker
+        import requests
+        try:
+            self.ct.wait(timeout=10)
+        except requests.exceptions.ReadTimeout:
+            pass                    # still running, the engine answering: the checks below decide
+        except Exception:  # noqa: BLE001 - removed (NotFound), engine stopping or gone
+            return "gone"
         try:
             self.ct.reload()
-        except docker.errors.NotFound:
-            return "gone"
-        except Exception:  # noqa: BLE001 - engine trouble
+        except Exception:  # noqa: BLE001 - removed (NotFound), engine trouble
             return "gone"
         return "oom" if self.ct.attrs.get("State", {}).get("OOMKilled") else "died"
 
-    def destroy(self) -> None:
-        """Close the stream first (dockerd stalls otherwise), then kill and remove."""
+    def destroy(self) -> bool:
+        """Close the stream first (dockerd stalls otherwise), then kill and remove. -> whether it is gone."""
         for closer in (getattr(self, "_sockobj", None), getattr(self, "sock", None)):
             try:
                 if closer is not None:
                     closer.close()
             except Exception:  # noqa: BLE001
                 pass
+        import docker
         try:
             self.ct.remove(force=True, v=True)
-        except Exception:  # noqa: BLE001 - already gone; the reaper catches the rest
+        except docker.errors.NotFound:
             pass
+        except Exception:  # noqa: BLE001 - engine away: removed once it is back (DockerBackend._left_behind)
+            return False
+        return True
 
 
 class DockerBackend(Backend):
@@ -229,10 +265,10 @@ class DockerBackend(Backend):
             self.client = _client(timeout=60)
             self.client.ping()
         except Exception as e:  # noqa: BLE001
-            raise InfraError(f"no Docker engine answers ({e}); start one (infra/setup_docker.sh) "
-                             "or use backend='local'") from e
+            raise engine_down(e) from e
         self._pools: dict[tuple, queue.SimpleQueue] = {}
         self._all: set[_Box] = set()
+        self._strays: set[str] = set()   # names of containers a lost engine left: removed once it is back
         self._lock = threading.Lock()
         self.instance = uuid.uuid4().hex[:12]
         self.owner = f"{socket.gethostname()}:{os.getpid()}"  # not _OWNER: we may be a forked child
@@ -254,7 +290,22 @@ class DockerBackend(Backend):
         d["rlimit_as"] = False  # the container's cgroup caps memory
         return d
 
+    def check_engine(self) -> None:
+        try:
+            _client(timeout=10).ping()
+        except Exception as e:  # noqa: BLE001 - no socket, refused, hung, 5xx: all mean "not answering"
+            raise engine_down(e) from e
+
     def _exchange(self, message: dict, limits: Limits, deadline_s: float) -> dict:
+        try:
+            return self._exchange_on_a_box(message, limits, deadline_s)
+        except (BoxDied, EngineUnavailable):
+            raise                   # BoxDied: the code's doing (the engine answered the post-mortem)
+        except Exception:
+            self.check_engine()     # the engine went away: say so (EngineUnavailable), not the symptom
+            raise
+
+    def _exchange_on_a_box(self, message: dict, limits: Limits, deadline_s: float) -> dict:
         language = message["kind"]
         # Containers differ only by their container-level limits; time limits are per job.
         key = (language, limits.memory_mb, limits.pids, limits.tmpfs_mb, limits.cpus)
@@ -262,20 +313,19 @@ class DockerBackend(Backend):
             box, reused = self._acquire(key, language, limits, fresh=attempt > 0)
             try:
                 reply = box.exchange(message, deadline_s)
-            except BoxDied as e:
-                cause = "timeout" if e.timed_out else box.post_mortem()
+            except (BoxDied, OSError) as e:
+                cause = "timeout" if getattr(e, "timed_out", False) else box.post_mortem()
                 self._discard(box)
-                if reused and cause == "died" and attempt == 0:
-                    continue  # the box may have died while idle: retry once on a fresh one
+                if reused and cause in ("died", "gone") and attempt == 0:
+                    continue  # the box may have died while idle (or with an engine restart): a fresh one
+                if isinstance(e, OSError):
+                    raise InfraError(f"lost the connection to the sandbox container: {e}") from e
                 if cause == "gone":
                     raise InfraError("the sandbox container disappeared mid-job (removed from "
                                      "outside or engine trouble)") from e
                 if cause == "oom":
                     raise BoxDied("out of memory (the container was OOM-killed)") from e
                 raise
-            except OSError as e:
-                self._discard(box)
-                raise InfraError(f"lost the connection to the sandbox container: {e}") from e
             self._release(key, box)
             return reply
         raise AssertionError("unreachable")
@@ -289,9 +339,13 @@ class DockerBackend(Backend):
             except queue.Empty:
                 pass
         image = self.images[language]
-        box = _Box(self.client, image, language, limits, self._runner_dir, self.instance, self.owner)
+        box = _Box(self.client, image, language, limits, self._runner_dir, self.instance, self.owner,
+                   self._left_behind)
         with self._lock:
             self._all.add(box)
+            strays, self._strays = self._strays, set()
+        for name in strays:         # the engine answers again: remove what it could not remove before
+            self._remove_container(name)
         return box, False
 
     def _release(self, key: tuple, box: _Box) -> None:
@@ -305,12 +359,34 @@ class DockerBackend(Backend):
     def _discard(self, box: _Box) -> None:
         with self._lock:
             self._all.discard(box)
-        box.destroy()
+        if not box.destroy():
+            self._left_behind(box.name)
+
+    def _left_behind(self, name: str) -> None:
+        """A container the engine could not remove (it is away): removed at the next box started, or close."""
+        with self._lock:
+            self._strays.add(name)
+
+    def _remove_container(self, name: str) -> None:
+        import docker
+        try:
+            self.client.api.remove_container(name, force=True, v=True)
+        except docker.errors.NotFound:
+            pass
+        except Exception:  # noqa: BLE001 - the engine is away again: next time
+            self._left_behind(name)
 
     def close(self) -> None:
-        """Remove every container of this backend (idle boxes included)."""
+        """Remove every container of this backend (idle boxes, and those a lost engine left behind)."""
         with self._lock:
             boxes, self._all = list(self._all), set()
             self._pools = {}
         for b in boxes:
             b.destroy()
+        try:                        # and any container of ours a lost engine left behind
+            left = self.client.containers.list(all=True, filters={
+                "label": [f"{LABEL}=1", f"grpo.sandbox.instance={self.instance}"]})
+        except Exception:  # noqa: BLE001 - no engine: the next backend's reap_leftovers removes them
+            left = []
+        for ct in left:
+            self._remove_container(ct.id)

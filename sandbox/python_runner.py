@@ -371,6 +371,11 @@ def _collect(p, out_fd, err_fd, extra_fd, timeout, cap, t0):
             bufs[fd] += chunk[:max(room, 0)]
         if truncated:
             break  # output bomb: stop now, the process is killed below
+    if not open_fds:  # all pipes at EOF: the child is exiting (a dying process closes its files before
+        try:          # it can be reaped), e.g. OOM-killed; wait for that, so it is not taken for a kill of ours
+            p.wait(min(1.0, max(0.01, deadline - time.monotonic())))
+        except subprocess.TimeoutExpired:
+            pass
     killed_by_runner = p.poll() is None
     try:
         os.killpg(p.pid, signal.SIGKILL)

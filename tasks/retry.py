@@ -3,6 +3,7 @@ input. `retry_transient_only` is the Prefect `retry_condition_fn` every stage ta
 decision is `is_transient`, which classifies by exception type and follows the cause chain."""
 from __future__ import annotations
 
+import errno
 import subprocess
 
 
@@ -12,6 +13,8 @@ class TransientError(RuntimeError):
 
 # Subclasses of OSError that mean bad input, not a hiccup: retrying cannot make them pass.
 _PERMANENT_OS_ERRORS = (FileNotFoundError, IsADirectoryError, NotADirectoryError, PermissionError, FileExistsError)
+_TRANSIENT_NAMES = ("InfraError", "EngineUnavailable", "BoxDied",     # sandbox/ (engine down: retried, bounded)
+                    "OutOfMemoryError", "OperationalError")           # torch.cuda, sqlite
 _TRANSIENT_MESSAGES = ("cuda out of memory", "out of memory", "database is locked", "temporarily unavailable",
                        "connection reset", "connection refused", "timed out", "cudnn_status_internal_error",
                        "nccl error", "resource temporarily unavailable")
@@ -34,9 +37,9 @@ def _transient_one(exc: BaseException) -> bool | None:
         return status is None or status >= 500
     if isinstance(exc, (TimeoutError, ConnectionError, subprocess.TimeoutExpired)):
         return True
-    if isinstance(exc, OSError):
-        return not isinstance(exc, _PERMANENT_OS_ERRORS)
-    if name in ("InfraError", "BoxDied", "OutOfMemoryError", "OperationalError"):  # sandbox, torch.cuda, sqlite
+    if isinstance(exc, OSError):            # a full disk stays full until someone frees space: not retried
+        return not isinstance(exc, _PERMANENT_OS_ERRORS) and exc.errno != errno.ENOSPC
+    if name in _TRANSIENT_NAMES:
         return True
     msg = str(exc).lower()
     if name in ("MlflowException", "RestException", "RuntimeError") and any(m in msg for m in _TRANSIENT_MESSAGES):

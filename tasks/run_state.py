@@ -9,7 +9,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from grpo_core.io import read_json, write_json
+from grpo_core.io import pid_alive, read_json, write_json
 from tasks.layout import STAGES
 
 
@@ -55,13 +55,7 @@ def mark_running(run_dir: str | Path, flow_run_id: str | None) -> dict:
 def _alive(pid: int | None, host: str | None) -> bool | None:
     if not pid or host != socket.gethostname():
         return None             # unknown (another machine)
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
+    return pid_alive(pid)
 
 
 def last_completed_stage(run_dir: str | Path) -> tuple[int, str] | None:

@@ -2,9 +2,9 @@
 
 Each command group registers itself (`register(subparsers)` in train, eval, export, ops, data, sandbox);
 this module only assembles them, sets the offline/quiet environment defaults and maps the errors a
-user can fix (USER_ERRORS, and an exception raised inside a reward plugin) to one line on stderr,
-`error: <what and how to fix it>`, and exit status 2; `grpo --debug ...` re-raises them with their
-traceback instead. Nothing here runs at import time.
+user can fix (USER_ERRORS, RESUMABLE_ERRORS, and an exception raised inside a reward plugin) to one line on
+stderr, `error: <what and how to fix it>` (and the resume command, for what a run lacked mid-way), and exit status 2;
+`grpo --debug ...` re-raises them with their traceback instead. Nothing here runs at import time.
 """
 from __future__ import annotations
 
@@ -17,15 +17,19 @@ import threading
 from flows.cli import data, export, ops, sandbox, train
 from flows.cli import eval as evaluate
 from grpo_core.config import ConfigError
-from grpo_core.io import InputError
+from grpo_core.io import DiskFullError, InputError
 from grpo_core.models import ModelError
 from grpo_core.plugins import PluginError
 from grpo_core.rewards import RewardOutputError, plugin_failure
+from sandbox.backends import EngineUnavailable
 from sandbox.types import TaskFormatError
 
 COMMAND_GROUPS = (train, evaluate, export, ops, data, sandbox)         # the order `grpo --help` lists them in
 # Errors in what the user gave (config, model, data, plugins): their messages name the field or file and the fix.
 USER_ERRORS = (ConfigError, ModelError, InputError, PluginError, RewardOutputError, TaskFormatError)
+# What the machine lacked mid-run (the Docker engine, still down after the stage's retries; disk space): one line
+# too, with the fix and the resume command.
+RESUMABLE_ERRORS = (EngineUnavailable, DiskFullError)
 
 # Offline, quiet, robust defaults. A value already in the environment wins.
 ENV_DEFAULTS = {
@@ -72,7 +76,7 @@ def _quiet_libraries() -> None:
 
 def user_error_message(e: BaseException) -> str | None:
     """The one-line message of an error the user can fix (None for anything else: a bug keeps its traceback)."""
-    text = str(e) if isinstance(e, USER_ERRORS) else plugin_failure(e)
+    text = str(e) if isinstance(e, (*USER_ERRORS, *RESUMABLE_ERRORS)) else plugin_failure(e)
     if text is None:
         return None
     return "; ".join(line.strip() for line in text.splitlines() if line.strip()) or type(e).__name__
@@ -119,6 +123,8 @@ def main(argv: list[str] | None = None) -> int:
         message = None if args.debug or not isinstance(e, Exception) else user_error_message(e)
         if message is None:
             raise
+        if isinstance(e, RESUMABLE_ERRORS):
+            message += f"; then {_resume_hint(args)}"
         print(f"error: {message}", file=sys.stderr)
         return 2
 

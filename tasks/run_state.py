@@ -76,21 +76,26 @@ def last_completed_stage(run_dir: str | Path) -> tuple[int, str] | None:
 RESUMABLE = ("failed", "killed", "interrupted")
 
 
-def is_stop_request(e: BaseException) -> bool:
-    """Ctrl-C or SIGTERM (Prefect turns SIGTERM inside a flow into TerminationSignal): a clean stop."""
-    from prefect.exceptions import TerminationSignal
-    return isinstance(e, (KeyboardInterrupt, TerminationSignal))
+def stop_signal(e: BaseException) -> str | None:
+    """"SIGTERM" or "Ctrl-C" when `e` is a request to stop cleanly, else None. Prefect turns SIGTERM inside
+    a flow into TerminationSignal; the CLI turns it into KeyboardInterrupt("SIGTERM") elsewhere."""
+    import sys
+    prefect_exceptions = sys.modules.get("prefect.exceptions")     # never imported just to check
+    if prefect_exceptions is not None and isinstance(e, prefect_exceptions.TerminationSignal):
+        return "SIGTERM"
+    if isinstance(e, KeyboardInterrupt):
+        return "SIGTERM" if e.args == ("SIGTERM",) else "Ctrl-C"
+    return None
 
 
 def mark_ended_by(run_dir: str | Path, e: BaseException) -> str:
     """Record in run.json how an exception ended the run: "interrupted" (a stop request; resume it) or
     "failed". -> the matching MLflow run status (KILLED or FAILED)."""
-    stopped = is_stop_request(e)
-    error = "stopped by " + ("SIGTERM" if not isinstance(e, KeyboardInterrupt) else "Ctrl-C") if stopped \
-        else f"{type(e).__name__}: {e}"[:500]
-    update_run_state(run_dir, status="interrupted" if stopped else "failed", error=error,
+    how = stop_signal(e)
+    error = f"stopped by {how}" if how else f"{type(e).__name__}: {e}"[:500]
+    update_run_state(run_dir, status="interrupted" if how else "failed", error=error,
                      updated=time.strftime("%Y-%m-%dT%H:%M:%S%z"))
-    return "KILLED" if stopped else "FAILED"
+    return "KILLED" if how else "FAILED"
 
 
 def iterations_done(run_dir: str | Path) -> int:

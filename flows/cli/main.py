@@ -23,6 +23,7 @@ from grpo_core.plugins import PluginError
 from grpo_core.rewards import RewardOutputError, plugin_failure
 from sandbox.backends import EngineUnavailable
 from sandbox.types import TaskFormatError
+from tasks.run_state import stop_signal
 
 COMMAND_GROUPS = (train, evaluate, export, ops, data, sandbox)         # the order `grpo --help` lists them in
 # Errors in what the user gave (config, model, data, plugins): their messages name the field or file and the fix.
@@ -90,16 +91,6 @@ def _sigterm_stops_like_ctrl_c() -> None:
         signal.signal(signal.SIGTERM, stop)
 
 
-def _stop_signal(e: BaseException) -> str | None:
-    """"SIGTERM" or "Ctrl-C" when `e` is a stop request, else None."""
-    prefect_exceptions = sys.modules.get("prefect.exceptions")     # never imported just to check
-    if prefect_exceptions is not None and isinstance(e, prefect_exceptions.TerminationSignal):
-        return "SIGTERM"
-    if isinstance(e, KeyboardInterrupt):
-        return "SIGTERM" if e.args == ("SIGTERM",) else "Ctrl-C"
-    return None
-
-
 def _resume_hint(args) -> str:
     name = getattr(args, "run_name", None) or getattr(args, "run", None)
     if not name:
@@ -116,7 +107,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return args.func(args)
     except BaseException as e:      # a stop request, or a user error: one line; anything else: the traceback
-        how = _stop_signal(e)
+        how = stop_signal(e)
         if how is not None and not args.debug:
             print(f"stopped by {how}; finished stages are kept, {_resume_hint(args)}", file=sys.stderr)
             return 143 if how == "SIGTERM" else 130

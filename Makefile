@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 TORCH_SPEC ?= torch==2.13.0
 RUN_ARGS ?=
 
-.PHONY: venv run test test-slow test-all images clean
+.PHONY: venv run test test-slow test-all images clean stack stack-down
 
 venv: $(VENV)/.installed
 
@@ -30,6 +30,15 @@ test-slow: venv
 
 test-all: venv
 	$(BIN)/python -m pytest -q
+
+# The shared stack (PostgreSQL, Prefect server, MLflow server, a worker): images built here when no registry
+# answers; STACK_ARGS e.g. "--expose" or "--auth". `grpo infra status` checks it.
+STACK_ARGS ?=
+stack: venv
+	$(BIN)/grpo infra up $(STACK_ARGS)
+
+stack-down: venv
+	$(BIN)/grpo infra down
 
 clean:
 	rm -rf runs .pytest_cache

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from grpo_core.config import ConfigError, GRPOConfig
+from grpo_core.config import GRPOConfig
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 ENTRYPOINT = "flows/train.py:training_run"
@@ -32,12 +32,8 @@ def scheduled_config(cfg: GRPOConfig, init_from_previous: bool = False) -> dict:
 
 def check_server() -> str:
     """The Prefect API URL; schedules need a real server (the temporary local one dies with the process)."""
-    from prefect.settings import PREFECT_API_URL
-    url = PREFECT_API_URL.value()
-    if not url:
-        raise ConfigError("schedules need a Prefect server: run `prefect server start` (or `docker compose -f "
-                          "infra/docker-compose.yml up -d`) and set PREFECT_API_URL=http://127.0.0.1:4200/api")
-    return url
+    from tasks.remote import prefect_server_url
+    return prefect_server_url("schedules")
 
 
 def to_deployment(cfg: GRPOConfig, cron: str, name: str = "nightly", init_from_previous: bool = False,

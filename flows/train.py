@@ -1,5 +1,6 @@
 """The training-run flow: evaluate the base model, then N iterations of
-curate -> rollout -> score -> update -> evaluate, each stage a retryable Prefect task."""
+curate -> rollout -> score -> update -> evaluate, each stage a retryable Prefect task (run in this process,
+or on the work pool `stages.<name>.work_pool` names: tasks/remote.py)."""
 from __future__ import annotations
 
 import time
@@ -12,28 +13,16 @@ from grpo_core import models
 from grpo_core.config import GRPOConfig
 from grpo_core.data import iteration as data_iteration
 from grpo_core.io import atomic_write_text, read_json, write_json
-from tasks import run as run_steps, tracking
-from tasks.retry import retry_transient_only
+from tasks import remote, run as run_steps, tracking
 from tasks.run_state import mark_ended_by, mark_running, update_run_state
 from tasks.curate import curate, curated_cache
 from tasks.evaluate import evaluate
 from tasks.rollout import rollout
 from tasks.score import score
+from tasks.stage import with_policy
 from tasks.update import update
 
-
-GPU_STAGES = ("rollout", "update", "evaluate")
-
-
-def _with_retries(task_fn, cfg: GRPOConfig, stage: str):
-    """The stage task with its configured retries: exponential backoff, transient errors only, and the
-    GPU concurrency tag on the stages that use the accelerator."""
-    policy = getattr(cfg.stages, stage)
-    opts = dict(retries=policy.retries, retry_delay_seconds=policy.delays() or 0,
-                retry_jitter_factor=policy.retry_jitter_factor, retry_condition_fn=retry_transient_only)
-    if stage in GPU_STAGES and cfg.stages.gpu_concurrency_tag:
-        opts["tags"] = {cfg.stages.gpu_concurrency_tag}
-    return task_fn.with_options(**opts)
+_with_retries = with_policy      # the in-process task with its retry policy (the name tests use)
 
 
 def run_dir_of(cfg: GRPOConfig) -> Path:
@@ -48,7 +37,7 @@ def _dynamic_sampling(cfg: GRPOConfig, config: dict, run_dir: str, iteration: in
     Each round is made of the ordinary stage tasks, so it is retried and resumed like them."""
     from grpo_core import dynamic_sampling as dsamp
     from grpo_core.io import read_jsonl
-    stage = lambda fn, name: _with_retries(fn, cfg, name)
+    stage = lambda fn, name: remote.stage_runner(fn, cfg, name)
     target = cfg.data.prompts_per_iteration
     rounds = [(list(read_jsonl(rolled_out["samples"])), list(read_jsonl(scored["scores"])))]
     informative = dsamp.count_informative(*rounds[0])
@@ -75,7 +64,7 @@ def _dynamic_sampling(cfg: GRPOConfig, config: dict, run_dir: str, iteration: in
 def iteration_flow(config: dict, run_dir: str, iteration: int, checkpoint: str | None, state: str | None) -> dict:
     """One iteration: the five stages in order; returns small records (paths and metrics)."""
     cfg = GRPOConfig.model_validate(config)
-    stage = lambda fn, name: _with_retries(fn, cfg, name)
+    stage = lambda fn, name: remote.stage_runner(fn, cfg, name)
     curated = stage(curate, "curate")(config, run_dir, iteration)
     rolled_out = stage(rollout, "rollout")(config, run_dir, iteration, curated["prompts"], checkpoint)
     scored = stage(score, "score")(config, run_dir, iteration, curated["prompts"], rolled_out["samples"])
@@ -105,8 +94,9 @@ def preflight(cfg: GRPOConfig) -> None:
     anything is written under output_dir), each check owned by its module: an existing run of the same name
     has the same config; the device exists; the tracking server answers; the model directory is complete and
     has the LoRA target modules; a local init_adapter fits it; data.curated yields training and held-out tasks;
-    the sandbox has its images when code tasks run on backend docker. Reward plugins are imported when the
-    config is validated. Each failure is a ConfigError, ModelError or InputError naming the field and the fix."""
+    the sandbox has its images when code tasks run on backend docker; stages sent to work pools have a Prefect
+    server with those pools. Reward plugins are imported when the config is validated. Each failure is a
+    ConfigError, ModelError or InputError naming the field and the fix."""
     if cfg.run_name:
         run_steps.check_same_config(cfg, run_dir_of(cfg))
     models.select_device(cfg.device)
@@ -118,6 +108,7 @@ def preflight(cfg: GRPOConfig) -> None:
     if cfg.data.curated:
         kinds = data_iteration.check_curated(cfg.data.curated, run_dir_of(cfg), curated_cache()) or set()
     cfg.sandbox.check_ready(kinds & {"python", "rust"})
+    remote.check_work_pools(cfg)
 
 
 @flow(name="grpo-training-run")
@@ -130,6 +121,7 @@ def training_run(config: dict) -> dict:
         config = cfg.model_dump(mode="json")
     run_dir = run_dir_of(cfg)
     run_steps.check_same_config(cfg, run_dir)
+    remote.check_work_pools(cfg)           # stages on work pools: a server with those pools, before any write
     run_dir.mkdir(parents=True, exist_ok=True)
     atomic_write_text(run_dir / "config.yaml", cfg.to_yaml())
     mark_running(run_dir, flow_run.get_id())
@@ -142,7 +134,7 @@ def training_run(config: dict) -> dict:
     try:
         checkpoint = run_steps.init_checkpoint(cfg, run_dir, run_id)
         if cfg.eval.enabled:
-            evals[0] = _with_retries(evaluate, cfg, "evaluate")(config, str(run_dir), 0, checkpoint)["metrics"]
+            evals[0] = remote.stage_runner(evaluate, cfg, "evaluate")(config, str(run_dir), 0, checkpoint)["metrics"]
         for k in range(1, cfg.pipeline_iterations + 1):
             t0 = time.perf_counter()
             records = iteration_flow(config, str(run_dir), k, checkpoint, state)

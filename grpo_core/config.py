@@ -167,24 +167,39 @@ class SandboxConfig(_Section):
 
 
 class StageRetryConfig(_Section):
-    """Retry policy of one stage. Only transient errors (I/O, connection, timeout, container engine,
+    """Retry policy (and work pool) of one stage. Only transient errors (I/O, connection, timeout, container engine,
     CUDA out-of-memory) are retried; bad input (invalid config, malformed data) fails at once."""
     retries: int = Field(1, ge=0, le=10, description="extra attempts after a transient failure")
     retry_delay_seconds: float = Field(2.0, ge=0, description="wait before the first retry")
     backoff_factor: float = Field(2.0, ge=1, description="each later retry waits this many times longer")
     retry_jitter_factor: float | None = Field(None, ge=0, description="random jitter on the delays (Prefect)")
+    work_pool: str | None = Field(
+        None, pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$",
+        description="Prefect work pool whose worker runs this stage (as a flow run of the deployment "
+                    "grpo-stage/<pool>); needs a Prefect server (PREFECT_API_URL) and a run directory the "
+                    "workers share; None: in the training run's own process")
 
     def delays(self) -> list[float]:
         """The wait before each retry: retry_delay_seconds * backoff_factor**i."""
         return [self.retry_delay_seconds * self.backoff_factor ** i for i in range(self.retries)]
 
 
+class UpdateStageConfig(StageRetryConfig):
+    """The update stage's policy, and how many processes share its work (tasks/distributed.py)."""
+    num_processes: int = Field(
+        1, ge=1, le=64,
+        description="processes the update runs on, data parallel over groups, started by the stage with "
+                    "`accelerate launch` on this machine: one per GPU (NCCL), or on the CPU (gloo) when device is "
+                    "cpu or no GPU is visible; N processes take the step one process takes. Under `accelerate "
+                    "launch`/`torchrun` of `grpo train` itself, the launched processes are used instead")
+
+
 class StagesConfig(_Section):
-    """Prefect retry policy per stage."""
+    """Prefect retry policy per stage, and the work pool each stage runs on."""
     curate: StageRetryConfig = Field(default_factory=StageRetryConfig)
     rollout: StageRetryConfig = Field(default_factory=StageRetryConfig)
     score: StageRetryConfig = Field(default_factory=lambda: StageRetryConfig(retries=2))
-    update: StageRetryConfig = Field(default_factory=StageRetryConfig)
+    update: UpdateStageConfig = Field(default_factory=UpdateStageConfig)
     evaluate: StageRetryConfig = Field(default_factory=StageRetryConfig)
     gpu_concurrency_tag: str | None = Field(
         "gpu", description="Prefect tag on the stages that use the accelerator (rollout, update, evaluate); "

@@ -4,6 +4,8 @@ Pure torch: takes a Policy, an optimizer, a scheduler and the scored samples; re
 The objective itself is `grpo_core.loss`; this module decides which samples form each optimizer step
 and micro-batch, which frozen log-probs are needed, and runs the steps. It does not checkpoint or log.
 Groups that lost members (a sample that could not be scored) train on their survivors.
+Data parallel (`DataParallel`): every process plans the same steps from the whole batch, trains on its
+share of each micro-batch's groups, and the summed gradients are the gradients of one process.
 """
 from __future__ import annotations
 
@@ -11,7 +13,7 @@ import math
 import random
 import time
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 
@@ -42,6 +44,27 @@ class MicroBatch:
     sampler_logp: torch.Tensor | None = None   # [b, Lc] the sampler's log-probs (NaN where it gave none)
     old_logp: torch.Tensor | None = None       # [b, Lc] when the policy moves before the batch is used
     ref_logp: torch.Tensor | None = None       # [b, Lc] when beta > 0
+    loss_weight: float = 1.0                   # this process's part of the whole micro-batch's loss (data parallel)
+    stand_in: bool = False                     # rows run only so that every process runs the same steps
+
+
+def _alone(tensors: list[torch.Tensor]) -> None:
+    """One process: the sum over the processes is the tensor itself."""
+
+
+@dataclass(frozen=True)
+class DataParallel:
+    """This process's place among the processes that share one update, data parallel over groups.
+
+    Every process reads the whole scored batch and plans the same optimizer steps and micro-batches; each
+    trains on every world_size-th group of each micro-batch (`shard_rows`), weighs its loss by its part of
+    the micro-batch's normaliser (`shard_loss_weight`), and `sum_across` adds the gradients (and the
+    step's statistics) over the processes, in place, so that N processes take the step one process takes
+    on the same batch. tasks/distributed.py builds it on torch.distributed; the default is one process.
+    """
+    rank: int = 0
+    world_size: int = 1
+    sum_across: Callable[[list[torch.Tensor]], None] = _alone
 
 
 def make_optimizer(policy: Policy, cfg: GRPOConfig) -> torch.optim.Optimizer:
@@ -185,6 +208,47 @@ def make_micro_batch(rows: Sequence[ScoredSample], advantages: torch.Tensor, pad
     return MicroBatch(input_ids, attention_mask, completion_mask, advantages.to(device), group_size, sampler_logp)
 
 
+def loss_tokens(sample: ScoredSample, mask_truncated: bool) -> int:
+    """The completion tokens of `sample` that get a loss (none of a truncated answer under mask_truncated)."""
+    return 0 if mask_truncated and sample.truncated else len(sample.completion_ids)
+
+
+def shard_rows(rows: Sequence[int], kept: Sequence[ScoredSample],
+               data_parallel: DataParallel) -> tuple[list[int], bool]:
+    """This process's rows of a micro-batch: every world_size-th of its groups, from the rank-th. A process
+    left without a group (fewer groups than processes) gets the first one as a stand-in that weighs
+    nothing, so that every process runs the same steps and sums. -> (rows, stand_in)."""
+    groups = list(dict.fromkeys(kept[i].group for i in rows))            # in order; each group's rows contiguous
+    mine = set(groups[data_parallel.rank::data_parallel.world_size])
+    if not mine:
+        return [i for i in rows if kept[i].group == groups[0]], True
+    return [i for i in rows if kept[i].group in mine], False
+
+
+# What `grpo_core.loss.aggregate` divides a micro-batch's summed token losses by, per loss type: the
+# micro-batch's sequences or tokens, or (None) the step's token count, which every process already uses.
+MICRO_BATCH_NORMALISER = {"grpo": "sequences", "sapo": "sequences", "dr_grpo": "sequences", "bnpo": "tokens",
+                          "dapo": None, "cispo": None}
+
+
+def shard_loss_weight(share: Sequence[ScoredSample], whole: Sequence[ScoredSample], cfg: GRPOConfig) -> float:
+    """What the loss of `share` (normalised by itself, as `aggregate` does) is multiplied by to be its part
+    of the loss of the micro-batch `whole`: its fraction of the whole's sequences or loss tokens. Summed
+    over the processes, the parts are the whole micro-batch's loss."""
+    if cfg.loss_type not in MICRO_BATCH_NORMALISER:
+        raise ValueError(f"loss_type {cfg.loss_type!r} has no data-parallel normaliser: add it to "
+                         "grpo_core.update.MICRO_BATCH_NORMALISER (what grpo_core.loss.aggregate divides by)")
+    by = MICRO_BATCH_NORMALISER[cfg.loss_type]
+    if len(share) == len(whole):                                    # one process: the whole micro-batch
+        return 1.0
+    if by == "sequences":
+        return len(share) / len(whole)
+    if by == "tokens":
+        tokens = lambda rows: sum(loss_tokens(s, cfg.mask_truncated_completions) for s in rows)  # noqa: E731
+        return tokens(share) / max(tokens(whole), 1)
+    return 1.0
+
+
 @torch.no_grad()
 def _logprobs_no_grad(model, mb: MicroBatch, cfg: GRPOConfig) -> torch.Tensor:
     return completion_logprobs(model, mb.input_ids, mb.attention_mask, mb.completion_mask.size(1), cfg.temperature,
@@ -226,47 +290,61 @@ def micro_batch_loss(logp: torch.Tensor, entropy: torch.Tensor, mb: MicroBatch, 
         sampler_correction_cap=cfg.vllm_importance_sampling_cap)
 
 
-def optimizer_step(policy: Policy, optimizer, scheduler, micro_batches: Sequence[MicroBatch], cfg: GRPOConfig,
-                   tokens_per_step: float) -> dict[str, float]:
-    """One optimizer step: accumulate the gradients of its micro-batches, clip, step; return its metrics.
+def step_statistics(per_micro_batch: Sequence[tuple[dict[str, float], float]], step_loss: float,
+                    data_parallel: DataParallel) -> dict[str, float]:
+    """A step's metrics over all processes: `loss` (the sum of the processes' parts), `step_tokens`, and each
+    statistic as the mean over the micro-batches of its token mean over the whole micro-batch.
+    `per_micro_batch`: (this process's token-mean statistics, the loss tokens they weigh) per micro-batch."""
+    names = list(per_micro_batch[0][0])
+    table = torch.tensor([[stats[k] * tokens for k in names] + [tokens] for stats, tokens in per_micro_batch],
+                         dtype=torch.float64)                                                # [n_mb, K + 1]
+    loss = torch.tensor([step_loss], dtype=torch.float64)
+    data_parallel.sum_across([table, loss])
+    tokens = table[:, -1]                                                                    # [n_mb]
+    means = (table[:, :-1] / tokens.clamp(min=1).unsqueeze(1)).mean(0)                       # [K]
+    return {**dict(zip(names, means.tolist())), "loss": loss.item(), "step_tokens": tokens.sum().item()}
 
-    `loss` is the step's loss (the sum of the micro-batches' shares); the other statistics are means
-    over the micro-batches.
-    """
+
+def optimizer_step(policy: Policy, optimizer, scheduler, micro_batches: Sequence[MicroBatch], cfg: GRPOConfig,
+                   tokens_per_step: float, data_parallel: DataParallel = DataParallel()) -> dict[str, float]:
+    """One optimizer step: accumulate the gradients of its micro-batches (summed over the processes),
+    clip, step; return its metrics (`step_statistics`)."""
     t0 = time.perf_counter()
     optimizer.zero_grad(set_to_none=True)
-    step_tokens = sum(mb.completion_mask.sum().item() for mb in micro_batches)
     n_mb = len(micro_batches)
-    metrics: dict[str, float] = {}
-    step_loss = 0.0
+    per_micro_batch, step_loss = [], 0.0
     for mb in micro_batches:
         logp, entropy = completion_logprobs(
             policy.model, mb.input_ids, mb.attention_mask, mb.completion_mask.size(1), cfg.temperature,
             with_entropy=True, chunk_rows=cfg.logit_chunk_rows, group_size=mb.group_size,
             entropy_grad=cfg.entropy_coef > 0)                                               # [b, Lc]
         loss, stats = micro_batch_loss(logp, entropy, mb, cfg, n_mb, tokens_per_step)
+        if mb.loss_weight != 1.0:
+            loss = loss * mb.loss_weight
         loss.backward()
         step_loss += loss.item()
         mask = mb.completion_mask
         stats["entropy"] = ((entropy.detach() * mask).sum() / mask.sum().clamp(min=1)).item()
-        for k, v in stats.items():
-            metrics[k] = metrics.get(k, 0.0) + v / n_mb
+        per_micro_batch.append((stats, 0.0 if mb.stand_in else mask.sum().item()))
         del logp, entropy, loss
+    data_parallel.sum_across([p.grad for p in policy.trainable_parameters() if p.grad is not None])
+    metrics = step_statistics(per_micro_batch, step_loss, data_parallel)
     grad_norm = torch.nn.utils.clip_grad_norm_(
         policy.trainable_parameters(), cfg.max_grad_norm if cfg.max_grad_norm > 0 else float("inf")).item()
     optimizer.step()
     scheduler.step()
-    metrics.update({"loss": step_loss, "grad_norm": grad_norm, "learning_rate": scheduler.get_last_lr()[0],
-                    "step_seconds": time.perf_counter() - t0, "step_tokens": step_tokens,
-                    "peak_memory_gib": peak_memory_gib(policy.device)})
+    metrics.update({"grad_norm": grad_norm, "learning_rate": scheduler.get_last_lr()[0],
+                    "step_seconds": time.perf_counter() - t0, "peak_memory_gib": peak_memory_gib(policy.device)})
     return metrics
 
 
 def plan_micro_batches(policy: Policy, kept: Sequence[ScoredSample], group_sizes: Sequence[int],
-                       advantages: torch.Tensor, cfg: GRPOConfig, seed: int) -> list[list[MicroBatch]]:
-    """The padded micro-batches of each optimizer step. A micro-batch whose groups all have one size
-    shares each group's prompt pass (`completion_logprobs`' group layouts); one that mixes sizes (groups
-    that lost members next to complete ones) runs every row on its own."""
+                       advantages: torch.Tensor, cfg: GRPOConfig, seed: int,
+                       data_parallel: DataParallel = DataParallel()) -> list[list[MicroBatch]]:
+    """The padded micro-batches of each optimizer step, each this process's share (`shard_rows`). A
+    micro-batch whose groups all have one size shares each group's prompt pass (`completion_logprobs`'
+    group layouts); one that mixes sizes (groups that lost members next to complete ones) runs every
+    row on its own."""
     size_of = [size for size in group_sizes for _ in range(size)]                     # [N] size of i's group
     with_sampler_logprobs = all(s.sampler_logprobs is not None for s in kept)
     if cfg.vllm_importance_sampling_correction and not with_sampler_logprobs:
@@ -277,24 +355,35 @@ def plan_micro_batches(policy: Policy, kept: Sequence[ScoredSample], group_sizes
     for step in plan_steps(kept, group_sizes, cfg.steps_per_iteration, cfg.gradient_accumulation_steps, seed):
         plan.append([])
         for idx in step:
-            sizes = {size_of[i] for i in idx}
-            plan[-1].append(make_micro_batch([kept[i] for i in idx], advantages[idx], policy.tokenizer.pad_token_id,
-                                             policy.device, cfg.mask_truncated_completions,
-                                             sizes.pop() if len(sizes) == 1 else 1, with_sampler_logprobs))
+            mine, stand_in = shard_rows(idx, kept, data_parallel)
+            sizes = {size_of[i] for i in mine}
+            mb = make_micro_batch([kept[i] for i in mine], advantages[mine], policy.tokenizer.pad_token_id,
+                                  policy.device, cfg.mask_truncated_completions,
+                                  sizes.pop() if len(sizes) == 1 else 1, with_sampler_logprobs)
+            mb.stand_in = stand_in
+            mb.loss_weight = 0.0 if stand_in else shard_loss_weight([kept[i] for i in mine],
+                                                                    [kept[i] for i in idx], cfg)
+            plan[-1].append(mb)
     return plan
 
 
-def grpo_update(policy: Policy, optimizer, scheduler, samples: Sequence[ScoredSample | None],
-                cfg: GRPOConfig, seed: int, progress=None) -> tuple[list[dict[str, float]], dict[str, float]]:
+def grpo_update(policy: Policy, optimizer, scheduler, samples: Sequence[ScoredSample | None], cfg: GRPOConfig,
+                seed: int, progress=None, data_parallel: DataParallel = DataParallel(),
+                ) -> tuple[list[dict[str, float]], dict[str, float]]:
     """Run steps_per_iteration x num_iterations optimizer steps on one rollout batch.
 
     `samples` are laid out group-contiguously (cfg.num_generations per group); a None entry or a None
     reward (not scorable) is left out and its group trains on its survivors (`surviving_groups`).
     With sync_ref_model, the reference moves toward the policy every ref_model_sync_steps optimizer
-    steps (counted by the scheduler, so across calls and resumes). Returns (per-step metrics,
-    batch-level metrics).
+    steps (counted by the scheduler, so across calls and resumes). With `data_parallel` this process
+    trains on its share of the batch, and each step is the step one process takes on all of it.
+    Returns (per-step metrics, batch-level metrics).
     """
     G, device = cfg.num_generations, policy.device
+    if data_parallel.world_size > 1 and cfg.top_entropy_quantile < 1.0:
+        raise ValueError("top_entropy_quantile < 1 takes a quantile over each micro-batch's tokens, which several "
+                         "update processes would each take over their own share: set top_entropy_quantile: 1.0, "
+                         "or run the update on one process (stages.update.num_processes: 1, no accelerate launch)")
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
 
@@ -306,10 +395,10 @@ def grpo_update(policy: Policy, optimizer, scheduler, samples: Sequence[ScoredSa
     rewards = torch.tensor([s.reward for s in kept], dtype=torch.float32)             # [N]
     advantages = group_advantages(rewards, group_sizes, cfg.scale_rewards)             # [N]
 
-    # 2) plan optimizer steps and micro-batches
-    plan = plan_micro_batches(policy, kept, group_sizes, advantages, cfg, seed)
+    # 2) plan optimizer steps and micro-batches (this process's share of each)
+    plan = plan_micro_batches(policy, kept, group_sizes, advantages, cfg, seed, data_parallel)
     micro_batches = [mb for step in plan for mb in step]
-    total_tokens = sum(mb.completion_mask.sum().item() for mb in micro_batches)
+    total_tokens = float(sum(loss_tokens(s, cfg.mask_truncated_completions) for s in kept))     # every process's
     # DAPO normalises by the completion tokens of the whole generation batch, spread evenly over the
     # optimizer steps it feeds (TRL: num_items_in_batch * grad_accum / steps_per_generation).
     tokens_per_step = max(total_tokens, 1.0) / len(plan)
@@ -325,7 +414,7 @@ def grpo_update(policy: Policy, optimizer, scheduler, samples: Sequence[ScoredSa
     step_metrics = []
     for _ in range(cfg.num_iterations):
         for step in plan:
-            metrics = optimizer_step(policy, optimizer, scheduler, step, cfg, tokens_per_step)
+            metrics = optimizer_step(policy, optimizer, scheduler, step, cfg, tokens_per_step, data_parallel)
             if cfg.sync_ref_model and scheduler.last_epoch % cfg.ref_model_sync_steps == 0:
                 policy.sync_reference(cfg.ref_model_mixup_alpha)
                 metrics["ref_model_synced"] = 1.0

@@ -80,14 +80,20 @@ def build_dockerfile(language: str, ref: str) -> None:
 
 
 def build_debootstrap(language: str, ref: str, mirror: str | None = None) -> None:
+    debootstrap_import(ref, DEBIAN_PACKAGES[language], IMPORT_CHANGES, mirror)
+
+
+def debootstrap_import(ref: str, packages: list[str], changes: list[str], mirror: str | None = None) -> None:
+    """A Debian bookworm minbase root filesystem with `packages`, imported as image `ref` with the
+    Dockerfile instructions `changes` (an imported image has no config of its own)."""
     for tool in ("debootstrap", "docker", "tar"):
         if not shutil.which(tool):
             raise ImageBuildError(f"{tool} is not installed; run infra/setup_docker.sh as root")
     if os.geteuid() != 0:
         raise ImageBuildError("debootstrap needs root; run as root (or use a machine with a registry)")
     mirror = mirror or debian_mirror()
-    pkgs = ",".join(DEBIAN_PACKAGES[language])
-    with tempfile.TemporaryDirectory(prefix=f"grpo-sbx-{language}-") as tmp:
+    pkgs = ",".join(packages)
+    with tempfile.TemporaryDirectory(prefix="grpo-debootstrap-") as tmp:
         rootfs = os.path.join(tmp, "rootfs")
         _log(f"debootstrap --variant=minbase --include={pkgs} {SUITE} from {mirror} (~1 min)")
         t0 = time.time()
@@ -97,7 +103,7 @@ def build_debootstrap(language: str, ref: str, mirror: str | None = None) -> Non
             raise ImageBuildError(f"debootstrap failed (rc {r.returncode}):\n{r.stdout[-3000:]}")
         shutil.rmtree(os.path.join(rootfs, "var/cache/apt/archives"), ignore_errors=True)
         _log(f"debootstrap done in {time.time() - t0:.0f}s; docker import {ref}")
-        cmd = ["docker", "import"] + [a for c in IMPORT_CHANGES for a in ("-c", c)] + ["-", ref]
+        cmd = ["docker", "import"] + [a for c in changes for a in ("-c", c)] + ["-", ref]
         tar = subprocess.Popen(["tar", "-C", rootfs, "-c", "."], stdout=subprocess.PIPE)
         imp = subprocess.run(cmd, stdin=tar.stdout, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                              text=True)

@@ -52,11 +52,12 @@ def curate(config: dict, run_dir: str, iteration: int) -> dict:
         record = data_iteration.curate_iteration(
             d.curated, run_dir, iteration, d.prompts_per_iteration, d.weights, tuple(d.pass_rate_band),
             d.recalibrate, cfg.seed, iter_dir(run_dir, iteration), curated_cache())
-        if (run_id := mlflow_run_id(run_dir)):
-            log_curation(cfg, run_id, record, iteration)
-        return {**record, "eval": str(eval_path)}
-    prompts = arithmetic.train_tasks(d.prompts_per_iteration, d.min_digits, d.max_digits, d.operations,
-                                     seed=cfg.seed * 100_003 + iteration, exclude=read_tasks(eval_path))
-    out = write_tasks(iter_dir(run_dir, iteration) / "prompts.jsonl", prompts)
-    return {"prompts": str(out), "eval": str(eval_path), "num_prompts": len(prompts),
-            "sources": {"arithmetic": len(prompts)}}
+    else:
+        prompts = arithmetic.train_tasks(d.prompts_per_iteration, d.min_digits, d.max_digits, d.operations,
+                                         seed=cfg.seed * 100_003 + iteration, exclude=read_tasks(eval_path))
+        out = write_tasks(iter_dir(run_dir, iteration) / "prompts.jsonl", prompts)
+        record = {"prompts": str(out), "num_prompts": len(prompts), "sources": {"arithmetic": len(prompts)}}
+    record["eval"] = str(eval_path)
+    if (run_id := mlflow_run_id(run_dir)):
+        log_curation(cfg, run_id, record, iteration, run_dir)
+    return record

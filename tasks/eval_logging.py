@@ -1,6 +1,8 @@
 """What an evaluation reports beyond its record: warnings for tripped monitors, and the MLflow side
-(metrics at step = iteration, a sample table per iteration, plots, monitor tags, the held-out split).
-Shared by the evaluate stage and `grpo eval --mlflow`; computes nothing itself."""
+(metrics at step = iteration, a sample table per iteration, plots, monitor tags, the held-out split as an
+artifact; the curate stage logs it as a run input, after the training data). The question counts are the
+same at every evaluation of a run: they are tags (eval.num_questions, ...), not flat charts. Shared by the
+evaluate stage and `grpo eval --mlflow`; computes nothing itself."""
 from __future__ import annotations
 
 import sys
@@ -13,6 +15,15 @@ from tasks import tracking
 
 TABLE_DIR = "eval_samples"
 PLOT_DIR = "plots"
+CONSTANT_SUFFIX = "/num_questions"       # eval/num_questions, eval/<source>/num_questions
+
+
+def split_constants(metrics: dict) -> tuple[dict, dict[str, str]]:
+    """(the metrics to chart, the constant counts as tags): eval/gsm/num_questions -> tag eval.gsm.num_questions."""
+    charted = {k: v for k, v in metrics.items() if not k.endswith(CONSTANT_SUFFIX)}
+    tags = {k.replace("/", "."): f"{v:g}" if isinstance(v, float) else str(v)
+            for k, v in metrics.items() if k.endswith(CONSTANT_SUFFIX)}
+    return charted, tags
 
 
 def report_alerts(alerts: list[Alert], where: str) -> None:
@@ -52,12 +63,14 @@ def log_evaluation(cfg: GRPOConfig, run_id: str, iteration: int, metrics: dict, 
                    history: dict[int, dict], lengths: dict[int, list[int]], alerts: list[Alert],
                    eval_path: str | Path | None = None) -> None:
     """Everything an evaluation puts into MLflow. `history`/`lengths` include this iteration."""
-    tracking.log_metrics(cfg, run_id, metrics, step=iteration)
+    charted, constants = split_constants(metrics)
+    tracking.log_metrics(cfg, run_id, charted, step=iteration)
     if cfg.eval.table_rows:
         tracking.log_table(cfg, run_id, sample_table(rows, iteration, cfg.eval.table_rows),
                            f"{TABLE_DIR}/iter-{iteration:03d}.json")
-    if alerts:
-        tracking.set_tags(cfg, run_id, {f"monitor.{a.name}": f"iteration {iteration}: {a.message}" for a in alerts})
+    tags = {**constants, **{f"monitor.{a.name}": f"iteration {iteration}: {a.message}" for a in alerts}}
+    if tags:
+        tracking.set_tags(cfg, run_id, tags)
     if eval_path is not None and iteration == min(history):
         tracking.log_artifact(cfg, run_id, eval_path, "data")
     if cfg.eval.plots:

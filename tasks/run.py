@@ -11,6 +11,7 @@ from grpo_core.config import ConfigError, GRPOConfig, flatten
 from grpo_core.io import read_json, write_jsonl
 from grpo_core.models import check_adapter, resolve_model
 from tasks import tracking
+from tasks.data_logging import curation_metrics, dataset_hash  # noqa: F401 - dataset_hash: the flow's tag
 from tasks.layout import semantic_config
 from tasks.run_state import mlflow_run_id, update_run_state
 
@@ -65,28 +66,10 @@ def init_checkpoint(cfg: GRPOConfig, run_dir: Path, run_id: str) -> str | None:
     return str(dst)
 
 
-def dataset_hash(cfg: GRPOConfig, run_dir: Path) -> str:
-    files = sorted((run_dir / "data").glob("*.jsonl"))
-    return tracking.file_hash(*files, extra={"data": cfg.data.model_dump(mode="json"), "seed": cfg.seed})
-
-
-def numeric(d: dict | None, prefix: str) -> dict[str, float]:
-    """The numbers of a stage record as metrics, prefixed unless their name has a '/'."""
-    out = {}
-    for k, v in (d or {}).items():
-        if isinstance(v, bool) or not isinstance(v, (int, float)):
-            continue
-        out[k if "/" in k else f"{prefix}{k}"] = float(v)
-    return out
-
-
 def iteration_metrics(curated: dict, seconds: float) -> dict[str, float]:
-    """The run metrics of one finished iteration (step = iteration): what curation reported, and time."""
-    metrics = {**numeric(curated.get("metrics"), "data/"), **numeric(curated.get("sources"), "data/source/"),
-               "sys/iteration_seconds": seconds}
-    if "num_prompts" in curated:
-        metrics["data/num_prompts"] = curated["num_prompts"]
-    return metrics
+    """The run metrics of one finished iteration (step = iteration): what curation reported that varies, and
+    time. The constant counts are tags, logged by the curate stage (tasks/data_logging.py)."""
+    return {**curation_metrics(curated), "sys/iteration_seconds": seconds}
 
 
 def merge_dynamic_rounds(cfg: GRPOConfig, run_dir: str, iteration: int,

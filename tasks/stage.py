@@ -6,7 +6,8 @@ with that key the stage is done and the record is returned without running the b
 body does the work and returns a small record (paths and metrics), which is written last, atomically.
 So a run killed at any point resumes at the first stage without a record, in any process. (Prefect's
 own cache_key_fn would need result persistence in a configured store; here the record is both the cache
-entry and the resume point.) Retries and tags are added by the flow (`with_options`).
+entry and the resume point.) Retries and tags come from the config (`with_policy`), the same wherever the
+stage runs: in the training run's process or on a work pool (tasks/remote.py).
 """
 from __future__ import annotations
 
@@ -16,7 +17,11 @@ from typing import Callable
 
 from prefect import task
 
+from grpo_core.config import GRPOConfig
 from tasks.layout import cfg_of, completed_record, finish_stage, input_key
+from tasks.retry import retry_transient_only
+
+GPU_STAGES = ("rollout", "update", "evaluate")
 
 
 def stage(name: str, key: Callable[..., dict]):
@@ -27,16 +32,38 @@ def stage(name: str, key: Callable[..., dict]):
     def decorate(work: Callable[..., dict]):
         signature = inspect.signature(work)
 
-        @functools.wraps(work)
-        def run(*args, **kwargs) -> dict:
+        def arguments_of(*args, **kwargs) -> dict:
+            """The call's arguments by name (defaults filled in)."""
             bound = signature.bind(*args, **kwargs)
             bound.apply_defaults()
-            arguments = bound.arguments
-            run_dir, iteration = arguments["run_dir"], arguments["iteration"]
-            inputs_key = input_key(**key(cfg=cfg_of(arguments["config"]), **arguments))
+            return dict(bound.arguments)
+
+        def key_of(arguments: dict) -> str:
+            return input_key(**key(cfg=cfg_of(arguments["config"]), **arguments))
+
+        def completed(arguments: dict) -> dict | None:
+            """The record of this call if the stage already completed with these inputs, else None."""
+            return completed_record(arguments["run_dir"], arguments["iteration"], name, key_of(arguments))
+
+        @functools.wraps(work)
+        def run(*args, **kwargs) -> dict:
+            arguments = arguments_of(*args, **kwargs)
+            run_dir, iteration, inputs_key = arguments["run_dir"], arguments["iteration"], key_of(arguments)
             if (done := completed_record(run_dir, iteration, name, inputs_key)):
                 return done
             return finish_stage(run_dir, iteration, name, inputs_key, work(*args, **kwargs))
 
+        run.arguments_of, run.completed = arguments_of, completed    # for tasks/remote.py: skip, then read back
         return task(name=name)(run)
     return decorate
+
+
+def with_policy(stage_task, cfg: GRPOConfig, name: str):
+    """The stage task with its configured retries: exponential backoff, transient errors only, and the
+    GPU concurrency tag on the stages that use the accelerator."""
+    policy = getattr(cfg.stages, name)
+    opts = dict(retries=policy.retries, retry_delay_seconds=policy.delays() or 0,
+                retry_jitter_factor=policy.retry_jitter_factor, retry_condition_fn=retry_transient_only)
+    if name in GPU_STAGES and cfg.stages.gpu_concurrency_tag:
+        opts["tags"] = {cfg.stages.gpu_concurrency_tag}
+    return stage_task.with_options(**opts)

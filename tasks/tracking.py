@@ -53,12 +53,27 @@ def client(cfg: GRPOConfig):
     return MlflowClient(tracking_uri=uri, registry_uri=uri)
 
 
+# The MLflow 3 UI shows an experiment in its "GenAI" or its "Model training" view. Which one is not read from
+# the experiment: the URL's workflowType parameter decides, else the browser's last choice (GenAI at first).
+# A link to this run's experiment therefore carries it.
+TRAINING_VIEW = "workflowType=machine_learning"
+
+
+def experiment_url(base_url: str, experiment_id: str) -> str:
+    """The experiment's runs in the UI's Model training view: base_url/#/experiments/<id>?workflowType=..."""
+    return f"{base_url.rstrip('/')}/#/experiments/{experiment_id}?{TRAINING_VIEW}"
+
+
 def ui_command(cfg: GRPOConfig) -> str:
+    """How to see this run: the `mlflow ui` command for a SQLite store, then the experiment's URL."""
     uri = tracking_uri(cfg)
+    exp = client(cfg).get_experiment_by_name(cfg.tracking.experiment_name)
+    exp_id = exp.experiment_id if exp is not None else "0"
     if uri.startswith("sqlite:"):
         mlflow = Path(sys.executable).parent / "mlflow"       # the venv's own, even when it is not on PATH
-        return f"{mlflow if mlflow.exists() else 'mlflow'} ui --backend-store-uri {uri}"
-    return f"open {uri} in a browser"
+        return (f"{mlflow if mlflow.exists() else 'mlflow'} ui --backend-store-uri {uri}   then open "
+                f"{experiment_url('http://127.0.0.1:5000', exp_id)}")
+    return f"open {experiment_url(uri, exp_id)} in a browser"
 
 
 def _git_commit() -> str:
@@ -118,10 +133,16 @@ def _start_or_resume_run(cfg: GRPOConfig, run_dir: Path, flow_run_id: str | None
 EXPERIMENT_KIND_TAG = "mlflow.experimentKind"
 
 
-def source_tags() -> dict[str, str]:
-    """MLflow's source tags: the command that started the run and the git commit of the code."""
-    import sys
-    tags = {"mlflow.source.type": "LOCAL", "mlflow.source.name": " ".join(["grpo", *sys.argv[1:]])[:500]}
+def source_tags(argv: list[str] | None = None) -> dict[str, str]:
+    """MLflow's source tags: the entry point (`grpo train`), the git commit of the code, and the whole command
+    line as the tag `command`. The UI shows a source name after its last '/', so the name holds no path:
+    `grpo train --config configs/x.yaml` would read "x.yaml" in the runs table."""
+    import shlex
+    argv = list(sys.argv if argv is None else argv) or ["python"]
+    program = Path(argv[0]).name
+    subcommand = argv[1:2] if argv[1:2] and argv[1].isidentifier() else []
+    tags = {"mlflow.source.type": "LOCAL", "mlflow.source.name": " ".join([program, *subcommand]),
+            "command": shlex.join([program, *argv[1:]])[:5000]}
     commit = _git_commit()
     if commit and commit != "unknown":
         tags["mlflow.source.git.commit"] = commit
@@ -136,7 +157,7 @@ def experiment_id(cfg: GRPOConfig) -> str:
     artifacts = None
     if tracking_uri(cfg).startswith("sqlite:"):
         artifacts = (Path(cfg.output_dir).resolve() / "mlartifacts").as_uri()
-    try:        # a model-training experiment: the UI opens it on its runs and charts, not the GenAI view
+    try:        # a model-training experiment (MLflow 3.17's UI still needs TRAINING_VIEW in the link to show it so)
         return c.create_experiment(cfg.tracking.experiment_name, artifact_location=artifacts,
                                    tags={EXPERIMENT_KIND_TAG: "custom_model_development"})
     except Exception:  # noqa: BLE001 - created concurrently by another run
@@ -165,13 +186,33 @@ def log_params(c, run_id: str, params: dict[str, Any]) -> None:
         c.log_batch(run_id, params=items[i:i + 100])
 
 
+# The curves a user opens a run for, copied into one chart section that the UI shows first. MLflow's run page
+# and Chart view order sections by name (the key up to its last '/'), alphabetically, and charts within a
+# section by key, so "data/..." and "eval/<source>/..." came before the pass@1, reward, KL and loss charts.
+# A leading digit sorts before every letter in both of the UI's orders (code-unit and localeCompare);
+# the copies keep the original's step, so they read exactly like it.
+KEY_CURVES_SECTION = "0_key_curves"
+KEY_CURVES = {
+    "eval/greedy/pass_at_1": "heldout_greedy_pass_at_1",
+    "eval/sampled/pass_at_1": "heldout_sampled_pass_at_1",
+    "reward/mean": "reward_mean",
+    "train/kl": "train_kl",
+    "train/loss": "train_loss",
+}
+
+
+def with_key_curves(metrics: dict[str, float]) -> dict[str, float]:
+    """`metrics` plus a KEY_CURVES_SECTION copy of each key curve among them."""
+    return {**metrics, **{f"{KEY_CURVES_SECTION}/{KEY_CURVES[k]}": v for k, v in metrics.items() if k in KEY_CURVES}}
+
+
 def log_metrics(cfg: GRPOConfig, run_id: str, metrics: dict[str, float], step: int) -> bool:
     """One batched call per step, idempotent: a batch whose first metric is already logged at this step
-    (a stage re-run after a kill between logging and its record) is not logged again. Returns whether
-    it logged."""
+    (a stage re-run after a kill between logging and its record) is not logged again. The key curves are
+    also logged under KEY_CURVES_SECTION. Returns whether it logged."""
     import time
     from mlflow.entities import Metric
-    items = [(k, float(v)) for k, v in metrics.items() if v is not None]
+    items = [(k, float(v)) for k, v in with_key_curves(metrics).items() if v is not None]
     if not items:
         return False
     c = client(cfg)

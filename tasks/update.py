@@ -1,14 +1,18 @@
-"""update: one GRPO update on the scored rollouts; checkpoints adapter + optimizer state atomically."""
+"""update: one GRPO update on the scored rollouts, on one process or several (tasks/distributed.py); the
+first process checkpoints adapter + optimizer state atomically, the stage logs to MLflow."""
 from __future__ import annotations
+
+from pathlib import Path
 
 import torch
 from tqdm.auto import tqdm
 
 from grpo_core.checkpoint import ADAPTER_DIR, STATE_FILE, load_trainer_state, save_checkpoint
 from grpo_core.io import read_jsonl
+from grpo_core.models import load_tokenizer
 from grpo_core.policy import load_policy
-from grpo_core.update import ScoredSample, grpo_update, make_optimizer, make_scheduler
-from tasks import tracking
+from grpo_core.update import DataParallel, ScoredSample, grpo_update, make_optimizer, make_scheduler
+from tasks import distributed, tracking
 from tasks.layout import cfg_of, iter_dir
 from tasks.run_state import init_adapter_path, mlflow_run_id
 from tasks.stage import stage
@@ -22,12 +26,10 @@ def scored_batch(samples: str, scores: str) -> list[ScoredSample | None]:
             for r, sc in zip(read_jsonl(samples), read_jsonl(scores))]
 
 
-# The key leaves out the metrics passed along for logging: they describe the inputs, they are not inputs.
-@stage("update", key=lambda config, samples, scores, checkpoint, state, **_: {
-    "config": config, "samples": samples, "scores": scores, "checkpoint": checkpoint, "state": state})
-def update(config: dict, run_dir: str, iteration: int, samples: str, scores: str, checkpoint: str | None,
-           state: str | None, score_metrics: dict, rollout_seconds: float, rollout_tokens_per_second: float) -> dict:
-    """`score_metrics` (the score record's) and the rollout's speed are logged with the first step."""
+def train_on_batch(data_parallel: DataParallel, config: dict, run_dir: str, iteration: int, samples: str, scores: str,
+                   checkpoint: str | None, state: str | None) -> dict:
+    """This process's part of the update (all of it when alone); the first process writes the checkpoint and
+    returns the steps' metrics, the batch statistics, the global step and the checkpoint directory."""
     cfg = cfg_of(config)
     # 1) the policy and optimizer where the previous iteration left them
     torch.manual_seed(cfg.seed * 31 + iteration)
@@ -35,24 +37,42 @@ def update(config: dict, run_dir: str, iteration: int, samples: str, scores: str
     optimizer = make_optimizer(policy, cfg)
     scheduler = make_scheduler(optimizer, cfg)
     global_step = load_trainer_state(state, optimizer, scheduler)
-
     # 2) the update itself
     n_steps = cfg.steps_per_iteration * cfg.num_iterations
-    with tqdm(total=n_steps, desc=f"update iter {iteration}", unit="step") as bar:
+    with tqdm(total=n_steps, desc=f"update iter {iteration}", unit="step", disable=data_parallel.rank != 0) as bar:
         steps, batch_stats = grpo_update(policy, optimizer, scheduler, scored_batch(samples, scores), cfg,
-                                         seed=cfg.seed + iteration, progress=bar)
-
-    # 3) checkpoint, then per-step metrics (steps a killed attempt logged are skipped) and the adapter
+                                         seed=cfg.seed + iteration, progress=bar, data_parallel=data_parallel)
+    # 3) the checkpoint, written once
+    if data_parallel.rank != 0:
+        return {}
     out_dir = save_checkpoint(policy, optimizer, scheduler, global_step + len(steps),
                               iter_dir(run_dir, iteration) / "update")
-    batch_metrics = {f"train/{k}": v for k, v in batch_stats.items()}
+    return {"steps": steps, "batch_stats": batch_stats, "global_step": global_step + len(steps),
+            "out_dir": str(out_dir), "num_processes": data_parallel.world_size}
+
+
+# The key leaves out the metrics passed along for logging: they describe the inputs, they are not inputs.
+@stage("update", key=lambda config, samples, scores, checkpoint, state, **_: {
+    "config": config, "samples": samples, "scores": scores, "checkpoint": checkpoint, "state": state})
+def update(config: dict, run_dir: str, iteration: int, samples: str, scores: str, checkpoint: str | None,
+           state: str | None, score_metrics: dict, rollout_seconds: float, rollout_tokens_per_second: float) -> dict:
+    """`score_metrics` (the score record's) and the rollout's speed are logged with the first step."""
+    cfg = cfg_of(config)
+    trained = distributed.run_on_processes(
+        train_on_batch, dict(config=config, run_dir=run_dir, iteration=iteration, samples=samples, scores=scores,
+                             checkpoint=checkpoint, state=state),
+        cfg.stages.update.num_processes, cfg.device, iter_dir(run_dir, iteration) / "update.processes")
+    # per-step metrics (steps a killed attempt logged are skipped) and the adapter
+    steps, out_dir, global_step = trained["steps"], Path(trained["out_dir"]), trained["global_step"]
+    batch_metrics = {f"train/{k}": v for k, v in trained["batch_stats"].items()}
     run_id = mlflow_run_id(run_dir)
-    tracking.log_update_steps(cfg, run_id, steps, global_step + 1, {
+    tracking.log_update_steps(cfg, run_id, steps, global_step - len(steps) + 1, {
         **score_metrics, **batch_metrics, "sys/rollout_tokens_per_second": rollout_tokens_per_second,
         "sys/rollout_seconds": rollout_seconds})
-    tracking.log_completions(cfg, run_id, iteration, scored_batch(samples, scores), samples, scores, policy.tokenizer)
+    tracking.log_completions(cfg, run_id, iteration, scored_batch(samples, scores), samples, scores,
+                             load_tokenizer(out_dir / ADAPTER_DIR))
     tracking.log_artifacts(cfg, run_id, out_dir / ADAPTER_DIR, f"adapters/iter-{iteration}")
     last = steps[-1] if steps else {}
-    return {"checkpoint": str(out_dir / ADAPTER_DIR), "state": str(out_dir / STATE_FILE),
-            "global_step": global_step + len(steps),
+    return {"checkpoint": str(out_dir / ADAPTER_DIR), "state": str(out_dir / STATE_FILE), "global_step": global_step,
+            "num_processes": trained["num_processes"],
             "metrics": {**{f"train/{k}": v for k, v in last.items()}, **batch_metrics}}

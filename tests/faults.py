@@ -28,6 +28,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Sequence
 
 from grpo_core import checkpoint as checkpoint_module
 from grpo_core.data import build as build_module
@@ -106,14 +107,16 @@ def install(monkeypatch=None) -> None:
 
 # -- a CLI run in a child process, killed where a rule hangs ---------------------------------------------
 
-def spawn_cli(args: list[str], rules: list[dict], tmp: Path, env: dict | None = None) -> subprocess.Popen:
+def spawn_cli(args: list[str], rules: list[dict], tmp: Path, env: dict | None = None,
+              launcher: Sequence[str] = (sys.executable,)) -> subprocess.Popen:
     """`grpo ARGS` in a child process (its own process group) with the fault points armed by `rules`;
-    its output goes to tmp/child.log."""
+    its output goes to tmp/child.log. `launcher` runs the module: the Python interpreter, or e.g. an
+    `accelerate launch ...` command (tasks/distributed.py: accelerate_launch)."""
     rules_file = tmp / "faults.json"
     rules_file.write_text(json.dumps(rules))
     env = {**os.environ, **(env or {}), FAULT_ENV: str(rules_file), "PYTHONPATH": str(REPO)}
     with open(tmp / "child.log", "w") as out:
-        return subprocess.Popen([sys.executable, "-m", "tests.fault_runner", *args], cwd=REPO, env=env,
+        return subprocess.Popen([*launcher, "-m", "tests.fault_runner", *args], cwd=REPO, env=env,
                                 stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
 
 
@@ -129,11 +132,12 @@ def wait_for(path: Path, proc: subprocess.Popen, timeout: float, log: Path) -> N
         time.sleep(0.2)
 
 
-def kill_at(args: list[str], rule: dict, tmp: Path, env: dict | None = None, timeout: float = 300) -> None:
-    """Run `grpo ARGS` in a child until it hangs at `rule` (made a hang rule with a marker), then
-    SIGKILL its whole process group and reap it."""
+def kill_at(args: list[str], rule: dict, tmp: Path, env: dict | None = None, timeout: float = 300,
+            launcher: Sequence[str] = (sys.executable,)) -> None:
+    """Run `grpo ARGS` in a child (started by `launcher`, see spawn_cli) until it hangs at `rule` (made a
+    hang rule with a marker), then SIGKILL its whole process group and reap it."""
     marker = tmp / "fault-reached"
-    proc = spawn_cli(args, [{**rule, "action": "hang", "marker": str(marker)}], tmp, env)
+    proc = spawn_cli(args, [{**rule, "action": "hang", "marker": str(marker)}], tmp, env, launcher)
     wait_for(marker, proc, timeout, tmp / "child.log")
     os.killpg(proc.pid, signal.SIGKILL)
     proc.wait(30)

@@ -229,7 +229,9 @@ def test_compose_config_with_docker_plugin():
     """`docker compose config` (v2 plugin) or `docker-compose config` (v1) validates the file."""
     for cmd in (["docker", "compose"], ["docker-compose"]):
         if shutil.which(cmd[0]) and subprocess.run([*cmd, "version"], capture_output=True).returncode == 0:
-            r = subprocess.run([*cmd, "-f", str(COMPOSE), "config", "-q"], capture_output=True, text=True)
+            # The file requires the password `grpo infra up` generates (no default); any value validates it.
+            r = subprocess.run([*cmd, "-f", str(COMPOSE), "config", "-q"], capture_output=True, text=True,
+                               env={**os.environ, "POSTGRES_PASSWORD": "validate-only"})
             assert r.returncode == 0, r.stderr
             return
     pytest.skip("neither `docker compose` nor `docker-compose` installed (the structure test covers the file)")

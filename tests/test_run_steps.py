@@ -4,7 +4,8 @@ Starting adapters and registration are exercised end to end in test_ops_flow.py.
 from __future__ import annotations
 
 from grpo_core.io import read_jsonl
-from tasks.run import best_iteration, merge_dynamic_rounds, numeric
+from tasks.data_logging import curation_metrics, curation_tags, numeric
+from tasks.run import best_iteration, iteration_metrics, merge_dynamic_rounds
 from tests.conftest import tiny_config
 from tests.test_dynamic_sampling import round_rows
 
@@ -13,6 +14,19 @@ def test_numeric_keeps_numbers_and_prefixes_bare_names():
     rec = {"kept": 3, "frac": 0.5, "ok": True, "name": "x", "data/already": 2.0}
     assert numeric(rec, "data/") == {"data/kept": 3.0, "data/frac": 0.5, "data/already": 2.0}
     assert numeric(None, "p/") == {}
+
+
+def test_constant_bookkeeping_is_tags_and_what_varies_is_metrics():
+    """One source's count and the prompts per iteration never change: tags. The band counts and a mix of
+    several sources do: data/* metrics, charted per iteration."""
+    builtin = {"prompts": "p.jsonl", "num_prompts": 8, "sources": {"arithmetic": 8}}
+    assert iteration_metrics(builtin, 2.5) == {"sys/iteration_seconds": 2.5}
+    assert curation_tags(builtin) == {"data.num_prompts": "8", "data.sources": "arithmetic"}
+    curated = {"num_prompts": 4, "sources": {"gsm": 3, "arith": 1},
+               "metrics": {"pool": 60, "in_band": 40, "out_of_band": 20, "measured": 12}}
+    assert curation_metrics(curated) == {"data/in_band": 40.0, "data/out_of_band": 20.0, "data/measured": 12.0,
+                                         "data/source/gsm": 3.0, "data/source/arith": 1.0}
+    assert curation_tags(curated) == {"data.num_prompts": "4", "data.pool": "60", "data.sources": "arith, gsm"}
 
 
 def test_merge_dynamic_rounds_writes_the_merged_rows_without_a_tracking_run(tmp_path):

@@ -123,16 +123,56 @@ def test_champion_alias_names_the_best_iteration_and_loads(tiny_run):
 
 
 def test_experiment_is_a_training_experiment_and_runs_name_their_source(tiny_run):
-    """The UI opens the experiment as model training (not the GenAI view); runs carry the command and
-    the git commit as MLflow's source tags."""
+    """The experiment is tagged as model training; runs carry the entry point and the git commit as MLflow's
+    source tags and the whole command line as `command` (tests/test_browser.py checks what the UI shows)."""
     from mlflow.tracking import MlflowClient
     summary, cfg, uri = tiny_run
     c = MlflowClient(tracking_uri=uri)
     run = c.get_run(summary["mlflow_run_id"])
     assert c.get_experiment(run.info.experiment_id).tags[tracking.EXPERIMENT_KIND_TAG] == "custom_model_development"
     tags = run.data.tags
-    assert tags["mlflow.source.type"] == "LOCAL" and tags["mlflow.source.name"].startswith("grpo")
+    expected = tracking.source_tags()
+    assert tags["mlflow.source.type"] == "LOCAL" and tags["mlflow.source.name"] == expected["mlflow.source.name"]
+    assert tags["command"] == expected["command"]
     assert tags["mlflow.source.git.commit"] == tags["git_commit"] and len(tags["git_commit"]) == 40
+
+
+def test_runs_log_their_data_as_inputs_bookkeeping_as_tags_and_key_curve_copies(tiny_run):
+    """The runs table's Dataset column (training data, then the held-out split), no flat bookkeeping metric,
+    and the 0_key_curves copies step for step (tests/test_browser.py checks how the UI shows them)."""
+    from mlflow.tracking import MlflowClient
+    summary, cfg, uri = tiny_run
+    c = MlflowClient(tracking_uri=uri)
+    run = c.get_run(summary["mlflow_run_id"])
+    inputs = [(i.dataset.name, i.dataset.digest, [t.value for t in i.tags]) for i in run.inputs.dataset_inputs]
+    assert inputs[0] == ("arithmetic", run.data.tags["dataset_hash"], ["training"])
+    assert inputs[1][0] == "heldout" and inputs[1][2] == ["evaluation"] and len(inputs) == 2
+    assert not [k for k in run.data.metrics if k.startswith("data/") or k.endswith("num_questions")]
+    assert run.data.tags["data.num_prompts"] == str(cfg.data.prompts_per_iteration)
+    assert run.data.tags["eval.num_questions"] == str(cfg.data.eval_size)
+    def history(key):
+        return sorted((m.step, m.value) for m in c.get_metric_history(run.info.run_id, key))
+    for key, copy in tracking.KEY_CURVES.items():
+        assert history(key) and history(key) == history(f"{tracking.KEY_CURVES_SECTION}/{copy}"), key
+
+
+def test_source_name_is_the_entry_point_without_a_path():
+    """The UI shows a source name after its last '/': the name is `grpo train`, the paths go to `command`."""
+    tags = tracking.source_tags(["/opt/venv/bin/grpo", "train", "--config", "configs/tiny.yaml", "--set", "a=b c"])
+    assert tags["mlflow.source.name"] == "grpo train"
+    assert tags["command"] == "grpo train --config configs/tiny.yaml --set 'a=b c'"
+    assert tracking.source_tags(["/opt/venv/bin/grpo", "--debug", "train"])["mlflow.source.name"] == "grpo"
+
+
+def test_ui_link_opens_the_model_training_view():
+    assert tracking.experiment_url("http://127.0.0.1:5000/", "3") == \
+        "http://127.0.0.1:5000/#/experiments/3?workflowType=machine_learning"
+
+
+def test_key_curves_are_copied_into_the_first_chart_section():
+    got = tracking.with_key_curves({"train/loss": 0.5, "train/entropy": 2.0, "eval/greedy/pass_at_1": 0.25})
+    assert got == {"train/loss": 0.5, "train/entropy": 2.0, "eval/greedy/pass_at_1": 0.25,
+                   "0_key_curves/train_loss": 0.5, "0_key_curves/heldout_greedy_pass_at_1": 0.25}
 
 
 def test_champion_moves_only_to_an_adapter_at_least_as_good(tiny_run):

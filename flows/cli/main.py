@@ -1,6 +1,6 @@
 """`grpo`: the parser, the environment defaults, and running one command.
 
-Each command group registers itself (`register(subparsers)` in train, eval, export, ops, data, sandbox);
+Each command group registers itself (`register(subparsers)` in train, eval, export, ops, data, sandbox, infra);
 this module only assembles them, sets the offline/quiet environment defaults and maps the errors a
 user can fix (USER_ERRORS, RESUMABLE_ERRORS, and an exception raised inside a reward plugin) to one line on
 stderr, `error: <what and how to fix it>` (and the resume command, for what a run lacked mid-way), and exit status 2;
@@ -14,7 +14,7 @@ import signal
 import sys
 import threading
 
-from flows.cli import data, export, ops, sandbox, train
+from flows.cli import data, export, infra, ops, sandbox, train
 from flows.cli import eval as evaluate
 from grpo_core.config import ConfigError
 from grpo_core.io import DiskFullError, InputError
@@ -25,7 +25,7 @@ from sandbox.backends import EngineUnavailable
 from sandbox.types import TaskFormatError
 from tasks.run_state import stop_signal
 
-COMMAND_GROUPS = (train, evaluate, export, ops, data, sandbox)         # the order `grpo --help` lists them in
+COMMAND_GROUPS = (train, evaluate, export, ops, data, sandbox, infra)  # the order `grpo --help` lists them in
 # Errors in what the user gave (config, model, data, plugins): their messages name the field or file and the fix.
 USER_ERRORS = (ConfigError, ModelError, InputError, PluginError, RewardOutputError, TaskFormatError)
 # What the machine lacked mid-run (the Docker engine, still down after the stage's retries; disk space): one line
@@ -105,6 +105,9 @@ def main(argv: list[str] | None = None) -> int:
     _quiet_libraries()
     _sigterm_stops_like_ctrl_c()
     try:
+        from tasks import distributed
+        if distributed.join_launch() > 0:       # under `accelerate launch`/torchrun, the processes after the first
+            return distributed.serve_jobs()     # only run the calls it sends them (their share of the update)
         return args.func(args)
     except BaseException as e:      # a stop request, or a user error: one line; anything else: the traceback
         how = stop_signal(e)

@@ -1,0 +1,118 @@
+"""The UI, seen in a real browser (issue 16): two tiny runs trained with `grpo train` against a real `prefect
+server`, then `mlflow server` on their SQLite store, both opened in headless Chromium (Playwright driving the
+system's Chromium; bench/ui_screenshots.py holds the page code). What a user sees is checked: the link
+`grpo train` prints opens the experiment in the Model training view, the runs table shows each run's dataset
+and source, a run's metrics page starts with the key curves (no flat bookkeeping charts), the adapter files
+and the evaluation plots are listed, two runs open in Compare, and the Prefect flow run page lists the stage
+task runs. Screenshots go to $GRPO_SCREENSHOTS when set, else to the test's temp dir.
+
+The browser may reach only 127.0.0.1 (anything else is aborted); servers listen on free 127.0.0.1 ports and
+are stopped at the end; every wait is bounded. Skipped without Playwright or Chromium unless REQUIRE_BROWSER=1
+(CI sets it), which turns the skip into a failure."""
+from __future__ import annotations
+
+import os
+import re
+import shutil
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from bench import ui_screenshots as ui
+from tasks import tracking
+from tasks.layout import STAGES
+
+pytestmark = [pytest.mark.browser, pytest.mark.slow]
+
+
+def need_browser() -> None:
+    why = None
+    try:
+        import playwright.sync_api  # noqa: F401
+    except ImportError:
+        why = "Playwright is not installed (pip install -e .[test])"
+    if why is None and not Path(ui.CHROMIUM).exists():
+        why = f"no Chromium at {ui.CHROMIUM} (apt-get install chromium, or set GRPO_CHROMIUM)"
+    if why and os.environ.get("REQUIRE_BROWSER") == "1":
+        pytest.fail(f"REQUIRE_BROWSER=1 but {why}")
+    if why:
+        pytest.skip(why)
+
+
+@pytest.fixture(scope="module")
+def seen(tmp_path_factory, tiny_model_dir):
+    """Both servers up, two finished runs, one browser page; yields what the tests look at."""
+    need_browser()
+    work = tmp_path_factory.mktemp("ui")
+    shutil.copytree(tiny_model_dir, work / "grpo_home" / "models" / "tiny-random")
+    shots = Path(os.environ.get("GRPO_SCREENSHOTS") or work / "screenshots")
+    shots.mkdir(parents=True, exist_ok=True)
+    blocked: list[str] = []
+    with ui.prefect_ui(work / "prefect", work) as (prefect_base, env):
+        runs = ui.make_runs(work, env)
+        with ui.mlflow_ui(work / "runs" / "mlflow.db", work) as mlflow_base, ui.browser(blocked) as page:
+            from mlflow.tracking import MlflowClient
+            c = MlflowClient(tracking_uri=mlflow_base)
+            mlflow_runs = [c.get_run(r["mlflow_run_id"]) for r in runs]
+            yield SimpleNamespace(page=page, mlflow=mlflow_base, prefect=prefect_base, work=work, shots=shots,
+                                  runs=runs, mlflow_runs=mlflow_runs, exp=mlflow_runs[0].info.experiment_id)
+    print(f"\nscreenshots in {shots}; requests aborted (not 127.0.0.1): {len(blocked)} {blocked[:3]}")
+
+
+def printed_link(s) -> str:
+    """The experiment URL `grpo train` printed for the first run, pointed at this test's server."""
+    from grpo_core.config import load_config
+    cfg = load_config(s.work / "runs" / "run-a" / "config.yaml", [])
+    cfg.tracking.tracking_uri = f"sqlite:///{s.work / 'runs' / 'mlflow.db'}"           # what the run logged to
+    url = re.search(r"http://127\.0\.0\.1:5000/\S+", tracking.ui_command(cfg)).group(0)
+    return url.replace("http://127.0.0.1:5000", s.mlflow)
+
+
+def test_printed_link_opens_the_runs_in_the_training_view_with_dataset_and_source(seen):
+    got = ui.experiment_page(seen.page, printed_link(seen), seen.shots)
+    assert "/runs?" in got["url"] and tracking.TRAINING_VIEW in got["url"]
+    assert "Model registry" in got["sidebar"] and "Evaluation runs" not in got["sidebar"], got["sidebar"]
+    assert [cell.splitlines()[-1] for cell in got["runs"]] == ["run-b", "run-a"]        # newest first
+    digest = seen.mlflow_runs[0].data.tags["dataset_hash"]
+    for cell in got["datasets"]:
+        assert cell.startswith(f"arithmetic ({digest})\nTraining"), cell                   # the training data first
+        assert "heldout (" in cell and "Evaluation" in cell
+    assert got["sources"] == ["grpo train", "grpo train"]
+
+
+def test_run_page_starts_with_the_key_curves_and_has_no_bookkeeping_charts(seen):
+    got = ui.metrics_page(seen.page, seen.mlflow, seen.exp, seen.runs[0]["mlflow_run_id"], seen.shots)
+    section = tracking.KEY_CURVES_SECTION
+    assert got["sections"][0] == section, got["sections"]
+    assert got["charts"][:5] == [f"{section}/{tracking.KEY_CURVES[key]}" for key in (
+        "eval/greedy/pass_at_1", "eval/sampled/pass_at_1", "reward/mean", "train/kl", "train/loss")]
+    assert got["drawn"] >= 5                                              # plotly drew the curves
+    assert not [s for s in got["sections"] if s.startswith("data")], got["sections"]
+    tags = seen.mlflow_runs[0].data.tags
+    assert (tags["data.num_prompts"], tags["data.sources"], tags["eval.num_questions"]) == ("2", "arithmetic", "4")
+
+
+def test_artifacts_list_the_adapter_files_and_the_eval_plots(seen):
+    got = ui.artifacts_page(seen.page, seen.mlflow, seen.exp, seen.runs[0]["mlflow_run_id"], seen.shots)
+    listed = set(got["text"].splitlines())
+    assert {"iter-1", "iter-2", "adapter_model.safetensors", "adapter_config.json"} <= listed
+    assert {"accuracy.png", "reward.png", "lengths.png"} <= listed
+
+
+def test_two_runs_open_in_the_compare_view(seen):
+    ids = [r["mlflow_run_id"] for r in seen.runs]
+    got = ui.compare_runs(seen.page, seen.mlflow, seen.exp, ids, seen.shots)
+    assert all(i in got["url"] for i in ids)
+    assert "Comparing 2 Runs" in got["text"] and all(i in got["text"] for i in ids)
+    rates = [r.data.params["learning_rate"] for r in seen.mlflow_runs]
+    assert f"learning_rate\t{rates[0]}\t{rates[1]}" in got["text"], "the parameter that differs, side by side"
+
+
+def test_prefect_flow_run_page_lists_the_stage_task_runs(seen):
+    got = ui.flow_run_page(seen.page, seen.prefect, seen.runs[0]["flow_run_id"], seen.shots)
+    assert "grpo-training-run" in got["text"] and "Completed" in got["text"]
+    assert got["text"].count("grpo-iteration") == 2, got["text"][-1500:]            # one subflow per iteration
+    assert "5 Task runs" in got["task_runs"] and "(5 Completed)" in got["task_runs"], got["task_runs"][-1500:]
+    for stage in STAGES:
+        assert re.search(rf"^{stage}-\w+$", got["task_runs"], re.M), (stage, got["task_runs"][-1500:])

@@ -20,7 +20,6 @@ import json
 import os
 import re
 import shutil
-import signal
 import socket
 import subprocess
 import sys
@@ -31,6 +30,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))                             # run as a script from anywhere
+from grpo_core.io import stop_process_group  # noqa: E402
 from tasks.tracking import TRAINING_VIEW, experiment_url  # noqa: E402
 BIN = Path(sys.executable).parent
 CHROMIUM = os.environ.get("GRPO_CHROMIUM", "/usr/bin/chromium")
@@ -71,13 +71,7 @@ def serve(cmd: list[str], health_url: str, log: Path, env: dict | None = None, t
         wait_healthy(health_url, proc, timeout, log)
         yield proc
     finally:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(20)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(20)
+        stop_process_group(proc, grace=20, kill_wait=20)
 
 
 @contextlib.contextmanager

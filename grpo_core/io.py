@@ -17,7 +17,9 @@ import glob
 import json
 import os
 import shutil
+import signal
 import socket
+import subprocess
 import tempfile
 from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator
@@ -166,3 +168,15 @@ def read_jsonl(path: str | os.PathLike) -> Iterator[dict[str, Any]]:
                 yield json.loads(line)
             except json.JSONDecodeError as e:
                 raise InputError(f"{path}:{lineno}: not valid JSON ({e.msg}); fix or remove the line") from e
+
+
+def stop_process_group(proc: subprocess.Popen, grace: float = 20.0, kill_wait: float = 10.0) -> None:
+    """SIGTERM the process group led by `proc` (started with start_new_session), SIGKILL what is left after
+    `grace` seconds; a group that is already gone is fine."""
+    for sig, wait in ((signal.SIGTERM, grace), (signal.SIGKILL, kill_wait)):
+        try:
+            os.killpg(proc.pid, sig)
+            proc.wait(wait)
+            return
+        except (ProcessLookupError, subprocess.TimeoutExpired):
+            continue

@@ -33,7 +33,7 @@ from typing import Callable
 import torch
 
 from grpo_core.config import ConfigError
-from grpo_core.io import DiskFullError, InputError, pid_alive, read_json, write_json
+from grpo_core.io import DiskFullError, InputError, pid_alive, read_json, stop_process_group, write_json
 from grpo_core.models import ModelError, select_device
 from grpo_core.update import DataParallel
 from tasks.retry import TransientError, is_transient
@@ -195,17 +195,6 @@ def accelerate_launch(num_processes: int, threads_per_process: int = 1) -> list[
             "--num_cpu_threads_per_process", str(threads_per_process)]
 
 
-def _stop(proc: subprocess.Popen) -> None:
-    """SIGTERM the launcher's process group (torchrun passes it on to its processes), SIGKILL what is left."""
-    for sig, wait in ((signal.SIGTERM, STOP_GRACE_SECONDS), (signal.SIGKILL, 10)):
-        try:
-            os.killpg(proc.pid, sig)
-            proc.wait(wait)
-            return
-        except (ProcessLookupError, subprocess.TimeoutExpired):
-            continue
-
-
 def _failure(outcome: dict | None, code: int, log: Path, num_processes: int) -> Exception:
     """The error to raise for launched processes that failed: the first process's own error when it recorded
     one (transient or not, as it judged), else the end of their log."""
@@ -237,7 +226,7 @@ def _launch_processes(function: Callable, kwargs: dict, num_processes: int, devi
         try:
             code = proc.wait()
         except BaseException:
-            _stop(proc)
+            stop_process_group(proc, grace=STOP_GRACE_SECONDS)
             raise
     outcome = read_json(result_file) if result_file.exists() else None
     if code != 0 or outcome is None or "error" in outcome:

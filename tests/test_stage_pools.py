@@ -6,7 +6,6 @@ stage ran and that the server never let two GPU stages run at once."""
 from __future__ import annotations
 
 import os
-import signal
 import socket
 import subprocess
 import sys
@@ -17,6 +16,8 @@ from pathlib import Path
 
 import pytest
 import yaml
+
+from grpo_core.io import stop_process_group
 
 from tests.conftest import tiny_config
 
@@ -96,12 +97,7 @@ def _start(argv: list[str], log: Path, env: dict, cwd: Path) -> subprocess.Popen
 
 def _stop(proc: subprocess.Popen) -> None:
     if proc.poll() is None:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(20)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(10)
+        stop_process_group(proc)
 
 
 def _stage_flow_runs(client) -> list:

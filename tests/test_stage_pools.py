@@ -133,7 +133,6 @@ def test_stages_run_on_their_pools_and_share_one_gpu_slot(tmp_path, tiny_model_d
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.actions import WorkPoolCreate
     from prefect.client.schemas.filters import TaskRunFilter, TaskRunFilterName, TaskRunFilterTags
-    from prefect.concurrency.sync import concurrency
     from prefect.settings import PREFECT_API_URL, temporary_settings
     from grpo_core.config import ConfigError, GRPOConfig
     from tasks.remote import check_work_pools
@@ -179,7 +178,12 @@ def test_stages_run_on_their_pools_and_share_one_gpu_slot(tmp_path, tiny_model_d
             # 2) two runs started together while the GPU slot is taken: both reach their first GPU stage
             #    (evaluate of iteration 0) on gpu-pool and wait there; freed, the server hands the slot out one
             #    stage at a time
-            with concurrency("tag:gpu", occupy=1, strict=True):
+            # the slot is taken through this client, not prefect.concurrency's process-wide service, which keeps
+            # the API of whichever server first used `tag:gpu` in this pytest process
+            held_slot = client.increment_concurrency_slots_with_lease(
+                names=["tag:gpu"], slots=1, mode="concurrency", lease_duration=900).json()
+            assert [limit["name"] for limit in held_slot["limits"]] == ["tag:gpu"], held_slot
+            try:
                 t_start = datetime.now(timezone.utc)
                 for run in RUNS:
                     procs[f"run {run}"] = _start(
@@ -196,6 +200,8 @@ def test_stages_run_on_their_pools_and_share_one_gpu_slot(tmp_path, tiny_model_d
                 assert all(tr.state.is_pending() and not tr.start_time for tr in held), \
                     f"a GPU stage started while the slot was taken: {[(tr.name, tr.state) for tr in held]}"
                 t_release = datetime.now(timezone.utc)
+            finally:
+                client.release_concurrency_slots_with_lease(held_slot["lease_id"])
 
             for run in RUNS:
                 proc = procs[f"run {run}"]

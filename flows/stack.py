@@ -14,6 +14,8 @@ when exposing the stack beyond a trusted network), or user management beyond MLf
 """
 from __future__ import annotations
 
+import contextlib
+
 import importlib.metadata
 import json
 import secrets
@@ -90,7 +92,8 @@ def stack_settings(project: str, *, expose: bool = False, auth: bool = False, pr
     values.setdefault("MLFLOW_ADMIN_USERNAME", "admin")
     values["GRPO_STACK_BIND"] = "0.0.0.0" if expose else "127.0.0.1"
     values["GRPO_STACK_AUTH"] = "1" if (expose or auth) else "0"      # exposed means authenticated
-    values["GRPO_STACK_HOST"] = (public_host or _hostname()) if expose else "127.0.0.1"
+    values["GRPO_STACK_HOST"] = (public_host or _public_name()) if expose else "127.0.0.1"
+    values["MLFLOW_ALLOWED_HOSTS"] = mlflow_allowed_hosts(values["GRPO_STACK_HOST"], expose)
     values["PREFECT_PORT"] = str(prefect_port or values.get("PREFECT_PORT") or 4200)
     values["MLFLOW_PORT"] = str(mlflow_port or values.get("MLFLOW_PORT") or 5000)
     values.update(images or {})
@@ -98,9 +101,35 @@ def stack_settings(project: str, *, expose: bool = False, auth: bool = False, pr
     return values
 
 
-def _hostname() -> str:
+def _host_addresses() -> list[str]:
+    """This machine's non-loopback IPv4 addresses: what a remote client may type instead of its name."""
     import socket
-    return socket.getfqdn()
+    found: set[str] = set()
+    with contextlib.suppress(OSError):
+        found.update(a[4][0] for a in socket.getaddrinfo(socket.gethostname(), None, socket.AF_INET))
+    with contextlib.suppress(OSError), socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        probe.connect(("192.0.2.1", 9))            # picks the default route's address; a UDP connect sends nothing
+        found.add(probe.getsockname()[0])
+    return sorted(a for a in found if not a.startswith("127.") and a != "0.0.0.0")
+
+
+def _public_name() -> str:
+    """The name clients use for this machine when exposed: its FQDN, or its address when it has no real name."""
+    import socket
+    name = socket.getfqdn()
+    if name.split(".")[0] in ("localhost", "") or name.startswith("127."):
+        return next(iter(_host_addresses()), name)
+    return name
+
+
+def mlflow_allowed_hosts(public_host: str, expose: bool) -> str:
+    """MLflow's --allowed-hosts (it refuses other Host headers, against DNS rebinding): the compose network
+    name and loopback, and when exposed the public name and every address of this machine."""
+    names = ["mlflow", "localhost", "127.0.0.1"]
+    if expose:
+        names += [public_host, *_host_addresses()]
+    names = list(dict.fromkeys(names))
+    return ",".join(f"{n},{n}:*" for n in names)
 
 
 def client_exports(project: str, values: dict[str, str], show_secrets: bool = False) -> list[str]:

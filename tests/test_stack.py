@@ -103,6 +103,10 @@ def test_compose_file_binds_loopback_and_takes_every_secret_from_the_env_file(tm
     exposed = _resolved("local")
     assert _published(exposed["mlflow"]) == [("0.0.0.0", "5001")]
     assert exposed["mlflow"]["environment"]["GRPO_STACK_AUTH"] == "1"
+    allowed = " ".join(exposed["mlflow"]["command"]).split("--allowed-hosts ")[1].split()[0].strip('"').split(",")
+    for host in ["stack.example", *stk._host_addresses(), "127.0.0.1"]:    # by name or by address, not others
+        assert host in allowed and f"{host}:*" in allowed, (host, allowed)
+    assert "*" not in allowed and "0.0.0.0" not in allowed
 
 
 def test_compose_refuses_to_start_without_generated_passwords(tmp_path):

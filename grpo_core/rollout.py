@@ -17,6 +17,7 @@ from tqdm.auto import tqdm
 from grpo_core.kernels.cpu_linear import PackedLinear, sampling_weights
 from grpo_core.sampling import Completion, PromptFormat, RolloutBackend, Sample, SamplingParams, chat_prompt_ids
 from grpo_core.task import Task
+from grpo_core.kernels.fused_decode import FusedDecoder
 from grpo_core.kernels.lean_decode import LeanDecoder, positions
 
 
@@ -214,29 +215,46 @@ class _HFForward:
 class KVCacheSampler(BatchedBackend):
     """Our own sampling loop: one prefill (each distinct prompt once), then one cached forward per
     token; rows that have ended are dropped from the batch (and from the KV cache) so late steps run
-    only the long answers; stops when every row has ended. Llama-family models run through a lean
-    forward (`lean_decode`); others through the model's own call with a transformers cache."""
+    only the long answers; stops when every row has ended. Llama-family models run through the fused
+    forward (`fused_decode`: a snapshot of the weights taken when sampling starts, adapter included) or,
+    where it does not apply, the lean one (`lean_decode`); others through the model's own call with a
+    transformers cache. `path` says which one the last rollout took."""
 
     def __init__(self, model, tokenizer, device: torch.device, batch_size: int = 64, progress: bool = True,
-                 merge_lora: bool = True, lean: bool = True):
+                 merge_lora: bool = True, lean: bool = True, fused: bool = True):
         super().__init__(model, tokenizer, device, batch_size, progress)
-        self.merge_lora = merge_lora
+        self.merge_lora, self.fused = merge_lora, fused and lean
         self.forward = (LeanDecoder.of(model) if lean else None) or _HFForward(model)
+        self._active = self.forward
+        self.path = "lean" if isinstance(self.forward, LeanDecoder) else "hf"
 
+    @contextlib.contextmanager
     def _sampling(self):
-        return merged_lora(self.model, self.merge_lora)
+        snapshot = FusedDecoder.snapshot(self.model, min(self.batch_size, 64)) if self.fused else None
+        if snapshot is not None:
+            self._active, self.path = snapshot, snapshot.path
+            try:
+                yield
+            finally:
+                self._active = self.forward             # the snapshot's buffers go with it
+            return
+        self.path = "lean" if isinstance(self.forward, LeanDecoder) else "hf"
+        with merged_lora(self.model, self.merge_lora):
+            self._active = self.forward
+            yield
 
     @torch.inference_mode()
     def _generate_batch(self, rows: list[list[int]], params: SamplingParams, generator) -> list[list[int]]:
         pad, eos = self.tokenizer.pad_token_id, self.tokenizer.eos_token_id
         B = len(rows)
+        forward = self._active
         # A group's rows share one prompt: prefill each distinct prompt once, then copy its KV cache.
         first: dict[tuple, int] = {}
         which = torch.tensor([first.setdefault(tuple(r), len(first)) for r in rows], device=self.device)  # [B]
         u_ids, u_attn = left_pad(list(first), pad, self.device)                   # [U, T]
-        logits = self.forward.prefill(u_ids, u_attn, params.max_new_tokens)       # [U, V]
+        logits = forward.prefill(u_ids, u_attn, params.max_new_tokens)       # [U, V]
         if len(first) < B:
-            self.forward.select(which)
+            forward.select(which)
         logits = logits[which]                                                     # [B, V]
         alive = torch.arange(B, device=self.device)                                # original row of each live row
         produced: list[list[int]] = [[] for _ in range(B)]
@@ -257,9 +275,9 @@ class KVCacheSampler(BatchedBackend):
                 keep = (~done).nonzero().squeeze(-1)
                 if keep.numel() == 0:
                     break
-                self.forward.select(keep)
+                forward.select(keep)
                 alive, tok = alive[keep], tok[keep]
-            logits = self.forward.step(tok)
+            logits = forward.step(tok)
         if params.logprobs:
             return [Completion(ids, lps) for ids, lps in zip(produced, produced_logprobs)]
         return produced

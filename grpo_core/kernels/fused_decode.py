@@ -1,0 +1,375 @@
+"""A sampling forward for Llama-family decoders built for memory bandwidth: a snapshot of the weights,
+fused per layer (q|k|v in one matrix, gate|up in another), in one buffer on 2 MiB pages.
+
+A decode step of a small model at a few dozen rows reads every weight once and does little arithmetic
+per byte, so it runs at the speed memory delivers the weights. On virtual machines that speed depends on
+the page size: with 4 KiB pages every few KiB of weight is a TLB miss with a two-level page walk, and a
+matmul streaming 200 MB of weights got 2.5 GB/s where the same weights on 2 MiB pages got 9 GB/s
+(bench/floor.py measures this machine's rate). Fusing halves the number of matmuls per layer (7 -> 4)
+and the other per-token work is a handful of tensor ops per layer (fused RMSNorm, rotary tables computed
+once per batch, one KV-cache write).
+
+Which linear kernel reads the weights fastest here (plain rows on huge pages, or oneDNN's packed
+layout) is decided once per process by a short probe that streams synthetic weights of the model's
+shapes through both (`linear_kernel`), not by CPU vendor.
+
+The fused base weights are built once and kept while the base does not change (under LoRA it never
+does); each rollout takes only the adapter. In fp32 it is merged into a copy of the groups it touches
+(W + B A, one addmm per group per rollout); in bf16 a merge would round a young adapter's small delta
+away, so there its factors stay separate (fp32, as PEFT keeps them), stacked per group.
+
+Finished rows stay in the batch (their work is nearly free when the step is bound by reading weights)
+until at most half are live; then the cache is compacted. Same interface as `lean_decode.LeanDecoder`.
+
+Shapes: b rows, n new tokens, T cache slots, H query heads, Hkv key/value heads (H = Hkv * rep), d head
+dim, C hidden size, I MLP width, L layers.
+"""
+from __future__ import annotations
+
+import ctypes
+import functools
+import statistics
+import sys
+import time
+import weakref
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from grpo_core.kernels.lean_decode import LeanDecoder, causal_pad_mask, positions
+
+HUGE_PAGE = 2 << 20
+MADV_HUGEPAGE = 14
+MERGE_FP32 = True                    # fp32: merge the adapter into copies of the groups it touches
+
+
+def _madvise_huge(addr: int, length: int) -> bool:
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        return libc.madvise(ctypes.c_void_p(addr), ctypes.c_size_t(length), MADV_HUGEPAGE) == 0
+    except (OSError, AttributeError):
+        return False
+
+
+def hugepage_empty(numel: int, dtype: torch.dtype) -> torch.Tensor:
+    """An uninitialised flat tensor starting on a 2 MiB boundary whose pages the kernel is asked to back
+    with huge pages (Linux transparent huge pages in `madvise` or `always` mode; elsewhere a plain tensor)."""
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    raw = torch.empty(numel + HUGE_PAGE // itemsize, dtype=dtype)
+    start = (-raw.data_ptr() % HUGE_PAGE) // itemsize
+    out = raw[start:start + numel]                       # the view keeps the whole allocation alive
+    if numel * itemsize >= HUGE_PAGE:
+        _madvise_huge(out.data_ptr(), numel * itemsize)
+    return out
+
+
+# -- linear kernels -------------------------------------------------------------------------------------------
+
+def _onednn_pack(weight: torch.Tensor, rows: int) -> torch.Tensor:
+    return torch.ops.mkldnn._reorder_linear_weight(weight, rows)
+
+
+def _onednn_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+
+
+def _stream_seconds(fn, repeats: int = 3) -> float:
+    fn()
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+@functools.cache
+def linear_kernel(dtype: torch.dtype, rows: int, shapes: tuple[tuple[int, int], ...], mib: int = 64) -> tuple[str, dict]:
+    """"plain" (F.linear on rows of a huge-page buffer) or "onednn" (oneDNN's packed layout), whichever
+    streams ~`mib` MiB of synthetic weights of these [out, in] shapes faster at `rows` rows, here.
+    Returns (kernel, GB/s of each candidate)."""
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    per_set = sum(o * i for o, i in shapes)
+    sets = max(2, mib * 2**20 // (per_set * itemsize))   # far more than any cache holds
+    flat = hugepage_empty(per_set * sets, dtype)
+    flat.normal_(std=0.02, generator=torch.Generator().manual_seed(0))
+    weights, off = [], 0
+    for _ in range(sets):
+        for o, i in shapes:
+            weights.append(flat[off:off + o * i].view(o, i))
+            off += o * i
+    inputs = {i: torch.randn(rows, i).to(dtype) for _, i in shapes}
+    rates = {}
+    rates["plain"] = _stream_seconds(lambda: [F.linear(inputs[w.size(1)], w) for w in weights])
+    if torch.backends.mkldnn.is_available():
+        try:
+            packed = [(_onednn_pack(w, rows), w.size(1)) for w in weights]
+            rates["onednn"] = _stream_seconds(lambda: [_onednn_linear(inputs[i], p, None) for p, i in packed])
+        except (RuntimeError, AttributeError):
+            pass
+    gbs = {k: flat.numel() * itemsize / s / 1e9 for k, s in rates.items()}
+    return max(gbs, key=gbs.get), gbs
+
+
+# -- the snapshot --------------------------------------------------------------------------------------------
+
+class Unsupported(Exception):
+    """The model holds something this forward does not reproduce (e.g. DoRA): use the lean one."""
+
+
+def _linear_parts(module) -> tuple[torch.Tensor, torch.Tensor | None, list[tuple[torch.Tensor, torch.Tensor]]]:
+    """(base weight [out, in], bias, [(A [r, in], B*scale [out, r]) per active LoRA adapter]) of a linear,
+    plain or wrapped by a PEFT LoRA layer (a merged or disabled adapter contributes no factors)."""
+    base = getattr(module, "base_layer", None)
+    if base is None:
+        return module.weight, module.bias, []
+    if getattr(module, "merged", False) or getattr(module, "disable_adapters", False):
+        return base.weight, base.bias, []
+    factors = []
+    for name in module.active_adapters:
+        if name not in module.lora_A:
+            continue
+        if name in getattr(module, "lora_variant", {}) or module.use_dora.get(name) or \
+                getattr(module, "lora_bias", {}).get(name):
+            raise Unsupported(f"a LoRA variant (DoRA, lora_bias, ...) on adapter {name}")
+        factors.append((module.lora_A[name].weight, module.lora_B[name].weight * module.scaling[name]))
+    return base.weight, base.bias, factors
+
+
+@dataclass
+class FusedLinear:
+    weight: torch.Tensor                 # [out, in] in the snapshot buffer (or oneDNN-packed)
+    bias: torch.Tensor | None            # [out]
+    lora_a: torch.Tensor | None          # [R, in] fp32, every adapter's A stacked
+    lora_b: torch.Tensor | None          # [out, R] fp32, block-diagonal, scale folded in
+    packed: bool = False
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        y = _onednn_linear(x, self.weight, self.bias) if self.packed else F.linear(x, self.weight, self.bias)
+        if self.lora_a is not None:
+            y += F.linear(F.linear(x.to(self.lora_a.dtype), self.lora_a), self.lora_b)   # rounds into y's dtype
+        return y
+
+
+def _factors(parts) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """The LoRA factors of linears whose outputs are stacked: A [R, in] (every A stacked) and a
+    block-diagonal B [sum out, R], fp32; (None, None) without an adapter."""
+    ranks = [sum(A.size(0) for A, _ in factors) for _, _, factors in parts]
+    if not sum(ranks):
+        return None, None
+    A = torch.cat([A.float() for _, _, factors in parts for A, _ in factors])
+    B = torch.zeros(sum(w.size(0) for w, _, _ in parts), sum(ranks))
+    row = col = 0
+    for w, _, factors in parts:
+        for _, Bi in factors:
+            B[row:row + w.size(0), col:col + Bi.size(1)] = Bi.float()
+            col += Bi.size(1)
+        row += w.size(0)
+    return A, B
+
+
+def _bias(parts) -> torch.Tensor | None:
+    if all(b is None for _, b, _ in parts):
+        return None
+    return torch.cat([b if b is not None else w.new_zeros(w.size(0)) for w, b, _ in parts])
+
+
+@dataclass
+class FusedLayer:
+    ln1: torch.Tensor
+    ln2: torch.Tensor
+    qkv: FusedLinear
+    o: FusedLinear
+    gate_up: FusedLinear
+    down: FusedLinear
+
+
+GROUPS = (("self_attn", ("q_proj", "k_proj", "v_proj")), ("self_attn", ("o_proj",)),
+          ("mlp", ("gate_proj", "up_proj")), ("mlp", ("down_proj",)))
+
+
+@dataclass
+class _FusedBase:
+    """The base weights of every group, fused, in one huge-page buffer (or oneDNN-packed); kept across
+    rollouts while the base weights stay the same tensors at the same version (always, under LoRA)."""
+    key: tuple
+    weights: list[list[tuple[torch.Tensor, torch.Tensor | None]]]    # per layer, per group: (weight, bias)
+    head: tuple[torch.Tensor, torch.Tensor | None]
+    kernel: str
+    rates: dict
+
+
+_BASES: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def _fused_base(lean: LeanDecoder, parts: list[list[list]], head_parts: list, rows: int) -> _FusedBase:
+    key = tuple((id(w), w._version) for layer in parts for group in layer for w, _, _ in group) + \
+        tuple((id(w), w._version) for w, _, _ in head_parts)
+    cached = _BASES.get(lean.embed)
+    if cached is not None and cached.key == key:
+        return cached
+    dtype = lean.embed.weight.dtype
+    shapes = tuple((sum(w.size(0) for w, _, _ in g), g[0][0].size(1)) for g in parts[0])
+    kernel, rates = linear_kernel(dtype, rows, shapes)
+    numel = sum(w.numel() for layer in parts for group in layer for w, _, _ in group) + \
+        sum(w.numel() for w, _, _ in head_parts)
+    flat = hugepage_empty(numel, dtype) if kernel == "plain" else None
+    off = 0
+
+    def place(group) -> tuple[torch.Tensor, torch.Tensor | None]:
+        nonlocal off
+        rows_out = sum(w.size(0) for w, _, _ in group)
+        if kernel == "onednn":
+            return _onednn_pack(torch.cat([w for w, _, _ in group]).to(dtype), rows), _bias(group)
+        view = flat[off:off + rows_out * group[0][0].size(1)].view(rows_out, -1)
+        torch.cat([w for w, _, _ in group], out=view)
+        off += view.numel()
+        return view, _bias(group)
+
+    base = _FusedBase(key, [[place(g) for g in layer] for layer in parts], place(head_parts), kernel, rates)
+    _BASES[lean.embed] = base
+    return base
+
+
+class FusedDecoder:
+    """prefill(ids, attention_mask, max_new) -> last logits [b, V]; select(rows); step(tokens) -> logits."""
+
+    def __init__(self, lean: LeanDecoder, layers: list[FusedLayer], head: FusedLinear, eps: float, width: int,
+                 kernel: str, rates: dict):
+        self.lean, self.layers, self.head, self.eps, self.width = lean, layers, head, eps, width
+        self.embed, self.rotary = lean.embed, lean.rotary
+        self.d, self.n_kv, self.rep, self.scale = lean.d, lean.n_kv, lean.rep, lean.scale
+        self.n_q = self.n_kv * self.rep
+        self.kernel, self.rates = kernel, rates
+
+    @property
+    def path(self) -> str:
+        dtype = str(self.embed.weight.dtype).removeprefix("torch.")
+        rates = ", ".join(f"{k} {v:.1f} GB/s" for k, v in self.rates.items())
+        return f"fused {dtype} decode, {self.kernel} linears (probe: {rates})"
+
+    @classmethod
+    @torch.no_grad()
+    def snapshot(cls, model, rows: int = 16) -> "FusedDecoder | None":
+        """The model's current weights (adapter included); None where only the lean forward applies."""
+        lean = LeanDecoder.of(model)
+        if lean is None:
+            return None
+        cfg = (model.get_base_model() if hasattr(model, "get_base_model") else model).config
+        if getattr(cfg, "hidden_act", "silu") != "silu" or lean.embed.weight.device.type != "cpu":
+            return None
+        try:
+            parts = [[[_linear_parts(getattr(getattr(layer, block), name)) for name in names]
+                      for block, names in GROUPS] for layer in lean.layers]
+            head_parts = [_linear_parts(lean.head)]
+        except Unsupported:
+            return None
+        base = _fused_base(lean, parts, head_parts, rows)
+        packed = base.kernel == "onednn"
+        # fp32 rows on huge pages: the adapter is merged into a copy of the groups it touches (one addmm
+        # each per rollout, instead of two extra matmuls per group per token)
+        merge = MERGE_FP32 and not packed and base.head[0].dtype == torch.float32
+        adapted = [(wb, g) for layer_wb, layer_g in zip(base.weights, parts) for wb, g in zip(layer_wb, layer_g)
+                   if any(f for _, _, f in g)] if merge else []
+        scratch = hugepage_empty(sum(wb[0].numel() for wb, _ in adapted), torch.float32) if adapted else None
+        off = 0
+
+        def linear(weight_bias, group) -> FusedLinear:
+            nonlocal off
+            A, B = _factors(group)
+            weight, bias = weight_bias
+            if A is None or not merge:
+                return FusedLinear(weight, bias, A, B, packed=packed)
+            merged = scratch[off:off + weight.numel()].view_as(weight)
+            off += weight.numel()
+            return FusedLinear(torch.addmm(weight, B, A, out=merged), bias, None, None)
+
+        layers = [FusedLayer(layer.input_layernorm.weight, layer.post_attention_layernorm.weight,
+                             *[linear(wb, g) for wb, g in zip(weights, groups)])
+                  for layer, weights, groups in zip(lean.layers, base.weights, parts)]
+        eps = lean.layers[0].input_layernorm.variance_epsilon
+        width = parts[0][2][0][0].size(0)
+        return cls(lean, layers, linear(base.head, head_parts), eps, width, base.kernel, base.rates)
+
+    # -- the forward ------------------------------------------------------------------------------------------
+
+    def _rope_tables(self, n_pos: int, dtype: torch.dtype) -> None:
+        """cos and sign-folded sin [P, d] of every position the batch can reach (x*cos + roll(x)*sin_signed
+        is Llama's x*cos + rotate_half(x)*sin)."""
+        probe = torch.zeros(1, 1, self.d, dtype=dtype)
+        cos, sin = self.rotary(probe, torch.arange(n_pos)[None])                          # [1, P, d]
+        half = self.d // 2
+        self.cos = cos[0]
+        self.sin = torch.cat([-sin[0, :, :half], sin[0, :, half:]], dim=-1)
+
+    def _layer(self, i: int, layer: FusedLayer, x: torch.Tensor, cos, sin, mask, t0: int) -> torch.Tensor:
+        b, n, C = x.shape
+        H, Hkv, d = self.n_q, self.n_kv, self.d
+        qkv = layer.qkv(F.rms_norm(x, (C,), layer.ln1, self.eps))                       # [b, n, (H+2Hkv)d]
+        qk = qkv[..., :(H + Hkv) * d].view(b, n, H + Hkv, d)
+        qk = torch.addcmul(qk * cos, qk.roll(d // 2, -1), sin)                            # rotary on q and k
+        cache = self.kv[i]                                                                 # [2, b, Hkv, T, d]
+        cache[0, :, :, t0:t0 + n] = qk[:, :, H:].transpose(1, 2)
+        cache[1, :, :, t0:t0 + n] = qkv[..., (H + Hkv) * d:].view(b, n, Hkv, d).transpose(1, 2)
+        keys, values = cache[0, :, :, :t0 + n], cache[1, :, :, :t0 + n]                   # [b, Hkv, t, d]
+        if n == 1:               # the query heads sharing a KV head become its queries: [b, Hkv, rep, d]
+            q = qk[:, 0, :H].reshape(b, Hkv, self.rep, d)
+            o = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=self.scale)
+        else:
+            q = qk[:, :, :H].transpose(1, 2)                                               # [b, H, n, d]
+            o = F.scaled_dot_product_attention(q, keys.repeat_interleave(self.rep, 1),
+                                               values.repeat_interleave(self.rep, 1), attn_mask=mask, scale=self.scale)
+            o = o.transpose(1, 2)                                                          # [b, n, H, d]
+        x = x + layer.o(o.reshape(b, n, H * d))
+        gate, up = layer.gate_up(F.rms_norm(x, (C,), layer.ln2, self.eps)).split(self.width, -1)
+        return x + layer.down(F.silu(gate) * up)
+
+    def _forward(self, ids: torch.Tensor, pos: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        x = self.embed(ids)                                                                # [b, n, C]
+        cos, sin = self.cos[pos][:, :, None], self.sin[pos][:, :, None]                   # [b, n, 1, d]
+        t0 = self.length
+        for i, layer in enumerate(self.layers):
+            x = self._layer(i, layer, x, cos, sin, mask, t0)
+        self.length = t0 + ids.size(1)
+        return self.head(F.rms_norm(x[:, -1], (x.size(-1),), self.lean.norm.weight, self.eps))   # [b, V]
+
+    def _new_cache(self, b: int, T: int) -> torch.Tensor:
+        L = len(self.layers)
+        flat = hugepage_empty(L * 2 * b * self.n_kv * T * self.d, self.embed.weight.dtype)
+        return flat.view(L, 2, b, self.n_kv, T, self.d)
+
+    def prefill(self, ids: torch.Tensor, attention_mask: torch.Tensor, max_new_tokens: int) -> torch.Tensor:
+        b, T = ids.shape
+        self.T = T + max_new_tokens
+        self.kv = self._new_cache(b, self.T)
+        self.valid = torch.zeros(b, self.T, dtype=torch.bool)
+        self.valid[:, :T] = attention_mask.bool()
+        pos = positions(attention_mask)                                                    # [b, T]
+        self._rope_tables(int(pos.max()) + max_new_tokens + 2, self.embed.weight.dtype)
+        self.next_pos, self.length = pos[:, -1] + 1, 0
+        self.live = torch.arange(b)                  # the physical cache row of each row the caller sees
+        return self._forward(ids, pos, causal_pad_mask(attention_mask))
+
+    def select(self, rows: torch.Tensor) -> None:
+        """Keep the caller's `rows` (indices may repeat: a shared prompt's cache copied to its group).
+        Rows are compacted out of the cache only when repeats need copies or at most half stay live."""
+        live = self.live[rows]
+        if len(live) > len(self.live) or live.unique().numel() < len(live) or 2 * len(live) <= self.kv.size(2):
+            kv = self._new_cache(len(live), self.T)
+            torch.index_select(self.kv, 2, live, out=kv)
+            self.kv, self.valid, self.next_pos = kv, self.valid[live], self.next_pos[live]
+            live = torch.arange(len(live))
+        self.live = live
+
+    def step(self, tokens: torch.Tensor) -> torch.Tensor:
+        """tokens [live rows] -> next-token logits [live rows, V]."""
+        b = self.kv.size(2)
+        full = tokens if b == len(self.live) else torch.zeros(b, dtype=tokens.dtype).index_copy_(0, self.live, tokens)
+        t = self.length
+        self.valid[:, t] = True
+        logits = self._forward(full[:, None], self.next_pos[:, None], self.valid[:, None, None, :t + 1])
+        self.next_pos = self.next_pos + 1
+        return logits if b == len(self.live) else logits[self.live]

@@ -1,0 +1,132 @@
+"""The fused sampling forward gives the logits of the model's own forward (left padding, grouped-query
+attention, shared-prompt cache copies, rows dropped lazily and compacted, Qwen2 biases, LoRA merged in fp32
+and kept as factors in bf16); its snapshot is taken at sampling time, so it sees the adapter as it is then;
+huge-page buffers and the kernel probe."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from grpo_core.kernels.fused_decode import _BASES, FusedDecoder, hugepage_empty, linear_kernel
+from grpo_core.models import attach_lora
+from grpo_core.rollout import KVCacheSampler, _HFForward, left_pad
+from tests.test_lean_decode import llama, qwen2
+
+
+def run(forward, prompts, steps, drops=((3, [0, 2, 3]), (5, [0, 2]))):
+    """Prefill, copy row 0's cache to a 4th row, decode `steps` tokens dropping rows at the given steps."""
+    ids, attn = left_pad(prompts, 0, torch.device("cpu"))
+    out = [forward.prefill(ids, attn, steps)]
+    rows = torch.tensor([0, 1, 2, 0])
+    forward.select(rows)
+    tok = out[0][rows].argmax(-1)
+    for t in range(steps):
+        for at, keep in drops:
+            if t == at:
+                keep = torch.tensor(keep)[:len(tok)]
+                forward.select(keep)
+                tok = tok[keep]
+        logits = forward.step(tok)
+        out.append(logits)
+        tok = logits.argmax(-1)
+    return out
+
+
+def _with_lora(model, targets, seed=1):
+    model = attach_lora(model, 4, 8, 0.0, targets)
+    for n, p in model.named_parameters():
+        if "lora_B" in n:
+            torch.nn.init.normal_(p, std=0.3, generator=torch.Generator().manual_seed(seed))
+    return model.eval()
+
+
+PROMPTS = [[10, 11, 12, 13], [14], [15, 16]]
+
+
+def _assert_same(model, atol=1e-4, rtol=1e-5, prompts=PROMPTS, steps=8):
+    with torch.inference_mode():
+        fused = FusedDecoder.snapshot(model)
+        assert fused is not None
+        ours, theirs = run(fused, prompts, steps), run(_HFForward(model), prompts, steps)
+    assert len(ours) == len(theirs)
+    for a, b in zip(ours, theirs):
+        assert a.shape == b.shape
+        assert torch.allclose(a.float(), b.float(), atol=atol, rtol=rtol), (a - b).abs().max()
+    return fused
+
+
+def test_fused_forward_equals_the_models_own_on_qwen2_with_biases():
+    fused = _assert_same(qwen2(), prompts=[[5, 6, 7, 8, 9], [12, 13], [20, 21, 22]], steps=7)
+    assert fused.layers[0].qkv.bias is not None and "fused float32 decode" in fused.path
+
+
+def test_fused_forward_on_the_tiny_llama_with_lora(tiny_model_dir):
+    model = _with_lora(llama(tiny_model_dir), ["q_proj", "v_proj", "down_proj"])
+    fused = _assert_same(model)
+    base = _BASES[model.get_base_model().model.embed_tokens].weights[0]          # [(weight, bias)] per group
+    if fused.kernel == "plain":                    # fp32 rows: merged into copies of the touched groups only
+        assert all(layer.qkv.lora_a is None for layer in fused.layers)
+        assert fused.layers[0].o.weight.data_ptr() == base[1][0].data_ptr()     # untouched: the cached base
+        assert fused.layers[0].qkv.weight.data_ptr() != base[0][0].data_ptr()
+    else:
+        assert fused.layers[0].qkv.lora_a.shape[0] == 8 and fused.layers[0].o.lora_a is None
+
+
+def test_the_fused_base_is_built_once_and_rebuilt_when_a_base_weight_changes(tiny_model_dir):
+    model = _with_lora(llama(tiny_model_dir), ["q_proj"])
+    with torch.inference_mode():
+        first, again = FusedDecoder.snapshot(model), FusedDecoder.snapshot(model)
+    assert again.layers[1].gate_up.weight.data_ptr() == first.layers[1].gate_up.weight.data_ptr()
+    with torch.no_grad():
+        model.get_base_model().model.layers[1].mlp.up_proj.weight.mul_(0.5)     # full fine-tuning moves the base
+    fused = _assert_same(model)
+    assert fused.layers[1].gate_up.weight.data_ptr() != first.layers[1].gate_up.weight.data_ptr()
+
+
+def test_bf16_keeps_the_adapter_as_factors_so_a_small_delta_is_not_rounded_away(tiny_model_dir):
+    model = _with_lora(llama(tiny_model_dir).to(torch.bfloat16), ["q_proj", "k_proj", "v_proj", "up_proj"])
+    for n, p in model.named_parameters():
+        if "lora_" in n:
+            p.data = p.data.float()                                  # PEFT's fp32 adapter on a bf16 base
+            if "lora_B" in n:
+                p.data *= 1e-3                                       # a young adapter: delta far below bf16's ulp
+    fused = _assert_same(model, atol=0.1, rtol=0.02)                 # bf16: an ulp of a logit near 30 is 0.125
+    assert fused.layers[0].qkv.lora_a.shape == (12, model.config.hidden_size)   # q, k, v: 3 x r=4 stacked
+    with torch.inference_mode():
+        ids, attn = left_pad(PROMPTS, 0, torch.device("cpu"))
+        with_adapter = fused.prefill(ids, attn, 2)
+        with model.disable_adapter():
+            base = FusedDecoder.snapshot(model).prefill(ids, attn, 2)
+    assert not torch.equal(with_adapter, base)                       # the delta survives in bf16
+
+
+def test_snapshot_follows_the_adapter_and_the_sampler_uses_it(tiny_model_dir):
+    from transformers import AutoTokenizer
+    from grpo_core.sampling import SamplingParams
+    model = _with_lora(llama(tiny_model_dir), ["q_proj", "o_proj"])
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    greedy = SamplingParams(max_new_tokens=6, temperature=1.0, greedy=True, seed=0)
+    fast = KVCacheSampler(model, tok, torch.device("cpu"), progress=False)
+    plain = KVCacheSampler(model, tok, torch.device("cpu"), progress=False, fused=False)
+    prompts = [[3, 4, 5, 6], [7, 8]]
+    assert fast.generate(prompts, 3, greedy) == plain.generate(prompts, 3, greedy)
+    assert fast.path.startswith("fused") and plain.path.startswith("lean")
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if "lora_B" in n:
+                p.mul_(-3.0)                                         # the policy moved: the next snapshot sees it
+    assert fast.generate(prompts, 3, greedy) == plain.generate(prompts, 3, greedy)
+
+
+def test_dora_falls_back_to_the_lean_forward(tiny_model_dir):
+    from peft import LoraConfig, get_peft_model
+    model = get_peft_model(llama(tiny_model_dir), LoraConfig(r=4, target_modules=["q_proj"], use_dora=True))
+    with torch.inference_mode():
+        assert FusedDecoder.snapshot(model) is None
+
+
+def test_hugepage_buffer_is_aligned_and_the_probe_names_a_kernel():
+    buf = hugepage_empty(3 << 20, torch.float32)
+    assert buf.numel() == 3 << 20 and buf.data_ptr() % (2 << 20) == 0
+    kernel, rates = linear_kernel(torch.float32, 4, ((96, 64), (64, 96)), mib=4)
+    assert kernel in rates and all(r > 0 for r in rates.values())

@@ -237,7 +237,9 @@ class GRPOConfig(_Section):
         None, description="start from this LoRA adapter: a local dir, an MLflow 'models:/NAME/VERSION' or 'runs:/ID/PATH' "
                           "URI, or 'previous' (the best adapter of the last finished run in the experiment)")
     device: Literal["auto", "cpu", "cuda"] = "auto"
-    dtype: Literal["auto", "float32", "bfloat16"] = "auto"
+    dtype: Literal["auto", "float32", "bfloat16"] = Field(
+        "auto", description="auto: bfloat16 on CUDA and, for LoRA, on CPUs with native bf16 matmul (AMX, "
+                            "AVX512-BF16; the adapter, optimizer state and loss stay float32); float32 otherwise")
     use_peft: bool = True
     lora_r: int = Field(16, ge=1)
     lora_alpha: int = Field(32, ge=1)

@@ -47,10 +47,50 @@ def select_device(device: str = "auto") -> torch.device:
     return torch.device(device)
 
 
-def select_dtype(dtype: str, device: torch.device) -> torch.dtype:
+def cpu_bf16_matmul() -> str | None:
+    """The instruction set this CPU multiplies bf16 with natively ("AMX", "AVX512-BF16"), or None.
+    GRPO_CPU_BF16=0 or 1 overrides the detection (the tests pin it to 0 so that results do not depend on
+    the machine)."""
+    forced = os.environ.get("GRPO_CPU_BF16", "").strip()
+    if forced in ("0", "1"):
+        return "GRPO_CPU_BF16=1" if forced == "1" else None
+    probes = (("AMX", "_is_amx_tile_supported"), ("AVX512-BF16", "_is_avx512_bf16_supported"))
+    for name, probe in probes:
+        try:
+            if getattr(torch.cpu, probe)():
+                return name
+        except (AttributeError, RuntimeError):
+            continue
+    return None
+
+
+def select_dtype(dtype: str, device: torch.device, use_peft: bool = True) -> torch.dtype:
+    """`auto`: bf16 on CUDA, and on CPUs with native bf16 matmul when training LoRA (the frozen base in
+    bf16; the adapter, its optimizer state and the loss stay fp32); fp32 otherwise (full fine-tuning
+    would train bf16 weights)."""
     if dtype == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
+        if device.type == "cuda" or (device.type == "cpu" and use_peft and cpu_bf16_matmul()):
+            return torch.bfloat16
+        return torch.float32
     return {"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype]
+
+
+def describe_precision(dtype: str, device: torch.device, use_peft: bool) -> str:
+    """One line for the run's header: the precision this run takes, and why."""
+    chosen = select_dtype(dtype, device, use_peft)
+    bf16 = chosen == torch.bfloat16
+    if dtype != "auto":
+        why = f"dtype: {dtype}"
+    elif bf16:
+        why = f"auto: {cpu_bf16_matmul() if device.type == 'cpu' else 'CUDA'} bf16 matmul; dtype: float32 forces fp32"
+    elif device.type == "cpu" and not use_peft:
+        why = "auto: full fine-tuning trains the weights themselves"
+    elif os.environ.get("GRPO_CPU_BF16", "").strip() == "0":
+        why = "auto: GRPO_CPU_BF16=0"
+    else:
+        why = "auto: this CPU has no native bf16 matmul"
+    line = f"precision: {str(chosen).removeprefix('torch.')} {'base ' if use_peft else ''}weights on {device.type} ({why})"
+    return line + ("; LoRA adapter, optimizer state and loss in float32" if bf16 and use_peft else "")
 
 
 def _fetch_smollm2_gguf(dest: Path) -> Path:

@@ -152,7 +152,7 @@ def load_policy(cfg: GRPOConfig, checkpoint: str | Path | None = None, need_refe
     """
     base_dir = resolve_model(cfg.model)
     device = select_device(cfg.device)
-    dtype = select_dtype(cfg.dtype, device)
+    dtype = select_dtype(cfg.dtype, device, cfg.use_peft)
     tokenizer = load_tokenizer(base_dir)
     with_reference = need_reference and cfg.beta != 0.0
     ref, reference_adapter = None, None

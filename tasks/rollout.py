@@ -29,4 +29,4 @@ def rollout(config: dict, run_dir: str, iteration: int, prompts: str, checkpoint
     tokens = sum(len(s.completion_ids) for s in samples)
     out = write_jsonl(iter_dir(run_dir, iteration) / "samples.jsonl", (s.to_dict() for s in samples))
     return {"samples": str(out), "num_samples": len(samples), "seconds": seconds, "completion_tokens": tokens,
-            "tokens_per_second": tokens / max(seconds, 1e-9)}
+            "tokens_per_second": tokens / max(seconds, 1e-9), "sampler": getattr(backend, "path", cfg.rollout_backend)}

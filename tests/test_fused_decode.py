@@ -61,7 +61,7 @@ def test_fused_forward_equals_the_models_own_on_qwen2_with_biases():
 
 
 def test_fused_forward_on_the_tiny_llama_with_lora(tiny_model_dir):
-    model = _with_lora(llama(tiny_model_dir), ["q_proj", "v_proj", "down_proj"])
+    model = _with_lora(llama(tiny_model_dir), ["q_proj", "v_proj", "down_proj", "lm_head"])
     fused = _assert_same(model)
     base = _BASES[model.get_base_model().model.embed_tokens].weights[0]          # [(weight, bias)] per group
     if fused.kernel == "plain":                    # fp32 rows: merged into copies of the touched groups only

@@ -35,3 +35,23 @@ def test_local_dir_and_tiny_model_load(grpo_home, tiny_model_dir):
             b = ref(x).logits
     assert torch.equal(a, b)
     assert 0 < sum(p.numel() for p in pol.trainable_parameters()) < sum(p.numel() for p in pol.model.parameters())
+
+
+def test_auto_precision_is_bf16_for_lora_on_cpus_with_native_bf16_matmul(monkeypatch):
+    from grpo_core.models import cpu_bf16_matmul, describe_precision, select_dtype
+    cpu = torch.device("cpu")
+    monkeypatch.setenv("GRPO_CPU_BF16", "1")
+    assert select_dtype("auto", cpu, use_peft=True) == torch.bfloat16
+    assert select_dtype("auto", cpu, use_peft=False) == torch.float32          # full fine-tuning trains the weights
+    assert select_dtype("float32", cpu, use_peft=True) == torch.float32
+    assert describe_precision("auto", cpu, True) == (
+        "precision: bfloat16 base weights on cpu (auto: GRPO_CPU_BF16=1 bf16 matmul; dtype: float32 forces fp32); "
+        "LoRA adapter, optimizer state and loss in float32")
+    monkeypatch.setenv("GRPO_CPU_BF16", "0")
+    assert select_dtype("auto", cpu, use_peft=True) == torch.float32 and cpu_bf16_matmul() is None
+    assert describe_precision("auto", cpu, True) == "precision: float32 base weights on cpu (auto: GRPO_CPU_BF16=0)"
+    monkeypatch.delenv("GRPO_CPU_BF16")
+    flags = open("/proc/cpuinfo").read().split() if __import__("os").path.exists("/proc/cpuinfo") else []
+    native = "amx_bf16" in flags or "avx512_bf16" in flags
+    if cpu_bf16_matmul() is not None:
+        assert native, flags                                                     # the probe agrees with the CPU flags

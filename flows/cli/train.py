@@ -50,6 +50,8 @@ def cmd_train(args) -> int:
     from flows.train import preflight, training_run
     from tasks.tracking import ui_command
     preflight(cfg)  # bad model, data, adapter, tracking server, ... fail here, before the engine starts
+    from grpo_core.models import describe_precision, select_device
+    print(describe_precision(cfg.dtype, select_device(cfg.device), cfg.use_peft), flush=True)
     t0 = time.time()
     with run_console(getattr(args, "debug", False)):
         summary = training_run(config=cfg.model_dump(mode="json"))

@@ -272,9 +272,9 @@ class FusedDecoder:
         # fp32 rows on huge pages: the adapter is merged into a copy of the groups it touches (one addmm
         # each per rollout, instead of two extra matmuls per group per token)
         merge = MERGE_FP32 and not packed and base.head[0].dtype == torch.float32
-        adapted = [(wb, g) for layer_wb, layer_g in zip(base.weights, parts) for wb, g in zip(layer_wb, layer_g)
-                   if any(f for _, _, f in g)] if merge else []
-        scratch = hugepage_empty(sum(wb[0].numel() for wb, _ in adapted), torch.float32) if adapted else None
+        groups = [(wb, g) for layer_wb, layer_g in zip(base.weights, parts) for wb, g in zip(layer_wb, layer_g)]
+        adapted = [wb for wb, g in groups + [(base.head, head_parts)] if merge and any(f for _, _, f in g)]
+        scratch = hugepage_empty(sum(w.numel() for w, _ in adapted), torch.float32) if adapted else None
         off = 0
 
         def linear(weight_bias, group) -> FusedLinear:

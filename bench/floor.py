@@ -15,7 +15,9 @@ step is what the weights and arithmetic alone force on this machine:
 with decode_steps = the longest completion (all rows decode together) and tokens = prompt + completion
 tokens of all rows. The workload defaults are bench/step_speed.py's (2 prompts x 8 completions, 64 new
 tokens, the default model); --step-json takes the tokens that step really generated. Every result records
-the CPU model, core count, versions and the git commit.
+the CPU model, core count, versions and the git commit. Also measured: the rate at which decode-shaped
+matmuls (16 rows) read their weights from memory, on ordinary 4 KiB pages and on 2 MiB pages (on virtual
+machines the page walks of 4 KiB pages can cost most of the bandwidth; the fused sampler uses 2 MiB).
 """
 from __future__ import annotations
 
@@ -57,6 +59,26 @@ def matmul_rate(n: int, dtype: torch.dtype, repeats: int) -> float:
     return 2 * n**3 / _median_seconds(lambda: a @ b, repeats)
 
 
+def weight_stream_rate(dtype: torch.dtype, huge_pages: bool, rows: int = 16, mib: int = 192, repeats: int = 3) -> float:
+    """Bytes per second at which [rows, 576] x [576, out] matmuls read ~`mib` MiB of distinct weights (the
+    shapes of a fused decode layer of the default model), on 2 MiB pages or on ordinary (4 KiB) ones."""
+    import torch.nn.functional as F
+    from grpo_core.kernels.fused_decode import hugepage_empty
+    shapes = [(960, 576), (576, 576), (3072, 576), (576, 1536)]
+    per_layer = sum(o * i for o, i in shapes)
+    layers = mib * 2**20 // (per_layer * torch.finfo(dtype).bits // 8)
+    flat = hugepage_empty(per_layer * layers, dtype) if huge_pages else torch.empty(per_layer * layers, dtype=dtype)
+    flat.normal_(std=0.02)
+    weights, off = [], 0
+    for _ in range(layers):
+        for o, i in shapes:
+            weights.append(flat[off:off + o * i].view(o, i))
+            off += o * i
+    x = {i: torch.randn(rows, i).to(dtype) for _, i in shapes}
+    seconds = _median_seconds(lambda: [F.linear(x[w.size(1)], w) for w in weights], repeats)
+    return flat.numel() * flat.element_size() / seconds
+
+
 def step_floor(params: float, weight_bytes: int, decode_steps: int, tokens: int, bandwidth: float,
                matmul: float) -> dict:
     """Seconds the weights (sampling) and the arithmetic (update) alone need for one step."""
@@ -91,6 +113,10 @@ def main(argv=None) -> dict:
     print(f"{res['machine']['cpu']}, {res['machine']['cores']} cores, {res['threads']} torch threads: copy "
           f"{res['copy_gb_s']:.1f} GB/s; matmul {args.matmul_size}^3 " +
           ", ".join(f"{k} {v:.0f} GFLOP/s" for k, v in res["matmul_gflop_s"].items()), flush=True)
+    res["weight_stream_gb_s"] = {f"{k} {'2MiB' if huge else '4KiB'} pages": weight_stream_rate(d, huge) / 1e9
+                                 for k, d in DTYPES.items() for huge in (False, True)}
+    print("decode-shaped matmuls streaming their weights (16 rows): " +
+          ", ".join(f"{k} {v:.1f} GB/s" for k, v in res["weight_stream_gb_s"].items()), flush=True)
     step = json.loads(Path(args.step_json).read_text()) if args.step_json else None
     step_dtype = {"float32": "fp32", "bfloat16": "bf16"}.get((step or {}).get("workload", {}).get("dtype"), "fp32")
     new_tokens = args.new_tokens

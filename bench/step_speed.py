@@ -224,6 +224,8 @@ def main(argv=None) -> dict:
     result["ours"] = summarise(f"ours {dtype}", [r["seconds"] for r in rec], [r["tokens"] for r in rec])
     result["ours"]["generate_s_median"] = statistics.median(r["generate_s"] for r in rec)
     result["ours"]["update_s_median"] = statistics.median(r["update_s"] for r in rec)
+    result["ours"]["sampler"] = getattr(ours.backend, "path", args.backend)
+    print(f"our sampler: {result['ours']['sampler']}", flush=True)
     if args.trl:
         result["trl"] = summarise(f"TRL 1.16 {dtype}", times, tokens)
         result["ratio_trl_over_ours"] = result["trl"]["median_s"] / result["ours"]["median_s"]

@@ -3,7 +3,6 @@ training_run made by flows/schedule.py, and a `prefect worker` that runs it (tin
 from __future__ import annotations
 
 import os
-import signal
 import socket
 import subprocess
 import sys
@@ -13,6 +12,8 @@ from pathlib import Path
 
 import pytest
 import yaml
+
+from grpo_core.io import stop_process_group
 
 REPO = Path(__file__).resolve().parent.parent
 PREFECT = str(Path(sys.executable).parent / "prefect")
@@ -103,8 +104,4 @@ def test_process_work_pool_worker_runs_training(tmp_path, tiny_model_dir):
         assert run.info.status == "FINISHED" and run.data.tags["prefect_flow_run_id"] == flow_run_id
         print(f"\nserver start {t_server:.0f} s, worker run-once (process + 1-iteration run) {t_worker:.0f} s")
     finally:
-        os.killpg(server.pid, signal.SIGTERM)
-        try:
-            server.wait(20)
-        except subprocess.TimeoutExpired:
-            os.killpg(server.pid, signal.SIGKILL)
+        stop_process_group(server)

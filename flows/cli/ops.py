@@ -14,7 +14,6 @@ from pathlib import Path
 from flows.cli.format import format_comparison, format_eval_table, format_registered, format_runs_table
 from grpo_core.config import ConfigError, GRPOConfig, load_config
 
-MAIN_CURVES = ("reward/mean", "train/loss", "train/kl", "eval/greedy/pass_at_1", "eval/sampled/pass_at_1")
 DEFAULT_METRIC_PREFIXES = ("eval/greedy/", "eval/sampled/", "reward/", "train/loss", "train/kl", "train/reward",
                            "data/", "sys/iteration_seconds")
 
@@ -173,7 +172,8 @@ def _plot(fetched, png: str) -> str:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     available = set().union(*(f[2].data.metrics for f in fetched))
-    curves = [k for k in MAIN_CURVES if k in available] or sorted(available)[:4]
+    from tasks.tracking import KEY_CURVES          # the run page's key curves, in the same order
+    curves = [k for k in KEY_CURVES if k in available] or sorted(available)[:4]
     n = max(1, len(curves))
     cols = min(n, 3)
     rows = math.ceil(n / cols)

@@ -3,9 +3,9 @@ fused per layer (q|k|v in one matrix, gate|up in another), in one buffer on 2 Mi
 
 A decode step of a small model at a few dozen rows reads every weight once and does little arithmetic
 per byte, so it runs at the speed memory delivers the weights. On virtual machines that speed depends on
-the page size: with 4 KiB pages every few KiB of weight is a TLB miss with a two-level page walk, and a
-matmul streaming 200 MB of weights got 2.5 GB/s where the same weights on 2 MiB pages got 9 GB/s
-(bench/floor.py measures this machine's rate). Fusing halves the number of matmuls per layer (7 -> 4)
+the page size: with 4 KiB pages every few KiB of weight is a TLB miss with a two-level page walk; on the
+2-vCPU Xeon this was written on, decode-shaped matmuls read their weights at 2.5-6.3 GB/s on 4 KiB pages
+and 8.5-9 GB/s on 2 MiB pages (`bench/floor.py` measures both here). Fusing halves the number of matmuls per layer (7 -> 4)
 and the other per-token work is a handful of tensor ops per layer (fused RMSNorm, rotary tables computed
 once per batch, one KV-cache write).
 
@@ -76,20 +76,24 @@ def _onednn_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | N
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
 
 
-def _stream_seconds(fn, repeats: int = 3) -> float:
-    fn()
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
+def _stream_seconds(candidates: dict, rounds: int = 5) -> dict:
+    """Median seconds of each candidate, run in turns (A B A B ...) so that a noisy neighbour hits all alike."""
+    for fn in candidates.values():
         fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+    times: dict = {k: [] for k in candidates}
+    for _ in range(rounds):
+        for name, fn in candidates.items():
+            t0 = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - t0)
+    return {k: statistics.median(v) for k, v in times.items()}
 
 
 @functools.cache
-def linear_kernel(dtype: torch.dtype, rows: int, shapes: tuple[tuple[int, int], ...], mib: int = 64) -> tuple[str, dict]:
+def linear_kernel(dtype: torch.dtype, rows: int, shapes: tuple[tuple[int, int], ...], mib: int = 96) -> tuple[str, dict]:
     """"plain" (F.linear on rows of a huge-page buffer) or "onednn" (oneDNN's packed layout), whichever
-    streams ~`mib` MiB of synthetic weights of these [out, in] shapes faster at `rows` rows, here.
+    streams ~`mib` MiB of synthetic weights of these [out, in] shapes faster at `rows` rows, here; plain
+    unless oneDNN is more than 10% faster (it costs a second layout, outside the huge pages).
     Returns (kernel, GB/s of each candidate)."""
     itemsize = torch.empty((), dtype=dtype).element_size()
     per_set = sum(o * i for o, i in shapes)
@@ -102,16 +106,15 @@ def linear_kernel(dtype: torch.dtype, rows: int, shapes: tuple[tuple[int, int], 
             weights.append(flat[off:off + o * i].view(o, i))
             off += o * i
     inputs = {i: torch.randn(rows, i).to(dtype) for _, i in shapes}
-    rates = {}
-    rates["plain"] = _stream_seconds(lambda: [F.linear(inputs[w.size(1)], w) for w in weights])
+    candidates = {"plain": lambda: [F.linear(inputs[w.size(1)], w) for w in weights]}
     if torch.backends.mkldnn.is_available():
         try:
             packed = [(_onednn_pack(w, rows), w.size(1)) for w in weights]
-            rates["onednn"] = _stream_seconds(lambda: [_onednn_linear(inputs[i], p, None) for p, i in packed])
+            candidates["onednn"] = lambda: [_onednn_linear(inputs[i], p, None) for p, i in packed]
         except (RuntimeError, AttributeError):
             pass
-    gbs = {k: flat.numel() * itemsize / s / 1e9 for k, s in rates.items()}
-    return max(gbs, key=gbs.get), gbs
+    gbs = {k: flat.numel() * itemsize / s / 1e9 for k, s in _stream_seconds(candidates).items()}
+    return ("onednn" if gbs.get("onednn", 0) > 1.1 * gbs["plain"] else "plain"), gbs
 
 
 # -- the snapshot --------------------------------------------------------------------------------------------
@@ -272,8 +275,8 @@ class FusedDecoder:
         # fp32 rows on huge pages: the adapter is merged into a copy of the groups it touches (one addmm
         # each per rollout, instead of two extra matmuls per group per token)
         merge = MERGE_FP32 and not packed and base.head[0].dtype == torch.float32
-        groups = [(wb, g) for layer_wb, layer_g in zip(base.weights, parts) for wb, g in zip(layer_wb, layer_g)]
-        adapted = [wb for wb, g in groups + [(base.head, head_parts)] if merge and any(f for _, _, f in g)]
+        every = [(wb, g) for layer_wb, layer_g in zip(base.weights, parts) for wb, g in zip(layer_wb, layer_g)]
+        adapted = [wb for wb, g in every + [(base.head, head_parts)] if merge and any(f for _, _, f in g)]
         scratch = hugepage_empty(sum(w.numel() for w, _ in adapted), torch.float32) if adapted else None
         off = 0
 

@@ -63,17 +63,9 @@ def weight_stream_rate(dtype: torch.dtype, huge_pages: bool, rows: int = 16, mib
     """Bytes per second at which [rows, 576] x [576, out] matmuls read ~`mib` MiB of distinct weights (the
     shapes of a fused decode layer of the default model), on 2 MiB pages or on ordinary (4 KiB) ones."""
     import torch.nn.functional as F
-    from grpo_core.kernels.fused_decode import hugepage_empty
+    from grpo_core.kernels.fused_decode import streaming_weights
     shapes = [(960, 576), (576, 576), (3072, 576), (576, 1536)]
-    per_layer = sum(o * i for o, i in shapes)
-    layers = mib * 2**20 // (per_layer * torch.finfo(dtype).bits // 8)
-    flat = hugepage_empty(per_layer * layers, dtype) if huge_pages else torch.empty(per_layer * layers, dtype=dtype)
-    flat.normal_(std=0.02)
-    weights, off = [], 0
-    for _ in range(layers):
-        for o, i in shapes:
-            weights.append(flat[off:off + o * i].view(o, i))
-            off += o * i
+    flat, weights = streaming_weights(shapes, mib, dtype, huge_pages)
     x = {i: torch.randn(rows, i).to(dtype) for _, i in shapes}
     seconds = _median_seconds(lambda: [F.linear(x[w.size(1)], w) for w in weights], repeats)
     return flat.numel() * flat.element_size() / seconds

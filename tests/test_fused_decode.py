@@ -10,26 +10,12 @@ import torch
 from grpo_core.kernels.fused_decode import _BASES, FusedDecoder, hugepage_empty, linear_kernel
 from grpo_core.models import attach_lora
 from grpo_core.rollout import KVCacheSampler, _HFForward, left_pad
-from tests.test_lean_decode import llama, qwen2
+from tests.test_lean_decode import llama, qwen2, run as lean_run
 
 
-def run(forward, prompts, steps, drops=((3, [0, 2, 3]), (5, [0, 2]))):
-    """Prefill, copy row 0's cache to a 4th row, decode `steps` tokens dropping rows at the given steps."""
-    ids, attn = left_pad(prompts, 0, torch.device("cpu"))
-    out = [forward.prefill(ids, attn, steps)]
-    rows = torch.tensor([0, 1, 2, 0])
-    forward.select(rows)
-    tok = out[0][rows].argmax(-1)
-    for t in range(steps):
-        for at, keep in drops:
-            if t == at:
-                keep = torch.tensor(keep)[:len(tok)]
-                forward.select(keep)
-                tok = tok[keep]
-        logits = forward.step(tok)
-        out.append(logits)
-        tok = logits.argmax(-1)
-    return out
+def run(forward, prompts, steps):
+    """Decode with rows dropped twice: lazily first (3 of 4 stay), then compacted (2 of 3)."""
+    return lean_run(forward, prompts, steps, drops=((3, [0, 2, 3]), (5, [0, 2])))
 
 
 def _with_lora(model, targets, seed=1):

@@ -26,18 +26,20 @@ def qwen2():
     return Qwen2ForCausalLM(cfg).eval()
 
 
-def run(forward, prompts, steps, pad=0):
-    """Prefill, copy row 0's cache to a new row, then decode `steps` tokens, dropping row 1 halfway."""
+def run(forward, prompts, steps, pad=0, drops=None):
+    """Prefill, copy row 0's cache to a new row, then decode `steps` tokens keeping only the rows `drops`
+    names at its steps (default: dropping row 1 halfway)."""
     ids, attn = left_pad(prompts, pad, torch.device("cpu"))
     out = [forward.prefill(ids, attn, steps)]
     rows = torch.tensor([0, 1, 2, 0])
     forward.select(rows)
     tok = out[0][rows].argmax(-1)
     for t in range(steps):
-        if t == steps // 2:
-            keep = torch.tensor([0, 2, 3])
-            forward.select(keep)
-            tok = tok[keep]
+        for at, keep in (drops or ((steps // 2, [0, 2, 3]),)):
+            if t == at:
+                keep = torch.tensor(keep)[:len(tok)]
+                forward.select(keep)
+                tok = tok[keep]
         logits = forward.step(tok)
         out.append(logits)
         tok = logits.argmax(-1)

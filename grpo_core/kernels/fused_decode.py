@@ -89,22 +89,29 @@ def _stream_seconds(candidates: dict, rounds: int = 5) -> dict:
     return {k: statistics.median(v) for k, v in times.items()}
 
 
-@functools.cache
-def linear_kernel(dtype: torch.dtype, rows: int, shapes: tuple[tuple[int, int], ...], mib: int = 96) -> tuple[str, dict]:
-    """"plain" (F.linear on rows of a huge-page buffer) or "onednn" (oneDNN's packed layout), whichever
-    streams ~`mib` MiB of synthetic weights of these [out, in] shapes faster at `rows` rows, here; plain
-    unless oneDNN is more than 10% faster (it costs a second layout, outside the huge pages).
-    Returns (kernel, GB/s of each candidate)."""
-    itemsize = torch.empty((), dtype=dtype).element_size()
+def streaming_weights(shapes, mib: int, dtype: torch.dtype, huge_pages: bool = True):
+    """Synthetic [out, in] weights of these shapes, repeated to ~`mib` MiB (far more than any cache holds),
+    in one flat buffer on 2 MiB pages (or ordinary ones) -> (flat buffer, list of weight views)."""
     per_set = sum(o * i for o, i in shapes)
-    sets = max(2, mib * 2**20 // (per_set * itemsize))   # far more than any cache holds
-    flat = hugepage_empty(per_set * sets, dtype)
+    sets = max(2, mib * 2**20 // (per_set * torch.empty((), dtype=dtype).element_size()))
+    flat = hugepage_empty(per_set * sets, dtype) if huge_pages else torch.empty(per_set * sets, dtype=dtype)
     flat.normal_(std=0.02, generator=torch.Generator().manual_seed(0))
     weights, off = [], 0
     for _ in range(sets):
         for o, i in shapes:
             weights.append(flat[off:off + o * i].view(o, i))
             off += o * i
+    return flat, weights
+
+
+@functools.cache
+def linear_kernel(dtype: torch.dtype, rows: int, shapes: tuple[tuple[int, int], ...], mib: int = 96) -> tuple[str, dict]:
+    """"plain" (F.linear on rows of a huge-page buffer) or "onednn" (oneDNN's packed layout), whichever
+    streams ~`mib` MiB of synthetic weights of these [out, in] shapes faster at `rows` rows, here; plain
+    unless oneDNN is more than 10% faster (it costs a second layout, outside the huge pages).
+    Returns (kernel, GB/s of each candidate)."""
+    flat, weights = streaming_weights(shapes, mib, dtype)
+    itemsize = flat.element_size()
     inputs = {i: torch.randn(rows, i).to(dtype) for _, i in shapes}
     candidates = {"plain": lambda: [F.linear(inputs[w.size(1)], w) for w in weights]}
     if torch.backends.mkldnn.is_available():

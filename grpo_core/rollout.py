@@ -2,7 +2,7 @@
 
 Generation sits behind a tiny backend interface (`RolloutBackend.generate`, in `grpo_core.sampling`).
 The default backend is `KVCacheSampler` (`rollout_backend: static`): our own decode loop over a
-preallocated KV cache (through the lean forward of `grpo_core.kernels` for Llama-family models).
+preallocated KV cache (through the fused or lean forward of `grpo_core.kernels` for Llama-family models).
 `HFGenerateSampler` (`hf`) calls Hugging Face `generate`; `vllm` lives in `grpo_core.vllm_backend`.
 """
 from __future__ import annotations

@@ -15,7 +15,6 @@ when exposing the stack beyond a trusted network), or user management beyond MLf
 from __future__ import annotations
 
 import contextlib
-
 import importlib.metadata
 import json
 import secrets

@@ -47,13 +47,18 @@ def select_device(device: str = "auto") -> torch.device:
     return torch.device(device)
 
 
+def _forced_cpu_bf16() -> bool | None:
+    """GRPO_CPU_BF16=1 / 0 as True / False; None when unset (detect)."""
+    return {"1": True, "0": False}.get(os.environ.get("GRPO_CPU_BF16", "").strip())
+
+
 def cpu_bf16_matmul() -> str | None:
     """The instruction set this CPU multiplies bf16 with natively ("AMX", "AVX512-BF16"), or None.
     GRPO_CPU_BF16=0 or 1 overrides the detection (the tests pin it to 0 so that results do not depend on
     the machine)."""
-    forced = os.environ.get("GRPO_CPU_BF16", "").strip()
-    if forced in ("0", "1"):
-        return "GRPO_CPU_BF16=1" if forced == "1" else None
+    forced = _forced_cpu_bf16()
+    if forced is not None:
+        return "GRPO_CPU_BF16=1" if forced else None
     probes = (("AMX", "_is_amx_tile_supported"), ("AVX512-BF16", "_is_avx512_bf16_supported"))
     for name, probe in probes:
         try:
@@ -85,11 +90,12 @@ def describe_precision(dtype: str, device: torch.device, use_peft: bool) -> str:
         why = f"auto: {cpu_bf16_matmul() if device.type == 'cpu' else 'CUDA'} bf16 matmul; dtype: float32 forces fp32"
     elif device.type == "cpu" and not use_peft:
         why = "auto: full fine-tuning trains the weights themselves"
-    elif os.environ.get("GRPO_CPU_BF16", "").strip() == "0":
+    elif _forced_cpu_bf16() is False:
         why = "auto: GRPO_CPU_BF16=0"
     else:
         why = "auto: this CPU has no native bf16 matmul"
-    line = f"precision: {str(chosen).removeprefix('torch.')} {'base ' if use_peft else ''}weights on {device.type} ({why})"
+    name = str(chosen).removeprefix("torch.")
+    line = f"precision: {name} {'base ' if use_peft else ''}weights on {device.type} ({why})"
     return line + ("; LoRA adapter, optimizer state and loss in float32" if bf16 and use_peft else "")
 
 

@@ -226,7 +226,7 @@ class KVCacheSampler(BatchedBackend):
         self.merge_lora, self.fused = merge_lora, fused and lean
         self.forward = (LeanDecoder.of(model) if lean else None) or _HFForward(model)
         self._active = self.forward
-        self.path = "lean" if isinstance(self.forward, LeanDecoder) else "hf"
+        self._fallback_path = self.path = "lean" if isinstance(self.forward, LeanDecoder) else "hf"
 
     @contextlib.contextmanager
     def _sampling(self):
@@ -238,7 +238,7 @@ class KVCacheSampler(BatchedBackend):
             finally:
                 self._active = self.forward             # the snapshot's buffers go with it
             return
-        self.path = "lean" if isinstance(self.forward, LeanDecoder) else "hf"
+        self.path = self._fallback_path
         with merged_lora(self.model, self.merge_lora):
             self._active = self.forward
             yield

@@ -22,12 +22,13 @@ import torch
 import torch.nn.functional as F
 
 
-def _pack(weight: torch.Tensor) -> torch.Tensor:
-    """[out, in] fp32 weight -> oneDNN blocked layout for `_linear_pointwise`."""
-    return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None)
+def onednn_pack(weight: torch.Tensor, rows: int | None = None) -> torch.Tensor:
+    """[out, in] weight -> oneDNN blocked layout for `_linear_pointwise` (laid out for about `rows`
+    input rows when given)."""
+    return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), rows)
 
 
-def _onednn_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+def onednn_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
 
 
@@ -39,7 +40,7 @@ def available() -> bool:
             return False
         g = torch.Generator().manual_seed(0)
         w, x = torch.randn(48, 40, generator=g), torch.randn(5, 3, 40, generator=g)
-        got = _onednn_linear(x, _pack(w), None)
+        got = onednn_linear(x, onednn_pack(w), None)
         want = (x.double() @ w.double().T).float()
         return bool(torch.allclose(got, want, rtol=1e-5, atol=1e-5))
     except (RuntimeError, AttributeError):
@@ -52,12 +53,12 @@ class _PackedLinearFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, layer: "PackedLinear", slot: str, weight):
         ctx.layer = layer
-        return _onednn_linear(x, layer.packed(slot, weight), layer.bias)
+        return onednn_linear(x, layer.packed(slot, weight), layer.bias)
 
     @staticmethod
     def backward(ctx, grad_out):
         # grad_x = grad_y W: oneDNN takes the transposed view as it is (as fast as a pack at these sizes)
-        grad_x = _onednn_linear(grad_out, ctx.layer.weight.detach().t(), None) if ctx.needs_input_grad[0] else None
+        grad_x = onednn_linear(grad_out, ctx.layer.weight.detach().t(), None) if ctx.needs_input_grad[0] else None
         return grad_x, None, None, None
 
 
@@ -82,7 +83,7 @@ class PackedLinear(torch.nn.Linear):
         return hit[2]
 
     def packed(self, slot: str, weight: torch.Tensor) -> torch.Tensor:
-        return self._cached(slot, weight, _pack) if self.pack else weight.detach()
+        return self._cached(slot, weight, onednn_pack) if self.pack else weight.detach()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         grad = torch.is_grad_enabled()
@@ -93,7 +94,7 @@ class PackedLinear(torch.nn.Linear):
             return F.linear(x, weight, self.bias)
         slot = "s" if sampling else "w"
         if not (grad and x.requires_grad):                 # nothing to differentiate: skip autograd's wrapper
-            return _onednn_linear(x, self.packed(slot, weight), self.bias)
+            return onednn_linear(x, self.packed(slot, weight), self.bias)
         return _PackedLinearFn.apply(x, self, slot, weight)
 
     def drop_pack(self, slot: str) -> None:

@@ -5,9 +5,9 @@ A decode step of a small model at a few dozen rows reads every weight once and d
 per byte, so it runs at the speed memory delivers the weights. On virtual machines that speed depends on
 the page size: with 4 KiB pages every few KiB of weight is a TLB miss with a two-level page walk; on the
 2-vCPU Xeon this was written on, decode-shaped matmuls read their weights at 2.5-6.3 GB/s on 4 KiB pages
-and 8.5-9 GB/s on 2 MiB pages (`bench/floor.py` measures both here). Fusing halves the number of matmuls per layer (7 -> 4)
-and the other per-token work is a handful of tensor ops per layer (fused RMSNorm, rotary tables computed
-once per batch, one KV-cache write).
+and 8.5-9 GB/s on 2 MiB pages (`bench/floor.py` measures both here). Fusing halves the number of matmuls
+per layer (7 -> 4) and the other per-token work is a handful of tensor ops per layer (fused RMSNorm,
+rotary tables computed once per batch, one KV-cache write).
 
 Which linear kernel reads the weights fastest here (plain rows on huge pages, or oneDNN's packed
 layout) is decided once per process by a short probe that streams synthetic weights of the model's
@@ -37,11 +37,11 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from grpo_core.kernels.cpu_linear import onednn_linear, onednn_pack
 from grpo_core.kernels.lean_decode import LeanDecoder, causal_pad_mask, positions
 
 HUGE_PAGE = 2 << 20
 MADV_HUGEPAGE = 14
-MERGE_FP32 = True                    # fp32: merge the adapter into copies of the groups it touches
 
 
 def _madvise_huge(addr: int, length: int) -> bool:
@@ -67,14 +67,6 @@ def hugepage_empty(numel: int, dtype: torch.dtype) -> torch.Tensor:
 
 
 # -- linear kernels -------------------------------------------------------------------------------------------
-
-def _onednn_pack(weight: torch.Tensor, rows: int) -> torch.Tensor:
-    return torch.ops.mkldnn._reorder_linear_weight(weight, rows)
-
-
-def _onednn_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
-
 
 def _stream_seconds(candidates: dict, rounds: int = 5) -> dict:
     """Median seconds of each candidate, run in turns (A B A B ...) so that a noisy neighbour hits all alike."""
@@ -105,7 +97,8 @@ def streaming_weights(shapes, mib: int, dtype: torch.dtype, huge_pages: bool = T
 
 
 @functools.cache
-def linear_kernel(dtype: torch.dtype, rows: int, shapes: tuple[tuple[int, int], ...], mib: int = 96) -> tuple[str, dict]:
+def linear_kernel(dtype: torch.dtype, rows: int, shapes: tuple[tuple[int, int], ...],
+                  mib: int = 96) -> tuple[str, dict]:
     """"plain" (F.linear on rows of a huge-page buffer) or "onednn" (oneDNN's packed layout), whichever
     streams ~`mib` MiB of synthetic weights of these [out, in] shapes faster at `rows` rows, here; plain
     unless oneDNN is more than 10% faster (it costs a second layout, outside the huge pages).
@@ -116,8 +109,8 @@ def linear_kernel(dtype: torch.dtype, rows: int, shapes: tuple[tuple[int, int], 
     candidates = {"plain": lambda: [F.linear(inputs[w.size(1)], w) for w in weights]}
     if torch.backends.mkldnn.is_available():
         try:
-            packed = [(_onednn_pack(w, rows), w.size(1)) for w in weights]
-            candidates["onednn"] = lambda: [_onednn_linear(inputs[i], p, None) for p, i in packed]
+            packed = [(onednn_pack(w, rows), w.size(1)) for w in weights]
+            candidates["onednn"] = lambda: [onednn_linear(inputs[i], p, None) for p, i in packed]
         except (RuntimeError, AttributeError):
             pass
     gbs = {k: flat.numel() * itemsize / s / 1e9 for k, s in _stream_seconds(candidates).items()}
@@ -158,7 +151,7 @@ class FusedLinear:
     packed: bool = False
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        y = _onednn_linear(x, self.weight, self.bias) if self.packed else F.linear(x, self.weight, self.bias)
+        y = onednn_linear(x, self.weight, self.bias) if self.packed else F.linear(x, self.weight, self.bias)
         if self.lora_a is not None:
             y += F.linear(F.linear(x.to(self.lora_a.dtype), self.lora_a), self.lora_b)   # rounds into y's dtype
         return y
@@ -233,7 +226,7 @@ def _fused_base(lean: LeanDecoder, parts: list[list[list]], head_parts: list, ro
         nonlocal off
         rows_out = sum(w.size(0) for w, _, _ in group)
         if kernel == "onednn":
-            return _onednn_pack(torch.cat([w for w, _, _ in group]).to(dtype), rows), _bias(group)
+            return onednn_pack(torch.cat([w for w, _, _ in group]).to(dtype), rows), _bias(group)
         view = flat[off:off + rows_out * group[0][0].size(1)].view(rows_out, -1)
         torch.cat([w for w, _, _ in group], out=view)
         off += view.numel()
@@ -281,7 +274,7 @@ class FusedDecoder:
         packed = base.kernel == "onednn"
         # fp32 rows on huge pages: the adapter is merged into a copy of the groups it touches (one addmm
         # each per rollout, instead of two extra matmuls per group per token)
-        merge = MERGE_FP32 and not packed and base.head[0].dtype == torch.float32
+        merge = not packed and base.head[0].dtype == torch.float32
         every = [(wb, g) for layer_wb, layer_g in zip(base.weights, parts) for wb, g in zip(layer_wb, layer_g)]
         adapted = [wb for wb, g in every + [(base.head, head_parts)] if merge and any(f for _, _, f in g)]
         scratch = hugepage_empty(sum(w.numel() for w, _ in adapted), torch.float32) if adapted else None

@@ -184,23 +184,24 @@ class StageRetryConfig(_Section):
         return [self.retry_delay_seconds * self.backoff_factor ** i for i in range(self.retries)]
 
 
-class UpdateStageConfig(StageRetryConfig):
-    """The update stage's policy, and how many processes share its work (tasks/distributed.py)."""
+class ParallelStageConfig(StageRetryConfig):
+    """The policy of a stage that can share its work among processes (tasks/distributed.py)."""
     num_processes: int = Field(
         1, ge=1, le=64,
-        description="processes the update runs on, data parallel over groups, started by the stage with "
-                    "`accelerate launch` on this machine: one per GPU (NCCL), or on the CPU (gloo) when device is "
-                    "cpu or no GPU is visible; N processes take the step one process takes. Under `accelerate "
-                    "launch`/`torchrun` of `grpo train` itself, the launched processes are used instead")
+        description="processes the stage runs on, started by the stage with `accelerate launch` on this machine: "
+                    "one per GPU (NCCL), or on the CPU (gloo) when device is cpu or no GPU is visible. The update "
+                    "is data parallel over groups (N processes take the step one process takes); rollout and "
+                    "evaluate deal the prompts out, each process sampling its share. Under `accelerate launch`/"
+                    "`torchrun` of `grpo train` itself, the launched processes are used instead")
 
 
 class StagesConfig(_Section):
     """Prefect retry policy per stage, and the work pool each stage runs on."""
     curate: StageRetryConfig = Field(default_factory=StageRetryConfig)
-    rollout: StageRetryConfig = Field(default_factory=StageRetryConfig)
+    rollout: ParallelStageConfig = Field(default_factory=ParallelStageConfig)
     score: StageRetryConfig = Field(default_factory=lambda: StageRetryConfig(retries=2))
-    update: UpdateStageConfig = Field(default_factory=UpdateStageConfig)
-    evaluate: StageRetryConfig = Field(default_factory=StageRetryConfig)
+    update: ParallelStageConfig = Field(default_factory=ParallelStageConfig)
+    evaluate: ParallelStageConfig = Field(default_factory=ParallelStageConfig)
     gpu_concurrency_tag: str | None = Field(
         "gpu", description="Prefect tag on the stages that use the accelerator (rollout, update, evaluate); "
                            "`prefect concurrency-limit create gpu 1` then lets one such stage run at a time")

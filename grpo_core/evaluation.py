@@ -157,19 +157,36 @@ def summarize(rows: Sequence[dict], ks: Sequence[int]) -> dict[str, float]:
     return metrics
 
 
-def evaluate_policy(policy: Policy, tasks: Sequence[Task], cfg: GRPOConfig, seed: int | None = None,
-                    progress: bool = True) -> tuple[dict, list[dict]]:
-    """Metrics (overall, per source, per kind) and per-completion rows. Deterministic given `seed`
-    (default: eval_seed(cfg))."""
-    seed = eval_seed(cfg) if seed is None else seed
+def sample_rows(policy: Policy, tasks: Sequence[Task], cfg: GRPOConfig, seed: int,
+                progress: bool = True) -> list[dict]:
+    """The per-completion rows of every eval mode on `tasks` (mode by mode, in task order)."""
     backend = make_backend(cfg, policy, progress=progress)      # the sampler the rollout stage uses
     by_id = {t.id: t for t in tasks}
     if len(by_id) != len(tasks):
         raise ValueError("held-out tasks must have unique ids")
     rows: list[dict] = []
     for mode, n, params in eval_modes(cfg, seed):
-        samples = rollout(backend, policy.tokenizer, tasks, n, params, cfg.data.prompt_format, cfg.max_prompt_length)
-        rows.extend(score_samples(samples, by_id, cfg, mode))
+        if tasks:
+            samples = rollout(backend, policy.tokenizer, tasks, n, params, cfg.data.prompt_format,
+                              cfg.max_prompt_length)
+            rows.extend(score_samples(samples, by_id, cfg, mode))
+    return rows
+
+
+def merge_rows(tasks: Sequence[Task], parts: Sequence[Sequence[dict]]) -> list[dict]:
+    """Rows that processes sampled for shares of `tasks`, in the order one process writes them."""
+    position = {t.id: i for i, t in enumerate(tasks)}
+    if len(position) != len(tasks):
+        raise ValueError("held-out tasks must have unique ids")
+    return sorted((r for part in parts for r in part),
+                  key=lambda r: (MODES.index(r["mode"]), position[r["task_id"]], r["sample"]))
+
+
+def evaluate_policy(policy: Policy, tasks: Sequence[Task], cfg: GRPOConfig, seed: int | None = None,
+                    progress: bool = True) -> tuple[dict, list[dict]]:
+    """Metrics (overall, per source, per kind) and per-completion rows. Deterministic given `seed`
+    (default: eval_seed(cfg))."""
+    rows = sample_rows(policy, tasks, cfg, eval_seed(cfg) if seed is None else seed, progress)
     return summarize(rows, cfg.eval.ks), rows
 
 

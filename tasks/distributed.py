@@ -11,7 +11,8 @@ returns the first process's result (JSON-able). The processes are, in order of p
 gloo on the CPU, NCCL on GPUs. Calls are sent over a second, gloo group with a long timeout, since the
 first process spends most of an iteration outside the update. Any failure inside a call ends every
 process of the launch (torchrun's rule): the run resumes from its records with the same command.
-Not here: rollout and evaluation stay on the first process.
+The rollout and evaluate stages use it the same way: each process samples its share of the prompts
+(`DataParallel.shard`) and the first one gathers and writes the whole result.
 """
 from __future__ import annotations
 
@@ -75,6 +76,14 @@ def _sum_across(device: torch.device, tensors: list[torch.Tensor]) -> None:
             offset += t.numel()
 
 
+def _gather(item: object) -> list:
+    """Every process's `item`, in rank order, on every process (pickled over the default group)."""
+    import torch.distributed as dist
+    items = [None] * dist.get_world_size()
+    dist.all_gather_object(items, item)
+    return items
+
+
 def _exit_with_launcher(owner_pid: int | None = None) -> None:
     """Die once this process's launcher is gone: its parent (torchrun's agent), and `owner_pid` (the stage that
     started the launch) when given. torchrun starts its processes in sessions of their own, so a SIGKILL of the
@@ -99,7 +108,8 @@ def _join(on_cpu: bool, owner_pid: int | None = None) -> _Launch:
     _exit_with_launcher(owner_pid)
     state = PartialState(cpu=on_cpu, timeout=STEP_TIMEOUT)
     control = dist.new_group(backend="gloo", timeout=CONTROL_TIMEOUT)
-    data_parallel = DataParallel(state.process_index, state.num_processes, functools.partial(_sum_across, state.device))
+    data_parallel = DataParallel(state.process_index, state.num_processes, functools.partial(_sum_across, state.device),
+                                 _gather)
     return _Launch(data_parallel, control)
 
 
@@ -195,24 +205,24 @@ def accelerate_launch(num_processes: int, threads_per_process: int = 1) -> list[
             "--num_cpu_threads_per_process", str(threads_per_process)]
 
 
-def _failure(outcome: dict | None, code: int, log: Path, num_processes: int) -> Exception:
+def _failure(outcome: dict | None, code: int, log: Path, num_processes: int, what: str) -> Exception:
     """The error to raise for launched processes that failed: the first process's own error when it recorded
     one (transient or not, as it judged), else the end of their log."""
     if outcome and "error" in outcome:
         if outcome["type"] in USER_ERRORS:
             return USER_ERRORS[outcome["type"]](outcome["message"])
-        message = f"the update on {num_processes} processes failed: {outcome['type']}: {outcome['message']} " \
+        message = f"{what} on {num_processes} processes failed: {outcome['type']}: {outcome['message']} " \
                   f"(log: {log})"
         return TransientError(message) if outcome["transient"] else RuntimeError(message)
     tail = log.read_text(errors="replace")[-3000:] if log.exists() else ""
-    return RuntimeError(f"the update on {num_processes} processes exited with status {code} (log: {log}):\n{tail}")
+    return RuntimeError(f"{what} on {num_processes} processes exited with status {code} (log: {log}):\n{tail}")
 
 
-def _launch_processes(function: Callable, kwargs: dict, num_processes: int, device: str, workdir: Path):
+def _launch_processes(function: Callable, kwargs: dict, num_processes: int, device: str, workdir: Path, stage: str):
     on_cpu = select_device(device).type == "cpu"
     if not on_cpu and torch.cuda.device_count() < num_processes:
-        raise ConfigError(f"stages.update.num_processes: {num_processes} processes need {num_processes} GPUs, this "
-                          f"machine has {torch.cuda.device_count()}. Fix: lower it, or set device: cpu")
+        raise ConfigError(f"stages.{stage}.num_processes: {num_processes} processes need {num_processes} GPUs, "
+                          f"this machine has {torch.cuda.device_count()}. Fix: lower it, or set device: cpu")
     workdir.mkdir(parents=True, exist_ok=True)
     job_file, result_file, log = workdir / "job.json", workdir / "result.json", workdir / "processes.log"
     result_file.unlink(missing_ok=True)
@@ -230,17 +240,19 @@ def _launch_processes(function: Callable, kwargs: dict, num_processes: int, devi
             raise
     outcome = read_json(result_file) if result_file.exists() else None
     if code != 0 or outcome is None or "error" in outcome:
-        raise _failure(outcome, code, log, num_processes)
+        raise _failure(outcome, code, log, num_processes, _name_of(function))
     return outcome["result"]
 
 
-def run_on_processes(function: Callable, kwargs: dict, num_processes: int, device: str, workdir: Path):
+def run_on_processes(function: Callable, kwargs: dict, num_processes: int, device: str, workdir: Path,
+                     stage: str = "update"):
     """`function(data_parallel, **kwargs)` on every process (see the module docstring for which); returns the
-    first process's result. `workdir` holds the job, result and log files when processes are started."""
+    first process's result (the others' results are dropped). `workdir` holds the job, result and log files
+    when processes are started; `stage` names the setting in errors (stages.<stage>.num_processes)."""
     if _launch is not None:
         return _run_on_launch(function, kwargs)
     if num_processes > 1:
-        return _launch_processes(function, kwargs, num_processes, device, Path(workdir))
+        return _launch_processes(function, kwargs, num_processes, device, Path(workdir), stage)
     return function(DataParallel(), **kwargs)
 
 

@@ -1,16 +1,18 @@
 """evaluate: held-out pass@k of the current policy (iteration 0 = the base model), monitors, MLflow.
 
-The numbers come from grpo_core.evaluation.evaluate_checkpoint, the same function `grpo eval` calls.
-This stage adds the run context: the trend monitors (vs the previous evaluation and iteration 0); what
-goes to MLflow is tasks/eval_logging.py's.
-"""
+The numbers come from grpo_core.evaluation, as `grpo eval`'s (on several processes, tasks/distributed.py, each
+samples its share of the questions). The stage adds the trend monitors (vs the previous evaluation and
+iteration 0); what goes to MLflow is tasks/eval_logging.py's."""
 from __future__ import annotations
 
 from pathlib import Path
 
 from grpo_core.io import read_json, read_jsonl, write_jsonl
 from grpo_core.task import read_tasks
-from grpo_core.evaluation import evaluate_checkpoint
+from grpo_core.evaluation import eval_seed, merge_rows, sample_rows, summarize
+from grpo_core.policy import load_policy
+from grpo_core.update import DataParallel
+from tasks import distributed
 from grpo_core.monitors import check_monitors
 from tasks.curate import ensure_eval_split
 from tasks.eval_logging import log_evaluation, report_alerts
@@ -38,12 +40,30 @@ def eval_lengths(run_dir: str | Path, iterations) -> dict[int, list[int]]:
     return out
 
 
+def evaluate_share(data_parallel: DataParallel, config: dict, eval_path: str, checkpoint: str | None) -> dict:
+    """This process's share of the held-out questions, sampled and scored; the first process returns every
+    process's rows, merged, and the metrics on them (the others return {})."""
+    cfg = cfg_of(config)
+    tasks = read_tasks(eval_path)
+    policy = load_policy(cfg, checkpoint, need_reference=False)
+    first = data_parallel.rank == 0
+    rows = sample_rows(policy, data_parallel.shard(tasks), cfg, data_parallel.shard_seed(eval_seed(cfg)), first)
+    parts = data_parallel.gather(rows)
+    if not first:
+        return {}
+    rows = merge_rows(tasks, parts)
+    return {"metrics": summarize(rows, cfg.eval.ks), "rows": rows}
+
+
 @stage("evaluate", key=lambda config, run_dir, checkpoint, **_: {
     "config": config, "eval": str(eval_split_path(run_dir)), "checkpoint": checkpoint})
 def evaluate(config: dict, run_dir: str, iteration: int, checkpoint: str | None) -> dict:
     cfg = cfg_of(config)
     eval_path = ensure_eval_split(cfg, run_dir)
-    metrics, rows = evaluate_checkpoint(cfg, read_tasks(eval_path), checkpoint)
+    shared = distributed.run_on_processes(
+        evaluate_share, dict(config=config, eval_path=str(eval_path), checkpoint=checkpoint),
+        cfg.stages.evaluate.num_processes, cfg.device, iter_dir(run_dir, iteration) / "evaluate.processes", "evaluate")
+    metrics, rows = shared["metrics"], shared["rows"]
     out = write_jsonl(iter_dir(run_dir, iteration) / "eval_samples.jsonl", rows)
 
     history = eval_history(run_dir, before=iteration)

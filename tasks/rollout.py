@@ -1,32 +1,54 @@
-"""rollout: sample a group of num_generations completions per prompt from the current policy."""
+"""rollout: sample a group of num_generations completions per prompt from the current policy, on one process or
+several (stages.rollout.num_processes, tasks/distributed.py: each samples its share of the prompts)."""
 from __future__ import annotations
 
 import time
 
-from grpo_core.task import read_tasks
 from grpo_core.io import write_jsonl
 from grpo_core.policy import load_policy
-from grpo_core.sampling import SamplingParams
 from grpo_core.rollout import make_backend, rollout as sample_groups
+from grpo_core.sampling import SamplingParams
+from grpo_core.task import read_tasks
+from grpo_core.update import DataParallel, interleave
+from tasks import distributed
 from tasks.layout import cfg_of, iter_dir
 from tasks.stage import stage
+
+def sample_share(data_parallel: DataParallel, config: dict, run_dir: str, iteration: int, prompts: str,
+                 checkpoint: str | None) -> dict:
+    """This process's share of the prompts, sampled; the first process gathers every group, in prompt order,
+    writes samples.jsonl and returns the stage's record (the others return {})."""
+    cfg = cfg_of(config)
+    tasks = data_parallel.shard(read_tasks(prompts))
+    policy = load_policy(cfg, checkpoint, need_reference=False)
+    first = data_parallel.rank == 0
+    backend = make_backend(cfg, policy, progress=first)       # cfg.rollout_backend: static (default) | hf | vllm
+    params = SamplingParams(max_new_tokens=cfg.max_completion_length, temperature=cfg.temperature,
+                            top_p=cfg.top_p, top_k=cfg.top_k,
+                            seed=data_parallel.shard_seed(cfg.seed * 7919 + iteration),
+                            logprobs=cfg.needs_sampler_logprobs)
+    t0 = time.perf_counter()
+    samples = sample_groups(backend, policy.tokenizer, tasks, cfg.num_generations, params,
+                            cfg.data.prompt_format_at(iteration), cfg.max_prompt_length) if tasks else []
+    groups = [[] for _ in tasks]
+    for s in samples:
+        groups[s.group].append(s.to_dict())
+    shards = data_parallel.gather(groups)
+    seconds = time.perf_counter() - t0
+    if not first:
+        return {}
+    rows = [dict(row, group=g) for g, group in enumerate(interleave(shards)) for row in group]
+    tokens = sum(len(r["completion_ids"]) for r in rows)
+    out = write_jsonl(iter_dir(run_dir, iteration) / "samples.jsonl", rows)
+    return {"samples": str(out), "num_samples": len(rows), "seconds": seconds, "completion_tokens": tokens,
+            "tokens_per_second": tokens / max(seconds, 1e-9), "sampler": getattr(backend, "path", cfg.rollout_backend),
+            "num_processes": data_parallel.world_size}
 
 
 @stage("rollout", key=lambda config, prompts, checkpoint, **_: {"config": config, "prompts": prompts,
                                                                 "checkpoint": checkpoint})
 def rollout(config: dict, run_dir: str, iteration: int, prompts: str, checkpoint: str | None) -> dict:
     cfg = cfg_of(config)
-    tasks = read_tasks(prompts)
-    policy = load_policy(cfg, checkpoint, need_reference=False)
-    backend = make_backend(cfg, policy)           # cfg.rollout_backend: static (default) | hf | vllm
-    params = SamplingParams(max_new_tokens=cfg.max_completion_length, temperature=cfg.temperature,
-                            top_p=cfg.top_p, top_k=cfg.top_k, seed=cfg.seed * 7919 + iteration,
-                            logprobs=cfg.needs_sampler_logprobs)
-    t0 = time.perf_counter()
-    samples = sample_groups(backend, policy.tokenizer, tasks, cfg.num_generations, params,
-                            cfg.data.prompt_format_at(iteration), cfg.max_prompt_length)
-    seconds = time.perf_counter() - t0
-    tokens = sum(len(s.completion_ids) for s in samples)
-    out = write_jsonl(iter_dir(run_dir, iteration) / "samples.jsonl", (s.to_dict() for s in samples))
-    return {"samples": str(out), "num_samples": len(samples), "seconds": seconds, "completion_tokens": tokens,
-            "tokens_per_second": tokens / max(seconds, 1e-9), "sampler": getattr(backend, "path", cfg.rollout_backend)}
+    return distributed.run_on_processes(
+        sample_share, dict(config=config, run_dir=run_dir, iteration=iteration, prompts=prompts, checkpoint=checkpoint),
+        cfg.stages.rollout.num_processes, cfg.device, iter_dir(run_dir, iteration) / "rollout.processes", "rollout")

@@ -2,7 +2,9 @@
 `accelerate launch` processes on the tiny model: 2 processes take the step 1 process takes on the same batch, for
 every loss type and both importance-sampling levels, whether the processes come from a launch of the caller or
 are started by the update stage itself (stages.update.num_processes: 2); a 3-iteration `grpo train` under
-`accelerate launch` completes and resumes after a SIGKILL; `accelerate launch --cpu` (one process) is refused."""
+`accelerate launch` completes and resumes after a SIGKILL (rollout and evaluation shared among its processes too);
+the rollout and evaluate stages deal their prompts to processes they start (stages.<stage>.num_processes: 2) and
+write what one process writes, in the same order; `accelerate launch --cpu` (one process) is refused."""
 from __future__ import annotations
 
 import json
@@ -15,11 +17,17 @@ from pathlib import Path
 import pytest
 import torch
 
-from grpo_core.io import read_json, write_json, write_jsonl
+from grpo_core.io import read_json, read_jsonl, write_json, write_jsonl
 from grpo_core.loss import LOSS_TYPES
-from grpo_core.update import MICRO_BATCH_NORMALISER, DataParallel, ScoredSample, shard_loss_weight, shard_rows
+from grpo_core.data import arithmetic
+from grpo_core.evaluation import MODES, merge_rows
+from grpo_core.task import Task, read_tasks, write_tasks
+from grpo_core.update import (MICRO_BATCH_NORMALISER, DataParallel, ScoredSample, interleave, shard_loss_weight,
+                              shard_rows)
 from tasks import distributed, tracking
 from tasks.layout import cfg_of
+from tasks.evaluate import evaluate
+from tasks.rollout import rollout
 from tasks.update import train_on_batch, update
 from tests import faults
 from tests.conftest import isolated_run_env, tiny_config
@@ -179,6 +187,52 @@ def test_the_update_stage_starts_its_processes_with_accelerate(batch_env, one_pr
     assert faults.leftovers(run_dir) == []
 
 
+def sampling_run(tmp: Path, name: str, processes: int) -> tuple[dict, Path]:
+    """A run whose rollout and evaluate stages run on `processes` processes: (config, run directory)."""
+    stages = {stage: {"retries": 0, "num_processes": processes} for stage in ("rollout", "evaluate")}
+    config = tiny_config(tmp, run_name=name, device="cpu", num_generations=3, max_completion_length=6,
+                         data=dict(prompts_per_iteration=5, eval_size=5), eval=dict(num_samples=2), stages=stages)
+    run_dir = tmp / "runs" / name
+    tracking.start_or_resume_run(cfg_of(config), run_dir, None)
+    return config, run_dir
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(SLOW_TIMEOUT)
+def test_rollout_and_evaluation_deal_their_prompts_to_the_processes(batch_env):
+    """stages.rollout/evaluate.num_processes: 2: each stage starts 2 processes, each samples every other prompt,
+    and the first writes every group (or eval row) in the order one process writes them; greedy answers (one
+    decoding, whichever process ran it) are the one-process run's."""
+    tmp, _ = batch_env
+    prompts = write_tasks(tmp / "prompts.jsonl", arithmetic.eval_tasks(5, 1, 2, ["+", "-"]))
+    tasks = read_tasks(prompts)
+    records = {}
+    for processes in (1, N):
+        config, run_dir = sampling_run(tmp, f"sampling-{processes}", processes)
+        t0 = time.perf_counter()
+        records[processes] = (rollout.fn(config, str(run_dir), 1, str(prompts), None),
+                              evaluate.fn(config, str(run_dir), 0, None), run_dir)
+        print(f"rollout + evaluate on {processes} process(es): {time.perf_counter() - t0:.1f} s")
+    (one_rollout, one_eval, one_dir), (two_rollout, two_eval, two_dir) = records[1], records[N]
+    assert two_rollout["num_processes"] == N and one_rollout["num_processes"] == 1
+    assert (two_dir / "iter-1" / "rollout.processes" / "processes.log").exists()
+    assert (two_dir / "iter-0" / "evaluate.processes" / "processes.log").exists()
+    one_samples, two_samples = (list(read_jsonl(r["samples"])) for r in (one_rollout, two_rollout))
+    assert two_rollout["num_samples"] == len(two_samples) == len(one_samples) == 3 * len(tasks)
+    for samples in (one_samples, two_samples):                 # groups in prompt order, 3 answers each
+        assert [s["group"] for s in samples] == [g for g in range(len(tasks)) for _ in range(3)]
+        assert [s["task_id"] for s in samples] == [t.id for t in tasks for _ in range(3)]
+        assert [s["prompt_ids"] for s in samples[::3]] == [s["prompt_ids"] for s in one_samples[::3]]
+    one_rows, two_rows = (list(read_jsonl(r["samples"])) for r in (one_eval, two_eval))
+    key = lambda r: (r["mode"], r["task_id"], r["sample"])  # noqa: E731
+    assert [key(r) for r in two_rows] == [key(r) for r in one_rows] and len(one_rows) == 5 * (1 + 2)
+    greedy = lambda rows: [r["completion"] for r in rows if r["mode"] == "greedy"]  # noqa: E731
+    assert greedy(two_rows) == greedy(one_rows)
+    assert two_eval["metrics"]["eval/greedy/pass_at_1"] == one_eval["metrics"]["eval/greedy/pass_at_1"]
+    assert two_eval["metrics"]["eval/num_questions"] == 5
+    assert faults.leftovers(two_dir) == []
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(SLOW_TIMEOUT)
 def test_a_training_run_under_accelerate_launch_resumes_after_sigkill(tmp_path, tiny_model_dir):
@@ -201,6 +255,7 @@ def test_a_training_run_under_accelerate_launch_resumes_after_sigkill(tmp_path, 
         assert processes_running(str(tmp_path)) == []
         records = [read_json(run_dir / f"iter-{k}" / "update.json") for k in (1, 2, 3)]
         assert [r["num_processes"] for r in records] == [N] * 3
+        assert [read_json(run_dir / f"iter-{k}" / "rollout.json")["num_processes"] for k in (1, 2, 3)] == [N] * 3
         assert [r["global_step"] for r in records] == [1, 2, 3]
         assert read_json(run_dir / "run.json")["status"] == "finished"
         assert faults.leftovers(run_dir) == []
@@ -223,6 +278,20 @@ def test_groups_are_dealt_round_robin_and_a_process_without_one_stands_in():
         cfg = cfg_of(tiny_config(Path("."), loss_type=loss_type, epsilon_high=5.0, mask_truncated_completions=True))
         assert shard_loss_weight(share, whole, cfg) == pytest.approx(weight), loss_type
         assert shard_loss_weight(whole, whole, cfg) == 1.0
+
+
+def test_prompts_are_dealt_round_robin_and_merged_back_in_order():
+    items = list(range(7))
+    for world in (1, 2, 3, 8):
+        shards = [DataParallel(rank, world).shard(items) for rank in range(world)]
+        assert sorted(x for s in shards for x in s) == items and interleave(shards) == items
+    assert DataParallel(0, 2).shard_seed(5) == DataParallel().shard_seed(5) == 5 != DataParallel(1, 2).shard_seed(5)
+    tasks = [Task(id=f"q{i}", kind="math", source="s", prompt=f"{i}?", answer=str(i)) for i in range(5)]
+    rows = [{"mode": m, "task_id": t.id, "sample": j} for m in MODES for t in tasks for j in range(2)]
+    parts = [[r for r in rows if r["task_id"] in {t.id for t in DataParallel(rank, 2).shard(tasks)}] for rank in (0, 1)]
+    assert merge_rows(tasks, parts) == rows
+    with pytest.raises(ValueError, match="unique ids"):
+        merge_rows(tasks + tasks[:1], parts)
 
 
 def test_accelerate_launch_cpu_with_one_process_is_refused(monkeypatch, capsys):

@@ -4,7 +4,8 @@
    fail or error that would become a reward), the score stage is retried (bounded, with backoff) until the
    engine is back, and no container is left behind; an engine gone for good fails the run with one line.
 2. The MLflow server is killed and restarted mid-run: the tracking calls wait for it (bounded exponential
-   backoff) and every metric of the run is there exactly once.
+   backoff; one call is made while it is down, and the restarted server answers it) and every metric of the
+   run is there exactly once.
 3. The disk fills up while a checkpoint is written: the previous checkpoint is untouched, nothing
    half-written remains, the CLI says what is full in one line, and the run resumes once there is space.
 4. The sandbox under load: 500 jobs of every kind on more workers than cores, one right verdict each.
@@ -408,12 +409,37 @@ def metric_points(uri: str, run_id: str) -> list[tuple[str, int]]:
     return sorted((k, m.step) for k in c.get_run(run_id).data.metrics for m in c.get_metric_history(run_id, k))
 
 
+class RestCalls:
+    """Every MLflow REST call this process makes (mlflow.utils.rest_utils.http_request, which each client call
+    goes through): when it started, when it returned, whether the server answered 200. Watches, changes nothing."""
+
+    def __init__(self, monkeypatch):
+        from mlflow.utils import rest_utils
+        self.started: list[float] = []
+        self.done: list[tuple[float, float, str, bool]] = []
+        real = rest_utils.http_request
+
+        def recorded(*args, **kwargs):
+            t0 = time.perf_counter()
+            self.started.append(t0)
+            ok = False
+            try:
+                response = real(*args, **kwargs)
+                ok = response.status_code == 200
+                return response
+            finally:
+                self.done.append((t0, time.perf_counter(), str(kwargs.get("endpoint", "")), ok))
+        monkeypatch.setattr(rest_utils, "http_request", recorded)
+
+
 @pytest.mark.slow
-def test_mlflow_server_restarted_mid_run_loses_and_doubles_nothing(tmp_path, grpo_home, prefect_engine, mlflow_uri):
+def test_mlflow_server_restarted_mid_run_loses_and_doubles_nothing(tmp_path, grpo_home, prefect_engine, mlflow_uri,
+                                                                   monkeypatch):
     """A tiny run logs to a real `mlflow server`; when iteration 1's update record appears the server is
-    SIGKILLed, and started again on the same port and store a moment later. The run completes; its MLflow
-    record holds every (metric, step) of an uninterrupted run (same config, local store) exactly once, and its
-    artifacts."""
+    SIGKILLed, and started again on the same port and store once a tracking call has been made to the dead
+    server (and 2 s more). That call waits and is answered by the restarted server; the run completes; its
+    MLflow record holds every (metric, step) of an uninterrupted run (same config, local store) exactly once,
+    and its artifacts."""
     from flows.train import training_run
     from tests.test_kill_matrix import artifacts
     (tmp_path / "server").mkdir()
@@ -423,15 +449,18 @@ def test_mlflow_server_restarted_mid_run_loses_and_doubles_nothing(tmp_path, grp
                 overlong_buffer_length=10)
     cfg = tiny_config(tmp_path, run_name="m", output_dir=str(tmp_path / "runs"),
                       tracking=dict(tracking_uri=server.uri), **opts)
+    calls = RestCalls(monkeypatch)
     timings = {}
 
     def restart_mid_run():
         wait_until((tmp_path / "runs" / "m" / "iter-1" / "update.json").exists, 600, "iteration 1's update")
         server.kill()
-        t0 = time.perf_counter()
-        time.sleep(2.0)                                  # down for a moment: calls in between must wait for it
+        timings["killed"] = t0 = time.perf_counter()
+        wait_until(lambda: any(t > t0 for t in calls.started), 300, "a tracking call to the dead server")
+        time.sleep(2.0)                                  # the call is in its retries now
         timings["restart"] = server.start()
-        timings["down"] = time.perf_counter() - t0
+        timings["back"] = time.perf_counter()
+        timings["down"] = timings["back"] - t0
 
     try:
         restarter = threading.Thread(target=restart_mid_run, daemon=True)
@@ -445,13 +474,17 @@ def test_mlflow_server_restarted_mid_run_loses_and_doubles_nothing(tmp_path, grp
         got_artifacts = artifacts(server.uri, summary["mlflow_run_id"])
     finally:
         server.kill()
+    # a call made while the server was dead waited for it and got its answer from the restarted server
+    waited = [c for c in calls.done if timings["killed"] < c[0] < timings["back"] - 2.0 and c[1] > timings["back"]]
+    assert any(ok for *_, ok in waited), (waited, timings)
     ref = training_run(tiny_config(tmp_path, run_name="m", output_dir=str(tmp_path / "ref"), **opts))
     want = metric_points(mlflow_uri, ref["mlflow_run_id"])
     assert len(got) == len(set(got)), sorted({p for p in got if got.count(p) > 1})    # no step twice
     assert got == want                                                               # nothing missing
     assert got_artifacts == artifacts(mlflow_uri, ref["mlflow_run_id"])
     print(f"\nMLflow server killed after iteration 1's update, down {timings['down']:.1f} s (restart "
-          f"{timings['restart']:.1f} s; first start {first_start:.1f} s); the run took {took:.1f} s; "
+          f"{timings['restart']:.1f} s; first start {first_start:.1f} s); {len(waited)} call(s) made while it was "
+          f"down waited for it ({', '.join(sorted({e for _, _, e, _ in waited}))}); the run took {took:.1f} s; "
           f"{len(got)} metric points over {len({k for k, _ in got})} metrics, each exactly once, as uninterrupted")
 
 

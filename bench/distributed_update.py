@@ -1,7 +1,7 @@
 """The update on N processes vs one (tasks/distributed.py): seconds per optimizer step and the largest weight
 difference, on one fixed scored batch, CPU only (gloo).
 
-Workload: the default model (SmolLM2-135M-Instruct) in fp32, LoRA r=16 on q/k/v/o, 4 prompts x 8 answers of
+Workload: the default model (SmolLM2-135M-Instruct) in fp32 (`--dtype`), LoRA r=16 on q/k/v/o, 4 prompts x 8 answers of
 40 prompt and 48 completion tokens (random ids, mixed rewards), beta 0.04, loss dapo, one optimizer step per
 update. One process uses `--threads`; each of the N processes max(1, threads // N) (accelerate launch,
 started by the stage's own launcher). The rounds alternate (1 process, then N) so both see the same load.
@@ -63,12 +63,14 @@ def main() -> None:
     p.add_argument("--processes", type=int, default=2, help="N")
     p.add_argument("--threads", type=int, default=2, help="torch threads of the one process (split over the N)")
     p.add_argument("--model", default="smollm2-135m-instruct")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "auto"],
+                   help="the base's dtype (auto: the pipeline's choice for this CPU; the adapter stays fp32)")
     p.add_argument("--json", type=Path, help="also write the figures here")
     args = p.parse_args()
 
     tmp = Path(tempfile.mkdtemp(prefix="dp-bench-"))
     config = GRPOConfig.model_validate(dict(
-        model=args.model, device="cpu", num_generations=8, max_completion_length=48, loss_type="dapo", beta=0.04,
+        model=args.model, device="cpu", dtype=args.dtype, num_generations=8, max_completion_length=48, loss_type="dapo", beta=0.04,
         learning_rate=1e-5, stages={"update": {"num_processes": args.processes}})).model_dump(mode="json")
     from grpo_core.models import load_tokenizer, resolve_model
     batch = write_batch(tmp, 4, 8, len(load_tokenizer(resolve_model(args.model))))
@@ -88,8 +90,10 @@ def main() -> None:
     medians = {k: statistics.median(row[k] for row in rows) for k in rows[0]}
     print("median:", json.dumps(medians))
     if args.json:
-        args.json.write_text(json.dumps({"rounds": rows, "median": medians, "load_average": os.getloadavg()},
-                                        indent=1))
+        from learning import machine
+        args.json.write_text(json.dumps({"machine": machine(), "dtype": args.dtype, "threads": args.threads,
+                                         "processes": args.processes, "rounds": rows, "median": medians,
+                                         "load_average": os.getloadavg()}, indent=1))
 
 
 if __name__ == "__main__":

@@ -122,6 +122,7 @@ def main() -> int:
     ap.add_argument("--out", help="result JSON (default: bench/results/learning_<config>.json)")
     args = ap.parse_args()
     out_dir = Path(args.out_dir)
+    host = machine()                      # the commit the runs start from (HEAD may move while they run)
     started = []
     for seed in args.seeds:
         started.append((seed, time.perf_counter(), *launch(args.config, seed, args.iterations, args.set, out_dir,
@@ -139,7 +140,7 @@ def main() -> int:
                **summarise(out_dir / name / name)}
         run["within_budget"] = run["cpu_minutes"] <= args.max_cpu_minutes
         runs.append(run)
-    result = {"config": args.config, "overrides": args.set, "parallel": args.parallel, "machine": machine(),
+    result = {"config": args.config, "overrides": args.set, "parallel": args.parallel, "machine": host,
               "runs": runs}
     out = Path(args.out or ROOT / "bench" / "results" / f"learning_{Path(args.config).stem}.json")
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -36,7 +36,8 @@ class ModelError(ValueError):
 
 
 def grpo_home() -> Path:
-    return Path(os.environ.get("GRPO_HOME", Path.home() / ".cache" / "grpo-pipeline")).expanduser()
+    """$GRPO_HOME (models, data caches); unset or empty: ~/.cache/grpo-pipeline (never the working directory)."""
+    return Path(os.environ.get("GRPO_HOME") or Path.home() / ".cache" / "grpo-pipeline").expanduser()
 
 
 def select_device(device: str = "auto") -> torch.device:

@@ -8,12 +8,20 @@ long a resume takes to skip completed work.
 3. skip:    `training_run` again on the finished run: every stage is found complete and skipped.
 Per-iteration overhead = prefect iteration time - plain iteration time (medians). The numbers are noisy
 on a shared CPU: run it on a quiet machine for figures to quote.
+
+    python bench/ops_overhead.py --reuse-ab --config configs/default.yaml --iterations 7
+
+measures what reloading the model in every stage costs instead: two runs of a real config (its model,
+evaluation off, the plain stages) in lockstep, one reloading the model in every stage (GRPO_REUSE_MODEL=0),
+one reusing it; same seeds and checkpoints, so the same work; the median time saved per iteration.
 """
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -23,40 +31,92 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
-def plain_run(cfg, run_dir: Path) -> list[float]:
-    from tasks import tracking
+def iteration(config: dict, run_dir: Path, k: int, ckpt: str | None, state: str | None,
+              evaluate_too: bool) -> tuple[str, str]:
+    """One iteration's five stages called as plain functions -> (checkpoint, state)."""
     from tasks.curate import curate
     from tasks.evaluate import evaluate
     from tasks.rollout import rollout
     from tasks.score import score
     from tasks.update import update
+    curated = curate.fn(config, str(run_dir), k)
+    rolled_out = rollout.fn(config, str(run_dir), k, curated["prompts"], ckpt)
+    scored = score.fn(config, str(run_dir), k, curated["prompts"], rolled_out["samples"])
+    updated = update.fn(config, str(run_dir), k, rolled_out["samples"], scored["scores"], ckpt, state,
+                        scored["metrics"], rolled_out["seconds"], rolled_out["tokens_per_second"])
+    if evaluate_too:
+        evaluate.fn(config, str(run_dir), k, updated["checkpoint"])
+    return updated["checkpoint"], updated["state"]
+
+
+def start(cfg, run_dir: Path) -> dict:
+    from tasks import tracking
+    from tasks.evaluate import evaluate
     config = cfg.model_dump(mode="json")
     run_dir.mkdir(parents=True, exist_ok=True)
     tracking.start_or_resume_run(cfg, run_dir, None)
     if cfg.eval.enabled:
         evaluate.fn(config, str(run_dir), 0, None)
+    return config
+
+
+def plain_run(cfg, run_dir: Path) -> list[float]:
+    """Seconds per iteration of the five stages called as plain functions."""
+    config = start(cfg, run_dir)
     ckpt = state = None
     times = []
     for k in range(1, cfg.pipeline_iterations + 1):
         t0 = time.perf_counter()
-        curated = curate.fn(config, str(run_dir), k)
-        rolled_out = rollout.fn(config, str(run_dir), k, curated["prompts"], ckpt)
-        scored = score.fn(config, str(run_dir), k, curated["prompts"], rolled_out["samples"])
-        updated = update.fn(config, str(run_dir), k, rolled_out["samples"], scored["scores"], ckpt, state,
-                            scored["metrics"], rolled_out["seconds"], rolled_out["tokens_per_second"])
-        if cfg.eval.enabled:
-            evaluate.fn(config, str(run_dir), k, updated["checkpoint"])
-        ckpt, state = updated["checkpoint"], updated["state"]
+        ckpt, state = iteration(config, run_dir, k, ckpt, state, cfg.eval.enabled)
         times.append(time.perf_counter() - t0)
     return times
 
 
+def reuse_ab(config_path: str, iterations: int, out: Path, json_out: str | None) -> None:
+    """Two runs of one config in lockstep, one with GRPO_REUSE_MODEL=0 and one with 1 (taking turns at going
+    first): the same seeds and checkpoints, so the same work; their iteration times are paired."""
+    import yaml
+    from grpo_core.config import GRPOConfig
+    sys.path.insert(0, str(Path(__file__).parent))
+    from learning import machine
+    raw = yaml.safe_load(Path(config_path).read_text())
+    raw.update(output_dir=str(out), pipeline_iterations=iterations, eval={**raw.get("eval", {}), "enabled": False},
+               tracking={"register_adapter": "none"})
+    runs = {reuse: (GRPOConfig.model_validate({**raw, "run_name": f"reuse-{reuse}"}), out / f"reuse-{reuse}")
+            for reuse in ("0", "1")}
+    configs = {reuse: start(cfg, run_dir) for reuse, (cfg, run_dir) in runs.items()}
+    at = {reuse: (None, None) for reuse in runs}
+    seconds = {reuse: [] for reuse in runs}
+    for k in range(1, iterations + 1):
+        for reuse in (("0", "1") if k % 2 else ("1", "0")):
+            os.environ["GRPO_REUSE_MODEL"] = reuse
+            t0 = time.perf_counter()
+            at[reuse] = iteration(configs[reuse], runs[reuse][1], k, *at[reuse], False)
+            seconds[reuse].append(time.perf_counter() - t0)
+    fresh, reused = seconds["0"][1:], seconds["1"][1:]     # iteration 1 has no checkpoint to reuse a model for
+    med = statistics.median
+    ratio = [r / f for r, f in zip(reused, fresh)]
+    result = json.dumps({"machine": machine(), "config": config_path, "iterations": iterations,
+                         "seconds_reload": seconds["0"], "seconds_reuse": seconds["1"],
+                         "median_reload": med(fresh), "median_reuse": med(reused),
+                         "median_saved_fraction": 1 - med(ratio)}, indent=1)
+    print(result)
+    if json_out:
+        Path(json_out).write_text(result)
+
+
 def main() -> None:
-    ap = argparse.ArgumentParser()
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--iterations", type=int, default=3)
     ap.add_argument("--model", default="tiny-random")
     ap.add_argument("--out", default=None)
+    ap.add_argument("--reuse-ab", action="store_true", help="model reuse across stages on vs off (see above)")
+    ap.add_argument("--config", default="configs/default.yaml", help="with --reuse-ab: the config to run")
+    ap.add_argument("--json", help="with --reuse-ab: also write the figures here")
     args = ap.parse_args()
+    if args.reuse_ab:
+        return reuse_ab(args.config, args.iterations, Path(args.out or tempfile.mkdtemp(prefix="reuse-bench-")),
+                        args.json)
     from mlflow.tracking import MlflowClient
     from grpo_core.config import GRPOConfig
     from flows.train import training_run

@@ -11,6 +11,7 @@ Anything else (a hub id) fails at once with a message on how to provide weights.
 """
 from __future__ import annotations
 
+import copy
 import json
 import os
 import re
@@ -293,13 +294,25 @@ def check_adapter(adapter: str | Path, model_dir: Path, field: str = "init_adapt
                              f"has {expected}. {fix}")
 
 
+_tokenizers: dict[tuple, object] = {}     # loaded tokenizers by directory and file versions (copies go out)
+
+
 def load_tokenizer(path: Path):
+    """The tokenizer saved at `path`, padding on the left with EOS where it has no pad token. Parsing
+    tokenizer.json takes ~0.5 s, so each directory is read once per process (until its files change) and
+    every caller gets its own copy."""
     from transformers import AutoTokenizer
-    tok = AutoTokenizer.from_pretrained(path)
-    if tok.pad_token is None:
-        tok.pad_token = tok.eos_token
-    tok.padding_side = "left"
-    return tok
+    files = tuple((f.name, f.stat().st_size, f.stat().st_mtime_ns) for f in sorted(Path(path).glob("*"))
+                  if f.is_file() and f.suffix not in (".safetensors", ".bin", ".pt", ".gguf"))
+    key = (str(Path(path).resolve()), files)
+    if key not in _tokenizers:
+        tok = AutoTokenizer.from_pretrained(path)
+        if tok.pad_token is None:
+            tok.pad_token = tok.eos_token
+        tok.padding_side = "left"
+        _tokenizers.clear()
+        _tokenizers[key] = tok
+    return copy.deepcopy(_tokenizers[key])
 
 
 def load_base_model(path: Path, device: torch.device, dtype: torch.dtype):

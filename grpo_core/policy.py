@@ -5,11 +5,20 @@ memory). When the run starts from an adapter (`reference: init`), or when the re
 the policy (`sync_ref_model`), it is a second, frozen LoRA adapter named "reference" on the same base:
 the reference pass switches to it. With full fine-tuning the reference is a frozen copy of the
 starting weights.
+
+One process often loads the same base several times in an iteration (rollout, update, evaluate): with LoRA, a
+policy's model goes back to a pool when the policy is garbage-collected, and the next `load_policy` of the same
+base and LoRA settings with a checkpoint takes it from there and loads the checkpoint's adapter weights into it
+(no weight file read, no LoRA injection; the fused sampler keeps its packed base). `GRPO_REUSE_MODEL=0` turns
+this off (nothing is pooled or taken from the pool).
 """
 from __future__ import annotations
 
 import contextlib
 import copy
+import os
+import threading
+import weakref
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -141,6 +150,100 @@ def _lora_reference(cfg: GRPOConfig, model, checkpoint, init_adapter) -> str | N
     return None
 
 
+@dataclass
+class _Pooled:
+    """A LoRA model no policy holds, with the requires_grad flags and modes it was built with."""
+    model: torch.nn.Module
+    flags: list[tuple[torch.nn.Parameter, bool]]
+    modes: list[tuple[torch.nn.Module, bool]]
+
+    @classmethod
+    def of(cls, model: torch.nn.Module) -> "_Pooled":
+        return cls(model, [(p, p.requires_grad) for p in model.parameters()],
+                   [(m, m.training) for m in model.modules()])
+
+    def restore(self) -> torch.nn.Module:
+        for p, flag in self.flags:
+            p.requires_grad_(flag)
+            p.grad = None
+        for m, mode in self.modes:
+            m.training = mode
+        return self.model
+
+
+_pool: dict[tuple, _Pooled] = {}           # at most one idle model: the last one released
+_pool_lock = threading.Lock()
+
+
+def _pool_key(cfg: GRPOConfig, base_dir: Path, device: torch.device, dtype: torch.dtype) -> tuple:
+    """What a pooled model was built from: the base's weight files (path, size, mtime), device, dtype and the
+    LoRA and layer settings that change the modules."""
+    files = tuple((f.name, f.stat().st_size, f.stat().st_mtime_ns) for f in sorted(Path(base_dir).glob("*.safetensors")))
+    return (str(Path(base_dir).resolve()), files, str(device), str(dtype), cfg.lora_r, cfg.lora_alpha,
+            cfg.lora_dropout, tuple(cfg.lora_target_modules), cfg.cpu_onednn_linear, cfg.gradient_checkpointing)
+
+
+def _same_lora(model, checkpoint: Path) -> bool:
+    """Whether the adapter saved at `checkpoint` has the shape and scaling of the model's policy adapter."""
+    from peft import LoraConfig
+    saved, live = LoraConfig.from_pretrained(str(checkpoint)), model.peft_config[POLICY_ADAPTER]
+    fields = ("r", "lora_alpha", "lora_dropout", "use_rslora", "use_dora", "bias", "fan_in_fan_out",
+              "modules_to_save", "rank_pattern", "alpha_pattern")
+    return set(saved.target_modules or ()) == set(live.target_modules or ()) and \
+        all(getattr(saved, f, None) == getattr(live, f, None) for f in fields)
+
+
+def _reuse_enabled() -> bool:
+    return os.environ.get("GRPO_REUSE_MODEL", "1") != "0"
+
+
+def _reuse(key: tuple, checkpoint: str | Path | None) -> _Pooled | None:
+    """The pooled model for `key` with the adapter at `checkpoint` loaded into it, or None (build anew)."""
+    if checkpoint is None or not _reuse_enabled():
+        return None
+    with _pool_lock:
+        pooled = _pool.pop(key, None)
+    if pooled is None or not _same_lora(pooled.model, Path(checkpoint)):
+        return None
+    from peft import set_peft_model_state_dict
+    from peft.utils import load_peft_weights
+    model = pooled.restore()
+    weights = load_peft_weights(str(checkpoint), device=str(next(model.parameters()).device))
+    result = set_peft_model_state_dict(model, weights, adapter_name=POLICY_ADAPTER)
+    if [k for k in result.missing_keys if f".{POLICY_ADAPTER}." in k] or result.unexpected_keys:
+        return None
+    return pooled
+
+
+def _release(key: tuple, pooled: _Pooled) -> None:
+    with _pool_lock:
+        _pool.clear()
+        _pool[key] = pooled
+
+
+def _lora_model(cfg: GRPOConfig, base_dir: Path, device: torch.device, dtype: torch.dtype,
+                checkpoint: str | Path | None) -> tuple[_Pooled, tuple]:
+    """(the LoRA model with the checkpoint's adapter, or a fresh one, with its built state; its pool key)."""
+    key = _pool_key(cfg, base_dir, device, dtype)
+    pooled = _reuse(key, checkpoint)
+    if pooled is not None:
+        return pooled, key
+    base = load_base_model(base_dir, device, dtype)
+    if checkpoint is None:
+        model = attach_lora(base, cfg.lora_r, cfg.lora_alpha, cfg.lora_dropout, cfg.lora_target_modules)
+    else:
+        from peft import PeftModel
+        if not (Path(checkpoint) / "adapter_config.json").exists():
+            raise ModelError(f"{checkpoint} holds no LoRA adapter (adapter_config.json missing)")
+        model = PeftModel.from_pretrained(base, str(checkpoint), is_trainable=True).to(device)
+    if cfg.cpu_onednn_linear:
+        use_onednn_linears(model)
+    if cfg.gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.enable_input_require_grads()
+    return _Pooled.of(model), key
+
+
 def load_policy(cfg: GRPOConfig, checkpoint: str | Path | None = None, need_reference: bool = True,
                 init_adapter: str | Path | None = None) -> Policy:
     """Base model (+ LoRA, fresh or from `checkpoint`), on the configured device and dtype.
@@ -148,37 +251,30 @@ def load_policy(cfg: GRPOConfig, checkpoint: str | Path | None = None, need_refe
     `init_adapter` is the adapter the run started from (the resolved `init_adapter` of the config; the
     same directory as `checkpoint` at the first iteration): with `reference: init` it is the reference.
     A reference saved inside `checkpoint` (sync_ref_model) takes precedence. No reference is built
-    when `need_reference` is False or beta = 0.
+    when `need_reference` is False or beta = 0. With LoRA the model may come from the pool (module docstring).
     """
     base_dir = resolve_model(cfg.model)
     device = select_device(cfg.device)
     dtype = select_dtype(cfg.dtype, device, cfg.use_peft)
     tokenizer = load_tokenizer(base_dir)
     with_reference = need_reference and cfg.beta != 0.0
-    ref, reference_adapter = None, None
-    if cfg.use_peft:
-        base = load_base_model(base_dir, device, dtype)
-        if checkpoint is None:
-            model = attach_lora(base, cfg.lora_r, cfg.lora_alpha, cfg.lora_dropout, cfg.lora_target_modules)
-        else:
-            from peft import PeftModel
-            if not (Path(checkpoint) / "adapter_config.json").exists():
-                raise ModelError(f"{checkpoint} holds no LoRA adapter (adapter_config.json missing)")
-            model = PeftModel.from_pretrained(base, str(checkpoint), is_trainable=True).to(device)
-        if with_reference:
-            reference_adapter = _lora_reference(cfg, model, checkpoint, init_adapter)
-    else:
+    if not cfg.use_peft:
         model = load_base_model(Path(checkpoint) if checkpoint else base_dir, device, dtype)
+        ref = None
         if with_reference:
             ref = load_base_model(_saved_reference(checkpoint) or base_dir, device, dtype)
             ref.requires_grad_(False).eval()
-    if cfg.cpu_onednn_linear:
         for m in (model, ref):
-            if m is not None:
+            if m is not None and cfg.cpu_onednn_linear:
                 use_onednn_linears(m)
-    if cfg.gradient_checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        if cfg.use_peft:
-            model.enable_input_require_grads()
-    return Policy(model=model, tokenizer=tokenizer, device=device, use_peft=cfg.use_peft, ref_model=ref,
-                  reference_adapter=reference_adapter, save_reference=with_reference and cfg.sync_ref_model)
+        if cfg.gradient_checkpointing:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        return Policy(model=model, tokenizer=tokenizer, device=device, use_peft=False, ref_model=ref,
+                      save_reference=with_reference and cfg.sync_ref_model)
+    pooled, key = _lora_model(cfg, base_dir, device, dtype, checkpoint)
+    reference_adapter = _lora_reference(cfg, pooled.model, checkpoint, init_adapter) if with_reference else None
+    policy = Policy(model=pooled.model, tokenizer=tokenizer, device=device, use_peft=True,
+                    reference_adapter=reference_adapter, save_reference=with_reference and cfg.sync_ref_model)
+    if reference_adapter is None and _reuse_enabled():      # a model with a second adapter is not pooled
+        weakref.finalize(policy, _release, key, pooled).atexit = False
+    return policy

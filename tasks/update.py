@@ -32,8 +32,9 @@ def train_on_batch(data_parallel: DataParallel, config: dict, run_dir: str, iter
     returns the steps' metrics, the batch statistics, the global step and the checkpoint directory."""
     cfg = cfg_of(config)
     # 1) the policy and optimizer where the previous iteration left them
-    torch.manual_seed(cfg.seed * 31 + iteration)
+    torch.manual_seed(cfg.seed * 31 + iteration)              # a fresh adapter's initial weights
     policy = load_policy(cfg, checkpoint, init_adapter=init_adapter_path(run_dir))
+    torch.manual_seed(cfg.seed * 37 + iteration)              # the update's draws, however the policy was loaded
     optimizer = make_optimizer(policy, cfg)
     scheduler = make_scheduler(optimizer, cfg)
     global_step = load_trainer_state(state, optimizer, scheduler)

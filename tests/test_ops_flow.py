@@ -272,3 +272,31 @@ def test_next_run_starts_from_previous_best_adapter(prefect_engine, grpo_home, m
     cfg2 = tiny_config(tmp_path, run_name="day-2", pipeline_iterations=1, eval={"enabled": False},
                        init_adapter="previous")
     assert upd["key"] == input_key(config=cfg2, samples=samples, scores=scores, checkpoint=str(init), state=None)
+
+
+@pytest.mark.slow
+def test_reusing_the_model_across_stages_changes_no_result(prefect_engine, grpo_home, mlflow_uri, tmp_path,
+                                                           monkeypatch):
+    """A 3-iteration run whose stages take the policy's model from the pool (grpo_core.policy: no base load
+    once the first checkpoint exists) ends with the adapter and eval metrics of the same run with every
+    stage loading its own (GRPO_REUSE_MODEL=0)."""
+    from flows.train import training_run
+    from grpo_core import policy
+    loads = []
+    real = policy.load_base_model
+    monkeypatch.setattr(policy, "load_base_model", lambda *a, **k: loads.append(a[0]) or real(*a, **k))
+    runs = {}
+    for reuse in ("1", "0"):
+        monkeypatch.setenv("GRPO_REUSE_MODEL", reuse)
+        loads.clear()
+        summary = training_run(tiny_config(tmp_path, run_name=f"reuse-{reuse}", pipeline_iterations=3,
+                                           eval=dict(every=1, num_samples=1)))
+        run_dir = Path(summary["run_dir"])
+        runs[reuse] = (len(loads), _adapter_tensors(run_dir / "iter-3" / "update" / "checkpoint"),
+                       json.loads((run_dir / "iter-3" / "evaluate.json").read_text())["metrics"])
+    (reused_loads, reused, reused_eval), (fresh_loads, fresh, fresh_eval) = runs["1"], runs["0"]
+    assert fresh_loads == 1 + 3 * 3            # eval 0; rollout, update and eval in each iteration
+    assert reused_loads == 3                   # the stages without a checkpoint yet: eval 0, rollout 1, update 1
+    assert reused.keys() == fresh.keys() and all((reused[k] == fresh[k]).all() for k in reused)
+    assert {k: v for k, v in reused_eval.items() if "seconds" not in k} == \
+        {k: v for k, v in fresh_eval.items() if "seconds" not in k}

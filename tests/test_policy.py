@@ -121,3 +121,56 @@ def test_reference_init_is_the_starting_adapter(grpo_home, tmp_path, reference):
 def test_reference_init_without_init_adapter_is_the_base(grpo_home):
     pol = load_policy(cfg_of(beta=0.04, reference="init"))
     assert pol.reference_adapter is None                  # the base, with the adapter disabled, as before
+
+
+def _trained(cfg: GRPOConfig, out):
+    """A policy one update away from its fresh adapter, saved to `out`: (the policy, its adapter tensors)."""
+    pol = load_policy(cfg, need_reference=False)
+    opt = make_optimizer(pol, cfg)
+    grpo_update(pol, opt, make_scheduler(opt, cfg), samples(), cfg, seed=0)
+    pol.save(out)
+    return pol, {n: p.detach().clone() for n, p in pol.model.named_parameters() if "lora" in n}
+
+
+def test_a_released_model_is_reused_with_the_checkpoint_loaded_into_it(grpo_home, tmp_path, monkeypatch):
+    """After a policy is dropped, loading a checkpoint of the same base and LoRA settings takes its model from
+    the pool: the checkpoint's adapter weights, the fresh load's flags and logits, no gradient left.
+    GRPO_REUSE_MODEL=0, a checkpoint of another LoRA rank, or a reference adapter build (and keep) their own."""
+    import gc
+    from grpo_core import policy as policy_module
+    pooled = lambda: [e.model for e in policy_module._pool.values()]  # noqa: E731
+    cfg = cfg_of(beta=0.0)
+    _trained(cfg_of(beta=0.0, lora_r=4), tmp_path / "r4")
+    pol, trained = _trained(cfg, tmp_path / "a")
+    model = pol.model
+    del pol
+    gc.collect()
+    assert pooled() == [model]
+    second = load_policy(cfg, tmp_path / "a", need_reference=False)
+    assert second.model is model and pooled() == []                    # taken out: no one else gets it
+    for n, p in second.model.named_parameters():
+        assert p.grad is None
+        if "lora" in n:
+            assert torch.equal(p, trained[n]), n
+    monkeypatch.setenv("GRPO_REUSE_MODEL", "0")
+    fresh = load_policy(cfg, tmp_path / "a", need_reference=False)
+    assert fresh.model is not model
+    assert {n: p.requires_grad for n, p in fresh.model.named_parameters()} == \
+        {n: p.requires_grad for n, p in second.model.named_parameters()}
+    assert torch.equal(logits(fresh.model), logits(second.model))
+    monkeypatch.delenv("GRPO_REUSE_MODEL")
+    del second, fresh
+    gc.collect()
+    assert len(pooled()) == 1                                          # the last one released stays
+    model = pooled()[0]
+    rank4 = load_policy(cfg, tmp_path / "r4", need_reference=False)     # an r=4 adapter: not into the r=16 model
+    assert rank4.model is not model
+    assert {p.shape[0] for n, p in rank4.model.named_parameters() if "lora_A" in n} == {4}
+    del rank4
+    gc.collect()
+    with_reference = load_policy(cfg_of(beta=0.04, reference="init"), tmp_path / "a", init_adapter=tmp_path / "a")
+    assert with_reference.reference_adapter is not None
+    kept = with_reference.model
+    del with_reference
+    gc.collect()
+    assert all(m is not kept for m in pooled())

@@ -25,6 +25,13 @@ from tasks.update import update
 _with_retries = with_policy      # the in-process task with its retry policy (the name tests use)
 
 
+def subflow_settings():
+    """Settings for a subflow that runs in this flow's process: no heartbeat thread of its own (this flow's
+    heartbeats already say the process is alive), since stopping one waits up to a second of its sleep."""
+    from prefect.settings import PREFECT_FLOWS_HEARTBEAT_FREQUENCY, temporary_settings
+    return temporary_settings(updates={PREFECT_FLOWS_HEARTBEAT_FREQUENCY: None})
+
+
 def run_dir_of(cfg: GRPOConfig) -> Path:
     return Path(cfg.output_dir) / cfg.run_name
 
@@ -137,7 +144,8 @@ def training_run(config: dict) -> dict:
             evals[0] = remote.stage_runner(evaluate, cfg, "evaluate")(config, str(run_dir), 0, checkpoint)["metrics"]
         for k in range(1, cfg.pipeline_iterations + 1):
             t0 = time.perf_counter()
-            records = iteration_flow(config, str(run_dir), k, checkpoint, state)
+            with subflow_settings():
+                records = iteration_flow(config, str(run_dir), k, checkpoint, state)
             checkpoint, state = records["update"]["checkpoint"], records["update"]["state"]
             if records.get("evaluate"):
                 evals[k] = records["evaluate"]["metrics"]

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import time
 from typing import Callable
 
 from prefect import task
@@ -22,6 +23,8 @@ from tasks.layout import cfg_of, completed_record, finish_stage, input_key
 from tasks.retry import retry_transient_only
 
 GPU_STAGES = ("rollout", "update", "evaluate")
+LIMIT_CHECK_SECONDS = 30.0            # how long the answer to "is there a limit for the tag?" is kept
+_limit_checks: dict[tuple[str, str], tuple[float, bool]] = {}
 
 
 def stage(name: str, key: Callable[..., dict]):
@@ -58,12 +61,35 @@ def stage(name: str, key: Callable[..., dict]):
     return decorate
 
 
+def tag_is_limited(tag: str) -> bool:
+    """Whether the Prefect server has a concurrency limit for `tag` (`prefect concurrency-limit create TAG N`),
+    asked at most every LIMIT_CHECK_SECONDS per server. A tagged task run asks the server for a slot of each of
+    its tags, limit or not (two round trips: 0.1-0.2 s per stage on a busy 2-core machine), so a stage carries
+    the tag only where it limits something."""
+    from prefect.client.orchestration import get_client
+    from prefect.exceptions import ObjectNotFound
+    from prefect.settings import PREFECT_API_URL
+    key = (str(PREFECT_API_URL.value()), tag)
+    checked_at, limited = _limit_checks.get(key, (float("-inf"), False))
+    if time.monotonic() - checked_at < LIMIT_CHECK_SECONDS:
+        return limited
+    with get_client(sync_client=True) as client:
+        try:
+            client.read_global_concurrency_limit_by_name(f"tag:{tag}")
+            limited = True
+        except ObjectNotFound:
+            limited = False
+    _limit_checks[key] = (time.monotonic(), limited)
+    return limited
+
+
 def with_policy(stage_task, cfg: GRPOConfig, name: str):
     """The stage task with its configured retries: exponential backoff, transient errors only, and the
-    GPU concurrency tag on the stages that use the accelerator."""
+    GPU concurrency tag on the stages that use the accelerator when the server limits that tag."""
     policy = getattr(cfg.stages, name)
     opts = dict(retries=policy.retries, retry_delay_seconds=policy.delays() or 0,
                 retry_jitter_factor=policy.retry_jitter_factor, retry_condition_fn=retry_transient_only)
-    if name in GPU_STAGES and cfg.stages.gpu_concurrency_tag:
-        opts["tags"] = {cfg.stages.gpu_concurrency_tag}
+    tag = cfg.stages.gpu_concurrency_tag
+    if name in GPU_STAGES and tag and tag_is_limited(tag):
+        opts["tags"] = {tag}
     return stage_task.with_options(**opts)

@@ -30,16 +30,22 @@ RUNS = ("pools-a", "pools-b")
 
 # -- without a server -------------------------------------------------------------------------------------------
 
-def test_no_work_pool_is_the_in_process_task(tmp_path):
-    """No work_pool: the flow calls the very Prefect task it always did, with its retry policy and tags."""
+@pytest.mark.parametrize("limited", [True, False])
+def test_no_work_pool_is_the_in_process_task(tmp_path, monkeypatch, limited):
+    """No work_pool: the flow calls the very Prefect task it always did, with its retry policy, and the GPU tag
+    where the server limits it (asking for a slot of an unlimited tag is two round trips per stage for nothing;
+    the pool test below runs against a server with the limit)."""
     from prefect import Task
     from grpo_core.config import GRPOConfig
+    from tasks import stage
     from tasks.remote import stage_runner
     from tasks.rollout import rollout
+    asked = []
+    monkeypatch.setattr(stage, "tag_is_limited", lambda tag: asked.append(tag) or limited)
     cfg = GRPOConfig.model_validate(tiny_config(tmp_path, stages={"rollout": {"retries": 3}}))
     runner = stage_runner(rollout, cfg, "rollout")
     assert isinstance(runner, Task) and runner.fn is rollout.fn
-    assert runner.retries == 3 and runner.tags == {"gpu"}
+    assert runner.retries == 3 and runner.tags == ({"gpu"} if limited else set()) and asked == ["gpu"]
 
 
 def test_work_pool_without_prefect_server_is_one_clear_error(tmp_path, grpo_home, capsys, monkeypatch):

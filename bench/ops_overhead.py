@@ -138,7 +138,7 @@ def main() -> None:
 
     # Pure orchestration of one iteration: the subflow + 5 task runs + key/record checks, no stage work.
     from prefect import flow
-    from flows.train import iteration_flow
+    from flows.train import iteration_flow, subflow_settings
     cfg = GRPOConfig(run_name="prefect", **base)
 
     @flow(name="ops-bench-skip")
@@ -147,7 +147,8 @@ def main() -> None:
         for _ in range(3):
             for k in range(1, args.iterations + 1):
                 t = time.perf_counter()
-                res = iteration_flow(config, str(out / "prefect"), k, ck, st)
+                with subflow_settings():                     # as training_run calls it
+                    res = iteration_flow(config, str(out / "prefect"), k, ck, st)
                 ts.append(time.perf_counter() - t)
                 ck, st = res["update"]["checkpoint"], res["update"]["state"]
             ck = st = None

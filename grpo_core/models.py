@@ -299,7 +299,7 @@ _tokenizers: dict[tuple, object] = {}     # loaded tokenizers by directory and f
 
 def load_tokenizer(path: Path):
     """The tokenizer saved at `path`, padding on the left with EOS where it has no pad token. Parsing
-    tokenizer.json takes ~0.5 s, so each directory is read once per process (until its files change) and
+    tokenizer.json takes ~0.5 s, so the last few directories read stay parsed (until their files change) and
     every caller gets its own copy."""
     from transformers import AutoTokenizer
     files = tuple((f.name, f.stat().st_size, f.stat().st_mtime_ns) for f in sorted(Path(path).glob("*"))
@@ -310,7 +310,8 @@ def load_tokenizer(path: Path):
         if tok.pad_token is None:
             tok.pad_token = tok.eos_token
         tok.padding_side = "left"
-        _tokenizers.clear()
+        if len(_tokenizers) >= 4:                    # a few directories: the base and a checkpoint or two
+            _tokenizers.pop(next(iter(_tokenizers)))
         _tokenizers[key] = tok
     return copy.deepcopy(_tokenizers[key])
 

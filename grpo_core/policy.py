@@ -172,7 +172,7 @@ class _Pooled:
 
 
 _pool: dict[tuple, _Pooled] = {}           # at most one idle model: the last one released
-_pool_lock = threading.Lock()
+_pool_lock = threading.RLock()            # reentrant: a release may run from garbage collection inside a take
 
 
 def _pool_key(cfg: GRPOConfig, base_dir: Path, device: torch.device, dtype: torch.dtype) -> tuple:
@@ -199,8 +199,8 @@ def _reuse_enabled() -> bool:
 
 def _reuse(key: tuple, checkpoint: str | Path | None) -> _Pooled | None:
     """The pooled model for `key` with the adapter at `checkpoint` loaded into it, or None (build anew)."""
-    if checkpoint is None or not _reuse_enabled():
-        return None
+    if checkpoint is None or not _reuse_enabled() or not (Path(checkpoint) / "adapter_config.json").exists():
+        return None                                  # (no adapter there: the fresh path says so)
     with _pool_lock:
         pooled = _pool.pop(key, None)
     if pooled is None or not _same_lora(pooled.model, Path(checkpoint)):

@@ -204,7 +204,8 @@ class StagesConfig(_Section):
     evaluate: ParallelStageConfig = Field(default_factory=ParallelStageConfig)
     gpu_concurrency_tag: str | None = Field(
         "gpu", description="Prefect tag on the stages that use the accelerator (rollout, update, evaluate); "
-                           "`prefect concurrency-limit create gpu 1` then lets one such stage run at a time")
+                           "`prefect concurrency-limit create gpu 1` then lets one such stage run at a time (the stages "
+                           "carry the tag while the server has such a limit)")
 
 
 class TrackingConfig(_Section):

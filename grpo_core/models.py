@@ -295,6 +295,14 @@ def check_adapter(adapter: str | Path, model_dir: Path, field: str = "init_adapt
 
 
 _tokenizers: dict[tuple, object] = {}     # loaded tokenizers by directory and file versions (copies go out)
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".gguf")
+
+
+def file_versions(directory: Path, keep=lambda f: True) -> tuple:
+    """(name, size, mtime) of the files in `directory` that `keep` accepts: what a cache of something read from
+    them is keyed by, so that a rewritten file is read again."""
+    return tuple((f.name, f.stat().st_size, f.stat().st_mtime_ns) for f in sorted(Path(directory).glob("*"))
+                 if f.is_file() and keep(f))
 
 
 def load_tokenizer(path: Path):
@@ -302,9 +310,7 @@ def load_tokenizer(path: Path):
     tokenizer.json takes ~0.5 s, so the last few directories read stay parsed (until their files change) and
     every caller gets its own copy."""
     from transformers import AutoTokenizer
-    files = tuple((f.name, f.stat().st_size, f.stat().st_mtime_ns) for f in sorted(Path(path).glob("*"))
-                  if f.is_file() and f.suffix not in (".safetensors", ".bin", ".pt", ".gguf"))
-    key = (str(Path(path).resolve()), files)
+    key = (str(Path(path).resolve()), file_versions(path, lambda f: f.suffix not in WEIGHT_SUFFIXES))
     if key not in _tokenizers:
         tok = AutoTokenizer.from_pretrained(path)
         if tok.pad_token is None:

@@ -26,8 +26,8 @@ import torch
 
 from grpo_core.config import GRPOConfig
 from grpo_core.kernels.cpu_linear import use_onednn_linears
-from grpo_core.models import (ModelError, attach_lora, load_base_model, load_tokenizer, resolve_model,
-                              select_device, select_dtype)
+from grpo_core.models import (ModelError, attach_lora, file_versions, load_base_model, load_tokenizer,
+                              resolve_model, select_device, select_dtype)
 
 POLICY_ADAPTER = "default"           # PEFT's name for the adapter a PeftModel is created with
 REFERENCE_ADAPTER = "reference"      # also the subdirectory a saved moving reference lives in
@@ -178,7 +178,7 @@ _pool_lock = threading.RLock()            # reentrant: a release may run from ga
 def _pool_key(cfg: GRPOConfig, base_dir: Path, device: torch.device, dtype: torch.dtype) -> tuple:
     """What a pooled model was built from: the base's weight files (path, size, mtime), device, dtype and the
     LoRA and layer settings that change the modules."""
-    files = tuple((f.name, f.stat().st_size, f.stat().st_mtime_ns) for f in sorted(Path(base_dir).glob("*.safetensors")))
+    files = file_versions(base_dir, lambda f: f.suffix == ".safetensors")
     return (str(Path(base_dir).resolve()), files, str(device), str(dtype), cfg.lora_r, cfg.lora_alpha,
             cfg.lora_dropout, tuple(cfg.lora_target_modules), cfg.cpu_onednn_linear, cfg.gradient_checkpointing)
 
@@ -199,8 +199,8 @@ def _reuse_enabled() -> bool:
 
 def _reuse(key: tuple, checkpoint: str | Path | None) -> _Pooled | None:
     """The pooled model for `key` with the adapter at `checkpoint` loaded into it, or None (build anew)."""
-    if checkpoint is None or not _reuse_enabled() or not (Path(checkpoint) / "adapter_config.json").exists():
-        return None                                  # (no adapter there: the fresh path says so)
+    if checkpoint is None or not _reuse_enabled():
+        return None
     with _pool_lock:
         pooled = _pool.pop(key, None)
     if pooled is None or not _same_lora(pooled.model, Path(checkpoint)):
@@ -224,6 +224,8 @@ def _release(key: tuple, pooled: _Pooled) -> None:
 def _lora_model(cfg: GRPOConfig, base_dir: Path, device: torch.device, dtype: torch.dtype,
                 checkpoint: str | Path | None) -> tuple[_Pooled, tuple]:
     """(the LoRA model with the checkpoint's adapter, or a fresh one, with its built state; its pool key)."""
+    if checkpoint is not None and not (Path(checkpoint) / "adapter_config.json").exists():
+        raise ModelError(f"{checkpoint} holds no LoRA adapter (adapter_config.json missing)")
     key = _pool_key(cfg, base_dir, device, dtype)
     pooled = _reuse(key, checkpoint)
     if pooled is not None:
@@ -233,8 +235,6 @@ def _lora_model(cfg: GRPOConfig, base_dir: Path, device: torch.device, dtype: to
         model = attach_lora(base, cfg.lora_r, cfg.lora_alpha, cfg.lora_dropout, cfg.lora_target_modules)
     else:
         from peft import PeftModel
-        if not (Path(checkpoint) / "adapter_config.json").exists():
-            raise ModelError(f"{checkpoint} holds no LoRA adapter (adapter_config.json missing)")
         model = PeftModel.from_pretrained(base, str(checkpoint), is_trainable=True).to(device)
     if cfg.cpu_onednn_linear:
         use_onednn_linears(model)

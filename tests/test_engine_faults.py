@@ -411,33 +411,45 @@ def metric_points(uri: str, run_id: str) -> list[tuple[str, int]]:
 
 class RestCalls:
     """Every MLflow REST call this process makes (mlflow.utils.rest_utils.http_request, which each client call
-    goes through): when it started, when it returned, whether the server answered 200. Watches, changes nothing."""
+    goes through): when it started, when it returned, whether the server answered 200, and how many are in
+    flight now. Watches, changes nothing."""
 
     def __init__(self, monkeypatch):
         from mlflow.utils import rest_utils
         self.started: list[float] = []
         self.done: list[tuple[float, float, str, bool]] = []
+        self.in_flight = 0
+        lock = threading.Lock()
         real = rest_utils.http_request
 
         def recorded(*args, **kwargs):
             t0 = time.perf_counter()
-            self.started.append(t0)
+            with lock:
+                self.started.append(t0)
+                self.in_flight += 1
             ok = False
             try:
                 response = real(*args, **kwargs)
                 ok = response.status_code == 200
                 return response
             finally:
-                self.done.append((t0, time.perf_counter(), str(kwargs.get("endpoint", "")), ok))
+                with lock:
+                    self.in_flight -= 1
+                    self.done.append((t0, time.perf_counter(), str(kwargs.get("endpoint", "")), ok))
         monkeypatch.setattr(rest_utils, "http_request", recorded)
+
+    def made_since(self, t: float) -> bool:
+        """A call started after `t`, or one is in flight now (after a kill at `t`: waiting on the dead server)."""
+        return self.in_flight > 0 or any(s > t for s in self.started)
 
 
 @pytest.mark.slow
 def test_mlflow_server_restarted_mid_run_loses_and_doubles_nothing(tmp_path, grpo_home, prefect_engine, mlflow_uri,
                                                                    monkeypatch):
     """A tiny run logs to a real `mlflow server`; when iteration 1's update record appears the server is
-    SIGKILLed, and started again on the same port and store once a tracking call has been made to the dead
-    server (and 2 s more). That call waits and is answered by the restarted server; the run completes; its
+    SIGKILLed, and started again on the same port and store once a tracking call is waiting on the dead
+    server (made after the kill, or in flight at it; and 2 s more). That call waits and is answered by the
+    restarted server; the run completes; its
     MLflow record holds every (metric, step) of an uninterrupted run (same config, local store) exactly once,
     and its artifacts."""
     from flows.train import training_run
@@ -456,7 +468,7 @@ def test_mlflow_server_restarted_mid_run_loses_and_doubles_nothing(tmp_path, grp
         wait_until((tmp_path / "runs" / "m" / "iter-1" / "update.json").exists, 600, "iteration 1's update")
         server.kill()
         timings["killed"] = t0 = time.perf_counter()
-        wait_until(lambda: any(t > t0 for t in calls.started), 300, "a tracking call to the dead server")
+        wait_until(lambda: calls.made_since(t0), 300, "a tracking call to the dead server")
         time.sleep(2.0)                                  # the call is in its retries now
         timings["restart"] = server.start()
         timings["back"] = time.perf_counter()
@@ -474,8 +486,9 @@ def test_mlflow_server_restarted_mid_run_loses_and_doubles_nothing(tmp_path, grp
         got_artifacts = artifacts(server.uri, summary["mlflow_run_id"])
     finally:
         server.kill()
-    # a call made while the server was dead waited for it and got its answer from the restarted server
-    waited = [c for c in calls.done if timings["killed"] < c[0] < timings["back"] - 2.0 and c[1] > timings["back"]]
+    # a call made while the server was dead (or in flight when it was killed) waited for it and got its answer
+    # from the restarted server
+    waited = [c for c in calls.done if c[0] < timings["back"] - 2.0 and c[1] > timings["back"]]
     assert any(ok for *_, ok in waited), (waited, timings)
     ref = training_run(tiny_config(tmp_path, run_name="m", output_dir=str(tmp_path / "ref"), **opts))
     want = metric_points(mlflow_uri, ref["mlflow_run_id"])

@@ -195,11 +195,20 @@ class ParallelStageConfig(StageRetryConfig):
                     "`torchrun` of `grpo train` itself, the launched processes are used instead")
 
 
+class ScoreStageConfig(StageRetryConfig):
+    """The score stage's policy."""
+    during_rollout: bool = Field(
+        True, description="score each group (rule rewards, and code sent to the sandbox) on a helper thread as soon "
+                          "as the rollout has sampled it, so the score stage only adopts the result; applies when "
+                          "the score stage runs where the rollout does (the same work_pool). Reward functions then "
+                          "see a few whole groups per call instead of the whole batch")
+
+
 class StagesConfig(_Section):
     """Prefect retry policy per stage, and the work pool each stage runs on."""
     curate: StageRetryConfig = Field(default_factory=StageRetryConfig)
     rollout: ParallelStageConfig = Field(default_factory=ParallelStageConfig)
-    score: StageRetryConfig = Field(default_factory=lambda: StageRetryConfig(retries=2))
+    score: ScoreStageConfig = Field(default_factory=lambda: ScoreStageConfig(retries=2))
     update: ParallelStageConfig = Field(default_factory=ParallelStageConfig)
     evaluate: ParallelStageConfig = Field(default_factory=ParallelStageConfig)
     gpu_concurrency_tag: str | None = Field(

@@ -36,7 +36,8 @@ from grpo_core.monitors import completion_flags, text_monitor_metrics
 from grpo_core.passk import mean_pass_at_k
 from grpo_core.policy import Policy
 from grpo_core.rewards import compute_rewards, correctness_scores, is_well_formatted, reward_context
-from grpo_core.sampling import SamplingParams
+from grpo_core.overlap import Overlapped
+from grpo_core.sampling import Sample, SamplingParams
 from grpo_core.rollout import make_backend, rollout
 
 MODES = ("greedy", "sampled")
@@ -159,18 +160,40 @@ def summarize(rows: Sequence[dict], ks: Sequence[int]) -> dict[str, float]:
 
 def sample_rows(policy: Policy, tasks: Sequence[Task], cfg: GRPOConfig, seed: int,
                 progress: bool = True) -> list[dict]:
-    """The per-completion rows of every eval mode on `tasks` (mode by mode, in task order)."""
+    """The per-completion rows of every eval mode on `tasks` (mode by mode, in task order). Each task's answers
+    are scored on a helper thread as soon as they are sampled (code sent to the sandbox while later answers are
+    still being sampled); should that fail, everything is scored here afterwards."""
     backend = make_backend(cfg, policy, progress=progress)      # the sampler the rollout stage uses
     by_id = {t.id: t for t in tasks}
     if len(by_id) != len(tasks):
         raise ValueError("held-out tasks must have unique ids")
-    rows: list[dict] = []
-    for mode, n, params in eval_modes(cfg, seed):
-        if tasks:
-            samples = rollout(backend, policy.tokenizer, tasks, n, params, cfg.data.prompt_format,
-                              cfg.max_prompt_length)
-            rows.extend(score_samples(samples, by_id, cfg, mode))
-    return rows
+
+    def score_chunk(items: list[tuple[str, Sample]]) -> list[dict]:
+        """(mode, sample) pairs, any mix of modes -> their rows, in the same order."""
+        out: list[dict | None] = [None] * len(items)
+        for mode in dict.fromkeys(m for m, _ in items):
+            at = [i for i, (m, _) in enumerate(items) if m == mode]
+            for i, row in zip(at, score_samples([items[i][1] for i in at], by_id, cfg, mode)):
+                out[i] = row
+        return out
+
+    scorer = Overlapped(score_chunk, "scoring the evaluation while sampling", "eval-scoring")
+    sampled: list[tuple[str, list[Sample]]] = []
+    try:
+        for mode, n, params in eval_modes(cfg, seed):
+            if tasks:
+                samples = rollout(backend, policy.tokenizer, tasks, n, params, cfg.data.prompt_format,
+                                  cfg.max_prompt_length,
+                                  on_group=lambda group, mode=mode: scorer.add((mode, group[0].group),
+                                                                               [(mode, s) for s in group]))
+                sampled.append((mode, samples))
+    except BaseException:
+        scorer.abandon()
+        raise
+    scored = scorer.finish()
+    if scored is None:
+        return [row for mode, samples in sampled for row in score_samples(samples, by_id, cfg, mode)]
+    return [row for mode, samples in sampled for g in range(len(tasks)) for row in scored[(mode, g)]]
 
 
 def merge_rows(tasks: Sequence[Task], parts: Sequence[Sequence[dict]]) -> list[dict]:

@@ -8,7 +8,7 @@ preallocated KV cache (through the fused or lean forward of `grpo_core.kernels` 
 from __future__ import annotations
 
 import contextlib
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -34,7 +34,8 @@ def left_pad(rows: Sequence[list[int]], pad: int, device: torch.device) -> tuple
 
 class BatchedBackend:
     """What every local sampler shares: rows sorted by prompt length into batches (less padding), a
-    progress bar, eval mode while sampling, and groups handed back prompt-major. Subclasses implement
+    progress bar, eval mode while sampling, and groups handed back prompt-major; `on_group(k, completions)`,
+    when given, hears of each group as soon as its last row is sampled. Subclasses implement
     `_generate_batch(rows, params, generator) -> completion ids per row`."""
 
     def __init__(self, model, tokenizer, device: torch.device, batch_size: int = 64, progress: bool = True):
@@ -52,10 +53,11 @@ class BatchedBackend:
         raise NotImplementedError
 
     @torch.inference_mode()
-    def generate(self, prompts, n, params):
+    def generate(self, prompts, n, params, on_group=None):
         rows = [p for p in prompts for _ in range(n)]                       # prompt-major: groups contiguous
         order = sorted(range(len(rows)), key=lambda i: len(rows[i]))       # bucket by length: less padding
         out: list[list[int] | None] = [None] * len(rows)
+        missing = [n] * len(prompts)                                        # rows of each group still to sample
         generator = self._generator(params.seed)
         was_training = self.model.training
         self.model.eval()
@@ -65,6 +67,9 @@ class BatchedBackend:
                 idx = order[start:start + self.batch_size]
                 for i, ids in zip(idx, self._generate_batch([rows[i] for i in idx], params, generator)):
                     out[i] = ids
+                    missing[i // n] -= 1
+                    if on_group is not None and missing[i // n] == 0:
+                        on_group(i // n, out[i // n * n:(i // n + 1) * n])
                 bar.update(len(idx))
         bar.close()
         self.model.train(was_training)
@@ -294,21 +299,35 @@ def make_backend(cfg, policy, progress: bool = True, merge_lora: bool = True) ->
 
 
 def rollout(backend: RolloutBackend, tokenizer, tasks: Sequence[Task], n: int, params: SamplingParams,
-            fmt: PromptFormat | str, max_prompt_length: int) -> list[Sample]:
+            fmt: PromptFormat | str, max_prompt_length: int,
+            on_group: Callable[[list[Sample]], None] | None = None) -> list[Sample]:
     """n completions for every task, as Samples (groups contiguous, in task order).
 
     `completion` is the response prefix (if any) + the decoded sampled tokens: what rewards judge.
-    With params.logprobs each Sample carries its sampler log-probs."""
+    With params.logprobs each Sample carries its sampler log-probs. `on_group(samples)` gets each group
+    as soon as it is sampled (by the local samplers; after the whole batch by the others)."""
     fmt = PromptFormat.of(fmt)
     prompt_ids = [chat_prompt_ids(tokenizer, t, fmt, max_prompt_length) for t in tasks]
-    completions = backend.generate(prompt_ids, n, params)
     eos = tokenizer.eos_token_id
-    samples = []
-    for g, (task, p_ids, group) in enumerate(zip(tasks, prompt_ids, completions)):
-        prefix = fmt.for_task(task).response_prefix
-        for c_ids in group:
-            samples.append(Sample(task_id=task.id, group=g, prompt_ids=p_ids, completion_ids=list(c_ids),
-                                  completion=prefix + tokenizer.decode(c_ids, skip_special_tokens=True),
-                                  truncated=not (c_ids and c_ids[-1] == eos),
-                                  sampler_logprobs=getattr(c_ids, "logprobs", None)))
-    return samples
+
+    def as_samples(g: int, group) -> list[Sample]:
+        prefix = fmt.for_task(tasks[g]).response_prefix
+        return [Sample(task_id=tasks[g].id, group=g, prompt_ids=prompt_ids[g], completion_ids=list(c_ids),
+                       completion=prefix + tokenizer.decode(c_ids, skip_special_tokens=True),
+                       truncated=not (c_ids and c_ids[-1] == eos), sampler_logprobs=getattr(c_ids, "logprobs", None))
+                for c_ids in group]
+
+    ready: dict[int, list[Sample]] = {}
+
+    def finished(g: int, group) -> None:
+        ready[g] = as_samples(g, group)
+        on_group(ready[g])
+
+    if on_group is not None and isinstance(backend, BatchedBackend):
+        completions = backend.generate(prompt_ids, n, params, on_group=finished)
+    else:
+        completions = backend.generate(prompt_ids, n, params)
+        if on_group is not None:
+            for g, group in enumerate(completions):
+                finished(g, group)
+    return [s for g, group in enumerate(completions) for s in (ready.get(g) or as_samples(g, group))]

@@ -12,12 +12,15 @@ from grpo_core.task import read_tasks
 from grpo_core.update import DataParallel, interleave
 from tasks import distributed
 from tasks.layout import cfg_of, iter_dir
+from tasks.score import GroupScorer, early_scores_path, scores_during_rollout, write_early_scores
 from tasks.stage import stage
+
 
 def sample_share(data_parallel: DataParallel, config: dict, run_dir: str, iteration: int, prompts: str,
                  checkpoint: str | None) -> dict:
-    """This process's share of the prompts, sampled; the first process gathers every group, in prompt order,
-    writes samples.jsonl and returns the stage's record (the others return {})."""
+    """This process's share of the prompts, sampled (and scored as each group is done, where the score stage
+    runs here: tasks/score.py); the first process gathers every group, in prompt order, writes samples.jsonl
+    (and early_scores.json) and returns the stage's record (the others return {})."""
     cfg = cfg_of(config)
     tasks = data_parallel.shard(read_tasks(prompts))
     policy = load_policy(cfg, checkpoint, need_reference=False)
@@ -27,22 +30,41 @@ def sample_share(data_parallel: DataParallel, config: dict, run_dir: str, iterat
                             top_p=cfg.top_p, top_k=cfg.top_k,
                             seed=data_parallel.shard_seed(cfg.seed * 7919 + iteration),
                             logprobs=cfg.needs_sampler_logprobs)
+    scorer = GroupScorer(cfg, tasks) if scores_during_rollout(cfg) and tasks else None
+    on_group = (lambda group: scorer.add(group[0].group, [s.to_dict() for s in group])) if scorer else None
     t0 = time.perf_counter()
-    samples = sample_groups(backend, policy.tokenizer, tasks, cfg.num_generations, params,
-                            cfg.data.prompt_format_at(iteration), cfg.max_prompt_length) if tasks else []
+    try:
+        samples = sample_groups(backend, policy.tokenizer, tasks, cfg.num_generations, params,
+                                cfg.data.prompt_format_at(iteration), cfg.max_prompt_length, on_group) if tasks else []
+    except BaseException:
+        if scorer:
+            scorer.abandon()
+        raise
+    sampled = time.perf_counter() - t0
+    early = scorer.finish() if scorer else None            # the groups sampled last are still being scored
     groups = [[] for _ in tasks]
     for s in samples:
         groups[s.group].append(s.to_dict())
-    shards = data_parallel.gather(groups)
+    scored = [early[0].get(k) for k in range(len(tasks))] if early else [] if not tasks else None
+    if scored is not None and any(s is None for s in scored):
+        scored = None
+    shards = data_parallel.gather((groups, scored, early[1] if early else None))
     seconds = time.perf_counter() - t0
     if not first:
         return {}
-    rows = [dict(row, group=g) for g, group in enumerate(interleave(shards)) for row in group]
+    rows = [dict(row, group=g) for g, group in enumerate(interleave([g for g, _, _ in shards])) for row in group]
     tokens = sum(len(r["completion_ids"]) for r in rows)
     out = write_jsonl(iter_dir(run_dir, iteration) / "samples.jsonl", rows)
-    return {"samples": str(out), "num_samples": len(rows), "seconds": seconds, "completion_tokens": tokens,
-            "tokens_per_second": tokens / max(seconds, 1e-9), "sampler": getattr(backend, "path", cfg.rollout_backend),
-            "num_processes": data_parallel.world_size}
+    early_scores_path(out).unlink(missing_ok=True)
+    if scores_during_rollout(cfg) and all(s is not None for _, s, _ in shards):
+        reward_seconds = {f: sum((sec or {}).get(f, 0.0) for _, _, sec in shards)
+                          for f in dict.fromkeys(f for _, _, sec in shards for f in sec or {})}
+        write_early_scores(cfg, out, [r for group in interleave([s for _, s, _ in shards]) for r in group],
+                           reward_seconds)
+    return {"samples": str(out), "num_samples": len(rows), "seconds": seconds, "sampling_seconds": sampled,
+            "completion_tokens": tokens, "tokens_per_second": tokens / max(sampled, 1e-9),
+            "sampler": getattr(backend, "path", cfg.rollout_backend), "num_processes": data_parallel.world_size,
+            "scored_during_rollout": early_scores_path(out).exists()}
 
 
 @stage("rollout", key=lambda config, prompts, checkpoint, **_: {"config": config, "prompts": prompts,

@@ -28,6 +28,7 @@ from tasks import distributed, tracking
 from tasks.layout import cfg_of
 from tasks.evaluate import evaluate
 from tasks.rollout import rollout
+from tasks.score import score, score_rows
 from tasks.update import train_on_batch, update
 from tests import faults
 from tests.conftest import isolated_run_env, tiny_config
@@ -206,12 +207,13 @@ def test_rollout_and_evaluation_deal_their_prompts_to_the_processes(batch_env):
     tmp, _ = batch_env
     prompts = write_tasks(tmp / "prompts.jsonl", arithmetic.eval_tasks(5, 1, 2, ["+", "-"]))
     tasks = read_tasks(prompts)
-    records = {}
+    records, configs = {}, {}
     for processes in (1, N):
         config, run_dir = sampling_run(tmp, f"sampling-{processes}", processes)
         t0 = time.perf_counter()
         records[processes] = (rollout.fn(config, str(run_dir), 1, str(prompts), None),
                               evaluate.fn(config, str(run_dir), 0, None), run_dir)
+        configs[processes] = config
         print(f"rollout + evaluate on {processes} process(es): {time.perf_counter() - t0:.1f} s")
     (one_rollout, one_eval, one_dir), (two_rollout, two_eval, two_dir) = records[1], records[N]
     assert two_rollout["num_processes"] == N and one_rollout["num_processes"] == 1
@@ -223,6 +225,12 @@ def test_rollout_and_evaluation_deal_their_prompts_to_the_processes(batch_env):
         assert [s["group"] for s in samples] == [g for g in range(len(tasks)) for _ in range(3)]
         assert [s["task_id"] for s in samples] == [t.id for t in tasks for _ in range(3)]
         assert [s["prompt_ids"] for s in samples[::3]] == [s["prompt_ids"] for s in one_samples[::3]]
+    # each process scored its groups as it sampled them; the score stage adopts the gathered scores
+    assert one_rollout["scored_during_rollout"] and two_rollout["scored_during_rollout"]
+    two_scored = score.fn(configs[N], str(two_dir), 1, str(prompts), two_rollout["samples"])
+    assert two_scored["scored_during_rollout"]
+    rescored = score_rows(cfg_of(configs[N]), two_samples, {t.id: t for t in tasks})[0]
+    assert [{k: v for k, v in r.items() if k != "group"} for r in read_jsonl(two_scored["scores"])] == rescored
     one_rows, two_rows = (list(read_jsonl(r["samples"])) for r in (one_eval, two_eval))
     key = lambda r: (r["mode"], r["task_id"], r["sample"])  # noqa: E731
     assert [key(r) for r in two_rows] == [key(r) for r in one_rows] and len(one_rows) == 5 * (1 + 2)

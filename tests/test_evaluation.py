@@ -249,6 +249,32 @@ def test_evaluation_is_deterministic_given_the_seed(tmp_path, grpo_home):
            [r["completion"] for r in r1 if r["mode"] == "sampled"]
 
 
+def test_answers_scored_while_sampling_are_scored_as_afterwards_or_afterwards_on_failure(tmp_path, grpo_home,
+                                                                                        monkeypatch):
+    """sample_rows scores each task's answers on a helper thread as they are sampled: the rows are those of
+    sampling every mode first and scoring after; a reward that fails off the main thread is scored after."""
+    from grpo_core.data import arithmetic
+    from grpo_core.evaluation import eval_modes, sample_rows, score_samples
+    from grpo_core.policy import load_policy
+    from grpo_core.rollout import make_backend, rollout
+    cfg = _tiny_cfg(tmp_path)
+    cfg = cfg.model_copy(update={"generation_batch_size": 2})
+    tasks = arithmetic.eval_tasks(5, 1, 1, ["+"])
+    policy = load_policy(cfg, None, need_reference=False)
+    overlapped = sample_rows(policy, tasks, cfg, seed=3, progress=False)
+    backend, by_id, after = make_backend(cfg, policy, progress=False), {t.id: t for t in tasks}, []
+    for mode, n, params in eval_modes(cfg, 3):
+        samples = rollout(backend, policy.tokenizer, tasks, n, params, cfg.data.prompt_format, cfg.max_prompt_length)
+        after += score_samples(samples, by_id, cfg, mode)
+    assert overlapped == after and len(after) == 5 * (1 + 3)
+    monkeypatch.setenv("CALLS_LOG", str(tmp_path / "calls.log"))
+    main_only = cfg.model_copy(update={"reward_funcs": ["format", "tests.test_score:fails_on_a_helper_thread"],
+                                       "reward_weights": [1.0, 1.0]})
+    rows = sample_rows(policy, tasks, main_only, seed=3, progress=False)
+    assert [r["completion"] for r in rows] == [r["completion"] for r in after]
+    assert (tmp_path / "calls.log").read_text().split() == ["eval-scoring", "MainThread", "MainThread"]
+
+
 def make_adapter(cfg: GRPOConfig, out: Path, seed: int = 1) -> Path:
     """A LoRA adapter that changes the model (a fresh one has B = 0, i.e. is the base model)."""
     import torch

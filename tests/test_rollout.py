@@ -213,3 +213,24 @@ def test_rollout_puts_the_sampler_logprobs_on_each_sample(tiny):
     assert all(s.sampler_logprobs is None for s in without)
     assert [s.completion_ids for s in with_lp] == [s.completion_ids for s in without]
     assert with_lp[0].to_dict()["sampler_logprobs"] == with_lp[0].sampler_logprobs
+
+
+@pytest.mark.parametrize("cls", [KVCacheSampler, HFGenerateSampler])
+def test_each_group_is_handed_over_as_soon_as_it_is_sampled(tiny, cls):
+    """rollout(on_group=...): every group once, with the Samples rollout returns for it; with 2 rows per batch and
+    3 answers per prompt, the first groups are handed over while later batches are still to be sampled."""
+    from grpo_core.rollout import rollout
+    from grpo_core.task import Task
+    model, tok = tiny
+    tasks = [Task(id=f"t{i}", kind="math", source="test", prompt=p, answer="0") for i, p in
+             enumerate(["12+3=", "hello", "a much longer prompt here", "7*8"])]
+    backend = cls(model, tok, CPU, batch_size=2, progress=False)
+    batches, handed = [], []
+    real = backend._generate_batch
+    backend._generate_batch = lambda rows, *a: batches.append(len(rows)) or real(rows, *a)
+    samples = rollout(backend, tok, tasks, 3, SamplingParams(max_new_tokens=6, seed=1), "", 64,
+                      on_group=lambda group: handed.append((len(batches), group)))
+    assert sorted(g[0].group for _, g in handed) == [0, 1, 2, 3]
+    for _, group in handed:
+        assert group == [s for s in samples if s.group == group[0].group]
+    assert handed[0][0] < len(batches) == 6            # the first group came before the last of 6 batches

@@ -14,6 +14,11 @@ on a shared CPU: run it on a quiet machine for figures to quote.
 measures what reloading the model in every stage costs instead: two runs of a real config (its model,
 evaluation off, the plain stages) in lockstep, one reloading the model in every stage (GRPO_REUSE_MODEL=0),
 one reusing it; same seeds and checkpoints, so the same work; the median time saved per iteration.
+
+    python bench/ops_overhead.py --pooled-load-ab 10 --config configs/default.yaml
+
+times one stage's `load_policy` when the model comes from the pool, keeping the pooled tokenizer or reading
+it again (as before it travelled with the model), taking turns.
 """
 from __future__ import annotations
 
@@ -105,15 +110,57 @@ def reuse_ab(config_path: str, iterations: int, out: Path, json_out: str | None)
         Path(json_out).write_text(result)
 
 
+def pooled_load_ab(config_path: str, rounds: int, out: Path, json_out: str | None) -> None:
+    """What a stage's `load_policy` costs when the model comes from the pool, with the pooled tokenizer kept
+    (today) or parsed-and-copied again (before): the two take turns, `rounds` times each, same checkpoint."""
+    import gc
+    from grpo_core import policy as policy_module
+    from grpo_core.config import load_config
+    from grpo_core.policy import load_policy
+    sys.path.insert(0, str(Path(__file__).parent))
+    from learning import machine
+    cfg = load_config(config_path, [f"output_dir={out}"])
+    first = load_policy(cfg, None, need_reference=False)
+    ckpt = first.save(out / "checkpoint")
+    del first
+    gc.collect()
+    seconds: dict[str, list[float]] = {"tokenizer_kept": [], "tokenizer_reloaded": []}
+    for r in range(rounds + 1):                            # round 0 warms the pool up, not counted
+        for mode in (list(seconds) if r % 2 else list(reversed(seconds))):
+            if mode == "tokenizer_reloaded":
+                for pooled in policy_module._pool.values():
+                    pooled.tokenizer = None
+            t0 = time.perf_counter()
+            policy = load_policy(cfg, ckpt, need_reference=False)
+            took = time.perf_counter() - t0
+            del policy
+            gc.collect()
+            if r:
+                seconds[mode].append(took)
+    med = {mode: statistics.median(v) for mode, v in seconds.items()}
+    result = json.dumps({"machine": machine(), "config": config_path, "rounds": rounds, "seconds": seconds,
+                         "median": med}, indent=1)
+    print(result)
+    print(f"pooled load_policy: {med['tokenizer_reloaded']:.3f} s with the tokenizer parsed-and-copied again, "
+          f"{med['tokenizer_kept']:.3f} s with the pooled one kept (median of {rounds})")
+    if json_out:
+        Path(json_out).write_text(result)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--iterations", type=int, default=3)
     ap.add_argument("--model", default="tiny-random")
     ap.add_argument("--out", default=None)
     ap.add_argument("--reuse-ab", action="store_true", help="model reuse across stages on vs off (see above)")
+    ap.add_argument("--pooled-load-ab", type=int, metavar="ROUNDS", default=0,
+                    help="time a pooled load_policy with its tokenizer kept vs read again, ROUNDS times each")
     ap.add_argument("--config", default="configs/default.yaml", help="with --reuse-ab: the config to run")
-    ap.add_argument("--json", help="with --reuse-ab: also write the figures here")
+    ap.add_argument("--json", help="with --reuse-ab / --pooled-load-ab: also write the figures here")
     args = ap.parse_args()
+    if args.pooled_load_ab:
+        return pooled_load_ab(args.config, args.pooled_load_ab, Path(args.out or tempfile.mkdtemp(prefix="load-bench-")),
+                              args.json)
     if args.reuse_ab:
         return reuse_ab(args.config, args.iterations, Path(args.out or tempfile.mkdtemp(prefix="reuse-bench-")),
                         args.json)

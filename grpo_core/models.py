@@ -305,12 +305,17 @@ def file_versions(directory: Path, keep=lambda f: True) -> tuple:
                  if f.is_file() and keep(f))
 
 
+def tokenizer_version(path: Path) -> tuple:
+    """What a tokenizer read from `path` is keyed by: the directory and its non-weight files' versions."""
+    return str(Path(path).resolve()), file_versions(path, lambda f: f.suffix not in WEIGHT_SUFFIXES)
+
+
 def load_tokenizer(path: Path):
     """The tokenizer saved at `path`, padding on the left with EOS where it has no pad token. Parsing
     tokenizer.json takes ~0.5 s, so the last few directories read stay parsed (until their files change) and
     every caller gets its own copy."""
     from transformers import AutoTokenizer
-    key = (str(Path(path).resolve()), file_versions(path, lambda f: f.suffix not in WEIGHT_SUFFIXES))
+    key = tokenizer_version(path)
     if key not in _tokenizers:
         tok = AutoTokenizer.from_pretrained(path)
         if tok.pad_token is None:

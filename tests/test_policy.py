@@ -3,10 +3,13 @@
 gradients."""
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
 from grpo_core.config import GRPOConfig
+from grpo_core.models import resolve_model
 from grpo_core.policy import load_policy
 from grpo_core.update import ScoredSample, grpo_update, make_optimizer, make_scheduler
 
@@ -142,12 +145,13 @@ def test_a_released_model_is_reused_with_the_checkpoint_loaded_into_it(grpo_home
     cfg = cfg_of(beta=0.0)
     _trained(cfg_of(beta=0.0, lora_r=4), tmp_path / "r4")
     pol, trained = _trained(cfg, tmp_path / "a")
-    model = pol.model
+    model, tokenizer = pol.model, pol.tokenizer
     del pol
     gc.collect()
     assert pooled() == [model]
     second = load_policy(cfg, tmp_path / "a", need_reference=False)
     assert second.model is model and pooled() == []                    # taken out: no one else gets it
+    assert second.tokenizer is tokenizer                               # and its tokenizer with it
     for n, p in second.model.named_parameters():
         assert p.grad is None
         if "lora" in n:
@@ -163,6 +167,14 @@ def test_a_released_model_is_reused_with_the_checkpoint_loaded_into_it(grpo_home
     gc.collect()
     assert len(pooled()) == 1                                          # the last one released stays
     model = pooled()[0]
+    config = resolve_model(cfg.model) / "tokenizer_config.json"        # tokenizer files changed: read again
+    config.write_text(config.read_text())
+    os.utime(config, ns=(config.stat().st_atime_ns, config.stat().st_mtime_ns + 10**9))
+    third = load_policy(cfg, tmp_path / "a", need_reference=False)
+    assert third.model is model and third.tokenizer is not tokenizer
+    assert third.tokenizer("1+2=")["input_ids"] == tokenizer("1+2=")["input_ids"]
+    del third
+    gc.collect()
     rank4 = load_policy(cfg, tmp_path / "r4", need_reference=False)     # an r=4 adapter: not into the r=16 model
     assert rank4.model is not model
     assert {p.shape[0] for n, p in rank4.model.named_parameters() if "lora_A" in n} == {4}

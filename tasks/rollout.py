@@ -12,7 +12,8 @@ from grpo_core.task import read_tasks
 from grpo_core.update import DataParallel, interleave
 from tasks import distributed
 from tasks.layout import cfg_of, iter_dir
-from tasks.score import GroupScorer, early_scores_path, scores_during_rollout, write_early_scores
+from grpo_core.scoring import GroupScorer
+from tasks.score import early_scores_path, scores_during_rollout, write_early_scores
 from tasks.stage import stage
 
 

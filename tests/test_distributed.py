@@ -28,7 +28,8 @@ from tasks import distributed, tracking
 from tasks.layout import cfg_of
 from tasks.evaluate import evaluate
 from tasks.rollout import rollout
-from tasks.score import score, score_rows
+from grpo_core.scoring import score_rows
+from tasks.score import score
 from tasks.update import train_on_batch, update
 from tests import faults
 from tests.conftest import isolated_run_env, tiny_config

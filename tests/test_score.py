@@ -1,4 +1,4 @@
-"""tasks/score.py on the tiny model: the score stage's rows and metrics, and groups scored while the rollout samples
+"""tasks/score.py and grpo_core/scoring.py on the tiny model: the score stage's rows and metrics, and groups scored while the rollout samples
 them (stages.score.during_rollout): the same scores as the score stage's own, adopted only when they match the
 samples and the reward settings, and left to the score stage after any failure."""
 from __future__ import annotations
@@ -10,10 +10,11 @@ import pytest
 
 from grpo_core.data import arithmetic
 from grpo_core.io import read_jsonl, write_jsonl
+from grpo_core.scoring import GroupScorer, score_rows
 from grpo_core.task import read_tasks, write_tasks
 from tasks.layout import cfg_of
 from tasks.rollout import rollout
-from tasks.score import GroupScorer, early_scores_path, score, score_rows, scores_during_rollout
+from tasks.score import early_scores_path, score, scores_during_rollout
 from tests.conftest import isolated_run_env, tiny_config
 
 REWARDS = dict(reward_funcs=["accuracy", "format", "overlong"], overlong_buffer_length=6)

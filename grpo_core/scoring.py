@@ -1,0 +1,62 @@
+"""Scoring sample rows with the run's reward functions: one scored row per sample (total, per function,
+correctness) and the stage's metrics; `GroupScorer` does it on a helper thread group by group while the sampler
+produces the next groups (grpo_core/overlap.py)."""
+from __future__ import annotations
+
+from statistics import mean
+
+from grpo_core.config import GRPOConfig
+from grpo_core.overlap import Overlapped
+from grpo_core.rewards import compute_rewards, correctness_scores, reward_context
+from grpo_core.task import Task
+
+
+def score_rows(cfg: GRPOConfig, rows: list[dict], tasks: dict[str, Task]) -> tuple[list[dict], dict[str, float]]:
+    """Sample rows (task_id, completion, completion_ids) -> one scored row each (task_id, reward, rewards per
+    function, correct), and the seconds each reward function took."""
+    completions = [r["completion"] for r in rows]
+    row_tasks = [tasks[r["task_id"]] for r in rows]
+    context = reward_context(cfg, [r["completion_ids"] for r in rows])
+    scores = compute_rewards(completions, row_tasks, cfg.reward_funcs, cfg.reward_weights, context)
+    correctness = correctness_scores(scores, cfg.reward_funcs, completions, row_tasks, context, cfg.correctness_func)
+    scored = [{"task_id": r["task_id"], "reward": total, "rewards": {f: values[i] for f, values in scores.per_func.items()},
+               "correct": correctness[i]} for i, (r, total) in enumerate(zip(rows, scores.totals))]
+    return scored, scores.seconds
+
+
+def score_metrics(scored: list[dict], seconds: dict[str, float]) -> dict[str, float]:
+    ok = [r["reward"] for r in scored if r["reward"] is not None]
+    metrics = {"reward/mean": mean(ok) if ok else 0.0, "reward/unscorable_frac": 1 - len(ok) / max(1, len(scored))}
+    for f, took in seconds.items():
+        values = [r["rewards"][f] for r in scored if r["rewards"][f] is not None]
+        metrics[f"reward/{f}"] = mean(values) if values else 0.0
+        metrics[f"sys/reward_seconds/{f}"] = took
+    return metrics
+
+
+class GroupScorer:
+    """Scores groups on a helper thread while the sampler produces the next ones (grpo_core/overlap.py): `add`
+    each group's sample rows as the sampler finishes it, `finish` for ({group: scored rows}, seconds per reward
+    function), or None after an error (the score stage then scores everything in its own process). Reward
+    functions see the groups finished since their last call, a chunk at a time."""
+
+    def __init__(self, cfg: GRPOConfig, tasks: list[Task]):
+        by_id, self.seconds = {t.id: t for t in tasks}, {}
+
+        def score_chunk(rows: list[dict]) -> list[dict]:
+            scored, seconds = score_rows(cfg, rows, by_id)
+            for f, took in seconds.items():
+                self.seconds[f] = self.seconds.get(f, 0.0) + took
+            return scored
+        self._work = Overlapped(score_chunk, "scoring during the rollout", "score-during-rollout")
+
+    def add(self, group: int, rows: list[dict]) -> None:
+        self._work.add(group, rows)
+
+    def finish(self) -> tuple[dict[int, list[dict]], dict[str, float]] | None:
+        """Wait for the groups added so far to be scored; their scores, or None after an error."""
+        scored = self._work.finish()
+        return None if scored is None else (scored, self.seconds)
+
+    def abandon(self) -> None:
+        self._work.abandon()

@@ -46,7 +46,17 @@ def machine() -> dict:
     dirty = bool(subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT,
                                 capture_output=True, text=True).stdout.strip())
     return {"cpu": cpu, "cores": os.cpu_count(), "torch": torch.__version__, "transformers": transformers.__version__,
-            "python": platform.python_version(), "commit": commit + ("-dirty" if dirty else "")}
+            "trl": _version("trl"), "prefect": _version("prefect"), "python": platform.python_version(),
+            "commit": commit + ("-dirty" if dirty else "")}
+
+
+def _version(package: str) -> str | None:
+    """The installed version of `package`, or None when it is not installed."""
+    from importlib.metadata import PackageNotFoundError, version
+    try:
+        return version(package)
+    except PackageNotFoundError:
+        return None
 
 
 def launch(config: str, seed: int, iterations: int | None, sets: list[str], out_dir: Path, threads: int | None):

@@ -200,8 +200,10 @@ class ScoreStageConfig(StageRetryConfig):
     during_rollout: bool = Field(
         True, description="score each group (rule rewards, and code sent to the sandbox) on a helper thread as soon "
                           "as the rollout has sampled it, so the score stage only adopts the result; applies when "
-                          "the score stage runs where the rollout does (the same work_pool). Reward functions then "
-                          "see a few whole groups per call instead of the whole batch")
+                          "the score stage runs where the rollout does (the same work_pool); the evaluate stage "
+                          "scores its answers the same way. Reward functions then see a few whole groups per call "
+                          "instead of the whole batch; turn it off for one that must run on the main thread or "
+                          "would compete with sampling for the accelerator (a reward model)")
 
 
 class StagesConfig(_Section):

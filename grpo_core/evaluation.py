@@ -160,9 +160,10 @@ def summarize(rows: Sequence[dict], ks: Sequence[int]) -> dict[str, float]:
 
 def sample_rows(policy: Policy, tasks: Sequence[Task], cfg: GRPOConfig, seed: int,
                 progress: bool = True) -> list[dict]:
-    """The per-completion rows of every eval mode on `tasks` (mode by mode, in task order). Each task's answers
-    are scored on a helper thread as soon as they are sampled (code sent to the sandbox while later answers are
-    still being sampled); should that fail, everything is scored here afterwards."""
+    """The per-completion rows of every eval mode on `tasks` (mode by mode, in task order). With
+    stages.score.during_rollout each task's answers are scored on a helper thread as soon as they are sampled
+    (code sent to the sandbox while later answers are still being sampled); should that fail, and without it,
+    everything is scored here afterwards."""
     backend = make_backend(cfg, policy, progress=progress)      # the sampler the rollout stage uses
     by_id = {t.id: t for t in tasks}
     if len(by_id) != len(tasks):
@@ -177,20 +178,22 @@ def sample_rows(policy: Policy, tasks: Sequence[Task], cfg: GRPOConfig, seed: in
                 out[i] = row
         return out
 
-    scorer = Overlapped(score_chunk, "scoring the evaluation while sampling", "eval-scoring")
+    scorer = Overlapped(score_chunk, "scoring the evaluation while sampling", "eval-scoring") \
+        if cfg.stages.score.during_rollout else None
     sampled: list[tuple[str, list[Sample]]] = []
     try:
         for mode, n, params in eval_modes(cfg, seed):
             if tasks:
+                hand_over = (lambda group, mode=mode: scorer.add((mode, group[0].group), [(mode, s) for s in group])) \
+                    if scorer else None
                 samples = rollout(backend, policy.tokenizer, tasks, n, params, cfg.data.prompt_format,
-                                  cfg.max_prompt_length,
-                                  on_group=lambda group, mode=mode: scorer.add((mode, group[0].group),
-                                                                               [(mode, s) for s in group]))
+                                  cfg.max_prompt_length, on_group=hand_over)
                 sampled.append((mode, samples))
     except BaseException:
-        scorer.abandon()
+        if scorer:
+            scorer.abandon()
         raise
-    scored = scorer.finish()
+    scored = scorer.finish() if scorer else None
     if scored is None:
         return [row for mode, samples in sampled for row in score_samples(samples, by_id, cfg, mode)]
     return [row for mode, samples in sampled for g in range(len(tasks)) for row in scored[(mode, g)]]

@@ -252,7 +252,8 @@ def test_evaluation_is_deterministic_given_the_seed(tmp_path, grpo_home):
 def test_answers_scored_while_sampling_are_scored_as_afterwards_or_afterwards_on_failure(tmp_path, grpo_home,
                                                                                         monkeypatch):
     """sample_rows scores each task's answers on a helper thread as they are sampled: the rows are those of
-    sampling every mode first and scoring after; a reward that fails off the main thread is scored after."""
+    sampling every mode first and scoring after; a reward that fails off the main thread is scored after, and
+    with stages.score.during_rollout off no helper thread is used."""
     from grpo_core.data import arithmetic
     from grpo_core.evaluation import eval_modes, sample_rows, score_samples
     from grpo_core.policy import load_policy
@@ -273,6 +274,10 @@ def test_answers_scored_while_sampling_are_scored_as_afterwards_or_afterwards_on
     rows = sample_rows(policy, tasks, main_only, seed=3, progress=False)
     assert [r["completion"] for r in rows] == [r["completion"] for r in after]
     assert (tmp_path / "calls.log").read_text().split() == ["eval-scoring", "MainThread", "MainThread"]
+    off = main_only.model_copy(update={"stages": main_only.stages.model_copy(update={
+        "score": main_only.stages.score.model_copy(update={"during_rollout": False})})})
+    assert sample_rows(policy, tasks, off, seed=3, progress=False) == rows     # stages.score.during_rollout: false
+    assert (tmp_path / "calls.log").read_text().split()[3:] == ["MainThread", "MainThread"]   # no helper thread
 
 
 def make_adapter(cfg: GRPOConfig, out: Path, seed: int = 1) -> Path:

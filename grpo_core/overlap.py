@@ -47,8 +47,8 @@ class Overlapped:
                         self.results[key], results = results[:len(items)], results[len(items):]
                 except Exception as e:          # noqa: BLE001 -- the caller redoes the work and reports it
                     self.error = e
-                    log.warning("%s stopped (%s: %s); it is done afterwards instead", self.what,
-                                type(e).__name__, e)
+                    # info, not a warning: the caller redoes the work, and a real error surfaces there as usual
+                    log.info("%s stopped (%s: %s); it is done afterwards instead", self.what, type(e).__name__, e)
             if end:
                 return
 

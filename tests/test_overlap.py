@@ -35,7 +35,7 @@ def test_after_an_error_nothing_more_is_done_and_finish_says_so(caplog):
         calls.append(items)
         raise RuntimeError("no sandbox here")
 
-    with caplog.at_level(logging.WARNING, logger="grpo_core.overlap"):
+    with caplog.at_level(logging.INFO, logger="grpo_core.overlap"):
         work = Overlapped(fails_once, "scoring")
         work.add(0, [1])
         work.add(1, [2])

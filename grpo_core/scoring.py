@@ -1,13 +1,19 @@
 """Scoring sample rows with the run's reward functions: one scored row per sample (total, per function,
 correctness) and the stage's metrics; `GroupScorer` does it on a helper thread group by group while the sampler
-produces the next groups (grpo_core/overlap.py)."""
+produces the next groups (grpo_core/overlap.py), and its result is kept beside the samples (`early_scores.json`)
+for the score stage to adopt while it matches them, the reward settings and the reward functions' code."""
 from __future__ import annotations
 
+import hashlib
+import inspect
+import json
+from pathlib import Path
 from statistics import mean
 
 from grpo_core.config import GRPOConfig
+from grpo_core.io import read_json, write_json
 from grpo_core.overlap import Overlapped
-from grpo_core.rewards import compute_rewards, correctness_scores, reward_context
+from grpo_core.rewards import compute_rewards, correctness_scores, resolve_reward_funcs, reward_context
 from grpo_core.task import Task
 
 
@@ -60,3 +66,54 @@ class GroupScorer:
 
     def abandon(self) -> None:
         self._work.abandon()
+
+
+# -- the scores made while sampling, beside the samples ----------------------------------------------------
+
+def scores_during_rollout(cfg: GRPOConfig) -> bool:
+    """Whether the rollout scores groups as they are sampled: asked for, and the score stage runs in the same
+    place (the same work pool, or both in the training run's process) so it has the same sandbox and plugins."""
+    return cfg.stages.score.during_rollout and cfg.stages.score.work_pool == cfg.stages.rollout.work_pool
+
+
+def early_scores_path(samples: str | Path) -> Path:
+    return Path(samples).with_name("early_scores.json")
+
+
+def reward_code_versions(cfg: GRPOConfig) -> list[tuple]:
+    """(file, size, mtime) of the source of each reward function (and the correctness function)."""
+    versions = []
+    for func in resolve_reward_funcs([*cfg.reward_funcs, cfg.correctness_func]):
+        try:
+            stat = (path := Path(inspect.getfile(inspect.unwrap(func.fn)))).stat()
+            versions.append((str(path), stat.st_size, stat.st_mtime_ns))
+        except (TypeError, OSError):          # defined where no file says which version it is
+            versions.append((func.entry, None, None))
+    return versions
+
+
+def early_key(cfg: GRPOConfig, samples: str | Path) -> str:
+    """What early scores must match to stand for this stage's own: the samples' bytes, the reward settings and
+    the reward functions' source files (a plugin fixed between the rollout and this stage scores again)."""
+    settings = {"reward_funcs": cfg.reward_funcs, "weights": cfg.reward_weights, "correctness": cfg.correctness_func,
+                "sandbox": cfg.sandbox.model_dump(mode="json"), "max_completion_length": cfg.max_completion_length,
+                "overlong_buffer_length": cfg.overlong_buffer_length, "code": reward_code_versions(cfg)}
+    h = hashlib.sha256(json.dumps(settings, sort_keys=True, default=str).encode())
+    h.update(Path(samples).read_bytes())
+    return h.hexdigest()[:16]
+
+
+def write_early_scores(cfg: GRPOConfig, samples: str | Path, scored: list[dict], seconds: dict[str, float]) -> Path:
+    return write_json(early_scores_path(samples), {"key": early_key(cfg, samples), "rows": scored, "seconds": seconds})
+
+
+def read_early_scores(cfg: GRPOConfig, samples: str | Path, rows: list[dict]) -> tuple[list[dict], dict] | None:
+    """The rollout's scores of these sample rows, if it left ones that match them and the reward settings."""
+    path = early_scores_path(samples)
+    if not path.exists():
+        return None
+    early = read_json(path)
+    if early.get("key") != early_key(cfg, samples) or len(early.get("rows", ())) != len(rows) or \
+            any(e["task_id"] != r["task_id"] for e, r in zip(early["rows"], rows)):
+        return None
+    return early["rows"], early["seconds"]

@@ -8,19 +8,18 @@ from grpo_core.io import write_jsonl
 from grpo_core.policy import load_policy
 from grpo_core.rollout import make_backend, rollout as sample_groups
 from grpo_core.sampling import SamplingParams
+from grpo_core.scoring import GroupScorer, early_scores_path, scores_during_rollout, write_early_scores
 from grpo_core.task import read_tasks
 from grpo_core.update import DataParallel, interleave
 from tasks import distributed
 from tasks.layout import cfg_of, iter_dir
-from grpo_core.scoring import GroupScorer
-from tasks.score import early_scores_path, scores_during_rollout, write_early_scores
 from tasks.stage import stage
 
 
 def sample_share(data_parallel: DataParallel, config: dict, run_dir: str, iteration: int, prompts: str,
                  checkpoint: str | None) -> dict:
     """This process's share of the prompts, sampled (and scored as each group is done, where the score stage
-    runs here: tasks/score.py); the first process gathers every group, in prompt order, writes samples.jsonl
+    runs here: grpo_core/scoring.py); the first process gathers every group, in prompt order, writes samples.jsonl
     (and early_scores.json) and returns the stage's record (the others return {})."""
     cfg = cfg_of(config)
     tasks = data_parallel.shard(read_tasks(prompts))

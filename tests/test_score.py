@@ -10,11 +10,11 @@ import pytest
 
 from grpo_core.data import arithmetic
 from grpo_core.io import read_jsonl, write_jsonl
-from grpo_core.scoring import GroupScorer, score_rows
+from grpo_core.scoring import GroupScorer, early_scores_path, score_rows, scores_during_rollout
 from grpo_core.task import read_tasks, write_tasks
 from tasks.layout import cfg_of
 from tasks.rollout import rollout
-from tasks.score import early_scores_path, score, scores_during_rollout
+from tasks.score import score
 from tests.conftest import isolated_run_env, tiny_config
 
 REWARDS = dict(reward_funcs=["accuracy", "format", "overlong"], overlong_buffer_length=6)
@@ -82,6 +82,30 @@ def test_early_scores_are_used_only_for_the_samples_and_rewards_they_were_made_f
     edited = score.fn(config, str(run_dir), 1, str(prompts), rolled["samples"])
     assert not edited["scored_during_rollout"]
     assert next(read_jsonl(edited["scores"]))["rewards"]["format"] == 1.0     # scored from the edited file
+
+
+def test_early_scores_are_not_used_once_a_reward_functions_source_changed(env, monkeypatch):
+    """A plugin edited between the rollout and the score stage (fixed, say, before `grpo resume`): scored again."""
+    import os
+    import sys
+    tmp, prompts = env
+    plugins = tmp / "plugins"
+    plugins.mkdir(exist_ok=True)
+    source = plugins / "gp_half.py"
+    source.write_text("def half(prompts, completions, **kw):\n    return [0.5] * len(completions)\n")
+    monkeypatch.syspath_prepend(str(plugins))
+    try:
+        rolled, scored, run_dir = roll_and_score(tmp, prompts, "edited", reward_funcs=["format", "gp_half:half"])
+        assert scored["scored_during_rollout"]
+        (run_dir / "iter-1" / "score.json").unlink()
+        stat = source.stat()
+        os.utime(source, ns=(stat.st_atime_ns, stat.st_mtime_ns + 10**9))          # the file edited
+        config = tiny_config(tmp, run_name="edited", num_generations=3, max_completion_length=8,
+                             generation_batch_size=4, **{**REWARDS, "reward_funcs": ["format", "gp_half:half"]})
+        again = score.fn(config, str(run_dir), 1, str(prompts), rolled["samples"])
+        assert not again["scored_during_rollout"]
+    finally:
+        sys.modules.pop("gp_half", None)
 
 
 def test_a_reward_that_fails_on_the_helper_thread_is_left_to_the_score_stage(env, caplog, monkeypatch):

@@ -164,6 +164,13 @@ def main() -> None:
     if args.reuse_ab:
         return reuse_ab(args.config, args.iterations, Path(args.out or tempfile.mkdtemp(prefix="reuse-bench-")),
                         args.json)
+    from flows.train import engine_settings
+    with engine_settings():                         # the temporary server's settings, as `grpo train` starts it
+        overhead(args)
+
+
+def overhead(args) -> None:
+    """Plain stages vs the flow, skipped iterations, and a resume (the module docstring's 1-3)."""
     from mlflow.tracking import MlflowClient
     from grpo_core.config import GRPOConfig
     from flows.train import training_run

@@ -300,3 +300,23 @@ def test_reusing_the_model_across_stages_changes_no_result(prefect_engine, grpo_
     assert reused.keys() == fresh.keys() and all((reused[k] == fresh[k]).all() for k in reused)
     assert {k: v for k, v in reused_eval.items() if "seconds" not in k} == \
         {k: v for k, v in fresh_eval.items() if "seconds" not in k}
+
+
+def test_a_temporary_server_records_task_runs_in_batches_and_no_other_server_is_touched(monkeypatch):
+    """engine_settings(): the server a command starts for itself (no PREFECT_API_URL) gets the task-run
+    recorder's batch size (passed to its subprocess with the current settings); a configured server, or a
+    value the user set, is left alone."""
+    from prefect.settings import PREFECT_API_URL, get_current_settings, temporary_settings
+    from flows.train import RECORDER_BATCH, engine_settings
+    monkeypatch.delenv(RECORDER_BATCH, raising=False)
+    passed = lambda: get_current_settings().to_environment_variables(exclude_unset=True)  # noqa: E731
+    with temporary_settings(restore_defaults={PREFECT_API_URL}):
+        with engine_settings():
+            assert passed().get(RECORDER_BATCH) == "50"
+        assert RECORDER_BATCH not in passed()
+        monkeypatch.setenv(RECORDER_BATCH, "7")
+        with engine_settings():
+            assert RECORDER_BATCH not in passed()
+        monkeypatch.delenv(RECORDER_BATCH)
+    with temporary_settings(updates={PREFECT_API_URL: "http://127.0.0.1:4200/api"}), engine_settings():
+        assert RECORDER_BATCH not in passed()

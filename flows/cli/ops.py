@@ -44,7 +44,7 @@ def run_config(run_dir: Path, overrides: list[str] | None = None) -> GRPOConfig:
 def cmd_resume(args) -> int:
     import time
     from flows.cli.logs import run_console
-    from flows.train import preflight, training_run
+    from flows.train import engine_settings, preflight, training_run
     from tasks.run_state import run_status
     run_dir = find_run_dir(args.run, args.output_dir)
     cfg = run_config(run_dir, args.set)
@@ -53,7 +53,7 @@ def cmd_resume(args) -> int:
     print(f"Resuming {run_dir} (status {before['status']}, last completed {before['last_completed']}, "
           f"MLflow run {before['mlflow_run_id']})")
     t0 = time.time()
-    with run_console(getattr(args, "debug", False)):
+    with run_console(getattr(args, "debug", False)), engine_settings():
         summary = training_run(config=cfg.model_dump(mode="json"))
     print(f"\nRun {cfg.run_name} finished ({(time.time() - t0) / 60:.1f} min this time).\n")
     print(format_eval_table(summary["evals"]))

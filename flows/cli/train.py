@@ -47,13 +47,13 @@ def cmd_train(args) -> int:
     args.run_name, args.output_dir = cfg.run_name, cfg.output_dir     # for the resume hint if it is stopped
     # Imported here, not at the top: Prefect must see the environment main.configure_env() sets.
     from flows.cli.logs import run_console
-    from flows.train import preflight, training_run
+    from flows.train import engine_settings, preflight, training_run
     from tasks.tracking import ui_command
     preflight(cfg)  # bad model, data, adapter, tracking server, ... fail here, before the engine starts
     from grpo_core.models import describe_precision, select_device
     print(describe_precision(cfg.dtype, select_device(cfg.device), cfg.use_peft), flush=True)
     t0 = time.time()
-    with run_console(getattr(args, "debug", False)):
+    with run_console(getattr(args, "debug", False)), engine_settings():
         summary = training_run(config=cfg.model_dump(mode="json"))
     minutes = (time.time() - t0) / 60
     print("\n" + "=" * 72)

@@ -25,6 +25,7 @@ Deterministic given the seed: generation is seeded per mode, tasks keep their fi
 """
 from __future__ import annotations
 
+import contextlib
 import re
 from collections import defaultdict
 from statistics import mean
@@ -181,7 +182,7 @@ def sample_rows(policy: Policy, tasks: Sequence[Task], cfg: GRPOConfig, seed: in
     scorer = Overlapped(score_chunk, "scoring the evaluation while sampling", "eval-scoring") \
         if cfg.stages.score.during_rollout else None
     sampled: list[tuple[str, list[Sample]]] = []
-    try:
+    with scorer or contextlib.nullcontext():
         for mode, n, params in eval_modes(cfg, seed):
             if tasks:
                 hand_over = (lambda group, mode=mode: scorer.add((mode, group[0].group), [(mode, s) for s in group])) \
@@ -189,10 +190,6 @@ def sample_rows(policy: Policy, tasks: Sequence[Task], cfg: GRPOConfig, seed: in
                 samples = rollout(backend, policy.tokenizer, tasks, n, params, cfg.data.prompt_format,
                                   cfg.max_prompt_length, on_group=hand_over)
                 sampled.append((mode, samples))
-    except BaseException:
-        if scorer:
-            scorer.abandon()
-        raise
     scored = scorer.finish() if scorer else None
     if scored is None:
         return [row for mode, samples in sampled for row in score_samples(samples, by_id, cfg, mode)]

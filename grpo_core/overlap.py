@@ -3,7 +3,8 @@ samples later groups).
 
 `Overlapped(fn)`: `add(key, items)` as each piece is ready; a helper thread calls `fn(items) -> one result per
 item` on everything added since its last call (one call per chunk, so a batched scorer, such as the sandbox's
-parallel runner, still gets batches); `finish()` waits and returns {key: results}. All or nothing: after the
+parallel runner, still gets batches); `finish()` waits and returns {key: results}. Used as a context manager
+around the producer, an exception there abandons the work without waiting. All or nothing: after the
 first exception it stops working and `finish()` returns None, leaving the work to the caller (who can redo it
 where the error surfaces with its usual message, e.g. a reward function that only works on the main thread)."""
 from __future__ import annotations
@@ -62,3 +63,11 @@ class Overlapped:
         """Stop without waiting (the producer failed): the helper ends after the chunk in hand."""
         self.error = self.error or RuntimeError("abandoned")
         self._queue.put(self._END)
+
+    def __enter__(self) -> "Overlapped":
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        """Leaving on an exception (the producer failed) abandons the work; `finish` is the normal way out."""
+        if exc_type is not None:
+            self.abandon()

@@ -67,6 +67,12 @@ class GroupScorer:
     def abandon(self) -> None:
         self._work.abandon()
 
+    def __enter__(self) -> "GroupScorer":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._work.__exit__(*exc)
+
 
 # -- the scores made while sampling, beside the samples ----------------------------------------------------
 

@@ -2,6 +2,7 @@
 several (stages.rollout.num_processes, tasks/distributed.py: each samples its share of the prompts)."""
 from __future__ import annotations
 
+import contextlib
 import time
 
 from grpo_core.io import write_jsonl
@@ -30,22 +31,18 @@ def sample_share(data_parallel: DataParallel, config: dict, run_dir: str, iterat
                             top_p=cfg.top_p, top_k=cfg.top_k,
                             seed=data_parallel.shard_seed(cfg.seed * 7919 + iteration),
                             logprobs=cfg.needs_sampler_logprobs)
-    scorer = GroupScorer(cfg, tasks) if scores_during_rollout(cfg) and tasks else None
+    scorer = GroupScorer(cfg, tasks) if scores_during_rollout(cfg) else None
     on_group = (lambda group: scorer.add(group[0].group, [s.to_dict() for s in group])) if scorer else None
     t0 = time.perf_counter()
-    try:
+    with scorer or contextlib.nullcontext():
         samples = sample_groups(backend, policy.tokenizer, tasks, cfg.num_generations, params,
                                 cfg.data.prompt_format_at(iteration), cfg.max_prompt_length, on_group) if tasks else []
-    except BaseException:
-        if scorer:
-            scorer.abandon()
-        raise
     sampled = time.perf_counter() - t0
     early = scorer.finish() if scorer else None            # the groups sampled last are still being scored
     groups = [[] for _ in tasks]
     for s in samples:
         groups[s.group].append(s.to_dict())
-    scored = [early[0].get(k) for k in range(len(tasks))] if early else [] if not tasks else None
+    scored = [early[0].get(k) for k in range(len(tasks))] if early else None
     if scored is not None and any(s is None for s in scored):
         scored = None
     shards = data_parallel.gather((groups, scored, early[1] if early else None))
@@ -56,9 +53,9 @@ def sample_share(data_parallel: DataParallel, config: dict, run_dir: str, iterat
     tokens = sum(len(r["completion_ids"]) for r in rows)
     out = write_jsonl(iter_dir(run_dir, iteration) / "samples.jsonl", rows)
     early_scores_path(out).unlink(missing_ok=True)
-    if scores_during_rollout(cfg) and all(s is not None for _, s, _ in shards):
-        reward_seconds = {f: sum((sec or {}).get(f, 0.0) for _, _, sec in shards)
-                          for f in dict.fromkeys(f for _, _, sec in shards for f in sec or {})}
+    if rows and all(s is not None for _, s, _ in shards):          # every process scored all its groups
+        reward_seconds = {f: sum(sec.get(f, 0.0) for _, _, sec in shards)
+                          for f in dict.fromkeys(f for _, _, sec in shards for f in sec)}
         write_early_scores(cfg, out, [r for group in interleave([s for _, s, _ in shards]) for r in group],
                            reward_seconds)
     return {"samples": str(out), "num_samples": len(rows), "seconds": seconds, "sampling_seconds": sampled,

@@ -57,3 +57,13 @@ def test_a_wrong_number_of_results_is_an_error_and_abandon_stops_without_waiting
     gate.set()
     stuck._thread.join(10)                              # and the helper ends after the chunk in hand
     assert not stuck._thread.is_alive()
+
+
+def test_leaving_the_block_on_an_exception_abandons_the_work():
+    import pytest
+    work = Overlapped(lambda items: items, "copying")
+    with pytest.raises(KeyboardInterrupt), work:
+        work.add(0, [1])
+        raise KeyboardInterrupt                     # the producer was stopped
+    work._thread.join(10)
+    assert not work._thread.is_alive() and work.finish() is None

@@ -54,9 +54,16 @@ def patched_functional(**overrides):
         fused_decode.F = real
 
 
+def linears_and_widths(dec: FusedDecoder) -> list:
+    """[(linear, input width)] of one decode step: the four of every layer, then the LM head."""
+    C, attn, mlp = dec.embed.weight.size(1), dec.n_q * dec.d, dec.width
+    return [(lin, w) for layer in dec.layers
+            for lin, w in ((layer.qkv, C), (layer.o, attn), (layer.gate_up, C), (layer.down, mlp))] + [(dec.head, C)]
+
+
 @contextlib.contextmanager
 def without_lora(dec: FusedDecoder):
-    linears = [lin for layer in dec.layers for lin in (layer.qkv, layer.o, layer.gate_up, layer.down)] + [dec.head]
+    linears = [lin for lin, _ in linears_and_widths(dec)]
     saved = [(lin.lora_a, lin.lora_b) for lin in linears]
     for lin in linears:
         lin.lora_a = lin.lora_b = None
@@ -79,11 +86,9 @@ def decode_seconds(dec: FusedDecoder, ids: torch.Tensor) -> float:
 
 def linears_seconds(dec: FusedDecoder) -> float:
     """NEW rounds of every base linear of the step at its decode shape (one row per sampled sequence)."""
-    dtype, C = dec.embed.weight.dtype, dec.embed.weight.size(1)
-    x = {w: torch.randn(ROWS, 1, w).to(dtype) for w in (C, dec.n_q * dec.d, dec.width)}
-    calls = [(lin, x[w]) for layer in dec.layers
-             for lin, w in ((layer.qkv, C), (layer.o, dec.n_q * dec.d), (layer.gate_up, C), (layer.down, dec.width))]
-    calls.append((dec.head, x[C]))
+    pairs = linears_and_widths(dec)
+    x = {w: torch.randn(ROWS, 1, w).to(dec.embed.weight.dtype) for _, w in pairs}
+    calls = [(lin, x[w]) for lin, w in pairs]
     with without_lora(dec):
         for lin, inp in calls:
             lin(inp)

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import atexit
 import functools
+import gc
 import importlib
 import os
 import signal
@@ -161,10 +162,9 @@ def _broadcast(job: dict | None) -> dict | None:
 
 def serve_jobs() -> int:
     """The processes of a launch other than the first: run each call it sends, until it exits. -> exit status."""
-    import torch.distributed as dist
     while (job := _broadcast(None)) is not None:
         _call(job, _launch.data_parallel)
-    dist.destroy_process_group()
+    _leave_process_group()
     return 0
 
 
@@ -173,7 +173,18 @@ def _release_waiting_processes() -> None:
     import torch.distributed as dist
     if _launch is not None and not _launch.broken and dist.is_initialized():
         _broadcast(None)
-        dist.destroy_process_group()
+        _leave_process_group()
+
+
+def _leave_process_group() -> None:
+    """Destroy the process group and drop this module's hold on it, so that gloo's worker threads are joined
+    now. A worker that frees the last call's buffers only once the interpreter is shutting down cannot take
+    the GIL any more, and aborts the process ("terminate called without an active exception", SIGABRT)."""
+    import torch.distributed as dist
+    global _launch
+    dist.destroy_process_group()
+    _launch = None
+    gc.collect()
 
 
 def _run_on_launch(function: Callable, kwargs: dict):
@@ -259,12 +270,11 @@ def run_on_processes(function: Callable, kwargs: dict, num_processes: int, devic
 # -- `python -m tasks.distributed JOB`: one of the processes a stage started with `accelerate launch` -----
 
 def main(job_file: str) -> int:
-    import torch.distributed as dist
     job = read_json(job_file)
-    launch = _join(select_device(job["device"]).type == "cpu", owner_pid=job["owner_pid"])
-    first = launch.data_parallel.rank == 0
+    data_parallel = _join(select_device(job["device"]).type == "cpu", owner_pid=job["owner_pid"]).data_parallel
+    first = data_parallel.rank == 0
     try:
-        result = _call(job, launch.data_parallel)
+        result = _call(job, data_parallel)
     except BaseException as e:
         if first:
             write_json(job["result_file"], {"error": True, "type": type(e).__name__, "message": str(e),
@@ -272,7 +282,7 @@ def main(job_file: str) -> int:
         raise
     if first:
         write_json(job["result_file"], {"result": result})
-    dist.destroy_process_group()
+    _leave_process_group()
     return 0
 
 

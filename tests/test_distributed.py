@@ -271,6 +271,49 @@ def test_a_training_run_under_accelerate_launch_resumes_after_sigkill(tmp_path, 
         _assert_no_duplicate_steps(uri, read_json(run_dir / "summary.json")["mlflow_run_id"])
 
 
+def ranks_summed(data_parallel: DataParallel) -> float:
+    """A call sent to every process of a launch: the sum of the ranks, over the process group."""
+    total = torch.tensor([float(data_parallel.rank)])
+    data_parallel.sum_across([total])
+    return total.item()
+
+
+EXIT_PROBE = """
+import json, os, sys
+from tasks import distributed
+def threads(): return len(os.listdir("/proc/self/task"))        # native threads, gloo's workers included
+before = threads()
+rank = distributed.join_launch()                                   # + the Python thread that watches the launcher
+joined = threads()
+if rank > 0:
+    distributed.serve_jobs()
+else:
+    total = distributed.run_on_processes(__import__("tests.test_distributed").test_distributed.ranks_summed, {}, 2,
+                                         "cpu", ".")
+    distributed._release_waiting_processes()                       # what atexit runs, here to count after it
+print("PROBE", json.dumps(dict(rank=rank, before=before, joined=joined, left=threads())), flush=True)
+"""
+
+
+@pytest.mark.timeout(LAUNCH_TIMEOUT)
+def test_a_launch_joins_its_gloo_threads_before_the_interpreter_exits(tmp_path):
+    """Every process of a launch, once the group's last call is done, destroys the group and drops it, so that
+    gloo's worker threads are joined then: one left to free its buffers while the interpreter shuts down
+    aborts the process (SIGABRT, "terminate called without an active exception"; it failed 1 run in 10)."""
+    script = tmp_path / "probe.py"
+    script.write_text(EXIT_PROBE)
+    env = {**os.environ, **CPU_ONLY, "PYTHONPATH": str(distributed.REPO_ROOT)}
+    proc = subprocess.run([*distributed.accelerate_launch(N), str(script)], env=env, capture_output=True, text=True,
+                          timeout=LAUNCH_TIMEOUT)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    probes = sorted((json.loads(line.split("PROBE ", 1)[1]) for line in proc.stdout.splitlines() if "PROBE " in line),
+                    key=lambda p: p["rank"])
+    assert [p["rank"] for p in probes] == [0, 1]
+    for p in probes:
+        assert p["joined"] > p["before"] + 1, p                   # the group's threads ran ...
+        assert p["left"] == p["before"] + 1, p                    # ... and only the launcher's watcher is left
+
+
 @pytest.mark.parametrize("loss_type", LOSS_TYPES)
 def test_every_loss_type_has_a_data_parallel_normaliser(loss_type):
     assert loss_type in MICRO_BATCH_NORMALISER

@@ -90,7 +90,8 @@ class Ours:
         t2 = time.perf_counter()
         tokens = sum(len(s.completion_ids) for s in samples)
         return {"seconds": t2 - t0, "generate_s": t1 - t0, "update_s": t2 - t1, "tokens": tokens,
-                "reward": statistics.mean(totals)}
+                "longest": max(len(s.completion_ids) for s in samples),
+                "prompt_tokens": statistics.mean(len(s.prompt_ids) for s in samples), "reward": statistics.mean(totals)}
 
 
 class TRL:
@@ -224,6 +225,8 @@ def main(argv=None) -> dict:
     result["ours"] = summarise(f"ours {dtype}", [r["seconds"] for r in rec], [r["tokens"] for r in rec])
     result["ours"]["generate_s_median"] = statistics.median(r["generate_s"] for r in rec)
     result["ours"]["update_s_median"] = statistics.median(r["update_s"] for r in rec)
+    result["ours"]["decode_steps_median"] = statistics.median(r["longest"] for r in rec)   # all rows decode together
+    result["ours"]["prompt_tokens_mean"] = statistics.mean(r["prompt_tokens"] for r in rec)
     result["ours"]["sampler"] = getattr(ours.backend, "path", args.backend)
     print(f"our sampler: {result['ours']['sampler']}", flush=True)
     if args.trl:

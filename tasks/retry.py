@@ -16,7 +16,8 @@ _PERMANENT_OS_ERRORS = (FileNotFoundError, IsADirectoryError, NotADirectoryError
 _TRANSIENT_NAMES = ("InfraError", "EngineUnavailable", "BoxDied",     # sandbox/ (engine down: retried, bounded)
                     "OutOfMemoryError", "OperationalError")           # torch.cuda, sqlite
 _TRANSIENT_MESSAGES = ("cuda out of memory", "out of memory", "database is locked", "temporarily unavailable",
-                       "connection reset", "connection refused", "timed out", "cudnn_status_internal_error",
+                       "connection reset", "connection refused", "connection broken", "connection aborted",
+                       "timed out", "cudnn_status_internal_error",
                        "nccl error", "resource temporarily unavailable")
 
 

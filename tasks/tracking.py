@@ -3,14 +3,16 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import functools
 import hashlib
 import json
 import os
 import re
 import subprocess
 import sys
+import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from grpo_core.config import ConfigError, GRPOConfig
 from grpo_core.io import read_json, read_jsonl, write_json
@@ -45,12 +47,42 @@ def check_reachable(cfg: GRPOConfig, timeout: float = 3.0) -> None:
                           f"it to log to a local SQLite store under output_dir") from e
 
 
+# How MLflow words a request whose answer was cut off (the server stopped while it answered). MLflow retries a
+# connection that is refused or times out, not one that breaks mid-answer.
+BROKEN_CONNECTION = ("connection broken", "connection aborted", "remotedisconnected", "incompleteread")
+
+
+def _again_if_cut_off(read: Callable, attempts: int = 3, wait_s: float = 1.0) -> Callable:
+    """`read`, made again (after `wait_s`) when its answer was cut off; reads only, which are safe to repeat."""
+    @functools.wraps(read)
+    def call(*args, **kwargs):
+        for attempt in range(attempts):
+            try:
+                return read(*args, **kwargs)
+            except Exception as e:
+                if attempt == attempts - 1 or not any(m in str(e).lower() for m in BROKEN_CONNECTION):
+                    raise
+                time.sleep(wait_s)
+    return call
+
+
+@functools.cache
+def _client_class():
+    from mlflow.tracking import MlflowClient
+
+    class Client(MlflowClient):
+        """MlflowClient whose reads (get_*, search_*) are made again when the answer was cut off."""
+        def __getattribute__(self, name):
+            attr = super().__getattribute__(name)
+            return _again_if_cut_off(attr) if name.startswith(("get_", "search_")) and callable(attr) else attr
+    return Client
+
+
 def client(cfg: GRPOConfig):
     """A client for this run's store; the registry lives in the same store (never the process-global
     registry URI that an earlier `load_adapter` in this process may have set)."""
-    from mlflow.tracking import MlflowClient
     uri = tracking_uri(cfg)
-    return MlflowClient(tracking_uri=uri, registry_uri=uri)
+    return _client_class()(tracking_uri=uri, registry_uri=uri)
 
 
 # The MLflow 3 UI shows an experiment in its "GenAI" or its "Model training" view. Which one is not read from

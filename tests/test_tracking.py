@@ -5,6 +5,8 @@ The unit tests build the tables from hand-made rows; the rest share one tiny tra
 engine, MLflow on SQLite in a temp dir) and read what it left in MLflow."""
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -205,3 +207,58 @@ def test_runs_starting_at_once_share_a_new_sqlite_store(tmp_path):
     outs = [p.communicate(timeout=300) for p in procs]
     assert [p.returncode for p in procs] == [0, 0, 0], [err[-500:] for _, err in outs]
     assert len({out.strip() for out, _ in outs}) == 3
+
+
+class _CuttingServer:
+    """A stand-in MLflow server on localhost that cuts off its answers to the requests numbered in `cut` (1-based:
+    the headers go out, then the connection closes mid-body, as when a server is stopped while it answers), and
+    answers the others with `body`. Records each request's method and path."""
+
+    def __init__(self, cut: set[int], body: bytes):
+        import http.server
+        import threading
+        server = self
+        self.requests: list[tuple[str, str]] = []
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def _answer(self):
+                if self.command == "POST":
+                    self.rfile.read(int(self.headers.get("Content-Length", 0)))
+                server.requests.append((self.command, self.path.split("?")[0]))
+                self.send_response(200)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                if len(server.requests) in cut:
+                    self.wfile.write(body[:5])
+                    self.close_connection = True
+                    return
+                self.wfile.write(body)
+            do_GET = do_POST = _answer
+
+            def log_message(self, *args):
+                pass
+        self.httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.uri = f"http://127.0.0.1:{self.httpd.server_address[1]}"
+        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
+
+
+def test_a_read_whose_answer_is_cut_off_is_made_again_and_a_write_is_not():
+    """MLflow retries a refused connection, not an answer cut off mid-body (a tracking server stopped while it
+    answered): the run's client makes such a read again; a write it does not repeat, its error is transient."""
+    from mlflow.entities import Metric
+    from mlflow.exceptions import MlflowException
+    from mlflow.tracking import MlflowClient
+    from tasks.retry import is_transient
+    history = json.dumps({"metrics": [{"key": "m", "value": 1.0, "timestamp": 0, "step": 3}]}).encode()
+    server = _CuttingServer(cut={1, 2, 4}, body=history)
+    with pytest.raises(MlflowException, match="(?i)connection broken"):
+        MlflowClient(tracking_uri=server.uri).get_metric_history("r", "m")      # 1: cut, plain MLflow gives up
+    cfg = GRPOConfig(tracking=dict(tracking_uri=server.uri))
+    c = tracking.client(cfg)
+    assert [m.step for m in c.get_metric_history("r", "m")] == [3]             # 2: cut, 3: answered
+    with pytest.raises(MlflowException) as cut_write:
+        c.log_batch("r", metrics=[Metric("m", 1.0, 0, 4)])                      # 4: cut, not repeated
+    assert is_transient(cut_write.value)
+    assert [m for m, _ in server.requests] == ["GET", "GET", "GET", "POST"]
+    server.httpd.shutdown()

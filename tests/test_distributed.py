@@ -280,8 +280,10 @@ def ranks_summed(data_parallel: DataParallel) -> float:
 
 EXIT_PROBE = """
 import json, os, sys
+import torch
 from tasks import distributed
 def threads(): return len(os.listdir("/proc/self/task"))        # native threads, gloo's workers included
+torch.cat([torch.ones(2), torch.zeros(2)]).sum()                  # any thread pool torch starts, started first
 before = threads()
 rank = distributed.join_launch()                                   # + the Python thread that watches the launcher
 joined = threads()

@@ -15,10 +15,11 @@ class TransientError(RuntimeError):
 _PERMANENT_OS_ERRORS = (FileNotFoundError, IsADirectoryError, NotADirectoryError, PermissionError, FileExistsError)
 _TRANSIENT_NAMES = ("InfraError", "EngineUnavailable", "BoxDied",     # sandbox/ (engine down: retried, bounded)
                     "OutOfMemoryError", "OperationalError")           # torch.cuda, sqlite
+# How requests/MLflow word an answer cut off mid-body (the server stopped while it answered).
+CUT_OFF_MESSAGES = ("connection broken", "connection aborted", "remotedisconnected", "incompleteread")
 _TRANSIENT_MESSAGES = ("cuda out of memory", "out of memory", "database is locked", "temporarily unavailable",
-                       "connection reset", "connection refused", "connection broken", "connection aborted",
-                       "timed out", "cudnn_status_internal_error",
-                       "nccl error", "resource temporarily unavailable")
+                       "connection reset", "connection refused", "timed out", "cudnn_status_internal_error",
+                       "nccl error", "resource temporarily unavailable", *CUT_OFF_MESSAGES)
 
 
 def _transient_one(exc: BaseException) -> bool | None:

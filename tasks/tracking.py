@@ -16,6 +16,7 @@ from typing import Any, Callable
 
 from grpo_core.config import ConfigError, GRPOConfig
 from grpo_core.io import read_json, read_jsonl, write_json
+from tasks.retry import CUT_OFF_MESSAGES
 
 
 def tracking_uri(cfg: GRPOConfig) -> str:
@@ -47,20 +48,16 @@ def check_reachable(cfg: GRPOConfig, timeout: float = 3.0) -> None:
                           f"it to log to a local SQLite store under output_dir") from e
 
 
-# How MLflow words a request whose answer was cut off (the server stopped while it answered). MLflow retries a
-# connection that is refused or times out, not one that breaks mid-answer.
-BROKEN_CONNECTION = ("connection broken", "connection aborted", "remotedisconnected", "incompleteread")
-
-
 def _again_if_cut_off(read: Callable, attempts: int = 3, wait_s: float = 1.0) -> Callable:
-    """`read`, made again (after `wait_s`) when its answer was cut off; reads only, which are safe to repeat."""
+    """`read`, made again (after `wait_s`) when its answer was cut off (CUT_OFF_MESSAGES); reads only, which are
+    safe to repeat. MLflow itself retries a connection that is refused or times out, not one that breaks mid-answer."""
     @functools.wraps(read)
     def call(*args, **kwargs):
         for attempt in range(attempts):
             try:
                 return read(*args, **kwargs)
             except Exception as e:
-                if attempt == attempts - 1 or not any(m in str(e).lower() for m in BROKEN_CONNECTION):
+                if attempt == attempts - 1 or not any(m in str(e).lower() for m in CUT_OFF_MESSAGES):
                     raise
                 time.sleep(wait_s)
     return call

@@ -252,13 +252,14 @@ def test_a_read_whose_answer_is_cut_off_is_made_again_and_a_write_is_not():
     from tasks.retry import is_transient
     history = json.dumps({"metrics": [{"key": "m", "value": 1.0, "timestamp": 0, "step": 3}]}).encode()
     server = _CuttingServer(cut={1, 2, 4}, body=history)
-    with pytest.raises(MlflowException, match="(?i)connection broken"):
-        MlflowClient(tracking_uri=server.uri).get_metric_history("r", "m")      # 1: cut, plain MLflow gives up
-    cfg = GRPOConfig(tracking=dict(tracking_uri=server.uri))
-    c = tracking.client(cfg)
-    assert [m.step for m in c.get_metric_history("r", "m")] == [3]             # 2: cut, 3: answered
-    with pytest.raises(MlflowException) as cut_write:
-        c.log_batch("r", metrics=[Metric("m", 1.0, 0, 4)])                      # 4: cut, not repeated
-    assert is_transient(cut_write.value)
-    assert [m for m, _ in server.requests] == ["GET", "GET", "GET", "POST"]
-    server.httpd.shutdown()
+    try:
+        with pytest.raises(MlflowException, match="(?i)connection broken"):
+            MlflowClient(tracking_uri=server.uri).get_metric_history("r", "m")  # 1: cut, plain MLflow gives up
+        c = tracking.client(GRPOConfig(tracking=dict(tracking_uri=server.uri)))
+        assert [m.step for m in c.get_metric_history("r", "m")] == [3]         # 2: cut, 3: answered
+        with pytest.raises(MlflowException) as cut_write:
+            c.log_batch("r", metrics=[Metric("m", 1.0, 0, 4)])                  # 4: cut, not repeated
+        assert is_transient(cut_write.value)
+        assert [m for m, _ in server.requests] == ["GET", "GET", "GET", "POST"]
+    finally:
+        server.httpd.shutdown()

@@ -186,45 +186,53 @@ def _layer_costs(config) -> tuple[float, float] | None:
     return 2.0 * (2 * h * h + 2 * h * kv + 3 * h * i), 4.0 * h
 
 
-def _group_layout(attention_mask: torch.Tensor, completion_len: int, group_size: int):
+def _group_layout(attention_mask: torch.Tensor, completion_len: int, group_size: int, flat: bool = False):
     """Where each completion goes when each group is packed into one row [prompt | c1 | ... | cG]:
-    real-token mask [B, Lc], lengths [B], segment starts [B] (offsets within the row), row length S."""
+    real-token mask [B, Lc], lengths [B], segment starts [B] (offsets within the group's row), each group
+    row's offset in the flat sequence of rows [n], and that sequence's length. Rows are padded to the
+    longest (S each, n * S in all), or, when `flat`, laid end to end at their own lengths (no padding)."""
     B, T = attention_mask.shape
     P, n = T - completion_len, B // group_size
     c_real = attention_mask[:, P:].bool()                                        # [B, Lc]
     lengths = c_real.sum(-1)                                                     # [B]
     per_group = lengths.view(n, group_size)
     starts = (P + per_group.cumsum(-1) - per_group).view(-1)                     # [B]
-    return c_real, lengths, starts, P + int(per_group.sum(-1).max())
+    row_len = P + per_group.sum(-1)                                              # [n]
+    if flat:
+        return c_real, lengths, starts, row_len.cumsum(0) - row_len, int(row_len.sum())
+    S = int(row_len.max())
+    return c_real, lengths, starts, torch.arange(n, device=attention_mask.device) * S, n * S
 
 
 def _packed_groups(input_ids: torch.Tensor, attention_mask: torch.Tensor, completion_len: int, group_size: int,
-                   dtype: torch.dtype | None):
+                   dtype: torch.dtype | None, flat: bool = False):
     """Each group as one row [prompt | completion 1 | ... | completion G], completions unpadded.
 
     Rows are [left-padded prompt | right-padded completion] in contiguous groups that share the prompt.
     A completion token sees the real prompt tokens and the earlier tokens of its own completion, at the
-    positions generation used (prompt length + t). Returns ids [n, S], position_ids [n, S], an additive
-    mask [n, 1, S, S] of `dtype` (0 = may attend; None when dtype is None), and for each real completion
-    token (row-major over [B, Lc]) the flat index in [n * S] of the position whose hidden state predicts it.
+    positions generation used (prompt length + t). Returns ids and position_ids [n, S] (rows padded to
+    the longest) or, when `flat`, [1, total] (the group rows end to end, no padding; no mask then); an
+    additive mask [n, 1, S, S] of `dtype` (0 = may attend; None when dtype is None); and for each real
+    completion token (row-major over [B, Lc]) the flat index of the position whose hidden state predicts it.
     """
     B = input_ids.size(0)
     P, G, n, dev = input_ids.size(1) - completion_len, group_size, B // group_size, input_ids.device
-    c_real, lengths, starts, S = _group_layout(attention_mask, completion_len, G)
+    c_real, lengths, starts, row_start, total = _group_layout(attention_mask, completion_len, G, flat)
     rows, t = c_real.nonzero(as_tuple=True)                                      # [N] real tokens
     group = rows // G
-    dest = group * S + starts[rows] + t                                          # [N] flat packed index
+    dest = row_start[group] + starts[rows] + t                                   # [N] flat packed index
+    prompt = (row_start[:, None] + torch.arange(P, device=dev)).view(-1)         # [n * P] flat prompt slots
     p_attn = attention_mask[::G, :P].bool()                                      # [n, P]
-    ids = input_ids.new_zeros(n * S)
+    ids = input_ids.new_zeros(total)
     ids[dest] = input_ids[rows, P + t]
-    ids = ids.view(n, S)
-    ids[:, :P] = input_ids[::G, :P]
-    pos = torch.zeros(n * S, dtype=torch.long, device=dev)
+    ids[prompt] = input_ids[::G, :P].reshape(-1)
+    pos = torch.zeros(total, dtype=torch.long, device=dev)
     pos[dest] = p_attn.sum(-1)[group] + t
-    pos = pos.view(n, S)
-    pos[:, :P] = positions(p_attn)
-    src = torch.where(t == 0, group * S + P - 1, dest - 1)                        # [N] predicts each token
-    if dtype is None:
+    pos[prompt] = positions(p_attn).reshape(-1)
+    src = torch.where(t == 0, row_start[group] + P - 1, dest - 1)                 # [N] predicts each token
+    S = total if flat else total // n
+    ids, pos = ids.view(-1, S), pos.view(-1, S)
+    if dtype is None or flat:
         return ids, pos, None, src
     # segment of each position: 0 prompt, j + 1 completion j, and a distinct value per tail pad
     seg = (G + 1 + torch.arange(S, device=dev)).repeat(n)                          # [n * S]
@@ -241,56 +249,78 @@ def _packed_groups(input_ids: torch.Tensor, attention_mask: torch.Tensor, comple
     return ids, pos, mask, src
 
 
+def _attention_bias(allowed: torch.Tensor, kv_heads: int, rep: int, dtype: torch.dtype) -> torch.Tensor:
+    """The additive form of a key mask for `_masked_attention`: allowed [b, 1, L, T] bool -> [b * Hkv,
+    rep * L, T] of `dtype`, 0 where a key may be attended and -inf elsewhere (built once, read by every layer)."""
+    b, _, L, T = allowed.shape
+    bias = torch.zeros(b, kv_heads, rep, L, T, dtype=dtype, device=allowed.device)
+    return bias.masked_fill_(~allowed[:, :, None], float("-inf")).view(b * kv_heads, rep * L, T)
+
+
 def _masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor,
-                      scale: float) -> torch.Tensor:
-    """softmax(q k^T * scale over the allowed keys) v, scores and softmax in fp32: q [.., L, d], k, v
-    [.., T, d], allowed [.., L, T] bool (broadcast) -> [.., L, d]. On the CPU written out, because the
-    fused SDPA backward is slower there at the update's sizes (1.25x in fp32, 1.5x in bf16)."""
+                      scale: float, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """softmax(q k^T * scale over the allowed keys) v: q [b, H, L, d], k, v [b, Hkv, T, d] (query head h
+    reads key/value head h // (H / Hkv)), allowed [b, 1, L, T] bool -> [b, H, L, d]. On the CPU written
+    out, because the fused SDPA backward is slower there at the update's sizes (1.25x in fp32, 1.5x in
+    bf16): the query heads sharing a key/value head become one matrix of queries (keys and values are
+    never repeated), the mask is added as `bias` (`_attention_bias`, built here unless given) in the
+    score matmul, and the softmax runs in fp32."""
+    b, H, L, d = q.shape
+    Hkv, T = k.size(1), k.size(2)
+    rep = H // Hkv
     if q.device.type != "cpu":
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, scale=scale)
-    scores = torch.matmul(q, k.transpose(-1, -2)).float() * scale
-    return torch.matmul(scores.masked_fill(~allowed, float("-inf")).softmax(-1).to(v.dtype), v)
+        return F.scaled_dot_product_attention(q, k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1),
+                                              attn_mask=allowed, scale=scale)
+    if bias is None:
+        bias = _attention_bias(allowed, Hkv, rep, q.dtype)
+    scores = torch.baddbmm(bias, q.reshape(b * Hkv, rep * L, d), k.reshape(b * Hkv, T, d).transpose(1, 2),
+                           alpha=scale)                                          # [b Hkv, rep L, T]
+    probs = scores.float().softmax(-1).to(v.dtype)
+    return torch.bmm(probs, v.reshape(b * Hkv, T, d)).view(b, H, L, d)
 
 
 def _segment_attention(input_ids: torch.Tensor, attention_mask: torch.Tensor, completion_len: int, group_size: int):
-    """Attention for the packed group rows of `_packed_groups` that computes only the pairs its mask
-    allows: the prompt attends to itself, and each completion to the prompt plus its own earlier
-    tokens, gathered as [B, Lmax] query blocks against [P + Lmax] keys instead of S x S per row.
-    Returns attend(q [n, H, S, d], k, v [n, Hkv, S, d], scale) -> [n, H, S, d]; positions past the
-    last completion of a row get zeros (nothing reads them)."""
+    """Attention for the group rows of `_packed_groups(..., flat=True)`, end to end in one sequence, that
+    computes only the pairs its mask allows: each prompt attends to itself, and each completion to its
+    prompt plus its own earlier tokens, gathered as [B, Lmax] query blocks against [P + Lmax] keys.
+    Returns attend(q [1, H, total, d], k, v [1, Hkv, total, d], scale) -> [1, H, total, d]."""
     B = input_ids.size(0)
     P, G, n, dev = input_ids.size(1) - completion_len, group_size, B // group_size, input_ids.device
-    _, lengths, starts, S = _group_layout(attention_mask, completion_len, G)
+    _, lengths, starts, row_start, total = _group_layout(attention_mask, completion_len, G, flat=True)
     Lm = max(int(lengths.max()), 1)
     group = torch.arange(B, device=dev) // G
     t = torch.arange(Lm, device=dev)
     in_seg = t[None, :] < lengths[:, None]                                       # [B, Lm]
-    gidx = group[:, None] * S + (starts[:, None] + t).clamp(max=S - 1)          # [B, Lm] flat packed index
+    seg_idx = (row_start[group, None] + starts[:, None] + t).clamp(max=total - 1).view(-1)   # [B * Lm]
+    prompt_idx = (row_start[:, None] + torch.arange(P, device=dev)).view(-1)     # [n * P]
     p_attn = attention_mask[::G, :P].bool()                                      # [n, P]
     prompt_mask = causal_pad_mask(p_attn)                                        # [n, 1, P, P]
     own = (t[:, None] >= t[None, :])[None] & in_seg[:, None, :]                  # [B, Lm, Lm]
     seg_mask = torch.cat([p_attn[group][:, None, :].expand(B, Lm, P), own], -1)[:, None]  # [B, 1, Lm, P+Lm]
-    dest = gidx[in_seg]                                                          # [N]
+    dest = seg_idx[in_seg.view(-1)]                                              # [N]
     keep = in_seg.view(-1).nonzero().squeeze(-1)                                 # [N] rows of [B * Lm]
 
-    def attend(q, k, v, scale):
-        H, Hkv, d = q.size(1), k.size(1), q.size(-1)
-        rep = H // Hkv
-        o_prompt = F.scaled_dot_product_attention(
-            q[:, :, :P], k[:, :, :P].repeat_interleave(rep, 1), v[:, :, :P].repeat_interleave(rep, 1),
-            attn_mask=prompt_mask, scale=scale)                                  # [n, H, P, d]
-        def segments(x):            # [n, h, S, d] -> [B, h, Lm, d]; index_select: its backward is index_add
-            h = x.size(1)
-            return x.transpose(1, 2).reshape(n * S, h, d).index_select(0, gidx.view(-1)).view(B, Lm, h, d).transpose(1, 2)
+    biases = {}                                   # dtype -> (prompt, segment) additive masks, built once
 
-        qs = segments(q)                                                         # [B, H, Lm, d]
-        ks = torch.cat([k[:, :, :P].index_select(0, group), segments(k)], 2).repeat_interleave(rep, 1)
-        vs = torch.cat([v[:, :, :P].index_select(0, group), segments(v)], 2).repeat_interleave(rep, 1)
-        o_seg = _masked_attention(qs, ks, vs, seg_mask, scale)                 # [B, H, Lm, d]
+    def attend(q, k, v, scale):
+        H, d = q.size(1), q.size(-1)
+        if q.dtype not in biases:
+            Hkv = k.size(1)
+            biases[q.dtype] = [_attention_bias(m, Hkv, H // Hkv, q.dtype) for m in (prompt_mask, seg_mask)]
+        prompt_bias, seg_bias = biases[q.dtype]
+
+        def gather(x, index, rows):   # [1, h, total, d] -> [rows, h, len, d]; index_select: backward is index_add
+            return x[0].transpose(0, 1).index_select(0, index).view(rows, -1, x.size(1), d).transpose(1, 2)
+
+        kp, vp = gather(k, prompt_idx, n), gather(v, prompt_idx, n)             # [n, Hkv, P, d]
+        o_prompt = _masked_attention(gather(q, prompt_idx, n), kp, vp, prompt_mask, scale, prompt_bias)  # [n, H, P, d]
+        ks = torch.cat([kp.index_select(0, group), gather(k, seg_idx, B)], 2)    # [B, Hkv, P + Lm, d]
+        vs = torch.cat([vp.index_select(0, group), gather(v, seg_idx, B)], 2)
+        o_seg = _masked_attention(gather(q, seg_idx, B), ks, vs, seg_mask, scale, seg_bias)  # [B, H, Lm, d]
         real = o_seg.transpose(1, 2).reshape(B * Lm, H, d).index_select(0, keep)  # [N, H, d]
-        out = q.new_zeros(n * S, H, d).index_copy(0, dest, real)
-        out = out.view(n, S, H, d).transpose(1, 2)                                 # [n, H, S, d]
-        return torch.cat([o_prompt, out[:, :, P:]], 2)
+        out = q.new_zeros(total, H, d).index_copy(0, dest, real)
+        out = out.index_copy(0, prompt_idx, o_prompt.transpose(1, 2).reshape(n * P, H, d))
+        return out.transpose(0, 1)[None]                                         # [1, H, total, d]
 
     return attend
 
@@ -307,7 +337,7 @@ def _pack_is_cheaper(config, input_ids: torch.Tensor, attention_mask: torch.Tens
     per_token, per_pair = costs
     B, T = input_ids.shape
     P, n = T - completion_len, B // group_size
-    S = _group_layout(attention_mask, completion_len, group_size)[3]
+    S = _group_layout(attention_mask, completion_len, group_size)[4] // n
     if n * S * S * 4 > PACKED_MASK_BYTES:
         return False
     packed = n * S * per_token + n * S * S * per_pair
@@ -360,9 +390,9 @@ def completion_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Te
     rows, cols = attention_mask[:, P:].bool().nonzero(as_tuple=True)          # [N] real completion tokens
     path = logprob_path(model, input_ids, attention_mask, completion_len, group_size)
     if path == "packed-lean":
-        p_ids, p_pos, _, src = _packed_groups(input_ids, attention_mask, completion_len, group_size, None)
+        p_ids, p_pos, _, src = _packed_groups(input_ids, attention_mask, completion_len, group_size, None, flat=True)
         attend = _segment_attention(input_ids, attention_mask, completion_len, group_size)
-        hidden = LeanDecoder.of(model).trunk(p_ids, p_pos, attend)             # [n, S, H]
+        hidden = LeanDecoder.of(model).trunk(p_ids, p_pos, attend)             # [1, total, H]
         hidden = hidden.reshape(-1, hidden.size(-1))[src]                     # [N, H]
     elif path == "packed-mask":
         p_ids, p_pos, p_mask, src = _packed_groups(input_ids, attention_mask, completion_len, group_size,

@@ -37,6 +37,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from grpo_core.kernels import native
 from grpo_core.kernels.cpu_linear import onednn_linear, onednn_pack
 from grpo_core.kernels.lean_decode import LeanDecoder, causal_pad_mask, positions
 
@@ -150,9 +151,12 @@ class FusedLinear:
     lora_b: torch.Tensor | None          # [out, R] fp32, block-diagonal, scale folded in
     packed: bool = False
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, ops: "native.DecodeOps | None" = None) -> torch.Tensor:
+        """x [..., in] -> [..., out]; `ops` adds the adapter's term in one compiled call (x [b, in] only)."""
         y = onednn_linear(x, self.weight, self.bias) if self.packed else F.linear(x, self.weight, self.bias)
-        if self.lora_a is not None:
+        if self.lora_a is not None and ops is not None:
+            ops.lora_add(x, self.lora_a, self.lora_b, y)
+        elif self.lora_a is not None:
             y += F.linear(F.linear(x.to(self.lora_a.dtype), self.lora_a), self.lora_b)   # rounds into y's dtype
         return y
 
@@ -247,12 +251,18 @@ class FusedDecoder:
         self.d, self.n_kv, self.rep, self.scale = lean.d, lean.n_kv, lean.rep, lean.scale
         self.n_q = self.n_kv * self.rep
         self.kernel, self.rates = kernel, rates
+        norms = [w for layer in layers for w in (layer.ln1, layer.ln2)] + [lean.norm.weight]
+        dtype = self.embed.weight.dtype
+        native_ok = dtype in (torch.float32, torch.bfloat16) and all(
+            w.dtype == dtype and w.is_contiguous() for w in norms)
+        self.ops = native.load() if native_ok else None      # the step's small ops compiled for this CPU
 
     @property
     def path(self) -> str:
         dtype = str(self.embed.weight.dtype).removeprefix("torch.")
         rates = ", ".join(f"{k} {v:.1f} GB/s" for k, v in self.rates.items())
-        return f"fused {dtype} decode, {self.kernel} linears (probe: {rates})"
+        ops = "native" if self.ops else "torch"
+        return f"fused {dtype} decode, {self.kernel} linears (probe: {rates}), {ops} step ops"
 
     @classmethod
     @torch.no_grad()
@@ -305,7 +315,7 @@ class FusedDecoder:
         probe = torch.zeros(1, 1, self.d, dtype=dtype)
         cos, sin = self.rotary(probe, torch.arange(n_pos)[None])                          # [1, P, d]
         half = self.d // 2
-        self.cos = cos[0]
+        self.cos = cos[0].contiguous()
         self.sin = torch.cat([-sin[0, :, :half], sin[0, :, half:]], dim=-1)
 
     def _layer(self, i: int, layer: FusedLayer, x: torch.Tensor, cos, sin, mask, t0: int) -> torch.Tensor:
@@ -338,6 +348,25 @@ class FusedDecoder:
             x = self._layer(i, layer, x, cos, sin, mask, t0)
         self.length = t0 + ids.size(1)
         return self.head(F.rms_norm(x[:, -1], (x.size(-1),), self.lean.norm.weight, self.eps))   # [b, V]
+
+    def _native_step(self, tokens: torch.Tensor) -> torch.Tensor:
+        """One token per row [b] -> logits [b, V], the per-layer work between the linears in four compiled
+        calls (native.DecodeOps): add + RMSNorm, rotary + KV write, attention, SiLU gate, and the adapter's
+        low-rank terms."""
+        ops, eps, t = self.ops, self.eps, self.length
+        x = self.embed(tokens)                                                             # [b, C] residual
+        h = torch.empty_like(x)                                                            # [b, C] normed
+        q = x.new_empty(x.size(0), self.n_q * self.d)                                      # [b, H d]
+        o, act = torch.empty_like(q), x.new_empty(x.size(0), self.width)
+        norms = [layer.ln1 for layer in self.layers[1:]] + [self.lean.norm.weight]
+        ops.add_rms_norm(x, None, self.layers[0].ln1, h, eps)
+        for i, (layer, next_norm) in enumerate(zip(self.layers, norms)):
+            ops.rope_cache(layer.qkv(h, ops), self.cos, self.sin, self.next_pos, q, self.kv[i], self.n_q, t)
+            ops.decode_attention(q, self.kv[i], self.valid, t + 1, self.scale, o)
+            ops.add_rms_norm(x, layer.o(o, ops), layer.ln2, h, eps)
+            ops.add_rms_norm(x, layer.down(ops.silu_mul(layer.gate_up(h, ops), act), ops), next_norm, h, eps)
+        self.length = t + 1
+        return self.head(h, ops)                                                           # [b, V]
 
     def _new_cache(self, b: int, T: int) -> torch.Tensor:
         L = len(self.layers)
@@ -373,6 +402,9 @@ class FusedDecoder:
         full = tokens if b == len(self.live) else torch.zeros(b, dtype=tokens.dtype).index_copy_(0, self.live, tokens)
         t = self.length
         self.valid[:, t] = True
-        logits = self._forward(full[:, None], self.next_pos[:, None], self.valid[:, None, None, :t + 1])
+        if self.ops is not None:
+            logits = self._native_step(full)
+        else:
+            logits = self._forward(full[:, None], self.next_pos[:, None], self.valid[:, None, None, :t + 1])
         self.next_pos = self.next_pos + 1
         return logits if b == len(self.live) else logits[self.live]

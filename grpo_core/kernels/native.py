@@ -1,0 +1,192 @@
+"""The decode step's small operations (`decode_ops.cpp`) compiled for this CPU and loaded with ctypes.
+
+Built once per source, compiler and CPU, with the system C++ compiler (`$CXX`, else g++, c++ or
+clang++) and `-march=native`, into `$GRPO_HOME/kernels/` (written to a temporary name, then renamed).
+No torch headers are involved, so a build takes about a second. Before first use every function is
+checked against the same arithmetic written with torch ops; if the compiler is missing, the build fails
+or a check disagrees, `load()` returns None, says why once on stderr, and the sampler keeps its torch ops.
+`GRPO_NATIVE_KERNELS=0` turns them off.
+
+Tensors passed in must be contiguous CPU tensors of one dtype, float32 or bfloat16.
+"""
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+
+SOURCE = Path(__file__).with_name("decode_ops.cpp")
+FLAGS = ["-O3", "-march=native", "-shared", "-fPIC", "-std=c++17",
+         # float sums may be reordered (vectorised dot products); infinities and NaN keep their meaning
+         "-fno-math-errno", "-fassociative-math", "-fno-signed-zeros", "-fno-trapping-math"]
+_SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16"}
+_I64, _PTR, _F32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
+_SIGNATURES = {
+    "add_rms_norm": [_PTR, _PTR, _PTR, _PTR, _I64, _I64, _F32],
+    "rope_cache": [_PTR, _PTR, _PTR, _PTR, _PTR, _PTR, _I64, _I64, _I64, _I64, _I64, _I64],
+    "decode_attention": [_PTR, _PTR, _PTR, _I64, _PTR, _I64, _I64, _I64, _I64, _I64, _I64, _F32],
+    "silu_mul": [_PTR, _PTR, _I64, _I64],
+    "lora_add": [_PTR, _PTR, _PTR, _PTR, _I64, _I64, _I64, _I64],
+}
+
+
+class BuildError(RuntimeError):
+    """The kernels could not be compiled or loaded here."""
+
+
+def _compiler() -> str:
+    for name in (os.environ.get("CXX"), "g++", "c++", "clang++"):
+        if name and shutil.which(name):
+            return shutil.which(name)
+    raise BuildError("no C++ compiler found (set $CXX, or install g++)")
+
+
+def _cpu_flags() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("flags", "Features")):
+                return line
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def library_path(cache_dir: Path | None = None) -> Path:
+    """Where the build for this source, compiler and CPU lives (built if missing)."""
+    from grpo_core.models import grpo_home
+    cxx = _compiler()
+    version = subprocess.run([cxx, "--version"], capture_output=True, text=True).stdout
+    key = hashlib.sha256("\0".join([SOURCE.read_text(), cxx, version, " ".join(FLAGS), _cpu_flags()]).encode())
+    out_dir = Path(cache_dir or grpo_home() / "kernels")
+    lib = out_dir / f"decode_ops-{key.hexdigest()[:16]}.so"
+    if lib.exists():
+        return lib
+    out_dir.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=out_dir, suffix=".so.tmp")
+    os.close(fd)
+    try:
+        done = subprocess.run([cxx, *FLAGS, "-o", tmp, str(SOURCE)], capture_output=True, text=True)
+        if done.returncode:
+            raise BuildError(f"{cxx} failed: {done.stderr.strip()[-2000:]}")
+        os.replace(tmp, lib)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return lib
+
+
+def _ptr(t: torch.Tensor | None) -> int | None:
+    return None if t is None else t.data_ptr()
+
+
+class DecodeOps:
+    """The compiled functions, called on torch tensors (see decode_ops.cpp for each one's contract)."""
+
+    def __init__(self, lib: ctypes.CDLL):
+        self._fns = {}
+        for name, args in _SIGNATURES.items():
+            for dtype, suffix in _SUFFIX.items():
+                fn = getattr(lib, f"{name}_{suffix}")
+                fn.argtypes, fn.restype = args, None
+                self._fns[name, dtype] = fn
+
+    def add_rms_norm(self, x: torch.Tensor, y: torch.Tensor | None, weight: torch.Tensor, out: torch.Tensor,
+                     eps: float) -> torch.Tensor:
+        """x += y (in place, when y is given); out = rms_norm(x) * weight. x, y, out: [b, C]."""
+        self._fns["add_rms_norm", x.dtype](x.data_ptr(), _ptr(y), weight.data_ptr(), out.data_ptr(),
+                                           x.size(0), x.size(1), eps)
+        return out
+
+    def rope_cache(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, pos: torch.Tensor,
+                   q_out: torch.Tensor, cache: torch.Tensor, n_q: int, t: int) -> torch.Tensor:
+        """Rotary q -> q_out [b, H d]; rotary k and v -> cache [2, b, Hkv, T, d] at slot t. pos: [b] int64."""
+        _, b, n_kv, T, d = cache.shape
+        self._fns["rope_cache", qkv.dtype](qkv.data_ptr(), cos.data_ptr(), sin.data_ptr(), pos.data_ptr(),
+                                           q_out.data_ptr(), cache.data_ptr(), b, n_q, n_kv, d, T, t)
+        return q_out
+
+    def decode_attention(self, q: torch.Tensor, cache: torch.Tensor, valid: torch.Tensor, n: int, scale: float,
+                         out: torch.Tensor) -> torch.Tensor:
+        """out [b, H d] = attention of q [b, H d] over the first n slots of cache [2, b, Hkv, T, d] where
+        valid [b, >= n] (bool) holds."""
+        _, b, n_kv, T, d = cache.shape
+        rep = q.size(1) // (n_kv * d)
+        self._fns["decode_attention", q.dtype](q.data_ptr(), cache.data_ptr(), valid.data_ptr(), valid.stride(0),
+                                               out.data_ptr(), b, n_kv, rep, d, T, n, scale)
+        return out
+
+    def silu_mul(self, gate_up: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """out [b, I] = silu(gate) * up of gate_up [b, 2 I]."""
+        self._fns["silu_mul", gate_up.dtype](gate_up.data_ptr(), out.data_ptr(), out.size(0), out.size(1))
+        return out
+
+
+    def lora_add(self, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """y [b, out] += (x [b, C] A^T) B^T, A [R, C] and B [out, R] float32 (rounded once into y's dtype)."""
+        self._fns["lora_add", x.dtype](x.data_ptr(), a.data_ptr(), b.data_ptr(), y.data_ptr(), x.size(0),
+                                       x.size(1), a.size(0), y.size(1))
+        return y
+
+
+def _reference_check(ops: DecodeOps) -> None:
+    """Each function against the same arithmetic in torch ops, in both dtypes; raises BuildError."""
+    g = torch.Generator().manual_seed(0)
+    b, H, Hkv, d, T, C, n = 3, 4, 2, 8, 7, 12, 5
+    for dtype, tol in ((torch.float32, 1e-5), (torch.bfloat16, 2e-2)):
+        def rand(*shape):
+            return torch.randn(*shape, generator=g).to(dtype)
+
+        def same(name, got, want):
+            if not torch.allclose(got.float(), want.float(), atol=tol, rtol=tol):
+                raise BuildError(f"{name} ({dtype}) disagrees with torch by {(got.float() - want.float()).abs().max()}")
+
+        x, y, w = rand(b, C), rand(b, C), rand(C)
+        want_x = x + y
+        got = ops.add_rms_norm(x, y, w, torch.empty_like(x), 1e-5)
+        same("add_rms_norm", x, want_x)
+        same("add_rms_norm", got, torch.nn.functional.rms_norm(want_x.float(), (C,), w.float(), 1e-5))
+        qkv, cos, sin, pos = rand(b, (H + 2 * Hkv) * d), rand(9, d), rand(9, d), torch.tensor([0, 4, 8])
+        cache = torch.zeros(2, b, Hkv, T, d, dtype=dtype)
+        q = ops.rope_cache(qkv, cos, sin, pos, torch.empty(b, H * d, dtype=dtype), cache, H, 2)
+        rot = (qkv[:, :(H + Hkv) * d].view(b, H + Hkv, d).float() * cos[pos, None].float()
+               + qkv[:, :(H + Hkv) * d].view(b, H + Hkv, d).float().roll(d // 2, -1) * sin[pos, None].float())
+        same("rope_cache", q.view(b, H, d), rot[:, :H])
+        same("rope_cache", cache[0, :, :, 2], rot[:, H:])
+        same("rope_cache", cache[1, :, :, 2], qkv[:, (H + Hkv) * d:].view(b, Hkv, d))
+        cache.copy_(rand(2, b, Hkv, T, d))
+        valid = torch.rand(b, T, generator=g) > 0.3
+        valid[:, n - 1] = True
+        got = ops.decode_attention(q, cache, valid, n, 0.3, torch.empty_like(q))
+        want = torch.nn.functional.scaled_dot_product_attention(
+            q.view(b, Hkv, H // Hkv, d).float(), cache[0, :, :, :n].float(), cache[1, :, :, :n].float(),
+            attn_mask=valid[:, None, None, :n], scale=0.3)
+        same("decode_attention", got, want.reshape(b, H * d))
+        A, B, y = torch.randn(3, C, generator=g), torch.randn(5, 3, generator=g), rand(b, 5)
+        want = y.float() + x.float() @ A.T @ B.T
+        same("lora_add", ops.lora_add(x, A, B, y), want)
+        gate_up = rand(b, 2 * C)
+        got = ops.silu_mul(gate_up, torch.empty(b, C, dtype=dtype))
+        same("silu_mul", got, torch.nn.functional.silu(gate_up[:, :C].float()) * gate_up[:, C:].float())
+
+
+@functools.cache
+def load() -> DecodeOps | None:
+    """The checked kernels for this machine, or None (and why, once, on stderr)."""
+    if os.environ.get("GRPO_NATIVE_KERNELS", "1").strip().lower() in ("0", "false", "no", "off"):
+        return None
+    try:
+        ops = DecodeOps(ctypes.CDLL(str(library_path())))
+        _reference_check(ops)
+        return ops
+    except (BuildError, OSError) as e:
+        print(f"grpo: native decode kernels not used ({e}); sampling keeps its torch ops", file=sys.stderr)
+        return None

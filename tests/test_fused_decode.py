@@ -1,7 +1,8 @@
 """The fused sampling forward gives the logits of the model's own forward (left padding, grouped-query
 attention, shared-prompt cache copies, rows dropped lazily and compacted, Qwen2 biases, LoRA merged in fp32
 and kept as factors in bf16); its snapshot is taken at sampling time, so it sees the adapter as it is then;
-huge-page buffers and the kernel probe."""
+huge-page buffers and the kernel probe. The checks run with the step's small ops compiled
+(grpo_core/kernels/native.py) and as torch ops."""
 from __future__ import annotations
 
 import pytest
@@ -11,6 +12,7 @@ from grpo_core.kernels.fused_decode import _BASES, FusedDecoder, hugepage_empty,
 from grpo_core.models import attach_lora
 from grpo_core.rollout import KVCacheSampler, _HFForward, left_pad
 from tests.test_lean_decode import llama, qwen2, run as lean_run
+from tests.test_native import needs_compiler
 
 
 def run(forward, prompts, steps):
@@ -29,10 +31,18 @@ def _with_lora(model, targets, seed=1):
 PROMPTS = [[10, 11, 12, 13], [14], [15, 16]]
 
 
-def _assert_same(model, atol=1e-4, rtol=1e-5, prompts=PROMPTS, steps=8):
+NATIVE = [pytest.param(True, marks=needs_compiler, id="native-ops"), pytest.param(False, id="torch-ops")]
+
+
+def _assert_same(model, atol=1e-4, rtol=1e-5, prompts=PROMPTS, steps=8, native=False):
+    """The fused forward's logits == the model's own, with the step's small ops compiled (`native`) or
+    as torch ops."""
     with torch.inference_mode():
         fused = FusedDecoder.snapshot(model)
         assert fused is not None
+        if native:
+            assert fused.ops is not None and fused.path.endswith("native step ops")
+        fused.ops = fused.ops if native else None
         ours, theirs = run(fused, prompts, steps), run(_HFForward(model), prompts, steps)
     assert len(ours) == len(theirs)
     for a, b in zip(ours, theirs):
@@ -41,14 +51,16 @@ def _assert_same(model, atol=1e-4, rtol=1e-5, prompts=PROMPTS, steps=8):
     return fused
 
 
-def test_fused_forward_equals_the_models_own_on_qwen2_with_biases():
-    fused = _assert_same(qwen2(), prompts=[[5, 6, 7, 8, 9], [12, 13], [20, 21, 22]], steps=7)
+@pytest.mark.parametrize("native", NATIVE)
+def test_fused_forward_equals_the_models_own_on_qwen2_with_biases(native):
+    fused = _assert_same(qwen2(), prompts=[[5, 6, 7, 8, 9], [12, 13], [20, 21, 22]], steps=7, native=native)
     assert fused.layers[0].qkv.bias is not None and "fused float32 decode" in fused.path
 
 
-def test_fused_forward_on_the_tiny_llama_with_lora(tiny_model_dir):
+@pytest.mark.parametrize("native", NATIVE)
+def test_fused_forward_on_the_tiny_llama_with_lora(tiny_model_dir, native):
     model = _with_lora(llama(tiny_model_dir), ["q_proj", "v_proj", "down_proj", "lm_head"])
-    fused = _assert_same(model)
+    fused = _assert_same(model, native=native)
     base = _BASES[model.get_base_model().model.embed_tokens].weights[0]          # [(weight, bias)] per group
     if fused.kernel == "plain":                    # fp32 rows: merged into copies of the touched groups only
         assert all(layer.qkv.lora_a is None for layer in fused.layers)
@@ -69,14 +81,15 @@ def test_the_fused_base_is_built_once_and_rebuilt_when_a_base_weight_changes(tin
     assert fused.layers[1].gate_up.weight.data_ptr() != first.layers[1].gate_up.weight.data_ptr()
 
 
-def test_bf16_keeps_the_adapter_as_factors_so_a_small_delta_is_not_rounded_away(tiny_model_dir):
+@pytest.mark.parametrize("native", NATIVE)
+def test_bf16_keeps_the_adapter_as_factors_so_a_small_delta_is_not_rounded_away(tiny_model_dir, native):
     model = _with_lora(llama(tiny_model_dir).to(torch.bfloat16), ["q_proj", "k_proj", "v_proj", "up_proj"])
     for n, p in model.named_parameters():
         if "lora_" in n:
             p.data = p.data.float()                                  # PEFT's fp32 adapter on a bf16 base
             if "lora_B" in n:
                 p.data *= 1e-3                                       # a young adapter: delta far below bf16's ulp
-    fused = _assert_same(model, atol=0.1, rtol=0.02)                 # bf16: an ulp of a logit near 30 is 0.125
+    fused = _assert_same(model, atol=0.1, rtol=0.02, native=native)  # bf16: an ulp of a logit near 30 is 0.125
     assert fused.layers[0].qkv.lora_a.shape == (12, model.config.hidden_size)   # q, k, v: 3 x r=4 stacked
     with torch.inference_mode():
         ids, attn = left_pad(PROMPTS, 0, torch.device("cpu"))

@@ -9,6 +9,7 @@
 // T cache slots, I MLP width.
 #include <cmath>
 #include <cstdint>
+#include <algorithm>
 #include <cstring>
 #include <vector>
 
@@ -22,20 +23,31 @@ struct F32 {
 
 struct BF16 {
     using T = uint16_t;
-    static inline float load(uint16_t v) {
-        uint32_t u = uint32_t(v) << 16;
-        float f;
-        std::memcpy(&f, &u, 4);
-        return f;
-    }
+    static inline float load(uint16_t v) { return __builtin_bit_cast(float, uint32_t(v) << 16); }
     static inline uint16_t store(float f) {
-        uint32_t u;
-        std::memcpy(&u, &f, 4);
-        if ((u & 0x7fffffffu) > 0x7f800000u) return uint16_t((u >> 16) | 0x40);   // NaN stays NaN
-        u += 0x7fffu + ((u >> 16) & 1u);
-        return uint16_t(u >> 16);
+        uint32_t u = __builtin_bit_cast(uint32_t, f);
+        const uint32_t rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
+        return uint16_t((u & 0x7fffffffu) > 0x7f800000u ? (u >> 16) | 0x40u : rounded);   // NaN stays NaN
     }
 };
+
+// exp(x) in float32 that vectorises: x = n ln2 + r with |r| <= ln2 / 2 (ln2 split in two, Cephes' expf),
+// e^r by a polynomial, 2^n through the exponent bits. Relative error about 2e-7; 0 below x = -87, and
+// x is clamped to 88 above.
+static inline float exp_f32(float x) {
+    const bool zero = x < -87.f;
+    x = zero ? -87.f : x > 88.f ? 88.f : x;
+    const float n = std::nearbyint(x * 1.44269504088896341f);
+    const float r = (x - n * 0.693359375f) - n * -2.12194440e-4f;
+    float p = 1.9875691500e-4f;
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    p = p * (r * r) + r + 1.f;
+    return zero ? 0.f : p * __builtin_bit_cast(float, (int32_t(n) + 127) << 23);
+}
 
 // x += y (rounded, when y is given); out = x / rms(x) * w. x, y, out: [b, C]; w: [C].
 template <class D>
@@ -44,17 +56,18 @@ void add_rms_norm(typename D::T* x, const typename D::T* y, const typename D::T*
     std::vector<float> row(C);
     for (int64_t r = 0; r < b; ++r) {
         typename D::T* xr = x + r * C;
+        if (y) {
+#pragma omp simd
+            for (int64_t c = 0; c < C; ++c) xr[c] = D::store(D::load(xr[c]) + D::load(y[r * C + c]));
+        }
         float ss = 0.f;
+#pragma omp simd reduction(+ : ss)
         for (int64_t c = 0; c < C; ++c) {
-            float v = D::load(xr[c]);
-            if (y) {
-                v = D::load(D::store(v + D::load(y[r * C + c])));
-                xr[c] = D::store(v);
-            }
-            row[c] = v;
-            ss += v * v;
+            row[c] = D::load(xr[c]);
+            ss += row[c] * row[c];
         }
         const float inv = 1.f / std::sqrt(ss / float(C) + eps);
+#pragma omp simd
         for (int64_t c = 0; c < C; ++c) out[r * C + c] = D::store(row[c] * inv * D::load(w[c]));
     }
 }
@@ -77,10 +90,12 @@ void rope_cache(const typename D::T* qkv, const typename D::T* cos, const typena
         for (int64_t h = 0; h < H + Hkv; ++h) {
             const typename D::T* x = row + h * d;
             typename D::T* dst = h < H ? q_out + (r * H + h) * d : keys + ((r * Hkv + (h - H)) * T + t) * d;
-            for (int64_t j = 0; j < d; ++j) {
-                const int64_t k = j < half ? j + half : j - half;
-                dst[j] = D::store(D::load(x[j]) * D::load(c[j]) + D::load(x[k]) * D::load(s[j]));
-            }
+#pragma omp simd
+            for (int64_t j = 0; j < half; ++j)
+                dst[j] = D::store(D::load(x[j]) * D::load(c[j]) + D::load(x[j + half]) * D::load(s[j]));
+#pragma omp simd
+            for (int64_t j = half; j < d; ++j)
+                dst[j] = D::store(D::load(x[j]) * D::load(c[j]) + D::load(x[j - half]) * D::load(s[j]));
         }
         for (int64_t h = 0; h < Hkv; ++h)
             std::memcpy(values + ((r * Hkv + h) * T + t) * d, row + (H + Hkv + h) * d, d * sizeof(typename D::T));
@@ -90,53 +105,75 @@ void rope_cache(const typename D::T* qkv, const typename D::T* cos, const typena
 // One query per head against the first n cache slots of its row, the query heads that share a KV head
 // reading its keys and values once: out = softmax(q k^T * scale over the valid slots) v, scores and
 // softmax in float32. q, out: [b, H * d]; cache: [2, b, Hkv, T, d]; valid: [b, valid_stride] bytes (0/1).
-template <class D>
+// HD: the head dim when known at compile time (its loops then unroll), else 0 (d at run time).
+template <class D, int HD>
 void decode_attention(const typename D::T* q, const typename D::T* cache, const uint8_t* valid,
-                      int64_t valid_stride, typename D::T* out, int64_t b, int64_t Hkv, int64_t rep, int64_t d,
+                      int64_t valid_stride, typename D::T* out, int64_t b, int64_t Hkv, int64_t rep, int64_t d_run,
                       int64_t T, int64_t n, float scale) {
+    const int64_t d = HD ? HD : d_run;
     const typename D::T* keys = cache;
     const typename D::T* values = cache + b * Hkv * T * d;
-    std::vector<float> qf(rep * d), scores(rep * n), acc(rep * d);
-    for (int64_t r = 0; r < b; ++r) {
+#pragma omp parallel if (b * Hkv * n * d > (1 << 16))
+    {
+    std::vector<float> qf(rep * d), scores(rep * n), acc(rep * d), m(rep), total(rep);
+#pragma omp for schedule(static)
+    for (int64_t rh = 0; rh < b * Hkv; ++rh) {
+        const int64_t r = rh / Hkv, h = rh % Hkv;
         const uint8_t* ok = valid + r * valid_stride;
-        for (int64_t h = 0; h < Hkv; ++h) {
+        {
             const typename D::T* K = keys + (r * Hkv + h) * T * d;
             const typename D::T* V = values + (r * Hkv + h) * T * d;
             const typename D::T* Q = q + (r * Hkv + h) * rep * d;
             for (int64_t i = 0; i < rep * d; ++i) qf[i] = D::load(Q[i]) * scale;
+            std::fill(m.begin(), m.end(), -3.0e38f);
+            std::fill(scores.begin(), scores.end(), -3.0e38f);                  // masked slots: exp gives 0
             for (int64_t j = 0; j < n; ++j) {
                 if (!ok[j]) continue;
                 for (int64_t g = 0; g < rep; ++g) {
                     float dot = 0.f;
+#pragma omp simd reduction(+ : dot)
                     for (int64_t e = 0; e < d; ++e) dot += qf[g * d + e] * D::load(K[j * d + e]);
                     scores[g * n + j] = dot;
+                    m[g] = dot > m[g] ? dot : m[g];
                 }
             }
             for (int64_t g = 0; g < rep; ++g) {
-                float m = -INFINITY;
-                for (int64_t j = 0; j < n; ++j)
-                    if (ok[j] && scores[g * n + j] > m) m = scores[g * n + j];
-                float total = 0.f;
+                float sum = 0.f;
+                float* sg = scores.data() + g * n;
+                const float mg = m[g];
+#pragma omp simd reduction(+ : sum)
                 for (int64_t j = 0; j < n; ++j) {
-                    const float p = ok[j] ? std::exp(scores[g * n + j] - m) : 0.f;
-                    scores[g * n + j] = p;
-                    total += p;
+                    const float p = exp_f32(sg[j] - mg);
+                    sg[j] = p;
+                    sum += p;
                 }
-                const float norm = total > 0.f ? 1.f / total : 0.f;
-                for (int64_t j = 0; j < n; ++j) scores[g * n + j] *= norm;
+                total[g] = sum;
             }
             std::fill(acc.begin(), acc.end(), 0.f);
             for (int64_t j = 0; j < n; ++j) {
                 if (!ok[j]) continue;
                 for (int64_t g = 0; g < rep; ++g) {
                     const float p = scores[g * n + j];
+#pragma omp simd
                     for (int64_t e = 0; e < d; ++e) acc[g * d + e] += p * D::load(V[j * d + e]);
                 }
             }
             typename D::T* O = out + (r * Hkv + h) * rep * d;
-            for (int64_t i = 0; i < rep * d; ++i) O[i] = D::store(acc[i]);
+            for (int64_t g = 0; g < rep; ++g) {
+                const float norm = total[g] > 0.f ? 1.f / total[g] : 0.f;
+                for (int64_t e = 0; e < d; ++e) O[g * d + e] = D::store(acc[g * d + e] * norm);
+            }
         }
     }
+    }
+}
+
+template <class D>
+void decode_attention_any(const typename D::T* q, const typename D::T* cache, const uint8_t* valid,
+                          int64_t valid_stride, typename D::T* out, int64_t b, int64_t Hkv, int64_t rep, int64_t d,
+                          int64_t T, int64_t n, float scale) {
+    auto run = d == 64 ? decode_attention<D, 64> : d == 128 ? decode_attention<D, 128> : decode_attention<D, 0>;
+    run(q, cache, valid, valid_stride, out, b, Hkv, rep, d, T, n, scale);
 }
 
 // out = silu(gate) * up. gate_up: [b, 2 I] (gate | up); out: [b, I].
@@ -145,32 +182,46 @@ void silu_mul(const typename D::T* gate_up, typename D::T* out, int64_t b, int64
     for (int64_t r = 0; r < b; ++r) {
         const typename D::T* g = gate_up + r * 2 * I;
         const typename D::T* u = g + I;
+        typename D::T* o = out + r * I;
+#pragma omp simd
         for (int64_t i = 0; i < I; ++i) {
             const float x = D::load(g[i]);
-            out[r * I + i] = D::store(x / (1.f + std::exp(-x)) * D::load(u[i]));
+            o[i] = D::store(x / (1.f + exp_f32(-x)) * D::load(u[i]));
         }
     }
 }
 
-// y += (x A^T) B^T: a LoRA adapter's low-rank term added to a linear's output, the factors in float32.
-// x: [b, C]; A: [R, C]; B: [out, R] (scale folded in); y: [b, out].
+// y += (x A^T) B: a LoRA adapter's low-rank term added to a linear's output, the factors in float32.
+// x: [b, C]; A: [R, C]; Bt: [R, out] (B transposed, scale folded in); y: [b, out]. Rows go in blocks of
+// ROWS, so that each row of A and of Bt is read once per block.
 template <class D>
-void lora_add(const typename D::T* x, const float* A, const float* B, typename D::T* y, int64_t b, int64_t C,
+void lora_add(const typename D::T* x, const float* A, const float* Bt, typename D::T* y, int64_t b, int64_t C,
               int64_t R, int64_t out) {
-    std::vector<float> xf(C), ax(R);
-    for (int64_t r = 0; r < b; ++r) {
-        for (int64_t c = 0; c < C; ++c) xf[c] = D::load(x[r * C + c]);
-        for (int64_t k = 0; k < R; ++k) {
-            float dot = 0.f;
-            for (int64_t c = 0; c < C; ++c) dot += A[k * C + c] * xf[c];
-            ax[k] = dot;
-        }
-        typename D::T* yr = y + r * out;
-        for (int64_t o = 0; o < out; ++o) {
-            float dot = 0.f;
-            for (int64_t k = 0; k < R; ++k) dot += B[o * R + k] * ax[k];
-            yr[o] = D::store(D::load(yr[o]) + dot);
-        }
+    constexpr int64_t ROWS = 4;
+#pragma omp parallel if (b > ROWS && R * (C + out) > (1 << 14))
+    {
+    std::vector<float> xf(ROWS * C), ax(ROWS * R), acc(ROWS * out);
+#pragma omp for schedule(static)
+    for (int64_t r0 = 0; r0 < b; r0 += ROWS) {
+        const int64_t rows = std::min(ROWS, b - r0);
+        for (int64_t i = 0; i < rows * C; ++i) xf[i] = D::load(x[r0 * C + i]);
+        for (int64_t k = 0; k < R; ++k)
+            for (int64_t i = 0; i < rows; ++i) {
+                float a = 0.f;
+#pragma omp simd reduction(+ : a)
+                for (int64_t c = 0; c < C; ++c) a += A[k * C + c] * xf[i * C + c];
+                ax[i * R + k] = a;
+            }
+        std::fill(acc.begin(), acc.end(), 0.f);
+        for (int64_t k = 0; k < R; ++k)
+            for (int64_t i = 0; i < rows; ++i) {
+                const float a = ax[i * R + k];
+                float* ai = acc.data() + i * out;
+#pragma omp simd
+                for (int64_t o = 0; o < out; ++o) ai[o] += Bt[k * out + o] * a;
+            }
+        for (int64_t i = 0; i < rows * out; ++i) y[r0 * out + i] = D::store(D::load(y[r0 * out + i]) + acc[i]);
+    }
     }
 }
 
@@ -190,12 +241,12 @@ void lora_add(const typename D::T* x, const float* A, const float* B, typename D
     extern "C" void decode_attention_##SUFFIX(const void* q, const void* cache, const uint8_t* valid,         \
                                               int64_t valid_stride, void* out, int64_t b, int64_t Hkv,        \
                                               int64_t rep, int64_t d, int64_t T, int64_t n, float scale) {    \
-        decode_attention<D>((const D::T*)q, (const D::T*)cache, valid, valid_stride, (D::T*)out, b, Hkv, rep, \
-                            d, T, n, scale);                                                                  \
+        decode_attention_any<D>((const D::T*)q, (const D::T*)cache, valid, valid_stride, (D::T*)out, b, Hkv,  \
+                                rep, d, T, n, scale);                                                         \
     }                                                                                                         \
-    extern "C" void lora_add_##SUFFIX(const void* x, const float* A, const float* B, void* y, int64_t b,        \
+    extern "C" void lora_add_##SUFFIX(const void* x, const float* A, const float* Bt, void* y, int64_t b,       \
                                       int64_t C, int64_t R, int64_t out) {                                    \
-        lora_add<D>((const D::T*)x, A, B, (D::T*)y, b, C, R, out);                                            \
+        lora_add<D>((const D::T*)x, A, Bt, (D::T*)y, b, C, R, out);                                           \
     }                                                                                                         \
     extern "C" void silu_mul_##SUFFIX(const void* gate_up, void* out, int64_t b, int64_t I) {                 \
         silu_mul<D>((const D::T*)gate_up, (D::T*)out, b, I);                                                  \

@@ -151,11 +151,14 @@ class FusedLinear:
     lora_b: torch.Tensor | None          # [out, R] fp32, block-diagonal, scale folded in
     packed: bool = False
 
+    def __post_init__(self):
+        self.lora_b_t = None if self.lora_b is None else self.lora_b.t().contiguous()   # [R, out] for native ops
+
     def __call__(self, x: torch.Tensor, ops: "native.DecodeOps | None" = None) -> torch.Tensor:
         """x [..., in] -> [..., out]; `ops` adds the adapter's term in one compiled call (x [b, in] only)."""
         y = onednn_linear(x, self.weight, self.bias) if self.packed else F.linear(x, self.weight, self.bias)
         if self.lora_a is not None and ops is not None:
-            ops.lora_add(x, self.lora_a, self.lora_b, y)
+            ops.lora_add(x, self.lora_a, self.lora_b_t, y)
         elif self.lora_a is not None:
             y += F.linear(F.linear(x.to(self.lora_a.dtype), self.lora_a), self.lora_b)   # rounds into y's dtype
         return y

@@ -25,9 +25,11 @@ from pathlib import Path
 import torch
 
 SOURCE = Path(__file__).with_name("decode_ops.cpp")
-FLAGS = ["-O3", "-march=native", "-shared", "-fPIC", "-std=c++17",
-         # float sums may be reordered (vectorised dot products); infinities and NaN keep their meaning
-         "-fno-math-errno", "-fassociative-math", "-fno-signed-zeros", "-fno-trapping-math"]
+# `#pragma omp simd` loops vectorise (sums marked as reductions may be reordered; nothing else is) and the
+# attention and LoRA loops run on OpenMP threads: libgomp.so.1, which resolves to the copy torch already
+# loaded, so both share one thread pool (torch.set_num_threads applies to both).
+FLAGS = ["-O3", "-march=native", "-shared", "-fPIC", "-std=c++17", "-fopenmp", "-fno-math-errno",
+         "-fno-trapping-math"]
 _SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16"}
 _I64, _PTR, _F32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
 _SIGNATURES = {
@@ -130,9 +132,9 @@ class DecodeOps:
         return out
 
 
-    def lora_add(self, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        """y [b, out] += (x [b, C] A^T) B^T, A [R, C] and B [out, R] float32 (rounded once into y's dtype)."""
-        self._fns["lora_add", x.dtype](x.data_ptr(), a.data_ptr(), b.data_ptr(), y.data_ptr(), x.size(0),
+    def lora_add(self, x: torch.Tensor, a: torch.Tensor, b_t: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """y [b, out] += (x [b, C] A^T) B^T, A [R, C] and B^T [R, out] float32 (rounded once into y's dtype)."""
+        self._fns["lora_add", x.dtype](x.data_ptr(), a.data_ptr(), b_t.data_ptr(), y.data_ptr(), x.size(0),
                                        x.size(1), a.size(0), y.size(1))
         return y
 
@@ -172,7 +174,7 @@ def _reference_check(ops: DecodeOps) -> None:
         same("decode_attention", got, want.reshape(b, H * d))
         A, B, y = torch.randn(3, C, generator=g), torch.randn(5, 3, generator=g), rand(b, 5)
         want = y.float() + x.float() @ A.T @ B.T
-        same("lora_add", ops.lora_add(x, A, B, y), want)
+        same("lora_add", ops.lora_add(x, A, B.T.contiguous(), y), want)
         gate_up = rand(b, 2 * C)
         got = ops.silu_mul(gate_up, torch.empty(b, C, dtype=dtype))
         same("silu_mul", got, torch.nn.functional.silu(gate_up[:, :C].float()) * gate_up[:, C:].float())

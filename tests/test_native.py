@@ -1,0 +1,118 @@
+"""The decode step's compiled ops (grpo_core/kernels/native.py): each equals the same arithmetic in torch
+ops at the default model's shapes, in fp32 and bf16, with masked keys and rows at different positions;
+the build is cached per source and CPU and written atomically; a failed build names the compiler's
+error; without a compiler (or with GRPO_NATIVE_KERNELS=0) loading says why and sampling keeps torch ops."""
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from grpo_core.kernels import native
+
+ROOT = Path(__file__).resolve().parents[1]
+needs_compiler = pytest.mark.skipif(not any(shutil.which(c) for c in ("g++", "c++", "clang++")),
+                                    reason="no C++ compiler here (CI installs g++)")
+
+# SmolLM2-135M: hidden 576, 9 query heads over 3 key/value heads of 64, MLP 1536
+b, H, Hkv, d, C, I, T = 5, 9, 3, 64, 576, 1536, 40
+
+
+def _close(got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype) -> None:
+    tol = 1e-5 if dtype == torch.float32 else 1 / 64          # bf16: an ulp or two of the stored result
+    assert torch.allclose(got.float(), want.float(), atol=tol, rtol=tol), (got.float() - want.float()).abs().max()
+
+
+@needs_compiler
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_each_op_equals_torch_at_the_models_shapes(dtype):
+    ops = native.load()
+    assert ops is not None
+    g = torch.Generator().manual_seed(0)
+
+    def rand(*shape, std=1.0):
+        return (torch.randn(*shape, generator=g) * std).to(dtype)
+
+    x, y, w = rand(b, C), rand(b, C), rand(C)
+    want_x = x + y
+    normed = ops.add_rms_norm(x, y, w, torch.empty_like(x), 1e-5)
+    _close(x, want_x, dtype)
+    _close(normed, F.rms_norm(want_x.float(), (C,), w.float(), 1e-5), dtype)
+    _close(ops.add_rms_norm(x, None, w, torch.empty_like(x), 1e-5), F.rms_norm(x.float(), (C,), w.float(), 1e-5),
+           dtype)
+
+    qkv, pos, t = rand(b, (H + 2 * Hkv) * d), torch.tensor([0, 3, 17, 30, 31]), 33
+    angles = torch.arange(64)[:, None] * (1e4 ** (-torch.arange(d // 2) / (d // 2)))[None]   # [P, d/2]
+    cos, sin = angles.cos().repeat(1, 2).to(dtype), angles.sin().repeat(1, 2).to(dtype)
+    signed = torch.cat([-sin[:, :d // 2], sin[:, d // 2:]], -1)
+    cache = rand(2, b, Hkv, T, d)
+    q = ops.rope_cache(qkv, cos, signed, pos, torch.empty(b, H * d, dtype=dtype), cache, H, t)
+    heads = qkv[:, :(H + Hkv) * d].view(b, H + Hkv, d).float()
+    half = torch.cat([-heads[..., d // 2:], heads[..., :d // 2]], -1)          # Llama's rotate_half
+    rotated = heads * cos[pos, None].float() + half * sin[pos, None].float()
+    _close(q.view(b, H, d), rotated[:, :H], dtype)
+    _close(cache[0, :, :, t], rotated[:, H:], dtype)
+    assert torch.equal(cache[1, :, :, t], qkv[:, (H + Hkv) * d:].view(b, Hkv, d))
+
+    valid = torch.rand(b, T, generator=g) > 0.4
+    valid[:, t] = True
+    attn = ops.decode_attention(q, cache, valid, t + 1, 0.125, torch.empty_like(q))
+    want = F.scaled_dot_product_attention(q.view(b, Hkv, H // Hkv, d).float(), cache[0, :, :, :t + 1].float(),
+                                          cache[1, :, :, :t + 1].float(), attn_mask=valid[:, None, None, :t + 1],
+                                          scale=0.125)
+    _close(attn, want.reshape(b, H * d), dtype)
+
+    A, B, out = torch.randn(48, C, generator=g) * 0.1, torch.randn(960, 48, generator=g) * 0.1, rand(b, 960)
+    want = out.float() + x.float() @ A.T @ B.T
+    _close(ops.lora_add(x, A, B.T.contiguous(), out), want, dtype)
+
+    gate_up = rand(b, 2 * I)
+    _close(ops.silu_mul(gate_up, torch.empty(b, I, dtype=dtype)), F.silu(gate_up[:, :I].float()) * gate_up[:, I:].float(),
+           dtype)
+
+
+@needs_compiler
+def test_the_build_is_cached_and_written_atomically(tmp_path):
+    first = native.library_path(tmp_path)
+    stamp = first.stat().st_mtime_ns
+    assert native.library_path(tmp_path) == first and first.stat().st_mtime_ns == stamp    # not rebuilt
+    assert [p.name for p in tmp_path.iterdir()] == [first.name]                          # no temporary left
+
+
+def test_a_failed_build_names_the_compilers_error(tmp_path, monkeypatch):
+    fake = tmp_path / "bin" / "broken-cxx"
+    fake.parent.mkdir()
+    fake.write_text("#!/bin/sh\n[ \"$1\" = --version ] && exit 0\necho 'fatal: no space left' >&2\nexit 1\n")
+    fake.chmod(0o755)
+    monkeypatch.setenv("CXX", str(fake))
+    with pytest.raises(native.BuildError, match="fatal: no space left"):
+        native.library_path(tmp_path / "cache")
+    assert list((tmp_path / "cache").iterdir()) == []                                     # nothing half-written
+
+
+def _load_in_subprocess(tmp_path, **env) -> subprocess.CompletedProcess:
+    code = "from grpo_core.kernels import native; print(native.load() is None)"
+    environ = {k: v for k, v in os.environ.items() if k != "CXX"}
+    environ.update(GRPO_HOME=str(tmp_path), PYTHONPATH=str(ROOT), **env)
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=environ, cwd=ROOT,
+                          timeout=120)
+
+
+def test_without_a_compiler_loading_says_why_and_returns_none(tmp_path):
+    empty = tmp_path / "empty-path"
+    empty.mkdir()
+    done = _load_in_subprocess(tmp_path, PATH=str(empty))
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "True"
+    assert "no C++ compiler found" in done.stderr and "torch ops" in done.stderr
+
+
+def test_the_environment_can_turn_them_off(tmp_path):
+    done = _load_in_subprocess(tmp_path, GRPO_NATIVE_KERNELS="0")
+    assert done.stdout.strip() == "True" and done.stderr.strip() == ""

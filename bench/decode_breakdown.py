@@ -7,11 +7,12 @@ The fused sampler (grpo_core/kernels/fused_decode.py) of the step-speed policy i
 difference to the full step is that work's cost, as it is paid *in place* (between the weight streams
 that evict the caches, which makes a small op several times dearer than in a loop of its own):
 
-    full            the real step
+    full            the real step (with the small ops compiled, grpo_core/kernels/native.py, where they load)
+    full, torch ops the step with those ops as torch ops; the next three ablate them there
     -attention      the decode attention returns its queries (no KV read)
     -rmsnorm        both RMSNorms of every layer return their input
     -activation     silu(gate) * up becomes gate
-    -lora           the adapter's factors are left out (base weights only)
+    -lora           the adapter's factors are left out (base weights only), on the real step
     linears only    the base weights of every layer and the LM head, streamed by the same kernels at the
                     same shapes, nothing else: the step's weight-reading time
 
@@ -115,13 +116,27 @@ def main(argv=None) -> dict:
         raise SystemExit("this model has no fused sampling forward (not Llama-family, or not on the CPU)")
     ids = torch.randint(100, 1000, (ROWS, PROMPT), generator=torch.Generator().manual_seed(0))
     identity = lambda x, *a, **k: x  # noqa: E731
+    native_ops = dec.ops
+
+    @contextlib.contextmanager
+    def torch_ops(patch=contextlib.nullcontext):
+        """The step's small ops as torch ops (the ablations patch those), then the native ops again."""
+        dec.ops = None
+        try:
+            with patch():
+                yield
+        finally:
+            dec.ops = native_ops
+
     variants = {
         "full": contextlib.nullcontext,
-        "-attention": lambda: patched_functional(scaled_dot_product_attention=lambda q, *a, **k: q),
-        "-rmsnorm": lambda: patched_functional(rms_norm=identity),
-        "-activation": lambda: patched_functional(silu=identity),
+        "-attention": lambda: torch_ops(lambda: patched_functional(scaled_dot_product_attention=lambda q, *a, **k: q)),
+        "-rmsnorm": lambda: torch_ops(lambda: patched_functional(rms_norm=identity)),
+        "-activation": lambda: torch_ops(lambda: patched_functional(silu=identity)),
         "-lora": lambda: without_lora(dec),
     }
+    if native_ops is not None:           # the ablations above run on torch ops: their own full step too
+        variants = {"full": variants["full"], "full, torch ops": torch_ops, **dict(list(variants.items())[1:])}
     seconds: dict[str, list[float]] = {k: [] for k in [*variants, "linears only"]}
     for r in range(args.rounds + 1):
         for name, ctx in variants.items():
@@ -136,10 +151,11 @@ def main(argv=None) -> dict:
     weight_bytes = sum(p.numel() * p.element_size() for p in ours.policy.model.parameters()
                        if not p.requires_grad)
     print(f"{dec.path}; {ROWS} rows, {PROMPT} prompt tokens, {NEW} steps, median of {args.rounds}")
-    print(f"{'variant':>14}  ms/step  cost of the removed work")
+    print(f"{'variant':>15}  ms/step  cost of the removed work (against the full step it ablates)")
     for k, v in ms.items():
-        cost = "" if k == "full" else f"{ms['full'] - v:+.2f}"
-        print(f"{k:>14}  {v:7.2f}  {cost}")
+        base = "full, torch ops" if k in ("-attention", "-rmsnorm", "-activation") and "full, torch ops" in ms else "full"
+        cost = "" if k == "full" else f"{ms[base] - v:+.2f}"
+        print(f"{k:>15}  {v:7.2f}  {cost}")
     gbs = weight_bytes / (ms["linears only"] / 1e3) / 1e9
     print(f"weights read at {gbs:.1f} GB/s by the linears alone ({weight_bytes / 1e6:.0f} MB per step); the other "
           f"work is {ms['full'] - ms['linears only']:.2f} ms of the {ms['full']:.2f} ms step")

@@ -15,7 +15,9 @@ step is what the weights and arithmetic alone force on this machine:
 with decode_steps = the longest completion (all rows decode together) and tokens = prompt + completion
 tokens of all rows, as the speed issue (#13) defines it. Our update packs each group's prompt once with its
 answers, so it computes fewer tokens than that: the "packed floor" counts each prompt once per group (rows /
---generations groups), the floor of the work our update really does. The workload defaults are
+--generations groups), the floor of the work our update really does. The "roofline floor" lets a decode
+step cost the larger of its weight reading and its arithmetic (2 x params x rows at the matmul rate): on a
+CPU whose matmul rate is low next to its bandwidth, sampling is bound by arithmetic, not memory. The workload defaults are
 bench/step_speed.py's (2 prompts x 8 completions, 64 new tokens, the default model); --step-json takes the
 tokens that step really generated (its prompt length and longest completion too, where it records them).
 Every result records the CPU model, core count, versions and the git commit. Also measured: the rate at
@@ -76,11 +78,15 @@ def weight_stream_rate(dtype: torch.dtype, huge_pages: bool, rows: int = 16, mib
 
 
 def step_floor(params: float, weight_bytes: int, decode_steps: int, tokens: int, bandwidth: float,
-               matmul: float) -> dict:
-    """Seconds the weights (sampling) and the arithmetic (update) alone need for one step."""
+               matmul: float, rows: int) -> dict:
+    """Seconds the weights (sampling) and the arithmetic (update) alone need for one step; and the
+    roofline floor, whose decode step takes the larger of reading the weights and its own arithmetic
+    (2 x params x rows), whichever bounds it on this machine."""
     sampling = decode_steps * params * weight_bytes / bandwidth
+    roofline = decode_steps * max(params * weight_bytes / bandwidth, 2 * params * rows / matmul)
     update = 6 * params * tokens / matmul
-    return {"sampling_s": sampling, "update_s": update, "step_s": sampling + update}
+    return {"sampling_s": sampling, "update_s": update, "step_s": sampling + update,
+            "sampling_roofline_s": roofline, "roofline_step_s": roofline + update}
 
 
 def model_params(model: str) -> float:
@@ -134,17 +140,20 @@ def main(argv=None) -> dict:
                decode_steps=decode_steps, packed_tokens=packed_tokens, floor={}, packed_floor={})
     for name, dtype in DTYPES.items():
         at = dict(params=params, weight_bytes=torch.finfo(dtype).bits // 8, decode_steps=round(decode_steps),
-                  bandwidth=res["copy_gb_s"] * 1e9, matmul=res["matmul_gflop_s"][name] * 1e9)
+                  bandwidth=res["copy_gb_s"] * 1e9, matmul=res["matmul_gflop_s"][name] * 1e9, rows=args.rows)
         f = res["floor"][name] = step_floor(tokens=tokens, **at)
         packed = res["packed_floor"][name] = step_floor(tokens=packed_tokens, **at)
         line = (f"floor {name}: {f['step_s']:.2f} s/step (sampling {f['sampling_s']:.2f} s, update "
-                f"{f['update_s']:.2f} s); packed floor {packed['step_s']:.2f} s")
+                f"{f['update_s']:.2f} s); packed floor {packed['step_s']:.2f} s; roofline floor "
+                f"{f['roofline_step_s']:.2f} s (sampling {f['sampling_roofline_s']:.2f} s)")
         if step and step_dtype == name:
             ours = step["ours"]["median_s"]
             res["ours_over_floor"] = ours / f["step_s"]
             res["ours_over_packed_floor"] = ours / packed["step_s"]
+            res["ours_over_roofline_floor"] = ours / f["roofline_step_s"]
             line += (f"; ours {ours:.2f} s = {res['ours_over_floor']:.2f}x the floor, "
-                     f"{res['ours_over_packed_floor']:.2f}x the packed floor")
+                     f"{res['ours_over_packed_floor']:.2f}x the packed floor, "
+                     f"{res['ours_over_roofline_floor']:.2f}x the roofline floor")
             if step.get("ratio_trl_over_ours"):
                 line += f"; TRL / ours = {step['ratio_trl_over_ours']:.2f}x"
         print(line, flush=True)

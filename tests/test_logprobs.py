@@ -124,3 +124,21 @@ def test_pack_is_chosen_only_when_it_saves_work(tiny_model_dir):
     assert not _pack_is_cheaper(config, ids, full, C, G)
     config._attn_implementation = "flash_attention_2"      # ignores custom masks: never packed
     assert not _pack_is_cheaper(config, ids, short, C, G)
+
+
+def test_flat_packing_lays_the_group_rows_end_to_end_without_padding():
+    """The lean update trunk runs the group rows [prompt | c1 | ... | cG] end to end in one sequence: its
+    length is the sum of the rows' own lengths, not groups x the longest row."""
+    from grpo_core.logprobs import _packed_groups
+    P, C, G = 3, 4, 2
+    ids = torch.tensor([[1, 2, 3, 10, 11, 0, 0], [1, 2, 3, 12, 0, 0, 0],             # group 0: answers of 2 and 1
+                        [0, 4, 5, 20, 21, 22, 23], [0, 4, 5, 24, 25, 26, 0]])         # group 1: 4 and 3, prompt padded
+    attn = (torch.arange(P + C)[None] < torch.tensor([[5], [4], [7], [6]])).long()
+    attn[2:, 0] = 0
+    flat_ids, flat_pos, mask, src = _packed_groups(ids, attn, C, G, None, flat=True)
+    assert mask is None and flat_ids.tolist() == [[1, 2, 3, 10, 11, 12, 0, 4, 5, 20, 21, 22, 23, 24, 25, 26]]
+    assert flat_pos.tolist() == [[0, 1, 2, 3, 4, 3, 0, 0, 1, 2, 3, 4, 5, 2, 3, 4]]
+    padded_ids = _packed_groups(ids, attn, C, G, None)[0]
+    assert padded_ids.shape == (2, 10) and padded_ids[0, 6:].tolist() == [0, 0, 0, 0]
+    # each completion token is predicted by the position before it (its prompt's last token for the first)
+    assert src.tolist() == [2, 3, 2, 8, 9, 10, 11, 8, 13, 14]

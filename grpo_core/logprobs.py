@@ -7,6 +7,8 @@ and their backward take one sweep over the logits. V = vocabulary, H = hidden si
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 
@@ -279,47 +281,82 @@ def _masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed
     return torch.bmm(probs, v.reshape(b * Hkv, T, d)).view(b, H, L, d)
 
 
+@dataclass
+class _QueryBlocks:
+    """Some completions' tokens as query blocks [b, Lm], each padded to the longest of them, for attention
+    against their prompt plus their own tokens ([P + Lm] keys)."""
+    group: torch.Tensor          # [b] each completion's group
+    index: torch.Tensor          # [b * Lm] flat packed position of each block slot (clamped past the end)
+    mask: torch.Tensor           # [b, 1, Lm, P + Lm] bool: the keys each slot may attend
+    dest: torch.Tensor           # [N] flat packed position of each real token
+    keep: torch.Tensor           # [N] its slot in [b * Lm]
+
+
+def _query_blocks(rows: torch.Tensor, lengths: torch.Tensor, starts: torch.Tensor, row_start: torch.Tensor,
+                  group: torch.Tensor, p_attn: torch.Tensor, total: int) -> _QueryBlocks:
+    lengths, group = lengths[rows], group[rows]
+    b, P = len(rows), p_attn.size(1)
+    t = torch.arange(max(int(lengths.max()), 1), device=rows.device)
+    in_seg = t[None, :] < lengths[:, None]                                       # [b, Lm]
+    index = (row_start[group, None] + starts[rows, None] + t).clamp(max=total - 1).view(-1)
+    own = (t[:, None] >= t[None, :])[None] & in_seg[:, None, :]                  # [b, Lm, Lm]
+    mask = torch.cat([p_attn[group][:, None, :].expand(b, len(t), P), own], -1)[:, None]
+    real = in_seg.view(-1)
+    return _QueryBlocks(group, index, mask, index[real], real.nonzero().squeeze(-1))
+
+
+def _length_split(lengths: torch.Tensor, prompt_len: int, min_saving: float = 0.2) -> list[torch.Tensor]:
+    """Completions (row indices) in one block, or in two by length where that cuts the attention's padded
+    work (rows x Lm x (P + Lm) per block) by at least `min_saving` (a second block costs a few more ops)."""
+    order = lengths.argsort()
+    ls = lengths[order].tolist()
+
+    def work(part):
+        longest = max(max(part), 1)
+        return len(part) * longest * (prompt_len + longest)
+
+    whole = work(ls)
+    best, cut = min((work(ls[:i]) + work(ls[i:]), i) for i in range(1, len(ls))) if len(ls) > 1 else (whole, 0)
+    return [order[:cut], order[cut:]] if best <= (1 - min_saving) * whole else [order]
+
+
 def _segment_attention(input_ids: torch.Tensor, attention_mask: torch.Tensor, completion_len: int, group_size: int):
     """Attention for the group rows of `_packed_groups(..., flat=True)`, end to end in one sequence, that
     computes only the pairs its mask allows: each prompt attends to itself, and each completion to its
-    prompt plus its own earlier tokens, gathered as [B, Lmax] query blocks against [P + Lmax] keys.
+    prompt plus its own earlier tokens, gathered as [B, Lmax] query blocks against [P + Lmax] keys (in two
+    blocks by length when that saves work, `_length_split`).
     Returns attend(q [1, H, total, d], k, v [1, Hkv, total, d], scale) -> [1, H, total, d]."""
     B = input_ids.size(0)
     P, G, n, dev = input_ids.size(1) - completion_len, group_size, B // group_size, input_ids.device
     _, lengths, starts, row_start, total = _group_layout(attention_mask, completion_len, G, flat=True)
-    Lm = max(int(lengths.max()), 1)
     group = torch.arange(B, device=dev) // G
-    t = torch.arange(Lm, device=dev)
-    in_seg = t[None, :] < lengths[:, None]                                       # [B, Lm]
-    seg_idx = (row_start[group, None] + starts[:, None] + t).clamp(max=total - 1).view(-1)   # [B * Lm]
     prompt_idx = (row_start[:, None] + torch.arange(P, device=dev)).view(-1)     # [n * P]
     p_attn = attention_mask[::G, :P].bool()                                      # [n, P]
     prompt_mask = causal_pad_mask(p_attn)                                        # [n, 1, P, P]
-    own = (t[:, None] >= t[None, :])[None] & in_seg[:, None, :]                  # [B, Lm, Lm]
-    seg_mask = torch.cat([p_attn[group][:, None, :].expand(B, Lm, P), own], -1)[:, None]  # [B, 1, Lm, P+Lm]
-    dest = seg_idx[in_seg.view(-1)]                                              # [N]
-    keep = in_seg.view(-1).nonzero().squeeze(-1)                                 # [N] rows of [B * Lm]
-
-    biases = {}                                   # dtype -> (prompt, segment) additive masks, built once
+    blocks = [_query_blocks(rows, lengths, starts, row_start, group, p_attn, total)
+              for rows in _length_split(lengths, P)]
+    biases = {}                                   # dtype -> additive masks (prompt, then each block), built once
 
     def attend(q, k, v, scale):
         H, d = q.size(1), q.size(-1)
         if q.dtype not in biases:
             Hkv = k.size(1)
-            biases[q.dtype] = [_attention_bias(m, Hkv, H // Hkv, q.dtype) for m in (prompt_mask, seg_mask)]
-        prompt_bias, seg_bias = biases[q.dtype]
+            biases[q.dtype] = [_attention_bias(m, Hkv, H // Hkv, q.dtype)
+                               for m in [prompt_mask] + [blk.mask for blk in blocks]]
+        prompt_bias, *block_bias = biases[q.dtype]
 
         def gather(x, index, rows):   # [1, h, total, d] -> [rows, h, len, d]; index_select: backward is index_add
             return x[0].transpose(0, 1).index_select(0, index).view(rows, -1, x.size(1), d).transpose(1, 2)
 
         kp, vp = gather(k, prompt_idx, n), gather(v, prompt_idx, n)             # [n, Hkv, P, d]
         o_prompt = _masked_attention(gather(q, prompt_idx, n), kp, vp, prompt_mask, scale, prompt_bias)  # [n, H, P, d]
-        ks = torch.cat([kp.index_select(0, group), gather(k, seg_idx, B)], 2)    # [B, Hkv, P + Lm, d]
-        vs = torch.cat([vp.index_select(0, group), gather(v, seg_idx, B)], 2)
-        o_seg = _masked_attention(gather(q, seg_idx, B), ks, vs, seg_mask, scale, seg_bias)  # [B, H, Lm, d]
-        real = o_seg.transpose(1, 2).reshape(B * Lm, H, d).index_select(0, keep)  # [N, H, d]
-        out = q.new_zeros(total, H, d).index_copy(0, dest, real)
-        out = out.index_copy(0, prompt_idx, o_prompt.transpose(1, 2).reshape(n * P, H, d))
+        out = q.new_zeros(total, H, d).index_copy(0, prompt_idx, o_prompt.transpose(1, 2).reshape(n * P, H, d))
+        for blk, bias in zip(blocks, block_bias):
+            b = len(blk.group)
+            ks = torch.cat([kp.index_select(0, blk.group), gather(k, blk.index, b)], 2)   # [b, Hkv, P + Lm, d]
+            vs = torch.cat([vp.index_select(0, blk.group), gather(v, blk.index, b)], 2)
+            o_seg = _masked_attention(gather(q, blk.index, b), ks, vs, blk.mask, scale, bias)   # [b, H, Lm, d]
+            out = out.index_copy(0, blk.dest, o_seg.transpose(1, 2).reshape(-1, H, d).index_select(0, blk.keep))
         return out.transpose(0, 1)[None]                                         # [1, H, total, d]
 
     return attend

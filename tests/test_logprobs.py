@@ -63,14 +63,18 @@ def test_completion_logprobs_match_unpadded_forward(tiny_model_dir):
             assert torch.allclose(lp_logits[r, :len(c)], own, atol=1e-4)
 
 
-@pytest.mark.parametrize("layout", ["lean_segments", "packed_mask", "repeated_kv", "packed_checkpointed"])
+@pytest.mark.parametrize("layout", ["lean_segments", "lean_segments_split", "packed_mask", "repeated_kv",
+                                    "packed_checkpointed"])
 def test_shared_prompt_path_equals_full_pass_value_and_gradient(tiny_model_dir, monkeypatch, layout):
     """Groups of rows with one prompt: running the prompt once (each group packed into one row of
-    unpadded completions, through the lean trunk or a block mask, or the prompt's KV repeated) == the
-    full padded pass, values and gradients."""
+    unpadded completions, through the lean trunk, its completions' queries in one block or in several by
+    length, or through a block mask, or the prompt's KV repeated) == the full padded pass, values and
+    gradients."""
     import grpo_core.logprobs as alg
     from grpo_core.logprobs import _groups_share_prompt
-    if layout != "lean_segments":
+    if layout == "lean_segments_split":           # three query blocks by length, whatever the saving
+        monkeypatch.setattr(alg, "_length_split", lambda lengths, P: list(lengths.argsort().chunk(3)))
+    elif layout != "lean_segments":
         monkeypatch.setattr(alg.LeanDecoder, "of", classmethod(lambda cls, model: None))
     monkeypatch.setattr(alg, "_pack_is_cheaper", lambda *a: layout != "repeated_kv")
     from grpo_core.models import attach_lora
@@ -96,8 +100,8 @@ def test_shared_prompt_path_equals_full_pass_value_and_gradient(tiny_model_dir, 
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         model.enable_input_require_grads()
         model.train()
-    expected_path = {"lean_segments": "packed-lean", "packed_mask": "packed-mask", "repeated_kv": "shared-kv",
-                     "packed_checkpointed": "packed-mask"}[layout]
+    expected_path = {"lean_segments": "packed-lean", "lean_segments_split": "packed-lean", "packed_mask": "packed-mask",
+                     "repeated_kv": "shared-kv", "packed_checkpointed": "packed-mask"}[layout]
     assert logprob_path(model, ids, attn, C, G) == expected_path and logprob_path(model, ids, attn, C, 1) == "rows"
     out = []
     for gs in (1, G):
@@ -142,3 +146,11 @@ def test_flat_packing_lays_the_group_rows_end_to_end_without_padding():
     assert padded_ids.shape == (2, 10) and padded_ids[0, 6:].tolist() == [0, 0, 0, 0]
     # each completion token is predicted by the position before it (its prompt's last token for the first)
     assert src.tolist() == [2, 3, 2, 8, 9, 10, 11, 8, 13, 14]
+
+
+def test_completions_split_into_two_query_blocks_only_where_that_saves_work():
+    from grpo_core.logprobs import _length_split
+    lengths = torch.tensor([30, 2, 31, 1])
+    assert [b.tolist() for b in _length_split(lengths, 5)] == [[3, 1], [0, 2]]
+    assert [b.tolist() for b in _length_split(torch.tensor([30, 28, 31, 29]), 5)] == [[1, 3, 0, 2]]
+    assert [b.tolist() for b in _length_split(torch.tensor([7]), 5)] == [[0]]

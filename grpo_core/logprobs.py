@@ -294,6 +294,7 @@ class _QueryBlocks:
 
 def _query_blocks(rows: torch.Tensor, lengths: torch.Tensor, starts: torch.Tensor, row_start: torch.Tensor,
                   group: torch.Tensor, p_attn: torch.Tensor, total: int) -> _QueryBlocks:
+    """The query blocks of the completions `rows` in the flat packed sequence (`_group_layout(flat=True)`)."""
     lengths, group = lengths[rows], group[rows]
     b, P = len(rows), p_attn.size(1)
     t = torch.arange(max(int(lengths.max()), 1), device=rows.device)
@@ -339,9 +340,9 @@ def _segment_attention(input_ids: torch.Tensor, attention_mask: torch.Tensor, co
 
     def attend(q, k, v, scale):
         H, d = q.size(1), q.size(-1)
-        if q.dtype not in biases:
+        if q.dtype not in biases:                 # (only the CPU's written-out attention reads them)
             Hkv = k.size(1)
-            biases[q.dtype] = [_attention_bias(m, Hkv, H // Hkv, q.dtype)
+            biases[q.dtype] = [_attention_bias(m, Hkv, H // Hkv, q.dtype) if q.device.type == "cpu" else None
                                for m in [prompt_mask] + [blk.mask for blk in blocks]]
         prompt_bias, *block_bias = biases[q.dtype]
 

@@ -353,9 +353,9 @@ class FusedDecoder:
         return self.head(F.rms_norm(x[:, -1], (x.size(-1),), self.lean.norm.weight, self.eps))   # [b, V]
 
     def _native_step(self, tokens: torch.Tensor) -> torch.Tensor:
-        """One token per row [b] -> logits [b, V], the per-layer work between the linears in four compiled
-        calls (native.DecodeOps): add + RMSNorm, rotary + KV write, attention, SiLU gate, and the adapter's
-        low-rank terms."""
+        """One token per row [b] -> logits [b, V], the work between a layer's linears in compiled calls
+        (native.DecodeOps): add + RMSNorm, rotary + KV write, attention, SiLU gate, the adapter's low-rank
+        terms."""
         ops, eps, t = self.ops, self.eps, self.length
         x = self.embed(tokens)                                                             # [b, C] residual
         h = torch.empty_like(x)                                                            # [b, C] normed

@@ -26,8 +26,9 @@ import torch
 
 SOURCE = Path(__file__).with_name("decode_ops.cpp")
 # `#pragma omp simd` loops vectorise (sums marked as reductions may be reordered; nothing else is) and the
-# attention and LoRA loops run on OpenMP threads: libgomp.so.1, which resolves to the copy torch already
-# loaded, so both share one thread pool (torch.set_num_threads applies to both).
+# attention and LoRA loops run on OpenMP threads: libgomp.so.1, which resolves to the copy that torch's
+# Linux wheels ship and have already loaded, so both share one thread pool (torch.set_num_threads applies
+# to both).
 FLAGS = ["-O3", "-march=native", "-shared", "-fPIC", "-std=c++17", "-fopenmp", "-fno-math-errno",
          "-fno-trapping-math"]
 _SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16"}

@@ -259,6 +259,7 @@ class FusedDecoder:
         native_ok = dtype in (torch.float32, torch.bfloat16) and all(
             w.dtype == dtype and w.is_contiguous() for w in norms)
         self.ops = native.load() if native_ok else None      # the step's small ops compiled for this CPU
+        self.next_norms = [layer.ln1 for layer in layers[1:]] + [lean.norm.weight]   # the RMSNorm after each layer
 
     @property
     def path(self) -> str:
@@ -361,9 +362,8 @@ class FusedDecoder:
         h = torch.empty_like(x)                                                            # [b, C] normed
         q = x.new_empty(x.size(0), self.n_q * self.d)                                      # [b, H d]
         o, act = torch.empty_like(q), x.new_empty(x.size(0), self.width)
-        norms = [layer.ln1 for layer in self.layers[1:]] + [self.lean.norm.weight]
         ops.add_rms_norm(x, None, self.layers[0].ln1, h, eps)
-        for i, (layer, next_norm) in enumerate(zip(self.layers, norms)):
+        for i, (layer, next_norm) in enumerate(zip(self.layers, self.next_norms)):
             ops.rope_cache(layer.qkv(h, ops), self.cos, self.sin, self.next_pos, q, self.kv[i], self.n_q, t)
             ops.decode_attention(q, self.kv[i], self.valid, t + 1, self.scale, o)
             ops.add_rms_norm(x, layer.o(o, ops), layer.ln2, h, eps)

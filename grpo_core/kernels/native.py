@@ -132,7 +132,6 @@ class DecodeOps:
         self._fns["silu_mul", gate_up.dtype](gate_up.data_ptr(), out.data_ptr(), out.size(0), out.size(1))
         return out
 
-
     def lora_add(self, x: torch.Tensor, a: torch.Tensor, b_t: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """y [b, out] += (x [b, C] A^T) B^T, A [R, C] and B^T [R, out] float32 (rounded once into y's dtype)."""
         self._fns["lora_add", x.dtype](x.data_ptr(), a.data_ptr(), b_t.data_ptr(), y.data_ptr(), x.size(0),

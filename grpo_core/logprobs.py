@@ -73,12 +73,45 @@ class _PickedLogprob(torch.autograd.Function):
         return grad, None, None, None, None
 
 
+class _SweptLogprob(torch.autograd.Function):
+    """_PickedLogprob through the compiled logit sweep (`native.NativeOps.logit_sweep`): the logits stay in
+    their own dtype, and only each row's log-sum-exp is kept for the backward, which recomputes the softmax
+    as it writes the gradient. No entropy gradient. logits: [n, V] float32 or bfloat16, ids: [n] int64."""
+
+    @staticmethod
+    def forward(ctx, logits, ids, temperature: float, with_entropy: bool, ops):
+        logp, lse, ent = ops.logit_sweep(logits, ids, temperature, with_entropy)
+        if ctx.needs_input_grad[0]:
+            ctx.save_for_backward(logits, ids, lse)
+            ctx.temperature, ctx.ops = temperature, ops
+        return logp, ent if with_entropy else torch.zeros_like(lse)
+
+    @staticmethod
+    def backward(ctx, grad_logp, grad_ent):
+        logits, ids, lse = ctx.saved_tensors
+        grad = ctx.ops.logit_sweep_backward(logits, ids, lse, grad_logp.float().contiguous(), ctx.temperature)
+        return grad, None, None, None, None
+
+
+def _sweep_ops(logits: torch.Tensor):
+    """The compiled logit sweep when it applies to these logits (CPU, float32 or bfloat16), else None."""
+    if logits.device.type != "cpu" or logits.dtype not in (torch.float32, torch.bfloat16):
+        return None
+    from grpo_core.kernels import native
+    return native.load()
+
+
 def _head_chunk(hidden: torch.Tensor, head: torch.nn.Module, ids: torch.Tensor, temperature: float,
                 with_entropy: bool, entropy_grad: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """One chunk: hidden [n, ..., H] -> (logp [n, ...], entropy [n, ...] or empty) via the LM head."""
-    logits = head(hidden).float()                                         # [n, ..., V]
-    logp, ent = _PickedLogprob.apply(logits.reshape(-1, logits.size(-1)), ids.reshape(-1), temperature, with_entropy,
-                                     entropy_grad)
+    logits = head(hidden)                                                 # [n, ..., V]
+    logits = logits.reshape(-1, logits.size(-1))
+    ops = None if entropy_grad else _sweep_ops(logits)
+    if ops is not None:
+        logp, ent = _SweptLogprob.apply(logits.contiguous(), ids.reshape(-1).contiguous(), temperature, with_entropy,
+                                        ops)
+    else:
+        logp, ent = _PickedLogprob.apply(logits.float(), ids.reshape(-1), temperature, with_entropy, entropy_grad)
     if not with_entropy:
         return logp.view(ids.shape), logp.new_zeros(0)
     return logp.view(ids.shape), (ent if entropy_grad else ent.detach()).view(ids.shape)

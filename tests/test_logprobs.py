@@ -22,7 +22,17 @@ def test_token_logprobs_and_entropy_match_log_softmax():
         assert torch.allclose(token_entropy(logits, T), -(full.exp() * full).sum(-1), atol=1e-5)
 
 
-def test_chunked_head_logprobs_value_and_gradient():
+@pytest.mark.parametrize("compiled", [True, False], ids=["compiled-sweep", "torch-sweep"])
+def test_chunked_head_logprobs_value_and_gradient(compiled, monkeypatch):
+    """With the compiled logit sweep (where a compiler is) and with torch ops: the same log-probs, entropy and
+    gradients as the full log-softmax, through checkpointed chunks and kept ones."""
+    import grpo_core.logprobs as lp_mod
+    if compiled:
+        from grpo_core.kernels import native
+        if native.load() is None:
+            pytest.skip("no compiled kernels here")
+    else:
+        monkeypatch.setattr(lp_mod, "_sweep_ops", lambda logits: None)
     g = torch.Generator().manual_seed(2)
     hidden = torch.randn(5, 6, 8, generator=g, requires_grad=True)
     head = torch.nn.Linear(8, 19, bias=False)

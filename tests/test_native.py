@@ -1,5 +1,6 @@
-"""The decode step's compiled ops (grpo_core/kernels/native.py): each equals the same arithmetic in torch
-ops at the default model's shapes, in fp32 and bf16, with masked keys and rows at different positions;
+"""The compiled ops (grpo_core/kernels/native.py): each decode-step op and the update's logit sweep equals
+the same arithmetic in torch ops at the default model's shapes, in fp32 and bf16, with masked keys and rows
+at different positions;
 the build is cached per source and CPU and written atomically; a failed build names the compiler's
 error; without a compiler (or with GRPO_NATIVE_KERNELS=0) loading says why and sampling keeps torch ops."""
 from __future__ import annotations
@@ -75,6 +76,33 @@ def test_each_op_equals_torch_at_the_models_shapes(dtype):
     gate_up = rand(b, 2 * I)
     _close(ops.silu_mul(gate_up, torch.empty(b, I, dtype=dtype)), F.silu(gate_up[:, :I].float()) * gate_up[:, I:].float(),
            dtype)
+
+
+@needs_compiler
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("temperature", [1.0, 0.6])
+def test_logit_sweep_equals_torch_at_the_vocabulary_size(dtype, temperature):
+    """Log-prob, entropy and the gradient of the picked log-probs, over SmolLM2's 49152 logits; rows of
+    ordinary and of very peaked logits, the picked token first, last and in between."""
+    ops = native.load()
+    g = torch.Generator().manual_seed(1)
+    V = 49152
+    logits = (torch.randn(6, V, generator=g) * torch.tensor([1.0, 3.0, 8.0, 30.0, 1.0, 3.0])[:, None]).to(dtype)
+    ids = torch.tensor([0, V - 1, 17, 4096, 31000, 49000])
+    grad_logp = torch.randn(6, generator=g)
+    z = (logits.float() / temperature).requires_grad_()
+    want = z.log_softmax(-1).gather(-1, ids[:, None]).squeeze(-1)
+    want.backward(grad_logp)
+    logp, lse, ent = ops.logit_sweep(logits, ids, temperature, with_entropy=True)
+    assert torch.allclose(logp, want.detach(), atol=2e-5, rtol=1e-5), (logp - want).abs().max()
+    assert torch.allclose(lse, z.logsumexp(-1).detach(), atol=2e-5, rtol=1e-6)
+    entropy = -(z.softmax(-1) * z.log_softmax(-1)).sum(-1).detach()
+    assert torch.allclose(ent, entropy, atol=2e-4, rtol=1e-5), (ent - entropy).abs().max()
+    grad = ops.logit_sweep_backward(logits, ids, lse, grad_logp, temperature)
+    assert grad.dtype == dtype and grad.shape == logits.shape
+    _close(grad, z.grad / temperature, dtype)
+    with pytest.raises(IndexError, match=r"\[0, 49152\)"):
+        ops.logit_sweep(logits, torch.tensor([0, 1, 2, 3, 4, V]), temperature, with_entropy=False)
 
 
 @needs_compiler

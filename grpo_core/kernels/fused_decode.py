@@ -154,7 +154,7 @@ class FusedLinear:
     def __post_init__(self):
         self.lora_b_t = None if self.lora_b is None else self.lora_b.t().contiguous()   # [R, out] for native ops
 
-    def __call__(self, x: torch.Tensor, ops: "native.DecodeOps | None" = None) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, ops: "native.NativeOps | None" = None) -> torch.Tensor:
         """x [..., in] -> [..., out]; `ops` adds the adapter's term in one compiled call (x [b, in] only)."""
         y = onednn_linear(x, self.weight, self.bias) if self.packed else F.linear(x, self.weight, self.bias)
         if self.lora_a is not None and ops is not None:
@@ -355,7 +355,7 @@ class FusedDecoder:
 
     def _native_step(self, tokens: torch.Tensor) -> torch.Tensor:
         """One token per row [b] -> logits [b, V], the work between a layer's linears in compiled calls
-        (native.DecodeOps): add + RMSNorm, rotary + KV write, attention, SiLU gate, the adapter's low-rank
+        (native.NativeOps): add + RMSNorm, rotary + KV write, attention, SiLU gate, the adapter's low-rank
         terms."""
         ops, eps, t = self.ops, self.eps, self.length
         x = self.embed(tokens)                                                             # [b, C] residual

@@ -1,10 +1,12 @@
-"""The decode step's small operations (`decode_ops.cpp`) compiled for this CPU and loaded with ctypes.
+"""The decode step's small operations (`decode_ops.cpp`) and the update's logit sweep (`logit_ops.cpp`),
+compiled for this CPU and loaded with ctypes.
 
 Built once per source, compiler and CPU, with the system C++ compiler (`$CXX`, else g++, c++ or
 clang++) and `-march=native`, into `$GRPO_HOME/kernels/` (written to a temporary name, then renamed).
 No torch headers are involved, so a build takes about a second. Before first use every function is
 checked against the same arithmetic written with torch ops; if the compiler is missing, the build fails
-or a check disagrees, `load()` returns None, says why once on stderr, and the sampler keeps its torch ops.
+or a check disagrees, `load()` returns None, says why once on stderr, and the sampler and the update keep
+their torch ops.
 `GRPO_NATIVE_KERNELS=0` turns them off.
 
 Tensors passed in must be contiguous CPU tensors of one dtype, float32 or bfloat16.
@@ -24,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-SOURCE = Path(__file__).with_name("decode_ops.cpp")
+SOURCES = [Path(__file__).with_name(name) for name in ("kernel_common.h", "decode_ops.cpp", "logit_ops.cpp")]
 # `#pragma omp simd` loops vectorise (sums marked as reductions may be reordered; nothing else is) and the
 # attention and LoRA loops run on OpenMP threads: libgomp.so.1, which resolves to the copy that torch's
 # Linux wheels ship and have already loaded, so both share one thread pool (torch.set_num_threads applies
@@ -39,6 +41,8 @@ _SIGNATURES = {
     "decode_attention": [_PTR, _PTR, _PTR, _I64, _PTR, _I64, _I64, _I64, _I64, _I64, _I64, _F32],
     "silu_mul": [_PTR, _PTR, _I64, _I64],
     "lora_add": [_PTR, _PTR, _PTR, _PTR, _I64, _I64, _I64, _I64],
+    "logit_sweep_fwd": [_PTR, _PTR, _I64, _I64, _F32, _PTR, _PTR, _PTR],
+    "logit_sweep_bwd": [_PTR, _PTR, _PTR, _PTR, _I64, _I64, _F32, _PTR],
 }
 
 
@@ -68,7 +72,8 @@ def library_path(cache_dir: Path | None = None) -> Path:
     from grpo_core.models import grpo_home
     cxx = _compiler()
     version = subprocess.run([cxx, "--version"], capture_output=True, text=True).stdout
-    key = hashlib.sha256("\0".join([SOURCE.read_text(), cxx, version, " ".join(FLAGS), _cpu_flags()]).encode())
+    sources = [src.read_text() for src in SOURCES]
+    key = hashlib.sha256("\0".join([*sources, cxx, version, " ".join(FLAGS), _cpu_flags()]).encode())
     out_dir = Path(cache_dir or grpo_home() / "kernels")
     lib = out_dir / f"decode_ops-{key.hexdigest()[:16]}.so"
     if lib.exists():
@@ -77,7 +82,8 @@ def library_path(cache_dir: Path | None = None) -> Path:
     fd, tmp = tempfile.mkstemp(dir=out_dir, suffix=".so.tmp")
     os.close(fd)
     try:
-        done = subprocess.run([cxx, *FLAGS, "-o", tmp, str(SOURCE)], capture_output=True, text=True)
+        units = [str(src) for src in SOURCES if src.suffix == ".cpp"]
+        done = subprocess.run([cxx, *FLAGS, "-o", tmp, *units], capture_output=True, text=True)
         if done.returncode:
             raise BuildError(f"{cxx} failed: {done.stderr.strip()[-2000:]}")
         os.replace(tmp, lib)
@@ -91,7 +97,7 @@ def _ptr(t: torch.Tensor | None) -> int | None:
     return None if t is None else t.data_ptr()
 
 
-class DecodeOps:
+class NativeOps:
     """The compiled functions, called on torch tensors (see decode_ops.cpp for each one's contract)."""
 
     def __init__(self, lib: ctypes.CDLL):
@@ -138,8 +144,29 @@ class DecodeOps:
                                        x.size(1), a.size(0), y.size(1))
         return y
 
+    def logit_sweep(self, logits: torch.Tensor, ids: torch.Tensor, temperature: float, with_entropy: bool):
+        """logits [n, V], ids [n] int64 -> float32 (logp [n], lse [n], entropy [n] or None) of softmax(logits / T)."""
+        n, V = logits.shape
+        if n and not 0 <= int(ids.min()) <= int(ids.max()) < V:
+            raise IndexError(f"token ids must lie in [0, {V}) for logits of {V} columns")
+        logp, lse = torch.empty(n), torch.empty(n)
+        ent = torch.empty(n) if with_entropy else None
+        self._fns["logit_sweep_fwd", logits.dtype](logits.data_ptr(), ids.data_ptr(), n, V, 1.0 / temperature,
+                                                   logp.data_ptr(), lse.data_ptr(), _ptr(ent))
+        return logp, lse, ent
 
-def _reference_check(ops: DecodeOps) -> None:
+    def logit_sweep_backward(self, logits: torch.Tensor, ids: torch.Tensor, lse: torch.Tensor, grad_logp: torch.Tensor,
+                             temperature: float) -> torch.Tensor:
+        """d(sum grad_logp * logp) / d logits = grad_logp (onehot(ids) - softmax(logits / T)) / T, [n, V] in
+        the logits' dtype; lse [n] from `logit_sweep`, grad_logp [n] float32."""
+        grad = torch.empty_like(logits)
+        self._fns["logit_sweep_bwd", logits.dtype](logits.data_ptr(), ids.data_ptr(), lse.data_ptr(),
+                                                   grad_logp.data_ptr(), logits.size(0), logits.size(1),
+                                                   1.0 / temperature, grad.data_ptr())
+        return grad
+
+
+def _reference_check(ops: NativeOps) -> None:
     """Each function against the same arithmetic in torch ops, in both dtypes; raises BuildError."""
     g = torch.Generator().manual_seed(0)
     b, H, Hkv, d, T, C, n = 3, 4, 2, 8, 7, 12, 5
@@ -178,17 +205,26 @@ def _reference_check(ops: DecodeOps) -> None:
         gate_up = rand(b, 2 * C)
         got = ops.silu_mul(gate_up, torch.empty(b, C, dtype=dtype))
         same("silu_mul", got, torch.nn.functional.silu(gate_up[:, :C].float()) * gate_up[:, C:].float())
+        logits, ids, grad_logp = rand(b, 2 * C) * 4, torch.tensor([0, 5, 2 * C - 1]), torch.randn(b, generator=g)
+        z = logits.float() / 0.7
+        logp, lse, ent = ops.logit_sweep(logits, ids, 0.7, True)
+        same("logit_sweep", logp, z.log_softmax(-1).gather(-1, ids[:, None]).squeeze(-1))
+        same("logit_sweep", ent, -(z.softmax(-1) * z.log_softmax(-1)).sum(-1))
+        onehot = torch.nn.functional.one_hot(ids, z.size(-1)).float()
+        same("logit_sweep_backward", ops.logit_sweep_backward(logits, ids, lse, grad_logp, 0.7),
+             (onehot - z.softmax(-1)) * grad_logp[:, None] / 0.7)
 
 
 @functools.cache
-def load() -> DecodeOps | None:
+def load() -> NativeOps | None:
     """The checked kernels for this machine, or None (and why, once, on stderr)."""
     if os.environ.get("GRPO_NATIVE_KERNELS", "1").strip().lower() in ("0", "false", "no", "off"):
         return None
     try:
-        ops = DecodeOps(ctypes.CDLL(str(library_path())))
-        _reference_check(ops)
+        ops = NativeOps(ctypes.CDLL(str(library_path())))
+        with torch.no_grad():             # (may be first called inside an autograd checkpoint)
+            _reference_check(ops)
         return ops
     except (BuildError, OSError) as e:
-        print(f"grpo: native decode kernels not used ({e}); sampling keeps its torch ops", file=sys.stderr)
+        print(f"grpo: native kernels not used ({e}); sampling and the update keep their torch ops", file=sys.stderr)
         return None

@@ -57,9 +57,7 @@ class _PackedLinearFn(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_out):
-        # grad_x = grad_y W: oneDNN takes the transposed view as it is (as fast as a pack at these sizes)
-        grad_x = onednn_linear(grad_out, ctx.layer.weight.detach().t(), None) if ctx.needs_input_grad[0] else None
-        return grad_x, None, None, None
+        return ctx.layer.input_grad(grad_out) if ctx.needs_input_grad[0] else None, None, None, None
 
 
 class PackedLinear(torch.nn.Linear):
@@ -96,6 +94,10 @@ class PackedLinear(torch.nn.Linear):
         if not (grad and x.requires_grad):                 # nothing to differentiate: skip autograd's wrapper
             return onednn_linear(x, self.packed(slot, weight), self.bias)
         return _PackedLinearFn.apply(x, self, slot, weight)
+
+    def input_grad(self, grad_out: torch.Tensor) -> torch.Tensor:
+        """grad_x = grad_y W; oneDNN takes the transposed view as it is (as fast as a pack at these sizes)."""
+        return onednn_linear(grad_out, self.weight.detach().t(), None)
 
     def drop_pack(self, slot: str) -> None:
         if self._packs:

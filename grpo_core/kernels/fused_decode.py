@@ -40,6 +40,7 @@ import torch.nn.functional as F
 from grpo_core.kernels import native
 from grpo_core.kernels.cpu_linear import onednn_linear, onednn_pack
 from grpo_core.kernels.lean_decode import LeanDecoder, causal_pad_mask, positions
+from grpo_core.kernels.lora_linear import Unsupported, lora_parts
 
 HUGE_PAGE = 2 << 20
 MADV_HUGEPAGE = 14
@@ -120,27 +121,11 @@ def linear_kernel(dtype: torch.dtype, rows: int, shapes: tuple[tuple[int, int], 
 
 # -- the snapshot --------------------------------------------------------------------------------------------
 
-class Unsupported(Exception):
-    """The model holds something this forward does not reproduce (e.g. DoRA): use the lean one."""
-
-
 def _linear_parts(module) -> tuple[torch.Tensor, torch.Tensor | None, list[tuple[torch.Tensor, torch.Tensor]]]:
     """(base weight [out, in], bias, [(A [r, in], B*scale [out, r]) per active LoRA adapter]) of a linear,
     plain or wrapped by a PEFT LoRA layer (a merged or disabled adapter contributes no factors)."""
-    base = getattr(module, "base_layer", None)
-    if base is None:
-        return module.weight, module.bias, []
-    if getattr(module, "merged", False) or getattr(module, "disable_adapters", False):
-        return base.weight, base.bias, []
-    factors = []
-    for name in module.active_adapters:
-        if name not in module.lora_A:
-            continue
-        if name in getattr(module, "lora_variant", {}) or module.use_dora.get(name) or \
-                getattr(module, "lora_bias", {}).get(name):
-            raise Unsupported(f"a LoRA variant (DoRA, lora_bias, ...) on adapter {name}")
-        factors.append((module.lora_A[name].weight, module.lora_B[name].weight * module.scaling[name]))
-    return base.weight, base.bias, factors
+    base, factors = lora_parts(module)
+    return base.weight, base.bias, [(A, B * scale) for A, B, scale in factors]
 
 
 @dataclass

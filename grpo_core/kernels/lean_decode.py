@@ -14,6 +14,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from grpo_core.kernels.lora_linear import linear
+
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2")
 
 
@@ -86,12 +88,13 @@ class LeanDecoder:
         attn = layer.self_attn
         b, n, _ = x.shape
         h = layer.input_layernorm(x)
-        q = _rope(attn.q_proj(h).view(b, n, -1, self.d).transpose(1, 2), cos, sin)       # [b, H, n, d]
-        k = _rope(attn.k_proj(h).view(b, n, -1, self.d).transpose(1, 2), cos, sin)       # [b, Hkv, n, d]
-        v = attn.v_proj(h).view(b, n, -1, self.d).transpose(1, 2)
+        q = _rope(linear(attn.q_proj, h).view(b, n, -1, self.d).transpose(1, 2), cos, sin)  # [b, H, n, d]
+        k = _rope(linear(attn.k_proj, h).view(b, n, -1, self.d).transpose(1, 2), cos, sin)  # [b, Hkv, n, d]
+        v = linear(attn.v_proj, h).view(b, n, -1, self.d).transpose(1, 2)
         o = attend(q, k, v)                                                               # [b, H, n, d]
-        x = x + attn.o_proj(o.transpose(1, 2).reshape(b, n, -1))
-        return x + layer.mlp(layer.post_attention_layernorm(x))
+        x = x + linear(attn.o_proj, o.transpose(1, 2).reshape(b, n, -1))
+        mlp, h = layer.mlp, layer.post_attention_layernorm(x)
+        return x + linear(mlp.down_proj, mlp.act_fn(linear(mlp.gate_proj, h)) * linear(mlp.up_proj, h))
 
     def _cached_attention(self, i: int, state: KVState, mask: torch.Tensor, t0: int):
         """Attention that appends k/v to layer i's cache at slot t0 and attends over the filled slots."""

@@ -1,0 +1,93 @@
+"""A PEFT LoRA linear as one autograd function: y = base(x) + s (x A^T) B^T, for the lean forward.
+
+On a bf16 base, PEFT's own forward casts the input to fp32, runs the low-rank term in fp32, adds it to
+the base output (promoting that to fp32), scales it and casts the sum back; forward and backward that is
+about ten passes over [tokens, out]-sized tensors per adapted linear, which on a CPU cost more than the
+base matmul's own backward. Here the low-rank products run in x's dtype, as autocast runs them on a GPU
+(the fp32 factors rounded to bf16 for the product, their gradients accumulated in fp32 by the matmul and
+returned as fp32), and the low-rank term is accumulated into the base output in place. In fp32 the
+arithmetic is PEFT's. Sampling, reference, old and current log-probs all take this path, so they agree.
+
+Shapes: N tokens, C in features, O out features, r the adapter's rank.
+"""
+from __future__ import annotations
+
+import torch
+
+from grpo_core.kernels.cpu_linear import PackedLinear
+
+
+class Unsupported(Exception):
+    """The module holds something these forwards do not reproduce (e.g. DoRA): use the module's own."""
+
+
+def lora_parts(module) -> tuple[torch.nn.Module, list[tuple[torch.Tensor, torch.Tensor, float]]]:
+    """(base linear, [(A [r, C], B [O, r], scale) per active adapter]) of a linear, plain or wrapped by a
+    PEFT LoRA layer; a merged or disabled adapter contributes no factors. Raises Unsupported for LoRA
+    variants (DoRA, lora_bias, ...)."""
+    base = getattr(module, "base_layer", None)
+    if base is None:
+        return module, []
+    if getattr(module, "merged", False) or getattr(module, "disable_adapters", False):
+        return base, []
+    factors = []
+    for name in module.active_adapters:
+        if name not in module.lora_A:
+            continue
+        if name in getattr(module, "lora_variant", {}) or module.use_dora.get(name) or \
+                getattr(module, "lora_bias", {}).get(name):
+            raise Unsupported(f"a LoRA variant (DoRA, lora_bias, ...) on adapter {name}")
+        factors.append((module.lora_A[name].weight, module.lora_B[name].weight, module.scaling[name]))
+    return base, factors
+
+
+def _dropout_active(module) -> bool:
+    return any(isinstance(d, torch.nn.Dropout) and d.p > 0 and d.training for d in module.lora_dropout.values())
+
+
+class _LoraLinear(torch.autograd.Function):
+    """y = base(x) + s (x A^T) B^T with the base frozen; the low-rank products in x's dtype."""
+
+    @staticmethod
+    def forward(ctx, x, base, A, B, scale: float):
+        a, bs = A.to(x.dtype), (B * scale).to(x.dtype)                      # [r, C], [O, r]
+        x2 = x.reshape(-1, x.size(-1))                                       # [N, C]
+        t = x2 @ a.T                                                         # [N, r]
+        y = base(x2).addmm_(t, bs.T)                                         # [N, O]
+        ctx.save_for_backward(x2, a, bs, t)
+        ctx.base, ctx.scale, ctx.shape, ctx.factor_dtype = base, scale, x.shape, A.dtype
+        return y.view(*x.shape[:-1], -1)
+
+    @staticmethod
+    def backward(ctx, grad_y):
+        x2, a, bs, t = ctx.saved_tensors
+        g = grad_y.reshape(-1, grad_y.size(-1))                              # [N, O]
+        gt = g @ bs                                                          # [N, r] = dL/dt
+        dx = dA = dB = None
+        if ctx.needs_input_grad[0]:
+            base = ctx.base
+            dx = base.input_grad(g) if isinstance(base, PackedLinear) else g @ base.weight.detach()
+            dx = dx.addmm_(gt, a).view(ctx.shape)                             # [N, C]
+        if ctx.needs_input_grad[2]:
+            dA = (gt.T @ x2).to(ctx.factor_dtype)                            # [r, C]
+        if ctx.needs_input_grad[3]:
+            dB = (g.T @ t).to(ctx.factor_dtype).mul_(ctx.scale)              # [O, r]
+        return dx, None, dA, dB, None
+
+
+def linear(module, x: torch.Tensor) -> torch.Tensor:
+    """module(x) for a plain or PEFT LoRA linear; one active standard adapter on a frozen nn.Linear runs as
+    `_LoraLinear`, anything else (dropout in training, several adapters, variants) through PEFT."""
+    if getattr(module, "base_layer", None) is None:
+        return module(x)
+    try:
+        base, factors = lora_parts(module)
+    except Unsupported:
+        return module(x)
+    if not factors:
+        return base(x)
+    frozen = not base.weight.requires_grad and (base.bias is None or not base.bias.requires_grad)
+    if len(factors) > 1 or not isinstance(base, torch.nn.Linear) or not frozen or _dropout_active(module):
+        return module(x)
+    A, B, scale = factors[0]
+    return _LoraLinear.apply(x, base, A, B, scale)

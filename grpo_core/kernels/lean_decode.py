@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from grpo_core.kernels.lora_linear import linear
+from grpo_core.kernels.trunk_ops import gated_silu, rms_norm, rope
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2")
 
@@ -30,12 +31,6 @@ def causal_pad_mask(valid: torch.Tensor) -> torch.Tensor:
     T = valid.size(-1)
     causal = torch.ones(T, T, dtype=torch.bool, device=valid.device).tril()
     return ((causal & valid[:, None, :].bool()) | torch.eye(T, dtype=torch.bool, device=valid.device))[:, None]
-
-
-def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotary embedding as Llama applies it: x * cos + rotate_half(x) * sin."""
-    half = x.size(-1) // 2
-    return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
 
 
 @dataclass
@@ -67,6 +62,7 @@ class LeanDecoder:
         self.n_kv = base.config.num_key_value_heads
         self.rep = base.config.num_attention_heads // self.n_kv
         self.scale = attn.scaling
+        self.silu = getattr(base.config, "hidden_act", None) == "silu"
 
     @classmethod
     def of(cls, model) -> "LeanDecoder | None":
@@ -84,17 +80,18 @@ class LeanDecoder:
         return cls(base)
 
     def _block(self, layer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attend) -> torch.Tensor:
-        """One decoder layer; attend(q [b, H, n, d], k, v [b, Hkv, n, d]) -> [b, H, n, d]. cos/sin: [b, 1, n, d]."""
+        """One decoder layer; attend(q [b, H, n, d], k, v [b, Hkv, n, d]) -> [b, H, n, d]. cos/sin: [b, n, d]."""
         attn = layer.self_attn
         b, n, _ = x.shape
-        h = layer.input_layernorm(x)
-        q = _rope(linear(attn.q_proj, h).view(b, n, -1, self.d).transpose(1, 2), cos, sin)  # [b, H, n, d]
-        k = _rope(linear(attn.k_proj, h).view(b, n, -1, self.d).transpose(1, 2), cos, sin)  # [b, Hkv, n, d]
+        h = rms_norm(layer.input_layernorm, x)
+        q = rope(linear(attn.q_proj, h).view(b, n, -1, self.d), cos, sin)                 # [b, H, n, d]
+        k = rope(linear(attn.k_proj, h).view(b, n, -1, self.d), cos, sin)                 # [b, Hkv, n, d]
         v = linear(attn.v_proj, h).view(b, n, -1, self.d).transpose(1, 2)
         o = attend(q, k, v)                                                               # [b, H, n, d]
         x = x + linear(attn.o_proj, o.transpose(1, 2).reshape(b, n, -1))
-        mlp, h = layer.mlp, layer.post_attention_layernorm(x)
-        return x + linear(mlp.down_proj, mlp.act_fn(linear(mlp.gate_proj, h)) * linear(mlp.up_proj, h))
+        mlp, h = layer.mlp, rms_norm(layer.post_attention_layernorm, x)
+        gate, up = linear(mlp.gate_proj, h), linear(mlp.up_proj, h)
+        return x + linear(mlp.down_proj, gated_silu(gate, up) if self.silu else mlp.act_fn(gate) * up)
 
     def _cached_attention(self, i: int, state: KVState, mask: torch.Tensor, t0: int):
         """Attention that appends k/v to layer i's cache at slot t0 and attends over the filled slots."""
@@ -118,9 +115,9 @@ class LeanDecoder:
         cos, sin = self.rotary(x, pos)                                                    # [b, n, d]
         t0 = state.length
         for i, layer in enumerate(self.layers):
-            x = self._block(layer, x, cos[:, None], sin[:, None], self._cached_attention(i, state, mask, t0))
+            x = self._block(layer, x, cos, sin, self._cached_attention(i, state, mask, t0))
         state.length = t0 + ids.size(1)
-        return self.head(self.norm(x[:, -1]))                                             # [b, V]
+        return self.head(rms_norm(self.norm, x[:, -1]))                                             # [b, V]
 
     def trunk(self, ids: torch.Tensor, pos: torch.Tensor, attend) -> torch.Tensor:
         """Final hidden states [b, n, C] of ids [b, n] at positions pos [b, n], without a cache, with
@@ -129,8 +126,8 @@ class LeanDecoder:
         x = self.embed(ids)
         cos, sin = self.rotary(x, pos)
         for layer in self.layers:
-            x = self._block(layer, x, cos[:, None], sin[:, None], lambda q, k, v: attend(q, k, v, self.scale))
-        return self.norm(x)
+            x = self._block(layer, x, cos, sin, lambda q, k, v: attend(q, k, v, self.scale))
+        return rms_norm(self.norm, x)
 
     def prefill(self, ids: torch.Tensor, attention_mask: torch.Tensor, max_new_tokens: int) -> torch.Tensor:
         """Left-padded prompts ids/attention_mask [b, T] -> logits of the last position [b, V]; the KV

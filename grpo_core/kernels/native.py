@@ -1,5 +1,5 @@
-"""The decode step's small operations (`decode_ops.cpp`) and the update's logit sweep (`logit_ops.cpp`),
-compiled for this CPU and loaded with ctypes.
+"""The decode step's small operations (`decode_ops.cpp`), the update's logit sweep (`logit_ops.cpp`) and
+its trunk's elementwise work (`trunk_ops.cpp`), compiled for this CPU and loaded with ctypes.
 
 Built once per source, compiler and CPU, with the system C++ compiler (`$CXX`, else g++, c++ or
 clang++) and `-march=native`, into `$GRPO_HOME/kernels/` (written to a temporary name, then renamed).
@@ -22,11 +22,14 @@ import shutil
 import subprocess
 import sys
 import tempfile
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 
-SOURCES = [Path(__file__).with_name(name) for name in ("kernel_common.h", "decode_ops.cpp", "logit_ops.cpp")]
+SOURCES = [Path(__file__).with_name(name) for name in
+           ("kernel_common.h", "decode_ops.cpp", "logit_ops.cpp", "trunk_ops.cpp")]
 # `#pragma omp simd` loops vectorise (sums marked as reductions may be reordered; nothing else is) and the
 # attention and LoRA loops run on OpenMP threads: libgomp.so.1, which resolves to the copy that torch's
 # Linux wheels ship and have already loaded, so both share one thread pool (torch.set_num_threads applies
@@ -43,6 +46,12 @@ _SIGNATURES = {
     "lora_add": [_PTR, _PTR, _PTR, _PTR, _I64, _I64, _I64, _I64],
     "logit_sweep_fwd": [_PTR, _PTR, _I64, _I64, _F32, _PTR, _PTR, _PTR],
     "logit_sweep_bwd": [_PTR, _PTR, _PTR, _PTR, _I64, _I64, _F32, _PTR],
+    "rms_norm_fwd": [_PTR, _PTR, _PTR, _PTR, _I64, _I64, _F32],
+    "rms_norm_bwd": [_PTR, _PTR, _PTR, _PTR, _PTR, _I64, _I64],
+    "silu_mul_fwd": [_PTR, _PTR, _PTR, _I64],
+    "silu_mul_bwd": [_PTR, _PTR, _PTR, _PTR, _PTR, _I64],
+    "rope_fwd": [_PTR, _PTR, _PTR, _PTR, _I64, _I64, _I64],
+    "rope_bwd": [_PTR, _PTR, _PTR, _PTR, _I64, _I64, _I64],
 }
 
 
@@ -165,6 +174,42 @@ class NativeOps:
                                                    1.0 / temperature, grad.data_ptr())
         return grad
 
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [N, C] -> (weight * round(x / rms(x)) [N, C], 1 / rms(x) [N] float32)."""
+        y, rstd = torch.empty_like(x), torch.empty(x.size(0))
+        self._fns["rms_norm_fwd", x.dtype](x.data_ptr(), weight.data_ptr(), y.data_ptr(), rstd.data_ptr(), x.size(0),
+                                           x.size(1), eps)
+        return y, rstd
+
+    def rms_norm_backward(self, x: torch.Tensor, weight: torch.Tensor, rstd: torch.Tensor,
+                          grad: torch.Tensor) -> torch.Tensor:
+        """The input gradient [N, C] of `rms_norm` (the weight frozen) for the output gradient grad [N, C]."""
+        dx = torch.empty_like(x)
+        self._fns["rms_norm_bwd", x.dtype](x.data_ptr(), weight.data_ptr(), rstd.data_ptr(), grad.data_ptr(),
+                                           dx.data_ptr(), x.size(0), x.size(1))
+        return dx
+
+    def gated_silu(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        """round(silu(gate)) * up, elementwise."""
+        out = torch.empty_like(gate)
+        self._fns["silu_mul_fwd", gate.dtype](gate.data_ptr(), up.data_ptr(), out.data_ptr(), gate.numel())
+        return out
+
+    def gated_silu_backward(self, gate: torch.Tensor, up: torch.Tensor, grad: torch.Tensor):
+        """(d gate, d up) of `gated_silu` for the output gradient grad."""
+        dgate, dup = torch.empty_like(gate), torch.empty_like(up)
+        self._fns["silu_mul_bwd", gate.dtype](gate.data_ptr(), up.data_ptr(), grad.data_ptr(), dgate.data_ptr(),
+                                              dup.data_ptr(), gate.numel())
+        return dgate, dup
+
+    def rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, backward: bool = False) -> torch.Tensor:
+        """Llama's rotary embedding x cos + rotate_half(x) sin of x [N, H, d] with cos, sin [N, d]; `backward`:
+        its transpose, the input gradient for an output gradient x."""
+        y = torch.empty_like(x)
+        self._fns["rope_bwd" if backward else "rope_fwd", x.dtype](x.data_ptr(), cos.data_ptr(), sin.data_ptr(),
+                                                                   y.data_ptr(), *x.shape)
+        return y
+
 
 def _reference_check(ops: NativeOps) -> None:
     """Each function against the same arithmetic in torch ops, in both dtypes; raises BuildError."""
@@ -213,6 +258,30 @@ def _reference_check(ops: NativeOps) -> None:
         onehot = torch.nn.functional.one_hot(ids, z.size(-1)).float()
         same("logit_sweep_backward", ops.logit_sweep_backward(logits, ids, lse, grad_logp, 0.7),
              (onehot - z.softmax(-1)) * grad_logp[:, None] / 0.7)
+        _check_trunk_ops(ops, rand, same)
+
+
+def _check_trunk_ops(ops: NativeOps, rand, same) -> None:
+    """The trunk's ops against autograd through the same arithmetic in torch ops."""
+    N, H, d, C = 3, 2, 8, 12
+    x, w, g = rand(N, C).float().requires_grad_(), rand(C), rand(N, C)
+    want = F.rms_norm(x, (C,), w.float(), 1e-5)
+    y, rstd = ops.rms_norm(x.detach().to(w.dtype), w, 1e-5)
+    same("rms_norm", y, want)
+    want.backward(g.float())
+    same("rms_norm_backward", ops.rms_norm_backward(x.detach().to(w.dtype), w, rstd, g), x.grad)
+    gate, up = rand(N, C).float().requires_grad_(), rand(N, C).float().requires_grad_()
+    want = F.silu(gate) * up
+    same("gated_silu", ops.gated_silu(gate.detach().to(w.dtype), up.detach().to(w.dtype)), want)
+    want.backward(g.float())
+    dgate, dup = ops.gated_silu_backward(gate.detach().to(w.dtype), up.detach().to(w.dtype), g)
+    same("gated_silu_backward", dgate, gate.grad)
+    same("gated_silu_backward", dup, up.grad)
+    q, cos, sin, gq = rand(N, H, d).float().requires_grad_(), rand(N, d), rand(N, d), rand(N, H, d)
+    want = q * cos[:, None].float() + torch.cat([-q[..., d // 2:], q[..., :d // 2]], -1) * sin[:, None].float()
+    same("rope", ops.rope(q.detach().to(w.dtype), cos, sin), want)
+    want.backward(gq.float())
+    same("rope backward", ops.rope(gq, cos, sin, backward=True), q.grad)
 
 
 @functools.cache
@@ -222,8 +291,10 @@ def load() -> NativeOps | None:
         return None
     try:
         ops = NativeOps(ctypes.CDLL(str(library_path())))
-        with torch.no_grad():             # (may be first called inside an autograd checkpoint)
-            _reference_check(ops)
+        # checked on a thread of its own: the check uses autograd, and the caller's thread may be inside an
+        # autograd context (e.g. a checkpoint's saved-tensor hooks, which are per thread)
+        with ThreadPoolExecutor(1) as pool:
+            pool.submit(_reference_check, ops).result()
         return ops
     except (BuildError, OSError) as e:
         print(f"grpo: native kernels not used ({e}); sampling and the update keep their torch ops", file=sys.stderr)

@@ -34,6 +34,24 @@ PROMPTS = [[10, 11, 12, 13], [14], [15, 16]]
 NATIVE = [pytest.param(True, marks=needs_compiler, id="native-ops"), pytest.param(False, id="torch-ops")]
 
 
+def _gemm_runs(dtype):
+    from grpo_core.kernels import native
+    ops = native.load()
+    return ops is not None and ops.packed_linear_supported(dtype)
+
+
+KERNELS = [pytest.param("plain"), pytest.param("onednn"),
+           pytest.param("native", marks=pytest.mark.skipif(not _gemm_runs(torch.float32) or not _gemm_runs(torch.bfloat16),
+                                                          reason="the compiled matmul needs AVX-512 (and AVX512-BF16)"))]
+
+
+@pytest.fixture(params=KERNELS)
+def kernel(request, monkeypatch):
+    """Each linear kernel of the fused forward in turn (as the probe would pick it on some CPU)."""
+    monkeypatch.setenv("GRPO_DECODE_LINEAR", request.param)
+    return request.param
+
+
 def _assert_same(model, atol=1e-4, rtol=1e-5, prompts=PROMPTS, steps=8, native=False):
     """The fused forward's logits == the model's own, with the step's small ops compiled (`native`) or
     as torch ops."""
@@ -52,17 +70,18 @@ def _assert_same(model, atol=1e-4, rtol=1e-5, prompts=PROMPTS, steps=8, native=F
 
 
 @pytest.mark.parametrize("native", NATIVE)
-def test_fused_forward_equals_the_models_own_on_qwen2_with_biases(native):
+def test_fused_forward_equals_the_models_own_on_qwen2_with_biases(native, kernel):
     fused = _assert_same(qwen2(), prompts=[[5, 6, 7, 8, 9], [12, 13], [20, 21, 22]], steps=7, native=native)
     assert fused.layers[0].qkv.bias is not None and "fused float32 decode" in fused.path
+    assert fused.kernel == kernel and f"{kernel} linears" in fused.path
 
 
 @pytest.mark.parametrize("native", NATIVE)
-def test_fused_forward_on_the_tiny_llama_with_lora(tiny_model_dir, native):
+def test_fused_forward_on_the_tiny_llama_with_lora(tiny_model_dir, native, kernel):
     model = _with_lora(llama(tiny_model_dir), ["q_proj", "v_proj", "down_proj", "lm_head"])
     fused = _assert_same(model, native=native)
     base = _BASES[model.get_base_model().model.embed_tokens].weights[0]          # [(weight, bias)] per group
-    if fused.kernel == "plain":                    # fp32 rows: merged into copies of the touched groups only
+    if kernel != "onednn":                         # fp32 in the buffer: merged into copies of the touched groups only
         assert all(layer.qkv.lora_a is None for layer in fused.layers)
         assert fused.layers[0].o.weight.data_ptr() == base[1][0].data_ptr()     # untouched: the cached base
         assert fused.layers[0].qkv.weight.data_ptr() != base[0][0].data_ptr()
@@ -82,7 +101,7 @@ def test_the_fused_base_is_built_once_and_rebuilt_when_a_base_weight_changes(tin
 
 
 @pytest.mark.parametrize("native", NATIVE)
-def test_bf16_keeps_the_adapter_as_factors_so_a_small_delta_is_not_rounded_away(tiny_model_dir, native):
+def test_bf16_keeps_the_adapter_as_factors_so_a_small_delta_is_not_rounded_away(tiny_model_dir, native, kernel):
     model = _with_lora(llama(tiny_model_dir).to(torch.bfloat16), ["q_proj", "k_proj", "v_proj", "up_proj"])
     for n, p in model.named_parameters():
         if "lora_" in n:
@@ -124,8 +143,15 @@ def test_dora_falls_back_to_the_lean_forward(tiny_model_dir):
         assert FusedDecoder.snapshot(model) is None
 
 
-def test_hugepage_buffer_is_aligned_and_the_probe_names_a_kernel():
+def test_hugepage_buffer_is_aligned_and_the_probe_names_a_kernel(monkeypatch):
     buf = hugepage_empty(3 << 20, torch.float32)
     assert buf.numel() == 3 << 20 and buf.data_ptr() % (2 << 20) == 0
+    monkeypatch.delenv("GRPO_DECODE_LINEAR", raising=False)
     kernel, rates = linear_kernel(torch.float32, 4, ((96, 64), (64, 96)), mib=4)
     assert kernel in rates and all(r > 0 for r in rates.values())
+    assert ("native" in rates) == _gemm_runs(torch.float32)
+    monkeypatch.setenv("GRPO_DECODE_LINEAR", "onednn")
+    assert linear_kernel(torch.float32, 4, ((96, 64), (64, 96)), mib=4) == ("onednn", {})
+    monkeypatch.setenv("GRPO_DECODE_LINEAR", "fast")
+    with pytest.raises(ValueError, match="GRPO_DECODE_LINEAR='fast': use one of plain, onednn, native"):
+        linear_kernel(torch.float32, 4, ((96, 64), (64, 96)), mib=4)

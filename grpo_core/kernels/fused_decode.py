@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import os
 import statistics
 import sys
 import time
@@ -98,13 +99,36 @@ def streaming_weights(shapes, mib: int, dtype: torch.dtype, huge_pages: bool = T
     return flat, weights
 
 
-@functools.cache
+KERNELS = ("plain", "onednn", "native")
+
+
+def _native_gemm(dtype: torch.dtype, shapes) -> "native.NativeOps | None":
+    """The compiled packed-weight matmul, where it runs for this dtype and these [out, in] shapes."""
+    ops = native.load()
+    if ops is None or not ops.packed_linear_supported(dtype) or (dtype == torch.bfloat16 and any(i % 2 for _, i in shapes)):
+        return None
+    return ops
+
+
 def linear_kernel(dtype: torch.dtype, rows: int, shapes: tuple[tuple[int, int], ...],
                   mib: int = 96) -> tuple[str, dict]:
-    """"plain" (F.linear on rows of a huge-page buffer) or "onednn" (oneDNN's packed layout), whichever
-    streams ~`mib` MiB of synthetic weights of these [out, in] shapes faster at `rows` rows, here; plain
-    unless oneDNN is more than 10% faster (it costs a second layout, outside the huge pages).
-    Returns (kernel, GB/s of each candidate)."""
+    """"plain" (F.linear on rows of a huge-page buffer), "onednn" (oneDNN's packed layout) or "native" (the
+    compiled matmul on column blocks in the huge-page buffer, `gemm_ops.cpp`), whichever streams ~`mib` MiB
+    of synthetic weights of these [out, in] shapes fastest at `rows` rows, here (probed once per process);
+    oneDNN only when more than 10% faster than the best other (it costs a second layout, outside the huge
+    pages). $GRPO_DECODE_LINEAR names one instead (no probe). Returns (kernel, GB/s of each candidate)."""
+    forced = os.environ.get("GRPO_DECODE_LINEAR", "").strip().lower()
+    if not forced:
+        return _probe(dtype, rows, shapes, mib)
+    if forced not in KERNELS:
+        raise ValueError(f"GRPO_DECODE_LINEAR={forced!r}: use one of {', '.join(KERNELS)}")
+    if forced == "native" and _native_gemm(dtype, shapes) is None:
+        raise ValueError(f"GRPO_DECODE_LINEAR=native: the compiled matmul does not run for {dtype} here")
+    return forced, {}
+
+
+@functools.cache
+def _probe(dtype: torch.dtype, rows: int, shapes: tuple[tuple[int, int], ...], mib: int) -> tuple[str, dict]:
     flat, weights = streaming_weights(shapes, mib, dtype)
     itemsize = flat.element_size()
     inputs = {i: torch.randn(rows, i).to(dtype) for _, i in shapes}
@@ -115,8 +139,12 @@ def linear_kernel(dtype: torch.dtype, rows: int, shapes: tuple[tuple[int, int], 
             candidates["onednn"] = lambda: [onednn_linear(inputs[i], p, None) for p, i in packed]
         except (RuntimeError, AttributeError):
             pass
+    ops = _native_gemm(dtype, shapes)
+    if ops is not None:
+        blocks = [(ops.pack(w, hugepage_empty(ops.packed_numel(*w.shape), dtype)), *w.shape) for w in weights]
+        candidates["native"] = lambda: [ops.packed_linear(inputs[i], p, None, o) for p, o, i in blocks]
     gbs = {k: flat.numel() * itemsize / s / 1e9 for k, s in _stream_seconds(candidates).items()}
-    return ("onednn" if gbs.get("onednn", 0) > 1.1 * gbs["plain"] else "plain"), gbs
+    return max(gbs, key=lambda k: gbs[k] / (1.1 if k == "onednn" else 1.0)), gbs
 
 
 # -- the snapshot --------------------------------------------------------------------------------------------
@@ -130,18 +158,25 @@ def _linear_parts(module) -> tuple[torch.Tensor, torch.Tensor | None, list[tuple
 
 @dataclass
 class FusedLinear:
-    weight: torch.Tensor                 # [out, in] in the snapshot buffer (or oneDNN-packed)
+    weight: torch.Tensor                 # [out, in] in the snapshot buffer, oneDNN-packed, or in column blocks
     bias: torch.Tensor | None            # [out]
     lora_a: torch.Tensor | None          # [R, in] fp32, every adapter's A stacked
     lora_b: torch.Tensor | None          # [out, R] fp32, block-diagonal, scale folded in
-    packed: bool = False
+    kernel: str = "plain"                # which matmul reads `weight` (linear_kernel)
+    gemm: "native.NativeOps | None" = None   # for kernel "native"
+    out_features: int = 0
 
     def __post_init__(self):
         self.lora_b_t = None if self.lora_b is None else self.lora_b.t().contiguous()   # [R, out] for native ops
 
     def __call__(self, x: torch.Tensor, ops: "native.NativeOps | None" = None) -> torch.Tensor:
         """x [..., in] -> [..., out]; `ops` adds the adapter's term in one compiled call (x [b, in] only)."""
-        y = onednn_linear(x, self.weight, self.bias) if self.packed else F.linear(x, self.weight, self.bias)
+        if self.kernel == "native":
+            y = self.gemm.packed_linear(x, self.weight, self.bias, self.out_features)
+        elif self.kernel == "onednn":
+            y = onednn_linear(x, self.weight, self.bias)
+        else:
+            y = F.linear(x, self.weight, self.bias)
         if self.lora_a is not None and ops is not None:
             ops.lora_add(x, self.lora_a, self.lora_b_t, y)
         elif self.lora_a is not None:
@@ -201,32 +236,38 @@ _BASES: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
 def _fused_base(lean: LeanDecoder, parts: list[list[list]], head_parts: list, rows: int) -> _FusedBase:
-    key = tuple((id(w), w._version) for layer in parts for group in layer for w, _, _ in group) + \
-        tuple((id(w), w._version) for w, _, _ in head_parts)
-    cached = _BASES.get(lean.embed)
-    if cached is not None and cached.key == key:
-        return cached
     dtype = lean.embed.weight.dtype
     shapes = tuple((sum(w.size(0) for w, _, _ in g), g[0][0].size(1)) for g in parts[0])
     kernel, rates = linear_kernel(dtype, rows, shapes)
-    numel = sum(w.numel() for layer in parts for group in layer for w, _, _ in group) + \
-        sum(w.numel() for w, _, _ in head_parts)
-    flat = hugepage_empty(numel, dtype) if kernel == "plain" else None
+    key = tuple((id(w), w._version) for layer in parts for group in layer for w, _, _ in group) + \
+        tuple((id(w), w._version) for w, _, _ in head_parts) + (kernel,)
+    cached = _BASES.get(lean.embed)
+    if cached is not None and cached.key == key:
+        return cached
+    gemm = native.load() if kernel == "native" else None
+    groups = [group for layer in parts for group in layer] + [head_parts]
+    numel = sum(_placed_numel(kernel, gemm, group) for group in groups)
+    flat = hugepage_empty(numel, dtype) if kernel != "onednn" else None
     off = 0
 
     def place(group) -> tuple[torch.Tensor, torch.Tensor | None]:
         nonlocal off
-        rows_out = sum(w.size(0) for w, _, _ in group)
+        weight = torch.cat([w for w, _, _ in group]).to(dtype)                   # [out, in]
         if kernel == "onednn":
-            return onednn_pack(torch.cat([w for w, _, _ in group]).to(dtype), rows), _bias(group)
-        view = flat[off:off + rows_out * group[0][0].size(1)].view(rows_out, -1)
-        torch.cat([w for w, _, _ in group], out=view)
+            return onednn_pack(weight, rows), _bias(group)
+        view = flat[off:off + _placed_numel(kernel, gemm, group)]
         off += view.numel()
-        return view, _bias(group)
+        return (gemm.pack(weight, view) if kernel == "native" else view.view_as(weight).copy_(weight)), _bias(group)
 
     base = _FusedBase(key, [[place(g) for g in layer] for layer in parts], place(head_parts), kernel, rates)
     _BASES[lean.embed] = base
     return base
+
+
+def _placed_numel(kernel: str, gemm, group) -> int:
+    """Elements a group's fused weight takes in the snapshot buffer (column blocks are padded to 16)."""
+    out, inp = sum(w.size(0) for w, _, _ in group), group[0][0].size(1)
+    return gemm.packed_numel(out, inp) if kernel == "native" else out * inp
 
 
 class FusedDecoder:
@@ -270,10 +311,11 @@ class FusedDecoder:
         except Unsupported:
             return None
         base = _fused_base(lean, parts, head_parts, rows)
-        packed = base.kernel == "onednn"
-        # fp32 rows on huge pages: the adapter is merged into a copy of the groups it touches (one addmm
+        kernel = base.kernel
+        gemm = native.load() if kernel == "native" else None
+        # fp32 in the huge-page buffer: the adapter is merged into a copy of the groups it touches (one addmm
         # each per rollout, instead of two extra matmuls per group per token)
-        merge = not packed and base.head[0].dtype == torch.float32
+        merge = kernel != "onednn" and base.head[0].dtype == torch.float32
         every = [(wb, g) for layer_wb, layer_g in zip(base.weights, parts) for wb, g in zip(layer_wb, layer_g)]
         adapted = [wb for wb, g in every + [(base.head, head_parts)] if merge and any(f for _, _, f in g)]
         scratch = hugepage_empty(sum(w.numel() for w, _ in adapted), torch.float32) if adapted else None
@@ -283,11 +325,15 @@ class FusedDecoder:
             nonlocal off
             A, B = _factors(group)
             weight, bias = weight_bias
+            out = sum(w.size(0) for w, _, _ in group)
             if A is None or not merge:
-                return FusedLinear(weight, bias, A, B, packed=packed)
-            merged = scratch[off:off + weight.numel()].view_as(weight)
+                return FusedLinear(weight, bias, A, B, kernel, gemm, out)
+            merged = scratch[off:off + weight.numel()]
             off += weight.numel()
-            return FusedLinear(torch.addmm(weight, B, A, out=merged), bias, None, None)
+            if kernel == "native":                 # W + B A in rows, then into column blocks
+                plain = torch.addmm(torch.cat([w for w, _, _ in group]), B, A)
+                return FusedLinear(gemm.pack(plain, merged), bias, None, None, kernel, gemm, out)
+            return FusedLinear(torch.addmm(weight, B, A, out=merged.view_as(weight)), bias, None, None)
 
         layers = [FusedLayer(layer.input_layernorm.weight, layer.post_attention_layernorm.weight,
                              *[linear(wb, g) for wb, g in zip(weights, groups)])

@@ -1,5 +1,6 @@
-"""The decode step's small operations (`decode_ops.cpp`), the update's logit sweep (`logit_ops.cpp`) and
-its trunk's elementwise work (`trunk_ops.cpp`), compiled for this CPU and loaded with ctypes.
+"""The decode step's small operations (`decode_ops.cpp`) and matmul on packed weights (`gemm_ops.cpp`), the
+update's logit sweep (`logit_ops.cpp`) and its trunk's elementwise work (`trunk_ops.cpp`), compiled for this
+CPU and loaded with ctypes.
 
 Built once per source, compiler and CPU, with the system C++ compiler (`$CXX`, else g++, c++ or
 clang++) and `-march=native`, into `$GRPO_HOME/kernels/` (written to a temporary name, then renamed).
@@ -29,7 +30,7 @@ import torch
 import torch.nn.functional as F
 
 SOURCES = [Path(__file__).with_name(name) for name in
-           ("kernel_common.h", "decode_ops.cpp", "logit_ops.cpp", "trunk_ops.cpp")]
+           ("kernel_common.h", "decode_ops.cpp", "logit_ops.cpp", "trunk_ops.cpp", "gemm_ops.cpp")]
 # `#pragma omp simd` loops vectorise (sums marked as reductions may be reordered; nothing else is) and the
 # attention and LoRA loops run on OpenMP threads: libgomp.so.1, which resolves to the copy that torch's
 # Linux wheels ship and have already loaded, so both share one thread pool (torch.set_num_threads applies
@@ -52,6 +53,9 @@ _SIGNATURES = {
     "silu_mul_bwd": [_PTR, _PTR, _PTR, _PTR, _PTR, _I64],
     "rope_fwd": [_PTR, _PTR, _PTR, _PTR, _I64, _I64, _I64],
     "rope_bwd": [_PTR, _PTR, _PTR, _PTR, _I64, _I64, _I64],
+    "pack": [_PTR, _PTR, _I64, _I64],
+    "packed_linear": [_PTR, _PTR, _PTR, _PTR, _I64, _I64, _I64],
+    "packed_linear_supported": [],
 }
 
 
@@ -114,8 +118,10 @@ class NativeOps:
         for name, args in _SIGNATURES.items():
             for dtype, suffix in _SUFFIX.items():
                 fn = getattr(lib, f"{name}_{suffix}")
-                fn.argtypes, fn.restype = args, None
+                fn.argtypes, fn.restype = args, ctypes.c_int if name == "packed_linear_supported" else None
                 self._fns[name, dtype] = fn
+        self._packed_numel = lib.packed_numel
+        self._packed_numel.argtypes, self._packed_numel.restype = [_I64, _I64], _I64
 
     def add_rms_norm(self, x: torch.Tensor, y: torch.Tensor | None, weight: torch.Tensor, out: torch.Tensor,
                      eps: float) -> torch.Tensor:
@@ -210,6 +216,30 @@ class NativeOps:
                                                                    y.data_ptr(), *x.shape)
         return y
 
+    def packed_linear_supported(self, dtype: torch.dtype) -> bool:
+        """Whether `packed_linear` runs for this dtype on this CPU (AVX-512; for bf16 AVX512-BF16)."""
+        return dtype in _SUFFIX and bool(self._fns["packed_linear_supported", dtype]())
+
+    def packed_numel(self, out_features: int, in_features: int) -> int:
+        return self._packed_numel(out_features, in_features)
+
+    def pack(self, weight: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """weight [N, K] -> out (flat, `packed_numel(N, K)` elements): the column-block layout of `packed_linear`."""
+        N, K = weight.shape
+        if out.numel() != self.packed_numel(N, K) or weight.dtype != out.dtype or (weight.dtype == torch.bfloat16 and K % 2):
+            raise ValueError(f"cannot pack a {tuple(weight.shape)} {weight.dtype} weight into {out.numel()} {out.dtype}")
+        self._fns["pack", weight.dtype](weight.contiguous().data_ptr(), out.data_ptr(), N, K)
+        return out
+
+    def packed_linear(self, x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None,
+                      out_features: int) -> torch.Tensor:
+        """x [..., K] @ W^T + bias -> [..., N], W packed by `pack`."""
+        x2 = x.reshape(-1, x.size(-1)).contiguous()
+        y = x2.new_empty(x2.size(0), out_features)
+        self._fns["packed_linear", x.dtype](x2.data_ptr(), packed.data_ptr(), _ptr(bias), y.data_ptr(), x2.size(0),
+                                            out_features, x2.size(1))
+        return y.view(*x.shape[:-1], out_features)
+
 
 def _reference_check(ops: NativeOps) -> None:
     """Each function against the same arithmetic in torch ops, in both dtypes; raises BuildError."""
@@ -259,6 +289,12 @@ def _reference_check(ops: NativeOps) -> None:
         same("logit_sweep_backward", ops.logit_sweep_backward(logits, ids, lse, grad_logp, 0.7),
              (onehot - z.softmax(-1)) * grad_logp[:, None] / 0.7)
         _check_trunk_ops(ops, rand, same)
+        if ops.packed_linear_supported(dtype):
+            for rows in (1, 16, 21):                         # one row block, a full one, a full one and a part
+                w, bias, x = rand(37, 2 * C), rand(37), rand(rows, 2 * C)
+                packed = ops.pack(w, torch.empty(ops.packed_numel(37, 2 * C), dtype=dtype))
+                same("packed_linear", ops.packed_linear(x, packed, bias, 37),
+                     x.float() @ w.float().T + bias.float())
 
 
 def _check_trunk_ops(ops: NativeOps, rand, same) -> None:

@@ -1,7 +1,7 @@
 """The lean forward's LoRA linear (grpo_core/kernels/lora_linear.py): in fp32 the same values and gradients
 (input, A, B) as PEFT's own forward, on plain and oneDNN-packed bases, with a bias; in bf16 within bf16
 rounding of PEFT's, with fp32 gradients for the fp32 factors; disabled and merged adapters give the base;
-dropout in training, two active adapters and DoRA go through PEFT."""
+dropout in training, fp16, two active adapters and DoRA go through PEFT."""
 from __future__ import annotations
 
 import pytest
@@ -70,7 +70,7 @@ def test_disabled_and_merged_adapters_give_the_base():
     assert torch.allclose(layer.base_layer(x), adapted, atol=1e-5)
 
 
-def test_dropout_in_training_two_adapters_and_dora_go_through_peft(monkeypatch):
+def test_dropout_in_training_fp16_two_adapters_and_dora_go_through_peft(monkeypatch):
     calls = []
     monkeypatch.setattr(lora_linear._LoraLinear, "apply", lambda *a: calls.append(a))
     x = torch.randn(3, 40)
@@ -85,6 +85,8 @@ def test_dropout_in_training_two_adapters_and_dora_go_through_peft(monkeypatch):
     assert len(calls) == 1                                              # dropout is off in eval mode
     model, layer = peft_linear(dora=True)
     assert torch.equal(lora_linear.linear(layer, x), layer(x))
+    model, layer = peft_linear(torch.float16)
+    assert torch.equal(lora_linear.linear(layer, x.half()), layer(x.half()))     # fp16: PEFT's fp32 low-rank term
     model, layer = peft_linear()
     model.add_adapter("second", LoraConfig(r=2, target_modules=["q"]))
     model.base_model.set_adapter(["default", "second"])

@@ -76,8 +76,9 @@ class _LoraLinear(torch.autograd.Function):
 
 
 def linear(module, x: torch.Tensor) -> torch.Tensor:
-    """module(x) for a plain or PEFT LoRA linear; one active standard adapter on a frozen nn.Linear runs as
-    `_LoraLinear`, anything else (dropout in training, several adapters, variants) through PEFT."""
+    """module(x) for a plain or PEFT LoRA linear; one active standard adapter on a frozen fp32 or bf16
+    nn.Linear runs as `_LoraLinear`, anything else (dropout in training, several adapters, variants, fp16,
+    an input of another dtype) through PEFT."""
     if getattr(module, "base_layer", None) is None:
         return module(x)
     try:
@@ -87,7 +88,8 @@ def linear(module, x: torch.Tensor) -> torch.Tensor:
     if not factors:
         return base(x)
     frozen = not base.weight.requires_grad and (base.bias is None or not base.bias.requires_grad)
-    if len(factors) > 1 or not isinstance(base, torch.nn.Linear) or not frozen or _dropout_active(module):
+    plain = isinstance(base, torch.nn.Linear) and x.dtype == base.weight.dtype in (torch.float32, torch.bfloat16)
+    if len(factors) > 1 or not plain or not frozen or _dropout_active(module):
         return module(x)
     A, B, scale = factors[0]
     return _LoraLinear.apply(x, base, A, B, scale)

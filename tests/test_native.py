@@ -80,6 +80,29 @@ def test_each_op_equals_torch_at_the_models_shapes(dtype):
 
 @needs_compiler
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_packed_linear_equals_torch_at_the_models_shapes(dtype):
+    """The decode matmul on column-block-packed weights: the fused q|k|v, the MLP's down projection and a width
+    that is no multiple of 16, at 16 rows (the register-blocked case), fewer and more, with and without bias."""
+    ops = native.load()
+    if not ops.packed_linear_supported(dtype):
+        pytest.skip(f"the compiled matmul needs AVX-512 (and AVX512-BF16) for {dtype}")
+    g = torch.Generator().manual_seed(3)
+    for (out, inp), rows, bias in (((960, 576), 16, False), ((576, 1536), 16, True), ((37, 576), 5, True),
+                                   ((960, 576), 40, True)):
+        w = (torch.randn(out, inp, generator=g) * 0.05).to(dtype)
+        x = torch.randn(rows, inp, generator=g).to(dtype)
+        b = torch.randn(out, generator=g).to(dtype) if bias else None
+        packed = ops.pack(w, torch.empty(ops.packed_numel(out, inp), dtype=dtype))
+        got = ops.packed_linear(x, packed, b, out)
+        want = F.linear(x.float(), w.float(), None if b is None else b.float())
+        assert got.shape == (rows, out) and got.dtype == dtype
+        _close(got, want, dtype)
+    with pytest.raises(ValueError, match="cannot pack"):
+        ops.pack(w, torch.empty(3, dtype=dtype))
+
+
+@needs_compiler
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("temperature", [1.0, 0.6])
 def test_logit_sweep_equals_torch_at_the_vocabulary_size(dtype, temperature):
     """Log-prob, entropy and the gradient of the picked log-probs, over SmolLM2's 49152 logits; rows of

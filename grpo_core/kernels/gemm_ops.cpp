@@ -79,6 +79,33 @@ void block_bf16(const uint16_t* x, int64_t K, const uint16_t* wb, const uint16_t
 }
 #endif
 
+#if defined(__AVX512BF16__)
+// 16 rows: the accumulators as 16 named registers and each row's pair of inputs as a {1to16} memory
+// operand of VDPBF16PS (compilers emit a separate broadcast, which competes with the products for a port).
+#define DP(i) asm("vdpbf16ps %1%{1to16%}, %2, %0" : "+v"(a##i) : "m"(*(const int32_t*)(xk + i * K)), "v"(w));
+#define ST(i) _mm256_mask_storeu_epi16(y + i * N, mask, (__m256i)_mm512_cvtneps_pbh(a##i));
+template <>
+void block_bf16<16>(const uint16_t* x, int64_t K, const uint16_t* wb, const uint16_t* bias, uint16_t* y, int64_t N,
+                    __mmask16 mask) {
+    __m512 b0 = _mm512_setzero_ps();
+    if (bias) {
+        const __m256i raw = _mm256_maskz_loadu_epi16(mask, bias);
+        b0 = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+    }
+    __m512 a0 = b0, a1 = b0, a2 = b0, a3 = b0, a4 = b0, a5 = b0, a6 = b0, a7 = b0, a8 = b0, a9 = b0, a10 = b0,
+           a11 = b0, a12 = b0, a13 = b0, a14 = b0, a15 = b0;
+    for (int64_t k = 0; k < K / 2; ++k) {
+        _mm_prefetch(reinterpret_cast<const char*>(wb + k * 2 * COLS) + PREFETCH, _MM_HINT_T0);
+        const __m512 w = _mm512_castsi512_ps(_mm512_loadu_si512(wb + k * 2 * COLS));
+        const uint16_t* xk = x + 2 * k;
+        DP(0) DP(1) DP(2) DP(3) DP(4) DP(5) DP(6) DP(7) DP(8) DP(9) DP(10) DP(11) DP(12) DP(13) DP(14) DP(15)
+    }
+    ST(0) ST(1) ST(2) ST(3) ST(4) ST(5) ST(6) ST(7) ST(8) ST(9) ST(10) ST(11) ST(12) ST(13) ST(14) ST(15)
+}
+#undef DP
+#undef ST
+#endif
+
 // Rows in blocks of 16 (the last one smaller), the column blocks shared among threads; each column
 // block's weights are read from memory once and stay in cache for the later row blocks.
 template <class T, class Block>

@@ -40,9 +40,9 @@ def _gemm_runs(dtype):
     return ops is not None and ops.packed_linear_supported(dtype)
 
 
-KERNELS = [pytest.param("plain"), pytest.param("onednn"),
-           pytest.param("native", marks=pytest.mark.skipif(not _gemm_runs(torch.float32) or not _gemm_runs(torch.bfloat16),
-                                                          reason="the compiled matmul needs AVX-512 (and AVX512-BF16)"))]
+_NO_GEMM = not _gemm_runs(torch.float32) or not _gemm_runs(torch.bfloat16)
+KERNELS = ["plain", "onednn", pytest.param("native", marks=pytest.mark.skipif(
+    _NO_GEMM, reason="the compiled matmul needs AVX-512 (and AVX512-BF16)"))]
 
 
 @pytest.fixture(params=KERNELS)

@@ -39,7 +39,10 @@ def rel(a, b):
 
 
 @pytest.mark.parametrize("bias", [False, True])
-@pytest.mark.parametrize("pack", [False, pytest.param(True, marks=pytest.mark.skipif(not available(), reason="no oneDNN"))])
+ONEDNN = pytest.param(True, marks=pytest.mark.skipif(not available(), reason="no oneDNN"))
+
+
+@pytest.mark.parametrize("pack", [False, ONEDNN], ids=["plain-base", "onednn-base"])
 def test_fp32_equals_peft_in_values_and_gradients(bias, pack):
     model, layer = peft_linear(bias=bias, pack=pack)
     assert isinstance(layer.base_layer, PackedLinear) == pack

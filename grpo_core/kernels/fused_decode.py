@@ -105,7 +105,8 @@ KERNELS = ("plain", "onednn", "native")
 def _native_gemm(dtype: torch.dtype, shapes) -> "native.NativeOps | None":
     """The compiled packed-weight matmul, where it runs for this dtype and these [out, in] shapes."""
     ops = native.load()
-    if ops is None or not ops.packed_linear_supported(dtype) or (dtype == torch.bfloat16 and any(i % 2 for _, i in shapes)):
+    odd = dtype == torch.bfloat16 and any(i % 2 for _, i in shapes)          # bf16 packs inputs in pairs
+    if ops is None or odd or not ops.packed_linear_supported(dtype):
         return None
     return ops
 

@@ -3,8 +3,9 @@ update's logit sweep (`logit_ops.cpp`) and its trunk's elementwise work (`trunk_
 CPU and loaded with ctypes.
 
 Built once per source, compiler and CPU, with the system C++ compiler (`$CXX`, else g++, c++ or
-clang++) and `-march=native`, into `$GRPO_HOME/kernels/` (written to a temporary name, then renamed).
-No torch headers are involved, so a build takes about a second. Before first use every function is
+clang++) and `-march=native`, into `$GRPO_HOME/kernels/` (the sources compiled side by side, linked to a
+temporary name, then renamed). No torch headers are involved, so a build takes a few seconds (about 4 on
+a 2-vCPU machine). Before first use every function is
 checked against the same arithmetic written with torch ops; if the compiler is missing, the build fails
 or a check disagrees, `load()` returns None, says why once on stderr, and the sampler and the update keep
 their torch ops.
@@ -29,14 +30,13 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-SOURCES = [Path(__file__).with_name(name) for name in
-           ("kernel_common.h", "decode_ops.cpp", "logit_ops.cpp", "trunk_ops.cpp", "gemm_ops.cpp")]
+SOURCES = [Path(__file__).parent / name
+           for name in ("kernel_common.h", "decode_ops.cpp", "logit_ops.cpp", "trunk_ops.cpp", "gemm_ops.cpp")]
 # `#pragma omp simd` loops vectorise (sums marked as reductions may be reordered; nothing else is) and the
 # attention and LoRA loops run on OpenMP threads: libgomp.so.1, which resolves to the copy that torch's
 # Linux wheels ship and have already loaded, so both share one thread pool (torch.set_num_threads applies
 # to both).
-FLAGS = ["-O3", "-march=native", "-shared", "-fPIC", "-std=c++17", "-fopenmp", "-fno-math-errno",
-         "-fno-trapping-math"]
+FLAGS = ["-O3", "-march=native", "-fPIC", "-std=c++17", "-fopenmp", "-fno-math-errno", "-fno-trapping-math"]
 _SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16"}
 _I64, _PTR, _F32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
 _SIGNATURES = {
@@ -88,21 +88,26 @@ def library_path(cache_dir: Path | None = None) -> Path:
     sources = [src.read_text() for src in SOURCES]
     key = hashlib.sha256("\0".join([*sources, cxx, version, " ".join(FLAGS), _cpu_flags()]).encode())
     out_dir = Path(cache_dir or grpo_home() / "kernels")
-    lib = out_dir / f"decode_ops-{key.hexdigest()[:16]}.so"
+    lib = out_dir / f"native_ops-{key.hexdigest()[:16]}.so"
     if lib.exists():
         return lib
     out_dir.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=out_dir, suffix=".so.tmp")
-    os.close(fd)
-    try:
-        units = [str(src) for src in SOURCES if src.suffix == ".cpp"]
-        done = subprocess.run([cxx, *FLAGS, "-o", tmp, *units], capture_output=True, text=True)
+    with tempfile.TemporaryDirectory(dir=out_dir, prefix=".build-") as work:
+        # one compiler per source, side by side, then one link into a temporary name that is renamed
+        units = [src for src in SOURCES if src.suffix == ".cpp"]
+        objects = [Path(work) / f"{src.stem}.o" for src in units]
+        jobs = [subprocess.Popen([cxx, *FLAGS, "-c", "-o", str(obj), str(src)], stdout=subprocess.DEVNULL,
+                                 stderr=subprocess.PIPE, text=True) for src, obj in zip(units, objects)]
+        errors = [job.communicate()[1] for job in jobs]
+        tmp = Path(work) / "lib.so"
+        for job, err in zip(jobs, errors):
+            if job.returncode:
+                raise BuildError(f"{cxx} failed: {err.strip()[-2000:]}")
+        done = subprocess.run([cxx, *FLAGS, "-shared", "-o", str(tmp), *map(str, objects)], capture_output=True,
+                              text=True)
         if done.returncode:
             raise BuildError(f"{cxx} failed: {done.stderr.strip()[-2000:]}")
         os.replace(tmp, lib)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
     return lib
 
 
@@ -111,7 +116,7 @@ def _ptr(t: torch.Tensor | None) -> int | None:
 
 
 class NativeOps:
-    """The compiled functions, called on torch tensors (see decode_ops.cpp for each one's contract)."""
+    """The compiled functions, called on torch tensors (see the .cpp sources for each one's contract)."""
 
     def __init__(self, lib: ctypes.CDLL):
         self._fns = {}
@@ -226,8 +231,10 @@ class NativeOps:
     def pack(self, weight: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         """weight [N, K] -> out (flat, `packed_numel(N, K)` elements): the column-block layout of `packed_linear`."""
         N, K = weight.shape
-        if out.numel() != self.packed_numel(N, K) or weight.dtype != out.dtype or (weight.dtype == torch.bfloat16 and K % 2):
-            raise ValueError(f"cannot pack a {tuple(weight.shape)} {weight.dtype} weight into {out.numel()} {out.dtype}")
+        if out.numel() != self.packed_numel(N, K) or weight.dtype != out.dtype or (weight.dtype == torch.bfloat16
+                                                                                   and K % 2):
+            raise ValueError(f"cannot pack a {tuple(weight.shape)} {weight.dtype} weight into {out.numel()} "
+                             f"{out.dtype} (needs {self.packed_numel(N, K)} of its dtype; bf16: an even width)")
         self._fns["pack", weight.dtype](weight.contiguous().data_ptr(), out.data_ptr(), N, K)
         return out
 

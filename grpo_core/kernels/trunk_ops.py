@@ -60,7 +60,8 @@ class _Rope(torch.autograd.Function):
     def backward(ctx, grad):
         cos, sin = ctx.saved_tensors
         b, n, H, d = grad.shape
-        return ctx.ops.rope(grad.contiguous().view(b * n, H, d), cos, sin, backward=True).view(grad.shape), None, None, None
+        dx = ctx.ops.rope(grad.contiguous().view(b * n, H, d), cos, sin, backward=True)
+        return dx.view(grad.shape), None, None, None
 
 
 def rms_norm(norm: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
@@ -84,4 +85,5 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         x = x.transpose(1, 2)
         half = x.size(-1) // 2
         return x * cos[:, None] + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin[:, None]
-    return _Rope.apply(x, cos.contiguous().view(-1, x.size(-1)), sin.contiguous().view(-1, x.size(-1)), ops).transpose(1, 2)
+    d = x.size(-1)
+    return _Rope.apply(x, cos.contiguous().view(-1, d), sin.contiguous().view(-1, d), ops).transpose(1, 2)

@@ -38,10 +38,10 @@ def rel(a, b):
     return ((a.float() - b.float()).norm() / b.float().norm()).item()
 
 
-@pytest.mark.parametrize("bias", [False, True])
 ONEDNN = pytest.param(True, marks=pytest.mark.skipif(not available(), reason="no oneDNN"))
 
 
+@pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("pack", [False, ONEDNN], ids=["plain-base", "onednn-base"])
 def test_fp32_equals_peft_in_values_and_gradients(bias, pack):
     model, layer = peft_linear(bias=bias, pack=pack)

@@ -108,8 +108,8 @@ def _head_chunk(hidden: torch.Tensor, head: torch.nn.Module, ids: torch.Tensor, 
     logits = logits.reshape(-1, logits.size(-1))
     ops = None if entropy_grad else _sweep_ops(logits)
     if ops is not None:
-        logp, ent = _SweptLogprob.apply(logits.contiguous(), ids.reshape(-1).contiguous(), temperature, with_entropy,
-                                        ops)
+        logp, ent = _SweptLogprob.apply(logits.contiguous(), ids.reshape(-1).long().contiguous(), temperature,
+                                        with_entropy, ops)
     else:
         logp, ent = _PickedLogprob.apply(logits.float(), ids.reshape(-1), temperature, with_entropy, entropy_grad)
     if not with_entropy:

@@ -1,9 +1,11 @@
 """A lean sampling forward for Llama-family decoders (Llama, SmolLM2, Qwen2).
 
-It calls the model's own modules (embedding, norms, projections, rotary embedding, MLP, LM head)
-directly, with a preallocated KV cache and one boolean key mask, and skips what transformers does
+It calls the model's own modules and weights (embedding, norms, projections, rotary embedding, MLP, LM
+head) directly, with a preallocated KV cache and one boolean key mask, and skips what transformers does
 around them on every call (mask building, cache classes, kwargs plumbing, output objects). On a CPU
-that machinery costs about as much as the matmuls of a one-token step of a 135M model.
+that machinery costs about as much as the matmuls of a one-token step of a 135M model. The RMSNorms,
+SiLU gate and rotary embedding run as compiled autograd functions where they load (`trunk_ops`), and
+LoRA linears as one autograd function (`lora_linear`); the same forward is the update's trunk.
 
 Shapes: b rows, T cache length, H query heads, Hkv key/value heads (H = Hkv * rep), d head dim.
 """
@@ -117,7 +119,7 @@ class LeanDecoder:
         for i, layer in enumerate(self.layers):
             x = self._block(layer, x, cos, sin, self._cached_attention(i, state, mask, t0))
         state.length = t0 + ids.size(1)
-        return self.head(rms_norm(self.norm, x[:, -1]))                                             # [b, V]
+        return self.head(rms_norm(self.norm, x[:, -1]))                                   # [b, V]
 
     def trunk(self, ids: torch.Tensor, pos: torch.Tensor, attend) -> torch.Tensor:
         """Final hidden states [b, n, C] of ids [b, n] at positions pos [b, n], without a cache, with

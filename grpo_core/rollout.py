@@ -45,8 +45,8 @@ class BatchedBackend:
     def _generator(self, seed: int) -> torch.Generator | None:
         return torch.Generator(device=self.device).manual_seed(seed)
 
-    def _sampling(self):
-        """Context the whole rollout runs in."""
+    def _sampling(self, rows: int):
+        """Context the whole rollout runs in; its batches have at most `rows` rows."""
         return contextlib.nullcontext()
 
     def _generate_batch(self, rows: list[list[int]], params: SamplingParams, generator) -> list[list[int]]:
@@ -62,7 +62,7 @@ class BatchedBackend:
         was_training = self.model.training
         self.model.eval()
         bar = tqdm(total=len(rows), desc="generate", unit="seq", disable=not self.progress, leave=False)
-        with self._sampling():
+        with self._sampling(min(len(rows), self.batch_size)):
             for start in range(0, len(rows), self.batch_size):
                 idx = order[start:start + self.batch_size]
                 for i, ids in zip(idx, self._generate_batch([rows[i] for i in idx], params, generator)):
@@ -234,8 +234,9 @@ class KVCacheSampler(BatchedBackend):
         self._fallback_path = self.path = "lean" if isinstance(self.forward, LeanDecoder) else "hf"
 
     @contextlib.contextmanager
-    def _sampling(self):
-        snapshot = FusedDecoder.snapshot(self.model, min(self.batch_size, 64)) if self.fused else None
+    def _sampling(self, rows: int):
+        # the linear kernel is probed (once per process and row count) at the rows the batches will decode
+        snapshot = FusedDecoder.snapshot(self.model, max(1, min(rows, 64))) if self.fused else None
         if snapshot is not None:
             self._active, self.path = snapshot, snapshot.path
             try:

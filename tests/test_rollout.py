@@ -234,3 +234,17 @@ def test_each_group_is_handed_over_as_soon_as_it_is_sampled(tiny, cls):
     for _, group in handed:
         assert group == [s for s in samples if s.group == group[0].group]
     assert handed[0][0] < len(batches) == 6            # the first group came before the last of 6 batches
+
+
+def test_the_fused_snapshot_is_taken_for_the_rows_a_batch_decodes(tiny, monkeypatch):
+    """The linear-kernel probe runs at the row count the batches really have (3 prompts x 2 answers = 6
+    rows, under a batch size of 64), capped by the batch size when the rollout is larger."""
+    from grpo_core.kernels import fused_decode
+    model, tok = tiny
+    seen, real = [], fused_decode.FusedDecoder.snapshot
+    monkeypatch.setattr(fused_decode.FusedDecoder, "snapshot",
+                        classmethod(lambda cls, m, rows=16: seen.append(rows) or real(m, rows)))
+    params = SamplingParams(max_new_tokens=3, seed=0)
+    KVCacheSampler(model, tok, CPU, batch_size=64, progress=False).generate(prompts_of(tok), 2, params)
+    KVCacheSampler(model, tok, CPU, batch_size=4, progress=False).generate(prompts_of(tok), 2, params)
+    assert seen == [6, 4]

@@ -17,7 +17,6 @@
 #include <immintrin.h>
 #endif
 
-
 namespace {
 
 constexpr int64_t COLS = 16;

@@ -253,12 +253,14 @@ def _fused_base(lean: LeanDecoder, parts: list[list[list]], head_parts: list, ro
 
     def place(group) -> tuple[torch.Tensor, torch.Tensor | None]:
         nonlocal off
-        weight = torch.cat([w for w, _, _ in group]).to(dtype)                   # [out, in]
+        weights = [w for w, _, _ in group]                                       # stacked: [out, in]
         if kernel == "onednn":
-            return onednn_pack(weight, rows), _bias(group)
+            return onednn_pack(torch.cat(weights).to(dtype), rows), _bias(group)
         view = flat[off:off + _placed_numel(kernel, gemm, group)]
         off += view.numel()
-        return (gemm.pack(weight, view) if kernel == "native" else view.view_as(weight).copy_(weight)), _bias(group)
+        if kernel == "native":
+            return gemm.pack(torch.cat(weights).to(dtype), view), _bias(group)
+        return torch.cat(weights, out=view.view(-1, weights[0].size(1))), _bias(group)   # plain: stacked in place
 
     base = _FusedBase(key, [[place(g) for g in layer] for layer in parts], place(head_parts), kernel, rates)
     _BASES[lean.embed] = base

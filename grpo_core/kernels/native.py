@@ -264,7 +264,7 @@ def _reference_check(ops: NativeOps) -> None:
         want_x = x + y
         got = ops.add_rms_norm(x, y, w, torch.empty_like(x), 1e-5)
         same("add_rms_norm", x, want_x)
-        same("add_rms_norm", got, torch.nn.functional.rms_norm(want_x.float(), (C,), w.float(), 1e-5))
+        same("add_rms_norm", got, F.rms_norm(want_x.float(), (C,), w.float(), 1e-5))
         qkv, cos, sin, pos = rand(b, (H + 2 * Hkv) * d), rand(9, d), rand(9, d), torch.tensor([0, 4, 8])
         cache = torch.zeros(2, b, Hkv, T, d, dtype=dtype)
         q = ops.rope_cache(qkv, cos, sin, pos, torch.empty(b, H * d, dtype=dtype), cache, H, 2)
@@ -277,7 +277,7 @@ def _reference_check(ops: NativeOps) -> None:
         valid = torch.rand(b, T, generator=g) > 0.3
         valid[:, n - 1] = True
         got = ops.decode_attention(q, cache, valid, n, 0.3, torch.empty_like(q))
-        want = torch.nn.functional.scaled_dot_product_attention(
+        want = F.scaled_dot_product_attention(
             q.view(b, Hkv, H // Hkv, d).float(), cache[0, :, :, :n].float(), cache[1, :, :, :n].float(),
             attn_mask=valid[:, None, None, :n], scale=0.3)
         same("decode_attention", got, want.reshape(b, H * d))
@@ -286,13 +286,13 @@ def _reference_check(ops: NativeOps) -> None:
         same("lora_add", ops.lora_add(x, A, B.T.contiguous(), y), want)
         gate_up = rand(b, 2 * C)
         got = ops.silu_mul(gate_up, torch.empty(b, C, dtype=dtype))
-        same("silu_mul", got, torch.nn.functional.silu(gate_up[:, :C].float()) * gate_up[:, C:].float())
+        same("silu_mul", got, F.silu(gate_up[:, :C].float()) * gate_up[:, C:].float())
         logits, ids, grad_logp = rand(b, 2 * C) * 4, torch.tensor([0, 5, 2 * C - 1]), torch.randn(b, generator=g)
         z = logits.float() / 0.7
         logp, lse, ent = ops.logit_sweep(logits, ids, 0.7, True)
         same("logit_sweep", logp, z.log_softmax(-1).gather(-1, ids[:, None]).squeeze(-1))
         same("logit_sweep", ent, -(z.softmax(-1) * z.log_softmax(-1)).sum(-1))
-        onehot = torch.nn.functional.one_hot(ids, z.size(-1)).float()
+        onehot = F.one_hot(ids, z.size(-1)).float()
         same("logit_sweep_backward", ops.logit_sweep_backward(logits, ids, lse, grad_logp, 0.7),
              (onehot - z.softmax(-1)) * grad_logp[:, None] / 0.7)
         _check_trunk_ops(ops, rand, same)

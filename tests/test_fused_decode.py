@@ -1,5 +1,5 @@
 """The fused sampling forward gives the logits of the model's own forward (left padding, grouped-query
-attention, shared-prompt cache copies, rows dropped lazily and compacted, Qwen2 biases, LoRA merged in fp32
+attention, shared-prompt cache copies, rows dropped (run alone, or lazily and compacted), Qwen2 biases, LoRA merged in fp32
 and kept as factors in bf16); its snapshot is taken at sampling time, so it sees the adapter as it is then;
 huge-page buffers and the kernel probe. The checks run with the step's small ops compiled
 (grpo_core/kernels/native.py) and as torch ops."""
@@ -16,7 +16,8 @@ from tests.test_native import needs_compiler
 
 
 def run(forward, prompts, steps):
-    """Decode with rows dropped twice: lazily first (3 of 4 stay), then compacted (2 of 3)."""
+    """Decode with rows dropped twice (3 of 4 stay, then 2 of 3): the native step runs the live rows on their
+    cache rows; the torch step keeps them in the batch, then compacts the cache."""
     return lean_run(forward, prompts, steps, drops=((3, [0, 2, 3]), (5, [0, 2])))
 
 

@@ -1,6 +1,6 @@
 """The compiled ops (grpo_core/kernels/native.py): each decode-step op and the update's logit sweep equals
 the same arithmetic in torch ops at the default model's shapes, in fp32 and bf16, with masked keys and rows
-at different positions;
+at different positions, and rows that address cache rows of their own (slots);
 the build is cached per source and CPU and written atomically; a failed build names the compiler's
 error; without a compiler (or with GRPO_NATIVE_KERNELS=0) loading says why and sampling keeps torch ops."""
 from __future__ import annotations
@@ -76,6 +76,32 @@ def test_each_op_equals_torch_at_the_models_shapes(dtype):
     gate_up = rand(b, 2 * I)
     _close(ops.silu_mul(gate_up, torch.empty(b, I, dtype=dtype)), F.silu(gate_up[:, :I].float()) * gate_up[:, I:].float(),
            dtype)
+
+
+@needs_compiler
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rows_address_their_own_cache_rows_through_slots(dtype):
+    """A step of fewer rows than the cache holds: row r writes and reads cache row slots[r]; the others
+    are untouched. Same results as the rows gathered into a cache of their own."""
+    ops = native.load()
+    g = torch.Generator().manual_seed(1)
+    B, t, slots = 7, 21, torch.tensor([6, 1, 4])
+    qkv = torch.randn(len(slots), (H + 2 * Hkv) * d, generator=g).to(dtype)
+    cos, sin = (torch.randn(32, d, generator=g).to(dtype) for _ in range(2))
+    pos = torch.tensor([3, 20, 9])
+    cache, valid = torch.randn(2, B, Hkv, T, d, generator=g).to(dtype), torch.rand(B, T, generator=g) > 0.3
+    valid[:, t] = True
+    own_cache, own_valid = cache[:, slots].clone(), valid[slots].clone()
+    before = cache.clone()
+    q = ops.rope_cache(qkv, cos, sin, pos, torch.empty(3, H * d, dtype=dtype), cache, H, t, slots)
+    own_q = ops.rope_cache(qkv, cos, sin, pos, torch.empty(3, H * d, dtype=dtype), own_cache, H, t)
+    assert torch.equal(q, own_q) and torch.equal(cache[:, slots], own_cache)
+    others = [r for r in range(B) if r not in slots.tolist()]
+    assert torch.equal(cache[:, others], before[:, others])
+    out = ops.decode_attention(q, cache, valid, t + 1, 0.125, torch.empty_like(q), slots)
+    assert torch.equal(out, ops.decode_attention(q, own_cache, own_valid, t + 1, 0.125, torch.empty_like(q)))
+    with pytest.raises(ValueError, match="slots"):
+        ops.decode_attention(q, cache, valid, t + 1, 0.125, torch.empty_like(q))
 
 
 @needs_compiler

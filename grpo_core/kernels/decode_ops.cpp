@@ -42,22 +42,23 @@ void add_rms_norm(typename D::T* x, const typename D::T* y, const typename D::T*
 
 // Rotary embedding of q and k of one new token per row, as Llama applies it (x * cos + rotate_half(x) *
 // sin, with sin sign-folded: x * cos + roll(x, d/2) * sin_signed); q goes to q_out [b, H * d], k and v
-// into the layer's cache [2, b, Hkv, T, d] at slot t. qkv: [b, (H + 2 Hkv) d]; cos, sin: [P, d] tables,
-// row pos[r] for row r.
+// into the layer's cache [2, B, Hkv, T, d] at slot t, row slot[r] of the cache for row r (r itself when
+// slot is null; B >= b). qkv: [b, (H + 2 Hkv) d]; cos, sin: [P, d] tables, row pos[r] for row r.
 template <class D>
 void rope_cache(const typename D::T* qkv, const typename D::T* cos, const typename D::T* sin, const int64_t* pos,
-                typename D::T* q_out, typename D::T* cache, int64_t b, int64_t H, int64_t Hkv, int64_t d, int64_t T,
-                int64_t t) {
+                typename D::T* q_out, typename D::T* cache, const int64_t* slot, int64_t B, int64_t b, int64_t H,
+                int64_t Hkv, int64_t d, int64_t T, int64_t t) {
     const int64_t half = d / 2, width = (H + 2 * Hkv) * d;
     typename D::T* keys = cache;
-    typename D::T* values = cache + b * Hkv * T * d;
+    typename D::T* values = cache + B * Hkv * T * d;
     for (int64_t r = 0; r < b; ++r) {
         const typename D::T* row = qkv + r * width;
+        const int64_t cr = slot ? slot[r] : r;
         const typename D::T* c = cos + pos[r] * d;
         const typename D::T* s = sin + pos[r] * d;
         for (int64_t h = 0; h < H + Hkv; ++h) {
             const typename D::T* x = row + h * d;
-            typename D::T* dst = h < H ? q_out + (r * H + h) * d : keys + ((r * Hkv + (h - H)) * T + t) * d;
+            typename D::T* dst = h < H ? q_out + (r * H + h) * d : keys + ((cr * Hkv + (h - H)) * T + t) * d;
 #pragma omp simd
             for (int64_t j = 0; j < half; ++j)
                 dst[j] = D::store(D::load(x[j]) * D::load(c[j]) + D::load(x[j + half]) * D::load(s[j]));
@@ -66,31 +67,32 @@ void rope_cache(const typename D::T* qkv, const typename D::T* cos, const typena
                 dst[j] = D::store(D::load(x[j]) * D::load(c[j]) + D::load(x[j - half]) * D::load(s[j]));
         }
         for (int64_t h = 0; h < Hkv; ++h)
-            std::memcpy(values + ((r * Hkv + h) * T + t) * d, row + (H + Hkv + h) * d, d * sizeof(typename D::T));
+            std::memcpy(values + ((cr * Hkv + h) * T + t) * d, row + (H + Hkv + h) * d, d * sizeof(typename D::T));
     }
 }
 
 // One query per head against the first n cache slots of its row, the query heads that share a KV head
 // reading its keys and values once: out = softmax(q k^T * scale over the valid slots) v, scores and
-// softmax in float32. q, out: [b, H * d]; cache: [2, b, Hkv, T, d]; valid: [b, valid_stride] bytes (0/1).
-// HD: the head dim when known at compile time (its loops then unroll), else 0 (d at run time).
+// softmax in float32. q, out: [b, H * d]; cache: [2, B, Hkv, T, d] and valid: [B, valid_stride] bytes (0/1),
+// read at row slot[r] for row r (r itself when slot is null). HD: the head dim when known at compile time
+// (its loops then unroll), else 0 (d at run time).
 template <class D, int HD>
 void decode_attention(const typename D::T* q, const typename D::T* cache, const uint8_t* valid,
-                      int64_t valid_stride, typename D::T* out, int64_t b, int64_t Hkv, int64_t rep, int64_t d_run,
-                      int64_t T, int64_t n, float scale) {
+                      int64_t valid_stride, const int64_t* slot, int64_t B, typename D::T* out, int64_t b,
+                      int64_t Hkv, int64_t rep, int64_t d_run, int64_t T, int64_t n, float scale) {
     const int64_t d = HD ? HD : d_run;
     const typename D::T* keys = cache;
-    const typename D::T* values = cache + b * Hkv * T * d;
+    const typename D::T* values = cache + B * Hkv * T * d;
 #pragma omp parallel if (b * Hkv * n * d > (1 << 16))
     {
     std::vector<float> qf(rep * d), scores(rep * n), acc(rep * d), m(rep), total(rep);
 #pragma omp for schedule(static)
     for (int64_t rh = 0; rh < b * Hkv; ++rh) {
-        const int64_t r = rh / Hkv, h = rh % Hkv;
-        const uint8_t* ok = valid + r * valid_stride;
+        const int64_t r = rh / Hkv, h = rh % Hkv, cr = slot ? slot[r] : r;
+        const uint8_t* ok = valid + cr * valid_stride;
         {
-            const typename D::T* K = keys + (r * Hkv + h) * T * d;
-            const typename D::T* V = values + (r * Hkv + h) * T * d;
+            const typename D::T* K = keys + (cr * Hkv + h) * T * d;
+            const typename D::T* V = values + (cr * Hkv + h) * T * d;
             const typename D::T* Q = q + (r * Hkv + h) * rep * d;
             for (int64_t i = 0; i < rep * d; ++i) qf[i] = D::load(Q[i]) * scale;
             std::fill(m.begin(), m.end(), -3.0e38f);
@@ -138,10 +140,10 @@ void decode_attention(const typename D::T* q, const typename D::T* cache, const 
 
 template <class D>
 void decode_attention_any(const typename D::T* q, const typename D::T* cache, const uint8_t* valid,
-                          int64_t valid_stride, typename D::T* out, int64_t b, int64_t Hkv, int64_t rep, int64_t d,
-                          int64_t T, int64_t n, float scale) {
+                          int64_t valid_stride, const int64_t* slot, int64_t B, typename D::T* out, int64_t b,
+                          int64_t Hkv, int64_t rep, int64_t d, int64_t T, int64_t n, float scale) {
     auto run = d == 64 ? decode_attention<D, 64> : d == 128 ? decode_attention<D, 128> : decode_attention<D, 0>;
-    run(q, cache, valid, valid_stride, out, b, Hkv, rep, d, T, n, scale);
+    run(q, cache, valid, valid_stride, slot, B, out, b, Hkv, rep, d, T, n, scale);
 }
 
 // out = silu(gate) * up. gate_up: [b, 2 I] (gate | up); out: [b, I].
@@ -201,16 +203,17 @@ void lora_add(const typename D::T* x, const float* A, const float* Bt, typename 
         add_rms_norm<D>((D::T*)x, (const D::T*)y, (const D::T*)w, (D::T*)out, b, C, eps);                    \
     }                                                                                                         \
     extern "C" void rope_cache_##SUFFIX(const void* qkv, const void* cos, const void* sin, const int64_t* pos, \
-                                        void* q_out, void* cache, int64_t b, int64_t H, int64_t Hkv,          \
-                                        int64_t d, int64_t T, int64_t t) {                                    \
+                                        void* q_out, void* cache, const int64_t* slot, int64_t B, int64_t b,  \
+                                        int64_t H, int64_t Hkv, int64_t d, int64_t T, int64_t t) {            \
         rope_cache<D>((const D::T*)qkv, (const D::T*)cos, (const D::T*)sin, pos, (D::T*)q_out, (D::T*)cache,  \
-                      b, H, Hkv, d, T, t);                                                                    \
+                      slot, B, b, H, Hkv, d, T, t);                                                           \
     }                                                                                                         \
     extern "C" void decode_attention_##SUFFIX(const void* q, const void* cache, const uint8_t* valid,         \
-                                              int64_t valid_stride, void* out, int64_t b, int64_t Hkv,        \
-                                              int64_t rep, int64_t d, int64_t T, int64_t n, float scale) {    \
-        decode_attention_any<D>((const D::T*)q, (const D::T*)cache, valid, valid_stride, (D::T*)out, b, Hkv,  \
-                                rep, d, T, n, scale);                                                         \
+                                              int64_t valid_stride, const int64_t* slot, int64_t B,           \
+                                              void* out, int64_t b, int64_t Hkv, int64_t rep, int64_t d,      \
+                                              int64_t T, int64_t n, float scale) {                            \
+        decode_attention_any<D>((const D::T*)q, (const D::T*)cache, valid, valid_stride, slot, B, (D::T*)out, \
+                                b, Hkv, rep, d, T, n, scale);                                                 \
     }                                                                                                         \
     extern "C" void lora_add_##SUFFIX(const void* x, const float* A, const float* Bt, void* y, int64_t b,       \
                                       int64_t C, int64_t R, int64_t out) {                                    \

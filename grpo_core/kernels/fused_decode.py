@@ -18,8 +18,10 @@ does); each rollout takes only the adapter. In fp32 it is merged into a copy of 
 (W + B A, one addmm per group per rollout); in bf16 a merge would round a young adapter's small delta
 away, so there its factors stay separate (fp32, as PEFT keeps them), stacked per group.
 
-Finished rows stay in the batch (their work is nearly free when the step is bound by reading weights)
-until at most half are live; then the cache is compacted. Same interface as `lean_decode.LeanDecoder`.
+A finished row leaves the step at once: the native step runs only the live rows, each addressing its own
+row of the KV cache, which is never copied for it (on a CPU where 16 rows already make the matmuls bound
+by arithmetic, a finished row's work is not free). The torch step runs every cache row, and compacts the
+cache when at most half are live. Same interface as `lean_decode.LeanDecoder`.
 
 Shapes: b rows, n new tokens, T cache slots, H query heads, Hkv key/value heads (H = Hkv * rep), d head
 dim, C hidden size, I MLP width, L layers.
@@ -387,19 +389,20 @@ class FusedDecoder:
         self.length = t0 + ids.size(1)
         return self.head(F.rms_norm(x[:, -1], (x.size(-1),), self.lean.norm.weight, self.eps))   # [b, V]
 
-    def _native_step(self, tokens: torch.Tensor) -> torch.Tensor:
-        """One token per row [b] -> logits [b, V], the work between a layer's linears in compiled calls
-        (native.NativeOps): add + RMSNorm, rotary + KV write, attention, SiLU gate, the adapter's low-rank
-        terms."""
+    def _native_step(self, tokens: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+        """One token per live row [b] -> logits [b, V], row r at cache row slots[r]; the work between a
+        layer's linears in compiled calls (native.NativeOps): add + RMSNorm, rotary + KV write, attention,
+        SiLU gate, the adapter's low-rank terms."""
         ops, eps, t = self.ops, self.eps, self.length
+        pos = self.next_pos[slots]                                                         # [b]
         x = self.embed(tokens)                                                             # [b, C] residual
         h = torch.empty_like(x)                                                            # [b, C] normed
         q = x.new_empty(x.size(0), self.n_q * self.d)                                      # [b, H d]
         o, act = torch.empty_like(q), x.new_empty(x.size(0), self.width)
         ops.add_rms_norm(x, None, self.layers[0].ln1, h, eps)
         for i, (layer, next_norm) in enumerate(zip(self.layers, self.next_norms)):
-            ops.rope_cache(layer.qkv(h, ops), self.cos, self.sin, self.next_pos, q, self.kv[i], self.n_q, t)
-            ops.decode_attention(q, self.kv[i], self.valid, t + 1, self.scale, o)
+            ops.rope_cache(layer.qkv(h, ops), self.cos, self.sin, pos, q, self.kv[i], self.n_q, t, slots)
+            ops.decode_attention(q, self.kv[i], self.valid, t + 1, self.scale, o, slots)
             ops.add_rms_norm(x, layer.o(o, ops), layer.ln2, h, eps)
             ops.add_rms_norm(x, layer.down(ops.silu_mul(layer.gate_up(h, ops), act), ops), next_norm, h, eps)
         self.length = t + 1
@@ -424,9 +427,11 @@ class FusedDecoder:
 
     def select(self, rows: torch.Tensor) -> None:
         """Keep the caller's `rows` (indices may repeat: a shared prompt's cache copied to its group).
-        Rows are compacted out of the cache only when repeats need copies or at most half stay live."""
+        Rows are copied out of the cache only when repeats need copies, or, for the torch step (which runs
+        every cache row), when at most half stay live; the native step runs the live rows alone."""
         live = self.live[rows]
-        if len(live) > len(self.live) or live.unique().numel() < len(live) or 2 * len(live) <= self.kv.size(2):
+        shrink = self.ops is None and 2 * len(live) <= self.kv.size(2)
+        if len(live) > len(self.live) or live.unique().numel() < len(live) or shrink:
             kv = self._new_cache(len(live), self.T)
             torch.index_select(self.kv, 2, live, out=kv)
             self.kv, self.valid, self.next_pos = kv, self.valid[live], self.next_pos[live]
@@ -435,13 +440,14 @@ class FusedDecoder:
 
     def step(self, tokens: torch.Tensor) -> torch.Tensor:
         """tokens [live rows] -> next-token logits [live rows, V]."""
-        b = self.kv.size(2)
-        full = tokens if b == len(self.live) else torch.zeros(b, dtype=tokens.dtype).index_copy_(0, self.live, tokens)
         t = self.length
         self.valid[:, t] = True
         if self.ops is not None:
-            logits = self._native_step(full)
-        else:
-            logits = self._forward(full[:, None], self.next_pos[:, None], self.valid[:, None, None, :t + 1])
+            logits = self._native_step(tokens, self.live)
+            self.next_pos = self.next_pos + 1
+            return logits
+        b = self.kv.size(2)
+        full = tokens if b == len(self.live) else torch.zeros(b, dtype=tokens.dtype).index_copy_(0, self.live, tokens)
+        logits = self._forward(full[:, None], self.next_pos[:, None], self.valid[:, None, None, :t + 1])
         self.next_pos = self.next_pos + 1
         return logits if b == len(self.live) else logits[self.live]

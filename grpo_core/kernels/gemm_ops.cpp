@@ -54,38 +54,14 @@ void block_f32(const float* x, int64_t K, const float* wb, const float* bias, fl
 #endif
 
 #if defined(__AVX512BF16__)
+// MB rows of x against one column block. The accumulators are named registers and each row's pair of
+// inputs is a {1to16} memory operand of VDPBF16PS (compilers emit a separate broadcast, which competes
+// with the products for a port); rows past MB compile away.
+#define DP(i) if constexpr (i < MB) asm("vdpbf16ps %1%{1to16%}, %2, %0" : "+v"(a##i) : "m"(*(const int32_t*)(xk + i * K)), "v"(w));
+#define ST(i) if constexpr (i < MB) _mm256_mask_storeu_epi16(y + i * N, mask, (__m256i)_mm512_cvtneps_pbh(a##i));
 template <int MB>
 void block_bf16(const uint16_t* x, int64_t K, const uint16_t* wb, const uint16_t* bias, uint16_t* y, int64_t N,
                 __mmask16 mask) {
-    __m512 acc[MB];
-    __m512 b0 = _mm512_setzero_ps();
-    if (bias) {
-        const __m256i raw = _mm256_maskz_loadu_epi16(mask, bias);
-        b0 = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
-    }
-    for (int m = 0; m < MB; ++m) acc[m] = b0;
-    for (int64_t k = 0; k < K / 2; ++k) {
-        _mm_prefetch(reinterpret_cast<const char*>(wb + k * 2 * COLS) + PREFETCH, _MM_HINT_T0);
-        const __m512bh w = (__m512bh)_mm512_loadu_si512(wb + k * 2 * COLS);
-        for (int m = 0; m < MB; ++m) {
-            int32_t xx;
-            std::memcpy(&xx, x + m * K + 2 * k, sizeof xx);
-            acc[m] = _mm512_dpbf16_ps(acc[m], w, (__m512bh)_mm512_set1_epi32(xx));
-        }
-    }
-    for (int m = 0; m < MB; ++m)
-        _mm256_mask_storeu_epi16(y + m * N, mask, (__m256i)_mm512_cvtneps_pbh(acc[m]));
-}
-#endif
-
-#if defined(__AVX512BF16__)
-// 16 rows: the accumulators as 16 named registers and each row's pair of inputs as a {1to16} memory
-// operand of VDPBF16PS (compilers emit a separate broadcast, which competes with the products for a port).
-#define DP(i) asm("vdpbf16ps %1%{1to16%}, %2, %0" : "+v"(a##i) : "m"(*(const int32_t*)(xk + i * K)), "v"(w));
-#define ST(i) _mm256_mask_storeu_epi16(y + i * N, mask, (__m256i)_mm512_cvtneps_pbh(a##i));
-template <>
-void block_bf16<16>(const uint16_t* x, int64_t K, const uint16_t* wb, const uint16_t* bias, uint16_t* y, int64_t N,
-                    __mmask16 mask) {
     __m512 b0 = _mm512_setzero_ps();
     if (bias) {
         const __m256i raw = _mm256_maskz_loadu_epi16(mask, bias);

@@ -41,8 +41,8 @@ _SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16"}
 _I64, _PTR, _F32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
 _SIGNATURES = {
     "add_rms_norm": [_PTR, _PTR, _PTR, _PTR, _I64, _I64, _F32],
-    "rope_cache": [_PTR, _PTR, _PTR, _PTR, _PTR, _PTR, _I64, _I64, _I64, _I64, _I64, _I64],
-    "decode_attention": [_PTR, _PTR, _PTR, _I64, _PTR, _I64, _I64, _I64, _I64, _I64, _I64, _F32],
+    "rope_cache": [_PTR, _PTR, _PTR, _PTR, _PTR, _PTR, _PTR, _I64, _I64, _I64, _I64, _I64, _I64, _I64],
+    "decode_attention": [_PTR, _PTR, _PTR, _I64, _PTR, _I64, _PTR, _I64, _I64, _I64, _I64, _I64, _I64, _F32],
     "silu_mul": [_PTR, _PTR, _I64, _I64],
     "lora_add": [_PTR, _PTR, _PTR, _PTR, _I64, _I64, _I64, _I64],
     "logit_sweep_fwd": [_PTR, _PTR, _I64, _I64, _F32, _PTR, _PTR, _PTR],
@@ -135,22 +135,39 @@ class NativeOps:
                                            x.size(0), x.size(1), eps)
         return out
 
+    @staticmethod
+    def _slots(cache: torch.Tensor, b: int, slots: torch.Tensor | None) -> int | None:
+        """The pointer of the cache rows that b rows use: `slots` [b] int64, or None for rows 0 .. b-1."""
+        if slots is None:
+            if b != cache.size(1):
+                raise ValueError(f"{b} rows for a cache of {cache.size(1)} rows: pass their slots")
+            return None
+        if slots.dtype != torch.int64 or not slots.is_contiguous() or len(slots) != b:
+            raise ValueError(f"slots must be {b} contiguous int64 cache rows")
+        return slots.data_ptr()
+
     def rope_cache(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, pos: torch.Tensor,
-                   q_out: torch.Tensor, cache: torch.Tensor, n_q: int, t: int) -> torch.Tensor:
-        """Rotary q -> q_out [b, H d]; rotary k and v -> cache [2, b, Hkv, T, d] at slot t. pos: [b] int64."""
-        _, b, n_kv, T, d = cache.shape
+                   q_out: torch.Tensor, cache: torch.Tensor, n_q: int, t: int,
+                   slots: torch.Tensor | None = None) -> torch.Tensor:
+        """Rotary q -> q_out [b, H d]; rotary k and v -> cache [2, B, Hkv, T, d] at slot t of row slots[r]
+        (row r when slots is None). qkv: [b, (H + 2 Hkv) d], pos: [b] int64."""
+        _, B, n_kv, T, d = cache.shape
+        b = qkv.size(0)
         self._fns["rope_cache", qkv.dtype](qkv.data_ptr(), cos.data_ptr(), sin.data_ptr(), pos.data_ptr(),
-                                           q_out.data_ptr(), cache.data_ptr(), b, n_q, n_kv, d, T, t)
+                                           q_out.data_ptr(), cache.data_ptr(), self._slots(cache, b, slots), B, b,
+                                           n_q, n_kv, d, T, t)
         return q_out
 
     def decode_attention(self, q: torch.Tensor, cache: torch.Tensor, valid: torch.Tensor, n: int, scale: float,
-                         out: torch.Tensor) -> torch.Tensor:
-        """out [b, H d] = attention of q [b, H d] over the first n slots of cache [2, b, Hkv, T, d] where
-        valid [b, >= n] (bool) holds."""
-        _, b, n_kv, T, d = cache.shape
+                         out: torch.Tensor, slots: torch.Tensor | None = None) -> torch.Tensor:
+        """out [b, H d] = attention of q [b, H d] over the first n slots of cache [2, B, Hkv, T, d] where
+        valid [B, >= n] (bool) holds, row slots[r] of both for row r (row r when slots is None)."""
+        _, B, n_kv, T, d = cache.shape
+        b = q.size(0)
         rep = q.size(1) // (n_kv * d)
         self._fns["decode_attention", q.dtype](q.data_ptr(), cache.data_ptr(), valid.data_ptr(), valid.stride(0),
-                                               out.data_ptr(), b, n_kv, rep, d, T, n, scale)
+                                               self._slots(cache, b, slots), B, out.data_ptr(), b, n_kv, rep, d,
+                                               T, n, scale)
         return out
 
     def silu_mul(self, gate_up: torch.Tensor, out: torch.Tensor) -> torch.Tensor:

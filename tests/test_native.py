@@ -58,13 +58,14 @@ def test_each_op_equals_torch_at_the_models_shapes(dtype):
     half = torch.cat([-heads[..., d // 2:], heads[..., :d // 2]], -1)          # Llama's rotate_half
     rotated = heads * cos[pos, None].float() + half * sin[pos, None].float()
     _close(q.view(b, H, d), rotated[:, :H], dtype)
-    _close(cache[0, :, :, t], rotated[:, H:], dtype)
+    _close(cache[0].view(b, Hkv, d, T)[..., t], rotated[:, H:], dtype)       # keys transposed: [d, T] per head
     assert torch.equal(cache[1, :, :, t], qkv[:, (H + Hkv) * d:].view(b, Hkv, d))
 
     valid = torch.rand(b, T, generator=g) > 0.4
     valid[:, t] = True
     attn = ops.decode_attention(q, cache, valid, t + 1, 0.125, torch.empty_like(q))
-    want = F.scaled_dot_product_attention(q.view(b, Hkv, H // Hkv, d).float(), cache[0, :, :, :t + 1].float(),
+    keys = cache[0].view(b, Hkv, d, T)[..., :t + 1].transpose(2, 3)
+    want = F.scaled_dot_product_attention(q.view(b, Hkv, H // Hkv, d).float(), keys.float(),
                                           cache[1, :, :, :t + 1].float(), attn_mask=valid[:, None, None, :t + 1],
                                           scale=0.125)
     _close(attn, want.reshape(b, H * d), dtype)

@@ -13,6 +13,10 @@
 #include <cstring>
 #include <vector>
 
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
 #include "kernel_common.h"
 
 namespace {
@@ -42,8 +46,8 @@ void add_rms_norm(typename D::T* x, const typename D::T* y, const typename D::T*
 
 // Rotary embedding of q and k of one new token per row, as Llama applies it (x * cos + rotate_half(x) *
 // sin, with sin sign-folded: x * cos + roll(x, d/2) * sin_signed); q goes to q_out [b, H * d], k and v
-// into the layer's cache [2, B, Hkv, T, d] at slot t, row slot[r] of the cache for row r (r itself when
-// slot is null; B >= b). qkv: [b, (H + 2 Hkv) d]; cos, sin: [P, d] tables, row pos[r] for row r.
+// into the layer's cache (keys [B, Hkv, d, T], values [B, Hkv, T, d]; see decode_attention) at slot t,
+// row slot[r] of the cache for row r (r itself when slot is null; B >= b). qkv: [b, (H + 2 Hkv) d]; cos, sin: [P, d] tables, row pos[r] for row r.
 template <class D>
 void rope_cache(const typename D::T* qkv, const typename D::T* cos, const typename D::T* sin, const int64_t* pos,
                 typename D::T* q_out, typename D::T* cache, const int64_t* slot, int64_t B, int64_t b, int64_t H,
@@ -58,13 +62,14 @@ void rope_cache(const typename D::T* qkv, const typename D::T* cos, const typena
         const typename D::T* s = sin + pos[r] * d;
         for (int64_t h = 0; h < H + Hkv; ++h) {
             const typename D::T* x = row + h * d;
-            typename D::T* dst = h < H ? q_out + (r * H + h) * d : keys + ((cr * Hkv + (h - H)) * T + t) * d;
-#pragma omp simd
+            // q: [H, d] per row; a key goes to dimension-major slots (stride T)
+            const bool is_q = h < H;
+            typename D::T* dst = is_q ? q_out + (r * H + h) * d : keys + (cr * Hkv + (h - H)) * d * T + t;
+            const int64_t step = is_q ? 1 : T;
             for (int64_t j = 0; j < half; ++j)
-                dst[j] = D::store(D::load(x[j]) * D::load(c[j]) + D::load(x[j + half]) * D::load(s[j]));
-#pragma omp simd
+                dst[j * step] = D::store(D::load(x[j]) * D::load(c[j]) + D::load(x[j + half]) * D::load(s[j]));
             for (int64_t j = half; j < d; ++j)
-                dst[j] = D::store(D::load(x[j]) * D::load(c[j]) + D::load(x[j - half]) * D::load(s[j]));
+                dst[j * step] = D::store(D::load(x[j]) * D::load(c[j]) + D::load(x[j - half]) * D::load(s[j]));
         }
         for (int64_t h = 0; h < Hkv; ++h)
             std::memcpy(values + ((cr * Hkv + h) * T + t) * d, row + (H + Hkv + h) * d, d * sizeof(typename D::T));
@@ -73,77 +78,193 @@ void rope_cache(const typename D::T* qkv, const typename D::T* cos, const typena
 
 // One query per head against the first n cache slots of its row, the query heads that share a KV head
 // reading its keys and values once: out = softmax(q k^T * scale over the valid slots) v, scores and
-// softmax in float32. q, out: [b, H * d]; cache: [2, B, Hkv, T, d] and valid: [B, valid_stride] bytes (0/1),
-// read at row slot[r] for row r (r itself when slot is null). HD: the head dim when known at compile time
-// (its loops then unroll), else 0 (d at run time).
-template <class D, int HD>
+// softmax in float32. q, out: [b, H * d]; cache: keys [B, Hkv, d, T] (transposed: slot t of dimension e at
+// e * T + t) then values [B, Hkv, T, d]; valid: [B, valid_stride] bytes (0/1); both read at row slot[r]
+// for row r (r itself when slot is null). With keys transposed one vector load holds one dimension of 16
+// consecutive keys, so the scores of 16 keys build up in registers, with no horizontal sums.
+
+// The portable form, one (row, head) at a time: qf [rep * d], scores [rep * n] and acc [rep * d] are scratch.
+template <class D>
+void attend_any(const typename D::T* Q, const typename D::T* KT, const typename D::T* V, const uint8_t* ok,
+                typename D::T* O, int64_t T, int64_t n, int64_t rep, int64_t d, float scale, float* qf,
+                float* scores, float* acc) {
+    for (int64_t i = 0; i < rep * d; ++i) qf[i] = D::load(Q[i]) * scale;
+    std::fill(scores, scores + rep * n, 0.f);
+    for (int64_t g = 0; g < rep; ++g)
+        for (int64_t e = 0; e < d; ++e) {
+            const float qe = qf[g * d + e];
+            const typename D::T* k = KT + e * T;
+            float* sg = scores + g * n;
+#pragma omp simd
+            for (int64_t j = 0; j < n; ++j) sg[j] += qe * D::load(k[j]);
+        }
+    std::fill(acc, acc + rep * d, 0.f);
+    for (int64_t g = 0; g < rep; ++g) {
+        float* sg = scores + g * n;
+        float m = -3.0e38f, total = 0.f;
+        for (int64_t j = 0; j < n; ++j) m = ok[j] && sg[j] > m ? sg[j] : m;
+        for (int64_t j = 0; j < n; ++j) {
+            sg[j] = ok[j] ? exp_f32(sg[j] - m) : 0.f;
+            total += sg[j];
+        }
+        for (int64_t j = 0; j < n; ++j) {
+            if (!ok[j]) continue;
+#pragma omp simd
+            for (int64_t e = 0; e < d; ++e) acc[g * d + e] += sg[j] * D::load(V[j * d + e]);
+        }
+        const float norm = total > 0.f ? 1.f / total : 0.f;
+        for (int64_t e = 0; e < d; ++e) O[g * d + e] = D::store(acc[g * d + e] * norm);
+    }
+}
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#define FAST_ATTENTION 1
+inline __m512 load16(const float* p, __mmask16 m) { return _mm512_maskz_loadu_ps(m, p); }
+inline __m512 load16(const uint16_t* p, __mmask16 m) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, p)), 16));
+}
+
+// Scores of G query heads against keys j0 .. j0+15 (the `in` lanes), into s [G][stride] at j0: masked
+// slots get -3e38 (exp gives 0).
+template <class D, int DIM, int G>
+inline void scores16(const float* qf, const typename D::T* KT, const uint8_t* ok, int64_t T, int64_t j0,
+                     __mmask16 in, float* s, int64_t stride, const typename D::T* next) {
+    __m512 acc[G];
+    for (int g = 0; g < G; ++g) acc[g] = _mm512_setzero_ps();
+    const bool fetch = next && (j0 * sizeof(typename D::T)) % 64 == 0;
+    for (int e = 0; e < DIM; ++e) {
+        if (fetch) _mm_prefetch(reinterpret_cast<const char*>(next + e * T + j0), _MM_HINT_T0);
+        const __m512 k = load16(KT + e * T + j0, in);
+        for (int g = 0; g < G; ++g) acc[g] = _mm512_fmadd_ps(_mm512_set1_ps(qf[g * DIM + e]), k, acc[g]);
+    }
+    const __mmask16 valid = _mm_cmpneq_epi8_mask(_mm_maskz_loadu_epi8(in, ok + j0), _mm_setzero_si128());
+    for (int g = 0; g < G; ++g)
+        _mm512_storeu_ps(s + g * stride + j0, _mm512_mask_blend_ps(valid, _mm512_set1_ps(-3.0e38f), acc[g]));
+}
+
+// acc [G][DIM] = sum over valid j of p [G][stride] at j times V[j]; out = acc * norm[g], rounded.
+template <class D, int DIM, int G>
+inline void weighted_values(const float* p, const typename D::T* V, const uint8_t* ok, int64_t n, int64_t stride,
+                            const float* norm, typename D::T* O, const typename D::T* next) {
+    constexpr int C = DIM / 16;
+    __m512 acc[G][C];
+    for (int g = 0; g < G; ++g)
+        for (int c = 0; c < C; ++c) acc[g][c] = _mm512_setzero_ps();
+    for (int64_t j = 0; j < n; ++j) {
+        if (next)
+            for (int64_t b = 0; b < DIM * int64_t(sizeof(typename D::T)); b += 64)
+                _mm_prefetch(reinterpret_cast<const char*>(next + j * DIM) + b, _MM_HINT_T0);
+        if (!ok[j]) continue;
+        __m512 v[C];
+        for (int c = 0; c < C; ++c) v[c] = load16(V + j * DIM + 16 * c, 0xffff);
+        for (int g = 0; g < G; ++g) {
+            const __m512 pj = _mm512_set1_ps(p[g * stride + j]);
+            for (int c = 0; c < C; ++c) acc[g][c] = _mm512_fmadd_ps(pj, v[c], acc[g][c]);
+        }
+    }
+    alignas(64) float row[DIM];
+    for (int g = 0; g < G; ++g) {
+        for (int c = 0; c < C; ++c) _mm512_store_ps(row + 16 * c, _mm512_mul_ps(acc[g][c], _mm512_set1_ps(norm[g])));
+        for (int e = 0; e < DIM; ++e) O[g * DIM + e] = D::store(row[e]);
+    }
+}
+
+// scores16 / weighted_values for `heads` (<= G) query heads, G a constant.
+template <class D, int DIM, int G>
+inline void scores_upto(int64_t heads, const float* qf, const typename D::T* KT, const uint8_t* ok, int64_t T,
+                        int64_t j0, __mmask16 in, float* s, int64_t stride, const typename D::T* next) {
+    if constexpr (G > 1)
+        if (heads < G) return scores_upto<D, DIM, G - 1>(heads, qf, KT, ok, T, j0, in, s, stride, next);
+    scores16<D, DIM, G>(qf, KT, ok, T, j0, in, s, stride, next);
+}
+
+template <class D, int DIM, int G>
+inline void values_upto(int64_t heads, const float* p, const typename D::T* V, const uint8_t* ok, int64_t n,
+                        int64_t stride, const float* norm, typename D::T* O, const typename D::T* next) {
+    if constexpr (G > 1)
+        if (heads < G) return values_upto<D, DIM, G - 1>(heads, p, V, ok, n, stride, norm, O, next);
+    weighted_values<D, DIM, G>(p, V, ok, n, stride, norm, O, next);
+}
+
+// One (row, head) with the head dim DIM (64 or 128) known: scores 16 keys at a time for up to 8 query
+// heads, the softmax, then the values for as many query heads as keep the accumulators in registers.
+template <class D, int DIM>
+void attend_fast(const typename D::T* Q, const typename D::T* KT, const typename D::T* V, const uint8_t* ok,
+                 typename D::T* O, int64_t T, int64_t n, int64_t rep, float scale, float* qf, float* s, float* norm,
+                 const typename D::T* KT_next, const typename D::T* V_next) {
+    constexpr int GV = DIM == 64 ? 4 : 2;
+    const int64_t stride = (n + 15) / 16 * 16;
+    for (int64_t i = 0; i < rep * DIM; ++i) qf[i] = D::load(Q[i]) * scale;
+    for (int64_t g0 = 0; g0 < rep; g0 += 8) {
+        const int64_t heads = rep - g0;
+        for (int64_t j0 = 0; j0 < n; j0 += 16) {
+            const __mmask16 in = n - j0 >= 16 ? __mmask16(0xffff) : __mmask16((1u << (n - j0)) - 1u);
+            scores_upto<D, DIM, 8>(heads, qf + g0 * DIM, KT, ok, T, j0, in, s + g0 * stride, stride,
+                                   g0 == 0 ? KT_next : nullptr);
+        }
+    }
+    for (int64_t g = 0; g < rep; ++g) {
+        float* sg = s + g * stride;
+        float m = -3.0e38f, total = 0.f;
+#pragma omp simd reduction(max : m)
+        for (int64_t j = 0; j < stride; ++j) m = sg[j] > m ? sg[j] : m;
+#pragma omp simd reduction(+ : total)
+        for (int64_t j = 0; j < stride; ++j) {
+            const float e = exp_f32(sg[j] - m);
+            sg[j] = e;
+            total += e;
+        }
+        norm[g] = total > 0.f ? 1.f / total : 0.f;
+    }
+    for (int64_t g0 = 0; g0 < rep; g0 += GV) {
+        const int64_t heads = rep - g0;
+        values_upto<D, DIM, GV>(heads, s + g0 * stride, V, ok, n, stride, norm + g0, O + g0 * DIM,
+                                g0 == 0 ? V_next : nullptr);
+    }
+}
+#endif
+
+template <class D>
 void decode_attention(const typename D::T* q, const typename D::T* cache, const uint8_t* valid,
                       int64_t valid_stride, const int64_t* slot, int64_t B, typename D::T* out, int64_t b,
-                      int64_t Hkv, int64_t rep, int64_t d_run, int64_t T, int64_t n, float scale) {
-    const int64_t d = HD ? HD : d_run;
+                      int64_t Hkv, int64_t rep, int64_t d, int64_t T, int64_t n, float scale) {
     const typename D::T* keys = cache;
     const typename D::T* values = cache + B * Hkv * T * d;
 #pragma omp parallel if (b * Hkv * n * d > (1 << 16))
     {
-    std::vector<float> qf(rep * d), scores(rep * n), acc(rep * d), m(rep), total(rep);
+    const int64_t stride = (n + 15) / 16 * 16;
+    std::vector<float> qf(rep * d), scores(rep * stride), acc(rep * d);
 #pragma omp for schedule(static)
     for (int64_t rh = 0; rh < b * Hkv; ++rh) {
         const int64_t r = rh / Hkv, h = rh % Hkv, cr = slot ? slot[r] : r;
         const uint8_t* ok = valid + cr * valid_stride;
-        {
-            const typename D::T* K = keys + (cr * Hkv + h) * T * d;
-            const typename D::T* V = values + (cr * Hkv + h) * T * d;
-            const typename D::T* Q = q + (r * Hkv + h) * rep * d;
-            for (int64_t i = 0; i < rep * d; ++i) qf[i] = D::load(Q[i]) * scale;
-            std::fill(m.begin(), m.end(), -3.0e38f);
-            std::fill(scores.begin(), scores.end(), -3.0e38f);                  // masked slots: exp gives 0
-            for (int64_t j = 0; j < n; ++j) {
-                if (!ok[j]) continue;
-                for (int64_t g = 0; g < rep; ++g) {
-                    float dot = 0.f;
-#pragma omp simd reduction(+ : dot)
-                    for (int64_t e = 0; e < d; ++e) dot += qf[g * d + e] * D::load(K[j * d + e]);
-                    scores[g * n + j] = dot;
-                    m[g] = dot > m[g] ? dot : m[g];
-                }
-            }
-            for (int64_t g = 0; g < rep; ++g) {
-                float sum = 0.f;
-                float* sg = scores.data() + g * n;
-                const float mg = m[g];
-#pragma omp simd reduction(+ : sum)
-                for (int64_t j = 0; j < n; ++j) {
-                    const float p = exp_f32(sg[j] - mg);
-                    sg[j] = p;
-                    sum += p;
-                }
-                total[g] = sum;
-            }
-            std::fill(acc.begin(), acc.end(), 0.f);
-            for (int64_t j = 0; j < n; ++j) {
-                if (!ok[j]) continue;
-                for (int64_t g = 0; g < rep; ++g) {
-                    const float p = scores[g * n + j];
-#pragma omp simd
-                    for (int64_t e = 0; e < d; ++e) acc[g * d + e] += p * D::load(V[j * d + e]);
-                }
-            }
-            typename D::T* O = out + (r * Hkv + h) * rep * d;
-            for (int64_t g = 0; g < rep; ++g) {
-                const float norm = total[g] > 0.f ? 1.f / total[g] : 0.f;
-                for (int64_t e = 0; e < d; ++e) O[g * d + e] = D::store(acc[g * d + e] * norm);
-            }
+        const typename D::T* KT = keys + (cr * Hkv + h) * d * T;
+        const typename D::T* V = values + (cr * Hkv + h) * T * d;
+        const typename D::T* Q = q + (r * Hkv + h) * rep * d;
+        typename D::T* O = out + (r * Hkv + h) * rep * d;
+#if defined(FAST_ATTENTION)
+        // the next (row, head)'s keys and values are fetched while this one computes: cold, they are
+        // read from memory at a fraction of its bandwidth otherwise
+        const typename D::T *KT_next = nullptr, *V_next = nullptr;
+        if (rh + 1 < b * Hkv) {
+            const int64_t rn = (rh + 1) / Hkv, hn = (rh + 1) % Hkv, crn = slot ? slot[rn] : rn;
+            KT_next = keys + (crn * Hkv + hn) * d * T;
+            V_next = values + (crn * Hkv + hn) * T * d;
         }
+        if (d == 64) {
+            attend_fast<D, 64>(Q, KT, V, ok, O, T, n, rep, scale, qf.data(), scores.data(), acc.data(), KT_next,
+                               V_next);
+            continue;
+        }
+        if (d == 128) {
+            attend_fast<D, 128>(Q, KT, V, ok, O, T, n, rep, scale, qf.data(), scores.data(), acc.data(), KT_next,
+                                V_next);
+            continue;
+        }
+#endif
+        attend_any<D>(Q, KT, V, ok, O, T, n, rep, d, scale, qf.data(), scores.data(), acc.data());
     }
     }
-}
-
-template <class D>
-void decode_attention_any(const typename D::T* q, const typename D::T* cache, const uint8_t* valid,
-                          int64_t valid_stride, const int64_t* slot, int64_t B, typename D::T* out, int64_t b,
-                          int64_t Hkv, int64_t rep, int64_t d, int64_t T, int64_t n, float scale) {
-    auto run = d == 64 ? decode_attention<D, 64> : d == 128 ? decode_attention<D, 128> : decode_attention<D, 0>;
-    run(q, cache, valid, valid_stride, slot, B, out, b, Hkv, rep, d, T, n, scale);
 }
 
 // out = silu(gate) * up. gate_up: [b, 2 I] (gate | up); out: [b, I].
@@ -212,7 +333,7 @@ void lora_add(const typename D::T* x, const float* A, const float* Bt, typename 
                                               int64_t valid_stride, const int64_t* slot, int64_t B,           \
                                               void* out, int64_t b, int64_t Hkv, int64_t rep, int64_t d,      \
                                               int64_t T, int64_t n, float scale) {                            \
-        decode_attention_any<D>((const D::T*)q, (const D::T*)cache, valid, valid_stride, slot, B, (D::T*)out, \
+        decode_attention<D>((const D::T*)q, (const D::T*)cache, valid, valid_stride, slot, B, (D::T*)out, \
                                 b, Hkv, rep, d, T, n, scale);                                                 \
     }                                                                                                         \
     extern "C" void lora_add_##SUFFIX(const void* x, const float* A, const float* Bt, void* y, int64_t b,       \

@@ -365,9 +365,10 @@ class FusedDecoder:
         qk = qkv[..., :(H + Hkv) * d].view(b, n, H + Hkv, d)
         qk = torch.addcmul(qk * cos, qk.roll(d // 2, -1), sin)                            # rotary on q and k
         cache = self.kv[i]                                                                 # [2, b, Hkv, T, d]
-        cache[0, :, :, t0:t0 + n] = qk[:, :, H:].transpose(1, 2)
+        keys_t = cache[0].view(b, Hkv, d, -1)                                              # [b, Hkv, d, T]
+        keys_t[..., t0:t0 + n] = qk[:, :, H:].permute(0, 2, 3, 1)
         cache[1, :, :, t0:t0 + n] = qkv[..., (H + Hkv) * d:].view(b, n, Hkv, d).transpose(1, 2)
-        keys, values = cache[0, :, :, :t0 + n], cache[1, :, :, :t0 + n]                   # [b, Hkv, t, d]
+        keys, values = keys_t[..., :t0 + n].transpose(2, 3), cache[1, :, :, :t0 + n]       # [b, Hkv, t, d]
         if n == 1:               # the query heads sharing a KV head become its queries: [b, Hkv, rep, d]
             q = qk[:, 0, :H].reshape(b, Hkv, self.rep, d)
             o = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=self.scale)
@@ -409,6 +410,8 @@ class FusedDecoder:
         return self.head(h, ops)                                                           # [b, V]
 
     def _new_cache(self, b: int, T: int) -> torch.Tensor:
+        """[L, 2, b, Hkv, T, d]: per layer the keys, each head's [T, d] block holding them transposed
+        ([d, T], as the compiled attention reads them), then the values."""
         L = len(self.layers)
         flat = hugepage_empty(L * 2 * b * self.n_kv * T * self.d, self.embed.weight.dtype)
         return flat.view(L, 2, b, self.n_kv, T, self.d)

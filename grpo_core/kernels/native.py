@@ -150,7 +150,8 @@ class NativeOps:
                    q_out: torch.Tensor, cache: torch.Tensor, n_q: int, t: int,
                    slots: torch.Tensor | None = None) -> torch.Tensor:
         """Rotary q -> q_out [b, H d]; rotary k and v -> cache [2, B, Hkv, T, d] at slot t of row slots[r]
-        (row r when slots is None). qkv: [b, (H + 2 Hkv) d], pos: [b] int64."""
+        (row r when slots is None; keys transposed: each head's block viewed as [d, T]). qkv: [b, (H + 2 Hkv)
+        d], pos: [b] int64."""
         _, B, n_kv, T, d = cache.shape
         b = qkv.size(0)
         self._fns["rope_cache", qkv.dtype](qkv.data_ptr(), cos.data_ptr(), sin.data_ptr(), pos.data_ptr(),
@@ -160,8 +161,9 @@ class NativeOps:
 
     def decode_attention(self, q: torch.Tensor, cache: torch.Tensor, valid: torch.Tensor, n: int, scale: float,
                          out: torch.Tensor, slots: torch.Tensor | None = None) -> torch.Tensor:
-        """out [b, H d] = attention of q [b, H d] over the first n slots of cache [2, B, Hkv, T, d] where
-        valid [B, >= n] (bool) holds, row slots[r] of both for row r (row r when slots is None)."""
+        """out [b, H d] = attention of q [b, H d] over the first n slots of cache [2, B, Hkv, T, d] (keys
+        transposed, as `rope_cache` writes them) where valid [B, >= n] (bool) holds, row slots[r] of both for
+        row r (row r when slots is None)."""
         _, B, n_kv, T, d = cache.shape
         b = q.size(0)
         rep = q.size(1) // (n_kv * d)
@@ -268,7 +270,7 @@ class NativeOps:
 def _reference_check(ops: NativeOps) -> None:
     """Each function against the same arithmetic in torch ops, in both dtypes; raises BuildError."""
     g = torch.Generator().manual_seed(0)
-    b, H, Hkv, d, T, C, n = 3, 4, 2, 8, 7, 12, 5
+    b, H, Hkv, d, T, C, n = 3, 4, 2, 64, 24, 12, 19         # d 64: the attention's vector path, n: 16 keys + 3
     for dtype, tol in ((torch.float32, 1e-5), (torch.bfloat16, 2e-2)):
         def rand(*shape):
             return torch.randn(*shape, generator=g).to(dtype)
@@ -288,14 +290,15 @@ def _reference_check(ops: NativeOps) -> None:
         rot = (qkv[:, :(H + Hkv) * d].view(b, H + Hkv, d).float() * cos[pos, None].float()
                + qkv[:, :(H + Hkv) * d].view(b, H + Hkv, d).float().roll(d // 2, -1) * sin[pos, None].float())
         same("rope_cache", q.view(b, H, d), rot[:, :H])
-        same("rope_cache", cache[0, :, :, 2], rot[:, H:])
+        same("rope_cache", cache[0].view(b, Hkv, d, T)[..., 2], rot[:, H:])
         same("rope_cache", cache[1, :, :, 2], qkv[:, (H + Hkv) * d:].view(b, Hkv, d))
         cache.copy_(rand(2, b, Hkv, T, d))
         valid = torch.rand(b, T, generator=g) > 0.3
         valid[:, n - 1] = True
         got = ops.decode_attention(q, cache, valid, n, 0.3, torch.empty_like(q))
         want = F.scaled_dot_product_attention(
-            q.view(b, Hkv, H // Hkv, d).float(), cache[0, :, :, :n].float(), cache[1, :, :, :n].float(),
+            q.view(b, Hkv, H // Hkv, d).float(), cache[0].view(b, Hkv, d, T)[..., :n].transpose(2, 3).float(),
+            cache[1, :, :, :n].float(),
             attn_mask=valid[:, None, None, :n], scale=0.3)
         same("decode_attention", got, want.reshape(b, H * d))
         A, B, y = torch.randn(3, C, generator=g), torch.randn(5, 3, generator=g), rand(b, 5)

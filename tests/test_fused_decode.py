@@ -90,6 +90,49 @@ def test_fused_forward_on_the_tiny_llama_with_lora(tiny_model_dir, native, kerne
         assert fused.layers[0].qkv.lora_a.shape[0] == 8 and fused.layers[0].o.lora_a is None
 
 
+def _llama_head_dim_64(dtype=torch.float32):
+    """Head dim 64 (the compiled attention's vector path), 4 query heads over 2 key/value heads."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=97, hidden_size=256, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
+    return LlamaForCausalLM(cfg).eval().to(dtype)
+
+
+@pytest.mark.parametrize("native", NATIVE)
+def test_groups_share_their_prompt_in_the_cache_at_head_dim_64(native):
+    """Prompts of 21 and 13 tokens (a shared prompt's end falls inside a 16-key block), four rows from the
+    first and two from the second, rows dropped, and a second copy of a row after sharing (its prompt's
+    slots are then copied into its own cache row): the logits equal the model's own."""
+    model = _llama_head_dim_64()
+    prompts = [list(range(3, 24)), list(range(30, 43))]
+
+    def decode(forward):
+        ids, attn = left_pad(prompts, 0, torch.device("cpu"))
+        out = [forward.prefill(ids, attn, 24)]
+        rows = torch.tensor([0, 0, 1, 0, 1, 0])
+        forward.select(rows)
+        tok = out[0][rows].argmax(-1)
+        for t in range(24):
+            keep = {5: [0, 1, 2, 4, 5], 9: [0, 2, 3], 14: [0, 1, 2, 2]}.get(t)
+            if keep is not None:
+                forward.select(torch.tensor(keep))
+                tok = tok[torch.tensor(keep)]
+            out.append(forward.step(tok))
+            tok = out[-1].argmax(-1)
+        return out
+
+    with torch.inference_mode():
+        fused = FusedDecoder.snapshot(model)
+        fused.ops = fused.ops if native else None
+        ours = decode(fused)
+        if native:
+            assert fused.prefix is None and fused.kv.size(2) == 4          # the copy at step 14 made rows whole
+        theirs = decode(_HFForward(model))
+    for a, b in zip(ours, theirs):
+        assert torch.allclose(a, b, atol=1e-4, rtol=1e-5), (a - b).abs().max()
+
+
 def test_the_fused_base_is_built_once_and_rebuilt_when_a_base_weight_changes(tiny_model_dir):
     model = _with_lora(llama(tiny_model_dir), ["q_proj"])
     with torch.inference_mode():

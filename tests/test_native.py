@@ -1,6 +1,7 @@
 """The compiled ops (grpo_core/kernels/native.py): each decode-step op and the update's logit sweep equals
 the same arithmetic in torch ops at the default model's shapes, in fp32 and bf16, with masked keys and rows
-at different positions, and rows that address cache rows of their own (slots);
+at different positions, rows that address cache rows of their own (slots), and
+a prompt shared from one cache row;
 the build is cached per source and CPU and written atomically; a failed build names the compiler's
 error; without a compiler (or with GRPO_NATIVE_KERNELS=0) loading says why and sampling keeps torch ops."""
 from __future__ import annotations
@@ -103,6 +104,32 @@ def test_rows_address_their_own_cache_rows_through_slots(dtype):
     assert torch.equal(out, ops.decode_attention(q, own_cache, own_valid, t + 1, 0.125, torch.empty_like(q)))
     with pytest.raises(ValueError, match="slots"):
         ops.decode_attention(q, cache, valid, t + 1, 0.125, torch.empty_like(q))
+
+
+@needs_compiler
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("split", [16, 19])
+def test_a_shared_prompt_is_read_from_its_own_cache_row(dtype, split):
+    """Rows whose slots before `split` live in a prompt row (prefix) attend as if the prompt were copied
+    into their own rows; the split on a 16-key block boundary and inside one."""
+    ops = native.load()
+    g = torch.Generator().manual_seed(2)
+    B, n = 6, 33
+    q = torch.randn(4, H * d, generator=g).to(dtype)
+    cache, valid = torch.randn(2, B, Hkv, T, d, generator=g).to(dtype), torch.rand(B, T, generator=g) > 0.2
+    slots, prefix = torch.tensor([2, 3, 4, 5]), torch.tensor([0, 0, 1, 0])
+    whole = cache.clone()                                        # each row with its prompt copied in
+    for r, p in zip(slots.tolist(), prefix.tolist()):
+        whole[0, r].view(Hkv, d, T)[..., :split] = cache[0, p].view(Hkv, d, T)[..., :split]
+        whole[1, r, :, :split] = cache[1, p, :, :split]
+    got = ops.decode_attention(q, cache, valid, n, 0.125, torch.empty_like(q), slots, prefix, split)
+    want = ops.decode_attention(q, whole, valid, n, 0.125, torch.empty_like(q), slots)
+    assert torch.equal(got, want)
+    keys = whole[0].view(B, Hkv, d, T)[slots, ..., :n].transpose(2, 3)
+    ref = F.scaled_dot_product_attention(q.view(4, Hkv, H // Hkv, d).float(), keys.float(),
+                                         whole[1, slots, :, :n].float(), attn_mask=valid[slots, None, None, :n],
+                                         scale=0.125)
+    _close(got, ref.reshape(4, H * d), dtype)
 
 
 @needs_compiler

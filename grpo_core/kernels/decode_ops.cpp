@@ -79,24 +79,36 @@ void rope_cache(const typename D::T* qkv, const typename D::T* cos, const typena
 // One query per head against the first n cache slots of its row, the query heads that share a KV head
 // reading its keys and values once: out = softmax(q k^T * scale over the valid slots) v, scores and
 // softmax in float32. q, out: [b, H * d]; cache: keys [B, Hkv, d, T] (transposed: slot t of dimension e at
-// e * T + t) then values [B, Hkv, T, d]; valid: [B, valid_stride] bytes (0/1); both read at row slot[r]
-// for row r (r itself when slot is null). With keys transposed one vector load holds one dimension of 16
+// e * T + t) then values [B, Hkv, T, d]; valid: [B, valid_stride] bytes (0/1). Row r reads slots before
+// `split` from cache row prefix[r] (a prompt its group shares, kept once) and the rest, and valid, from
+// row slot[r] (a null array means row r). With keys transposed one vector load holds one dimension of 16
 // consecutive keys, so the scores of 16 keys build up in registers, with no horizontal sums.
+
+// One (row, head)'s keys ([d, T]) and values ([T, d]): slots before `split` in the prefix's blocks.
+template <class T>
+struct Blocks {
+    const T *kt_prefix, *v_prefix, *kt, *v;
+    int64_t split;
+    const T* keys(int64_t j) const { return j < split ? kt_prefix : kt; }
+    const T* value(int64_t j, int64_t d) const { return (j < split ? v_prefix : v) + j * d; }
+};
 
 // The portable form, one (row, head) at a time: qf [rep * d], scores [rep * n] and acc [rep * d] are scratch.
 template <class D>
-void attend_any(const typename D::T* Q, const typename D::T* KT, const typename D::T* V, const uint8_t* ok,
-                typename D::T* O, int64_t T, int64_t n, int64_t rep, int64_t d, float scale, float* qf,
-                float* scores, float* acc) {
+void attend_any(const typename D::T* Q, const Blocks<typename D::T>& kv, const uint8_t* ok, typename D::T* O,
+                int64_t T, int64_t n, int64_t rep, int64_t d, float scale, float* qf, float* scores, float* acc) {
     for (int64_t i = 0; i < rep * d; ++i) qf[i] = D::load(Q[i]) * scale;
     std::fill(scores, scores + rep * n, 0.f);
+    const int64_t split = std::min(kv.split, n);
     for (int64_t g = 0; g < rep; ++g)
         for (int64_t e = 0; e < d; ++e) {
             const float qe = qf[g * d + e];
-            const typename D::T* k = KT + e * T;
+            const typename D::T *kp = kv.kt_prefix + e * T, *k = kv.kt + e * T;
             float* sg = scores + g * n;
 #pragma omp simd
-            for (int64_t j = 0; j < n; ++j) sg[j] += qe * D::load(k[j]);
+            for (int64_t j = 0; j < split; ++j) sg[j] += qe * D::load(kp[j]);
+#pragma omp simd
+            for (int64_t j = split; j < n; ++j) sg[j] += qe * D::load(k[j]);
         }
     std::fill(acc, acc + rep * d, 0.f);
     for (int64_t g = 0; g < rep; ++g) {
@@ -109,8 +121,9 @@ void attend_any(const typename D::T* Q, const typename D::T* KT, const typename 
         }
         for (int64_t j = 0; j < n; ++j) {
             if (!ok[j]) continue;
+            const typename D::T* vj = kv.value(j, d);
 #pragma omp simd
-            for (int64_t e = 0; e < d; ++e) acc[g * d + e] += sg[j] * D::load(V[j * d + e]);
+            for (int64_t e = 0; e < d; ++e) acc[g * d + e] += sg[j] * D::load(vj[e]);
         }
         const float norm = total > 0.f ? 1.f / total : 0.f;
         for (int64_t e = 0; e < d; ++e) O[g * d + e] = D::store(acc[g * d + e] * norm);
@@ -124,17 +137,27 @@ inline __m512 load16(const uint16_t* p, __mmask16 m) {
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, p)), 16));
 }
 
+inline __mmask16 lanes_below(int64_t count) {      // the first `count` of 16 lanes (count may be <= 0 or > 16)
+    return count >= 16 ? __mmask16(0xffff) : count <= 0 ? __mmask16(0) : __mmask16((1u << count) - 1u);
+}
+
 // Scores of G query heads against keys j0 .. j0+15 (the `in` lanes), into s [G][stride] at j0: masked
-// slots get -3e38 (exp gives 0).
+// slots get -3e38 (exp gives 0). The next (row, head)'s keys in this range are prefetched when given.
 template <class D, int DIM, int G>
-inline void scores16(const float* qf, const typename D::T* KT, const uint8_t* ok, int64_t T, int64_t j0,
-                     __mmask16 in, float* s, int64_t stride, const typename D::T* next) {
+inline void scores16(const float* qf, const Blocks<typename D::T>& kv, const uint8_t* ok, int64_t T, int64_t j0,
+                     __mmask16 in, float* s, int64_t stride, const Blocks<typename D::T>* next) {
+    using TT = typename D::T;
+    const __mmask16 before = in & lanes_below(kv.split - j0), after = in & ~before;
+    const TT* ka = (before ? kv.kt_prefix : kv.kt) + j0;       // a block straddling the split loads twice
+    const TT* kb = after && before ? kv.kt + j0 : nullptr;
+    const __mmask16 ma = before ? before : after;
+    const TT* fetch = next && (j0 * sizeof(TT)) % 64 == 0 ? next->keys(j0) + j0 : nullptr;
     __m512 acc[G];
     for (int g = 0; g < G; ++g) acc[g] = _mm512_setzero_ps();
-    const bool fetch = next && (j0 * sizeof(typename D::T)) % 64 == 0;
     for (int e = 0; e < DIM; ++e) {
-        if (fetch) _mm_prefetch(reinterpret_cast<const char*>(next + e * T + j0), _MM_HINT_T0);
-        const __m512 k = load16(KT + e * T + j0, in);
+        if (fetch) _mm_prefetch(reinterpret_cast<const char*>(fetch + e * T), _MM_HINT_T0);
+        __m512 k = load16(ka + e * T, ma);
+        if (kb) k = _mm512_add_ps(k, load16(kb + e * T, after));
         for (int g = 0; g < G; ++g) acc[g] = _mm512_fmadd_ps(_mm512_set1_ps(qf[g * DIM + e]), k, acc[g]);
     }
     const __mmask16 valid = _mm_cmpneq_epi8_mask(_mm_maskz_loadu_epi8(in, ok + j0), _mm_setzero_si128());
@@ -142,10 +165,11 @@ inline void scores16(const float* qf, const typename D::T* KT, const uint8_t* ok
         _mm512_storeu_ps(s + g * stride + j0, _mm512_mask_blend_ps(valid, _mm512_set1_ps(-3.0e38f), acc[g]));
 }
 
-// acc [G][DIM] = sum over valid j of p [G][stride] at j times V[j]; out = acc * norm[g], rounded.
+// acc [G][DIM] = sum over valid j of p [G][stride] at j times value j; out = acc * norm[g], rounded. The
+// next (row, head)'s values are prefetched when given.
 template <class D, int DIM, int G>
-inline void weighted_values(const float* p, const typename D::T* V, const uint8_t* ok, int64_t n, int64_t stride,
-                            const float* norm, typename D::T* O, const typename D::T* next) {
+inline void weighted_values(const float* p, const Blocks<typename D::T>& kv, const uint8_t* ok, int64_t n,
+                            int64_t stride, const float* norm, typename D::T* O, const Blocks<typename D::T>* next) {
     constexpr int C = DIM / 16;
     __m512 acc[G][C];
     for (int g = 0; g < G; ++g)
@@ -153,10 +177,11 @@ inline void weighted_values(const float* p, const typename D::T* V, const uint8_
     for (int64_t j = 0; j < n; ++j) {
         if (next)
             for (int64_t b = 0; b < DIM * int64_t(sizeof(typename D::T)); b += 64)
-                _mm_prefetch(reinterpret_cast<const char*>(next + j * DIM) + b, _MM_HINT_T0);
+                _mm_prefetch(reinterpret_cast<const char*>(next->value(j, DIM)) + b, _MM_HINT_T0);
         if (!ok[j]) continue;
+        const typename D::T* vj = kv.value(j, DIM);
         __m512 v[C];
-        for (int c = 0; c < C; ++c) v[c] = load16(V + j * DIM + 16 * c, 0xffff);
+        for (int c = 0; c < C; ++c) v[c] = load16(vj + 16 * c, 0xffff);
         for (int g = 0; g < G; ++g) {
             const __m512 pj = _mm512_set1_ps(p[g * stride + j]);
             for (int c = 0; c < C; ++c) acc[g][c] = _mm512_fmadd_ps(pj, v[c], acc[g][c]);
@@ -170,39 +195,33 @@ inline void weighted_values(const float* p, const typename D::T* V, const uint8_
 }
 
 // scores16 / weighted_values for `heads` (<= G) query heads, G a constant.
-template <class D, int DIM, int G>
-inline void scores_upto(int64_t heads, const float* qf, const typename D::T* KT, const uint8_t* ok, int64_t T,
-                        int64_t j0, __mmask16 in, float* s, int64_t stride, const typename D::T* next) {
+template <class D, int DIM, int G, class... A>
+inline void scores_upto(int64_t heads, A... args) {
     if constexpr (G > 1)
-        if (heads < G) return scores_upto<D, DIM, G - 1>(heads, qf, KT, ok, T, j0, in, s, stride, next);
-    scores16<D, DIM, G>(qf, KT, ok, T, j0, in, s, stride, next);
+        if (heads < G) return scores_upto<D, DIM, G - 1>(heads, args...);
+    scores16<D, DIM, G>(args...);
 }
 
-template <class D, int DIM, int G>
-inline void values_upto(int64_t heads, const float* p, const typename D::T* V, const uint8_t* ok, int64_t n,
-                        int64_t stride, const float* norm, typename D::T* O, const typename D::T* next) {
+template <class D, int DIM, int G, class... A>
+inline void values_upto(int64_t heads, A... args) {
     if constexpr (G > 1)
-        if (heads < G) return values_upto<D, DIM, G - 1>(heads, p, V, ok, n, stride, norm, O, next);
-    weighted_values<D, DIM, G>(p, V, ok, n, stride, norm, O, next);
+        if (heads < G) return values_upto<D, DIM, G - 1>(heads, args...);
+    weighted_values<D, DIM, G>(args...);
 }
 
 // One (row, head) with the head dim DIM (64 or 128) known: scores 16 keys at a time for up to 8 query
 // heads, the softmax, then the values for as many query heads as keep the accumulators in registers.
 template <class D, int DIM>
-void attend_fast(const typename D::T* Q, const typename D::T* KT, const typename D::T* V, const uint8_t* ok,
-                 typename D::T* O, int64_t T, int64_t n, int64_t rep, float scale, float* qf, float* s, float* norm,
-                 const typename D::T* KT_next, const typename D::T* V_next) {
+void attend_fast(const typename D::T* Q, const Blocks<typename D::T>& kv, const uint8_t* ok, typename D::T* O,
+                 int64_t T, int64_t n, int64_t rep, float scale, float* qf, float* s, float* norm,
+                 const Blocks<typename D::T>* next) {
     constexpr int GV = DIM == 64 ? 4 : 2;
     const int64_t stride = (n + 15) / 16 * 16;
     for (int64_t i = 0; i < rep * DIM; ++i) qf[i] = D::load(Q[i]) * scale;
-    for (int64_t g0 = 0; g0 < rep; g0 += 8) {
-        const int64_t heads = rep - g0;
-        for (int64_t j0 = 0; j0 < n; j0 += 16) {
-            const __mmask16 in = n - j0 >= 16 ? __mmask16(0xffff) : __mmask16((1u << (n - j0)) - 1u);
-            scores_upto<D, DIM, 8>(heads, qf + g0 * DIM, KT, ok, T, j0, in, s + g0 * stride, stride,
-                                   g0 == 0 ? KT_next : nullptr);
-        }
-    }
+    for (int64_t g0 = 0; g0 < rep; g0 += 8)
+        for (int64_t j0 = 0; j0 < n; j0 += 16)
+            scores_upto<D, DIM, 8>(rep - g0, qf + g0 * DIM, kv, ok, T, j0, lanes_below(n - j0), s + g0 * stride,
+                                   stride, g0 == 0 ? next : nullptr);
     for (int64_t g = 0; g < rep; ++g) {
         float* sg = s + g * stride;
         float m = -3.0e38f, total = 0.f;
@@ -216,53 +235,51 @@ void attend_fast(const typename D::T* Q, const typename D::T* KT, const typename
         }
         norm[g] = total > 0.f ? 1.f / total : 0.f;
     }
-    for (int64_t g0 = 0; g0 < rep; g0 += GV) {
-        const int64_t heads = rep - g0;
-        values_upto<D, DIM, GV>(heads, s + g0 * stride, V, ok, n, stride, norm + g0, O + g0 * DIM,
-                                g0 == 0 ? V_next : nullptr);
-    }
+    for (int64_t g0 = 0; g0 < rep; g0 += GV)
+        values_upto<D, DIM, GV>(rep - g0, s + g0 * stride, kv, ok, n, stride, norm + g0, O + g0 * DIM,
+                                g0 == 0 ? next : nullptr);
 }
 #endif
 
 template <class D>
 void decode_attention(const typename D::T* q, const typename D::T* cache, const uint8_t* valid,
-                      int64_t valid_stride, const int64_t* slot, int64_t B, typename D::T* out, int64_t b,
-                      int64_t Hkv, int64_t rep, int64_t d, int64_t T, int64_t n, float scale) {
-    const typename D::T* keys = cache;
-    const typename D::T* values = cache + B * Hkv * T * d;
+                      int64_t valid_stride, const int64_t* slot, const int64_t* prefix, int64_t split, int64_t B,
+                      typename D::T* out, int64_t b, int64_t Hkv, int64_t rep, int64_t d, int64_t T, int64_t n,
+                      float scale) {
+    using TT = typename D::T;
+    const TT* keys = cache;
+    const TT* values = cache + B * Hkv * T * d;
+    auto blocks = [&](int64_t rh) {
+        const int64_t r = rh / Hkv, h = rh % Hkv, cr = slot ? slot[r] : r, pr = prefix ? prefix[r] : cr;
+        return Blocks<TT>{keys + (pr * Hkv + h) * d * T, values + (pr * Hkv + h) * T * d,
+                          keys + (cr * Hkv + h) * d * T, values + (cr * Hkv + h) * T * d, prefix ? split : 0};
+    };
 #pragma omp parallel if (b * Hkv * n * d > (1 << 16))
     {
     const int64_t stride = (n + 15) / 16 * 16;
     std::vector<float> qf(rep * d), scores(rep * stride), acc(rep * d);
 #pragma omp for schedule(static)
     for (int64_t rh = 0; rh < b * Hkv; ++rh) {
-        const int64_t r = rh / Hkv, h = rh % Hkv, cr = slot ? slot[r] : r;
-        const uint8_t* ok = valid + cr * valid_stride;
-        const typename D::T* KT = keys + (cr * Hkv + h) * d * T;
-        const typename D::T* V = values + (cr * Hkv + h) * T * d;
-        const typename D::T* Q = q + (r * Hkv + h) * rep * d;
-        typename D::T* O = out + (r * Hkv + h) * rep * d;
+        const int64_t r = rh / Hkv;
+        const Blocks<TT> kv = blocks(rh);
+        const uint8_t* ok = valid + (slot ? slot[r] : r) * valid_stride;
+        const TT* Q = q + rh * rep * d;
+        TT* O = out + rh * rep * d;
 #if defined(FAST_ATTENTION)
         // the next (row, head)'s keys and values are fetched while this one computes: cold, they are
         // read from memory at a fraction of its bandwidth otherwise
-        const typename D::T *KT_next = nullptr, *V_next = nullptr;
-        if (rh + 1 < b * Hkv) {
-            const int64_t rn = (rh + 1) / Hkv, hn = (rh + 1) % Hkv, crn = slot ? slot[rn] : rn;
-            KT_next = keys + (crn * Hkv + hn) * d * T;
-            V_next = values + (crn * Hkv + hn) * T * d;
-        }
+        const Blocks<TT> following = blocks(rh + 1 < b * Hkv ? rh + 1 : rh);
+        const Blocks<TT>* next = rh + 1 < b * Hkv ? &following : nullptr;
         if (d == 64) {
-            attend_fast<D, 64>(Q, KT, V, ok, O, T, n, rep, scale, qf.data(), scores.data(), acc.data(), KT_next,
-                               V_next);
+            attend_fast<D, 64>(Q, kv, ok, O, T, n, rep, scale, qf.data(), scores.data(), acc.data(), next);
             continue;
         }
         if (d == 128) {
-            attend_fast<D, 128>(Q, KT, V, ok, O, T, n, rep, scale, qf.data(), scores.data(), acc.data(), KT_next,
-                                V_next);
+            attend_fast<D, 128>(Q, kv, ok, O, T, n, rep, scale, qf.data(), scores.data(), acc.data(), next);
             continue;
         }
 #endif
-        attend_any<D>(Q, KT, V, ok, O, T, n, rep, d, scale, qf.data(), scores.data(), acc.data());
+        attend_any<D>(Q, kv, ok, O, T, n, rep, d, scale, qf.data(), scores.data(), acc.data());
     }
     }
 }
@@ -330,11 +347,12 @@ void lora_add(const typename D::T* x, const float* A, const float* Bt, typename 
                       slot, B, b, H, Hkv, d, T, t);                                                           \
     }                                                                                                         \
     extern "C" void decode_attention_##SUFFIX(const void* q, const void* cache, const uint8_t* valid,         \
-                                              int64_t valid_stride, const int64_t* slot, int64_t B,           \
-                                              void* out, int64_t b, int64_t Hkv, int64_t rep, int64_t d,      \
-                                              int64_t T, int64_t n, float scale) {                            \
-        decode_attention<D>((const D::T*)q, (const D::T*)cache, valid, valid_stride, slot, B, (D::T*)out, \
-                                b, Hkv, rep, d, T, n, scale);                                                 \
+                                              int64_t valid_stride, const int64_t* slot,                      \
+                                              const int64_t* prefix, int64_t split, int64_t B, void* out,     \
+                                              int64_t b, int64_t Hkv, int64_t rep, int64_t d, int64_t T,      \
+                                              int64_t n, float scale) {                                       \
+        decode_attention<D>((const D::T*)q, (const D::T*)cache, valid, valid_stride, slot, prefix, split, B,  \
+                            (D::T*)out, b, Hkv, rep, d, T, n, scale);                                         \
     }                                                                                                         \
     extern "C" void lora_add_##SUFFIX(const void* x, const float* A, const float* Bt, void* y, int64_t b,       \
                                       int64_t C, int64_t R, int64_t out) {                                    \

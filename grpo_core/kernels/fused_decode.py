@@ -20,8 +20,10 @@ away, so there its factors stay separate (fp32, as PEFT keeps them), stacked per
 
 A finished row leaves the step at once: the native step runs only the live rows, each addressing its own
 row of the KV cache, which is never copied for it (on a CPU where 16 rows already make the matmuls bound
-by arithmetic, a finished row's work is not free). The torch step runs every cache row, and compacts the
-cache when at most half are live. Same interface as `lean_decode.LeanDecoder`.
+by arithmetic, a finished row's work is not free). A prompt that a group of rows shares stays in the cache
+once: the native attention reads its slots from that row for every row of the group, which then finds
+them in cache. The torch step runs every cache row (the prompt copied to each), and compacts the cache
+when at most half are live. Same interface as `lean_decode.LeanDecoder`.
 
 Shapes: b rows, n new tokens, T cache slots, H query heads, Hkv key/value heads (H = Hkv * rep), d head
 dim, C hidden size, I MLP width, L layers.
@@ -403,7 +405,7 @@ class FusedDecoder:
         ops.add_rms_norm(x, None, self.layers[0].ln1, h, eps)
         for i, (layer, next_norm) in enumerate(zip(self.layers, self.next_norms)):
             ops.rope_cache(layer.qkv(h, ops), self.cos, self.sin, pos, q, self.kv[i], self.n_q, t, slots)
-            ops.decode_attention(q, self.kv[i], self.valid, t + 1, self.scale, o, slots)
+            ops.decode_attention(q, self.kv[i], self.valid, t + 1, self.scale, o, slots, self.prefix, self.split)
             ops.add_rms_norm(x, layer.o(o, ops), layer.ln2, h, eps)
             ops.add_rms_norm(x, layer.down(ops.silu_mul(layer.gate_up(h, ops), act), ops), next_norm, h, eps)
         self.length = t + 1
@@ -426,20 +428,40 @@ class FusedDecoder:
         self._rope_tables(int(pos.max()) + max_new_tokens + 2, self.embed.weight.dtype)
         self.next_pos, self.length = pos[:, -1] + 1, 0
         self.live = torch.arange(b)                  # the physical cache row of each row the caller sees
+        self.prefix, self.split = None, 0            # (native step) its shared prompt's row, and that prompt's end
         return self._forward(ids, pos, causal_pad_mask(attention_mask))
 
     def select(self, rows: torch.Tensor) -> None:
-        """Keep the caller's `rows` (indices may repeat: a shared prompt's cache copied to its group).
-        Rows are copied out of the cache only when repeats need copies, or, for the torch step (which runs
-        every cache row), when at most half stay live; the native step runs the live rows alone."""
+        """Keep the caller's `rows` (indices may repeat: a prompt shared by a group). For the native step a
+        repeated prompt stays in the cache once and each row gets a cache row of its own for its new tokens;
+        the torch step copies the prompt to each row. Otherwise rows are copied out of the cache only for the
+        torch step (which runs every cache row), when at most half stay live."""
         live = self.live[rows]
-        shrink = self.ops is None and 2 * len(live) <= self.kv.size(2)
-        if len(live) > len(self.live) or live.unique().numel() < len(live) or shrink:
-            kv = self._new_cache(len(live), self.T)
-            torch.index_select(self.kv, 2, live, out=kv)
-            self.kv, self.valid, self.next_pos = kv, self.valid[live], self.next_pos[live]
-            live = torch.arange(len(live))
-        self.live = live
+        prefix = None if self.prefix is None else self.prefix[rows]
+        repeats = len(live) > len(self.live) or live.unique().numel() < len(live)
+        if repeats and self.ops is not None and self.prefix is None:
+            U, n = self.kv.size(2), len(live)
+            kv = self._new_cache(U + n, self.T)
+            kv[:, :, :U] = self.kv
+            self.kv, self.valid = kv, torch.cat([self.valid, self.valid[live]])
+            self.next_pos = torch.cat([self.next_pos, self.next_pos[live]])
+            self.live, self.prefix, self.split = U + torch.arange(n), live, self.length
+        elif repeats or (self.ops is None and 2 * len(live) <= self.kv.size(2)):
+            self._copy_rows(live, prefix)
+        else:
+            self.live, self.prefix = live, prefix
+
+    def _copy_rows(self, live: torch.Tensor, prefix: torch.Tensor | None) -> None:
+        """A cache of these rows alone, each whole (its shared prompt's slots copied in)."""
+        L, n, s, d = len(self.layers), len(live), self.split, self.d
+        kv = self._new_cache(n, self.T)
+        torch.index_select(self.kv, 2, live, out=kv)
+        if prefix is not None and s:
+            shared = self.kv.index_select(2, prefix)                                       # [L, 2, n, Hkv, T, d]
+            kv[:, 0].view(L, n, self.n_kv, d, -1)[..., :s] = shared[:, 0].view(L, n, self.n_kv, d, -1)[..., :s]
+            kv[:, 1, :, :, :s] = shared[:, 1, :, :, :s]
+        self.kv, self.valid, self.next_pos = kv, self.valid[live], self.next_pos[live]
+        self.live, self.prefix, self.split = torch.arange(n), None, 0
 
     def step(self, tokens: torch.Tensor) -> torch.Tensor:
         """tokens [live rows] -> next-token logits [live rows, V]."""

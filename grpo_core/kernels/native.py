@@ -42,7 +42,8 @@ _I64, _PTR, _F32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
 _SIGNATURES = {
     "add_rms_norm": [_PTR, _PTR, _PTR, _PTR, _I64, _I64, _F32],
     "rope_cache": [_PTR, _PTR, _PTR, _PTR, _PTR, _PTR, _PTR, _I64, _I64, _I64, _I64, _I64, _I64, _I64],
-    "decode_attention": [_PTR, _PTR, _PTR, _I64, _PTR, _I64, _PTR, _I64, _I64, _I64, _I64, _I64, _I64, _F32],
+    "decode_attention": [_PTR, _PTR, _PTR, _I64, _PTR, _PTR, _I64, _I64, _PTR, _I64, _I64, _I64, _I64, _I64, _I64,
+                         _F32],
     "silu_mul": [_PTR, _PTR, _I64, _I64],
     "lora_add": [_PTR, _PTR, _PTR, _PTR, _I64, _I64, _I64, _I64],
     "logit_sweep_fwd": [_PTR, _PTR, _I64, _I64, _F32, _PTR, _PTR, _PTR],
@@ -160,16 +161,19 @@ class NativeOps:
         return q_out
 
     def decode_attention(self, q: torch.Tensor, cache: torch.Tensor, valid: torch.Tensor, n: int, scale: float,
-                         out: torch.Tensor, slots: torch.Tensor | None = None) -> torch.Tensor:
+                         out: torch.Tensor, slots: torch.Tensor | None = None, prefix: torch.Tensor | None = None,
+                         split: int = 0) -> torch.Tensor:
         """out [b, H d] = attention of q [b, H d] over the first n slots of cache [2, B, Hkv, T, d] (keys
         transposed, as `rope_cache` writes them) where valid [B, >= n] (bool) holds, row slots[r] of both for
-        row r (row r when slots is None)."""
+        row r (row r when slots is None); with `prefix` [b], row r reads the slots before `split` from cache
+        row prefix[r] instead (a shared prompt, kept once)."""
         _, B, n_kv, T, d = cache.shape
         b = q.size(0)
         rep = q.size(1) // (n_kv * d)
         self._fns["decode_attention", q.dtype](q.data_ptr(), cache.data_ptr(), valid.data_ptr(), valid.stride(0),
-                                               self._slots(cache, b, slots), B, out.data_ptr(), b, n_kv, rep, d,
-                                               T, n, scale)
+                                               self._slots(cache, b, slots),
+                                               None if prefix is None else self._slots(cache, b, prefix), split, B,
+                                               out.data_ptr(), b, n_kv, rep, d, T, n, scale)
         return out
 
     def silu_mul(self, gate_up: torch.Tensor, out: torch.Tensor) -> torch.Tensor:

@@ -220,3 +220,16 @@ def test_plan_steps_covers_each_group_once():
     flat = sorted(i for step in plan for mb in step for i in mb)
     assert flat == list(range(len(samples)))
     assert len(plan) == 2 and all(1 <= len(step) <= 2 for step in plan)
+
+
+def test_an_optimizer_step_moves_the_version_counters_the_sampler_watches(grpo_home):
+    """The sampler's fused weight snapshot is rebuilt when a weight's version counter moves
+    (grpo_core/kernels/fused_decode.py); an optimizer whose in-place update skips it (torch's fused AdamW)
+    would leave sampling on the old weights."""
+    cfg, policy = tiny_policy(use_peft=False)
+    opt = make_optimizer(policy, cfg)
+    params = list(policy.trainable_parameters())
+    before = [p._version for p in params]
+    grpo_update(policy, opt, make_scheduler(opt, cfg), make_samples(2, 0), cfg, seed=0)
+    assert all(p._version > v for p, v in zip(params, before) if p.grad is not None)
+    assert any(p.grad is not None for p in params)

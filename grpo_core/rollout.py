@@ -123,7 +123,13 @@ def sample_next(logits: torch.Tensor, temperature: float, top_k: int, top_p: flo
         if not with_logprobs:
             return tok
         return tok, torch.log_softmax(logits.float(), -1).gather(-1, tok[:, None]).squeeze(-1)
-    logits = logits.float() / temperature
+    if (not top_k or top_k >= logits.size(-1)) and top_p >= 1.0:
+        ops = _sample_ops(logits)
+        if ops is not None:                   # the same inverse-CDF draw as `draw`, in one compiled pass
+            u = torch.rand(logits.size(0), 1, generator=generator, dtype=torch.float64)
+            tok, logp = ops.sample_rows(logits, u[:, 0], temperature)
+            return (tok, logp) if with_logprobs else tok
+    logits = logits.float() if temperature == 1.0 else logits.float() / temperature
     if top_k and top_k < logits.size(-1):
         kth = torch.topk(logits, top_k, dim=-1).values[:, -1:]                # [B, 1]
         logits = logits.masked_fill(logits < kth, float("-inf"))
@@ -139,6 +145,14 @@ def sample_next(logits: torch.Tensor, temperature: float, top_k: int, top_p: flo
     return tok, torch.log_softmax(logits, -1).gather(-1, tok[:, None]).squeeze(-1)
 
 
+def _sample_ops(logits: torch.Tensor):
+    """The compiled sampler (`native.NativeOps.sample_rows`) where it applies to these logits, else None."""
+    if logits.device.type != "cpu" or logits.dtype not in (torch.float32, torch.bfloat16) or logits.dim() != 2:
+        return None
+    from grpo_core.kernels import native
+    return native.load()
+
+
 def draw(probs: torch.Tensor, generator: torch.Generator | None, block: int = 256) -> torch.Tensor:
     """One index per row of probs [B, V] -> [B], by inverse CDF in two levels (blocks of `block`
     entries, then within the chosen block), with fp64 running sums.
@@ -147,8 +161,8 @@ def draw(probs: torch.Tensor, generator: torch.Generator | None, block: int = 25
     exponentials per row); never returns a zero-probability index."""
     B, V = probs.shape
     nb = -(-V // block)
-    p = F.pad(probs, (0, nb * block - V)).view(B, nb, block)                         # [B, nb, blk]
-    block_cdf = p.sum(-1, dtype=torch.float64).cumsum(-1)                           # [B, nb]
+    p = (probs if nb * block == V else F.pad(probs, (0, nb * block - V))).view(B, nb, block)   # [B, nb, blk]
+    block_cdf = p.sum(-1).double().cumsum(-1)             # [B, nb]; a block's own sum in fp32 is exact enough
     u = torch.rand(B, 1, generator=generator, dtype=torch.float64, device=probs.device) * block_cdf[:, -1:]
     b = torch.searchsorted(block_cdf, u, right=True).clamp_(max=nb - 1)              # [B, 1] block
     below = torch.where(b > 0, block_cdf.gather(-1, (b - 1).clamp(min=0)), torch.zeros_like(u))

@@ -1,7 +1,7 @@
 """The compiled ops (grpo_core/kernels/native.py): each decode-step op and the update's logit sweep equals
 the same arithmetic in torch ops at the default model's shapes, in fp32 and bf16, with masked keys and rows
 at different positions, rows that address cache rows of their own (slots), and
-a prompt shared from one cache row;
+a prompt shared from one cache row; the sampler's draw;
 the build is cached per source and CPU and written atomically; a failed build names the compiler's
 error; without a compiler (or with GRPO_NATIVE_KERNELS=0) loading says why and sampling keeps torch ops."""
 from __future__ import annotations
@@ -130,6 +130,21 @@ def test_a_shared_prompt_is_read_from_its_own_cache_row(dtype, split):
                                          whole[1, slots, :, :n].float(), attn_mask=valid[slots, None, None, :n],
                                          scale=0.125)
     _close(got, ref.reshape(4, H * d), dtype)
+
+
+@needs_compiler
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_compiled_draw_is_the_inverse_cdf_of_the_softmax_at_the_vocabulary_size(dtype):
+    """sample_rows at u picks what `rollout.draw` picks with the same uniform (its two-level inverse CDF of
+    softmax(logits / T)), and its log-prob."""
+    from grpo_core.rollout import draw
+    ops = native.load()
+    logits = (torch.randn(16, 49152, generator=torch.Generator().manual_seed(3)) * 4).to(dtype)
+    u = torch.rand(16, 1, generator=torch.Generator().manual_seed(7), dtype=torch.float64)
+    drawn, logp = ops.sample_rows(logits, u[:, 0], 0.8)
+    probs = (logits.float() / 0.8).softmax(-1)
+    assert torch.equal(drawn, draw(probs, torch.Generator().manual_seed(7)))     # draw takes the same u first
+    assert torch.allclose(logp, probs.log().gather(-1, drawn[:, None])[:, 0], atol=1e-4)
 
 
 @needs_compiler

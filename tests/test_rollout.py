@@ -248,3 +248,25 @@ def test_the_fused_snapshot_is_taken_for_the_rows_a_batch_decodes(tiny, monkeypa
     KVCacheSampler(model, tok, CPU, batch_size=64, progress=False).generate(prompts_of(tok), 2, params)
     KVCacheSampler(model, tok, CPU, batch_size=4, progress=False).generate(prompts_of(tok), 2, params)
     assert seen == [6, 4]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_compiled_draw_matches_the_distribution_and_the_log_probs(dtype):
+    """sample_next without top-k / top-p (the compiled draw where it loads, else `draw`): frequencies follow
+    softmax(logits / T) (chi-square) over a vocabulary of several blocks plus a part, masked (-inf) entries
+    never come out, and the log-probs are those of the drawn tokens under that softmax."""
+    V, n, T = 1000, 40000, 0.7
+    logits = torch.full((V,), float("-inf"))
+    support = torch.tensor([0, 255, 256, 511, 700, 999])
+    logits[support] = torch.tensor([0.05, 0.1, 0.2, 0.3, 0.15, 0.2]).log() * T
+    rows = logits.to(dtype).repeat(n, 1)
+    tok, logp = sample_next(rows, T, 0, 1.0, False, torch.Generator().manual_seed(0), with_logprobs=True)
+    want = torch.log_softmax(rows[0].float() / T, -1)
+    assert torch.allclose(logp, want[tok], atol=1e-5)
+    counts = torch.bincount(tok, minlength=V).float()
+    assert counts.sum() == n and counts[~torch.isin(torch.arange(V), support)].sum() == 0
+    expected = want[support].exp() * n
+    chi2 = ((counts[support] - expected) ** 2 / expected).sum()
+    assert chi2 < 20.5, chi2                                   # 5 degrees of freedom, p = 0.001
+    again = sample_next(rows[:5], T, 0, 1.0, False, torch.Generator().manual_seed(0))
+    assert torch.equal(again, tok[:5])                         # the generator decides the draw

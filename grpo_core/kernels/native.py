@@ -48,6 +48,7 @@ _SIGNATURES = {
     "lora_add": [_PTR, _PTR, _PTR, _PTR, _I64, _I64, _I64, _I64],
     "logit_sweep_fwd": [_PTR, _PTR, _I64, _I64, _F32, _PTR, _PTR, _PTR],
     "logit_sweep_bwd": [_PTR, _PTR, _PTR, _PTR, _I64, _I64, _F32, _PTR],
+    "sample_rows": [_PTR, _PTR, _I64, _I64, _F32, _PTR, _PTR],
     "rms_norm_fwd": [_PTR, _PTR, _PTR, _PTR, _I64, _I64, _F32],
     "rms_norm_bwd": [_PTR, _PTR, _PTR, _PTR, _PTR, _I64, _I64],
     "silu_mul_fwd": [_PTR, _PTR, _PTR, _I64],
@@ -208,6 +209,16 @@ class NativeOps:
                                                    1.0 / temperature, grad.data_ptr())
         return grad
 
+    def sample_rows(self, logits: torch.Tensor, u: torch.Tensor, temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """One draw per row of softmax(logits [n, V] / T) by inverse CDF at u [n] (float64 in [0, 1)) ->
+        (index [n] int64, its log-prob [n] float32)."""
+        n, V = logits.shape
+        logits, u = logits.contiguous(), u.to(torch.float64).contiguous()
+        idx, logp = torch.empty(n, dtype=torch.int64), torch.empty(n)
+        self._fns["sample_rows", logits.dtype](logits.data_ptr(), u.data_ptr(), n, V, 1.0 / temperature,
+                                               idx.data_ptr(), logp.data_ptr())
+        return idx, logp
+
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
         """x [N, C] -> (weight * round(x / rms(x)) [N, C], 1 / rms(x) [N] float32)."""
         y, rstd = torch.empty_like(x), torch.empty(x.size(0))
@@ -319,6 +330,11 @@ def _reference_check(ops: NativeOps) -> None:
         onehot = F.one_hot(ids, z.size(-1)).float()
         same("logit_sweep_backward", ops.logit_sweep_backward(logits, ids, lse, grad_logp, 0.7),
              (onehot - z.softmax(-1)) * grad_logp[:, None] / 0.7)
+        u = torch.rand(b, generator=g, dtype=torch.float64)
+        drawn, logp = ops.sample_rows(x, u, 0.7)
+        cdf = (x.float() / 0.7).softmax(-1).double().cumsum(-1)
+        same("sample_rows", drawn, torch.searchsorted(cdf, u[:, None] * cdf[:, -1:], right=True)[:, 0])
+        same("sample_rows", logp, (x.float() / 0.7).log_softmax(-1).gather(-1, drawn[:, None])[:, 0])
         _check_trunk_ops(ops, rand, same)
         if ops.packed_linear_supported(dtype):
             for rows in (1, 16, 21):                         # one row block, a full one, a full one and a part

@@ -18,6 +18,15 @@
 
 namespace {
 
+// max over j of z = logit[j] / T, one row.
+template <class D>
+inline float row_max(const typename D::T* row, int64_t V, float inv_t) {
+    float m = -INFINITY;
+#pragma omp simd reduction(max : m)
+    for (int64_t j = 0; j < V; ++j) m = std::max(m, D::load(row[j]) * inv_t);
+    return m;
+}
+
 // logp[r] = z[id] - lse, lse[r] = log sum exp(z), ent[r] = lse - sum(p z) (when ent is given).
 template <class D>
 void logit_sweep_fwd(const typename D::T* logits, const int64_t* ids, int64_t n, int64_t V, float inv_t,
@@ -25,9 +34,7 @@ void logit_sweep_fwd(const typename D::T* logits, const int64_t* ids, int64_t n,
 #pragma omp parallel for schedule(static) if (n * V > (1 << 16))
     for (int64_t r = 0; r < n; ++r) {
         const typename D::T* row = logits + r * V;
-        float m = -INFINITY;
-#pragma omp simd reduction(max : m)
-        for (int64_t j = 0; j < V; ++j) m = std::max(m, D::load(row[j]) * inv_t);
+        const float m = row_max<D>(row, V, inv_t);
         float sum = 0.f, dot = 0.f;
 #pragma omp simd reduction(+ : sum, dot)
         for (int64_t j = 0; j < V; ++j) {
@@ -70,9 +77,7 @@ void sample_rows(const typename D::T* logits, const double* u, int64_t n, int64_
 #pragma omp parallel for schedule(static) if (n * V > (1 << 16))
     for (int64_t r = 0; r < n; ++r) {
         const typename D::T* row = logits + r * V;
-        float m = -INFINITY;
-#pragma omp simd reduction(max : m)
-        for (int64_t j = 0; j < V; ++j) m = std::max(m, D::load(row[j]) * inv_t);
+        const float m = row_max<D>(row, V, inv_t);
         std::vector<double> sums(nb);
         double total = 0.0;
         for (int64_t b = 0; b < nb; ++b) {

@@ -1,6 +1,6 @@
 """The fused sampling forward gives the logits of the model's own forward (left padding, grouped-query
-attention, shared-prompt cache copies, rows dropped (run alone, or lazily and compacted), Qwen2 biases, LoRA merged in fp32
-and kept as factors in bf16); its snapshot is taken at sampling time, so it sees the adapter as it is then;
+attention, a shared prompt (kept once, or copied to each row), rows dropped (run alone, or lazily and
+compacted), Qwen2 biases, LoRA merged in fp32 and kept as factors in bf16); its snapshot is taken at sampling time, so it sees the adapter as it is then;
 huge-page buffers and the kernel probe. The checks run with the step's small ops compiled
 (grpo_core/kernels/native.py) and as torch ops."""
 from __future__ import annotations

@@ -47,7 +47,8 @@ void add_rms_norm(typename D::T* x, const typename D::T* y, const typename D::T*
 // Rotary embedding of q and k of one new token per row, as Llama applies it (x * cos + rotate_half(x) *
 // sin, with sin sign-folded: x * cos + roll(x, d/2) * sin_signed); q goes to q_out [b, H * d], k and v
 // into the layer's cache (keys [B, Hkv, d, T], values [B, Hkv, T, d]; see decode_attention) at slot t,
-// row slot[r] of the cache for row r (r itself when slot is null; B >= b). qkv: [b, (H + 2 Hkv) d]; cos, sin: [P, d] tables, row pos[r] for row r.
+// row slot[r] of the cache for row r (r itself when slot is null; B >= b). qkv: [b, (H + 2 Hkv) d];
+// cos, sin: [P, d] tables, row pos[r] for row r.
 template <class D>
 void rope_cache(const typename D::T* qkv, const typename D::T* cos, const typename D::T* sin, const int64_t* pos,
                 typename D::T* q_out, typename D::T* cache, const int64_t* slot, int64_t B, int64_t b, int64_t H,

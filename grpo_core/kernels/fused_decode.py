@@ -392,11 +392,11 @@ class FusedDecoder:
         self.length = t0 + ids.size(1)
         return self.head(F.rms_norm(x[:, -1], (x.size(-1),), self.lean.norm.weight, self.eps))   # [b, V]
 
-    def _native_step(self, tokens: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
-        """One token per live row [b] -> logits [b, V], row r at cache row slots[r]; the work between a
+    def _native_step(self, tokens: torch.Tensor) -> torch.Tensor:
+        """One token per live row [b] -> logits [b, V], row r at cache row self.live[r]; the work between a
         layer's linears in compiled calls (native.NativeOps): add + RMSNorm, rotary + KV write, attention,
         SiLU gate, the adapter's low-rank terms."""
-        ops, eps, t = self.ops, self.eps, self.length
+        ops, eps, t, slots = self.ops, self.eps, self.length, self.live
         pos = self.next_pos[slots]                                                         # [b]
         x = self.embed(tokens)                                                             # [b, C] residual
         h = torch.empty_like(x)                                                            # [b, C] normed
@@ -468,11 +468,12 @@ class FusedDecoder:
         t = self.length
         self.valid[:, t] = True
         if self.ops is not None:
-            logits = self._native_step(tokens, self.live)
-            self.next_pos = self.next_pos + 1
-            return logits
-        b = self.kv.size(2)
-        full = tokens if b == len(self.live) else torch.zeros(b, dtype=tokens.dtype).index_copy_(0, self.live, tokens)
-        logits = self._forward(full[:, None], self.next_pos[:, None], self.valid[:, None, None, :t + 1])
+            logits = self._native_step(tokens)
+        else:                                        # every cache row, then the live ones
+            b = self.kv.size(2)
+            full = tokens if b == len(self.live) else torch.zeros(b, dtype=tokens.dtype).index_copy_(0, self.live,
+                                                                                                      tokens)
+            logits = self._forward(full[:, None], self.next_pos[:, None], self.valid[:, None, None, :t + 1])
+            logits = logits if b == len(self.live) else logits[self.live]
         self.next_pos = self.next_pos + 1
-        return logits if b == len(self.live) else logits[self.live]
+        return logits

@@ -209,7 +209,8 @@ class NativeOps:
                                                    1.0 / temperature, grad.data_ptr())
         return grad
 
-    def sample_rows(self, logits: torch.Tensor, u: torch.Tensor, temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
+    def sample_rows(self, logits: torch.Tensor, u: torch.Tensor,
+                    temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
         """One draw per row of softmax(logits [n, V] / T) by inverse CDF at u [n] (float64 in [0, 1)) ->
         (index [n] int64, its log-prob [n] float32)."""
         n, V = logits.shape

@@ -99,38 +99,60 @@ def _llama_head_dim_64(dtype=torch.float32):
     return LlamaForCausalLM(cfg).eval().to(dtype)
 
 
+SHARED_PROMPTS = [list(range(3, 24)), list(range(30, 43))]
+
+
+def _decode_shared(forward, prompts=SHARED_PROMPTS, steps=24):
+    """Four rows from the first prompt and two from the second, rows dropped, and a second copy of a row
+    after sharing; greedy. -> the logits of the prefill and of every step."""
+    ids, attn = left_pad(prompts, 0, torch.device("cpu"))
+    out = [forward.prefill(ids, attn, steps)]
+    rows = torch.tensor([0, 0, 1, 0, 1, 0])
+    forward.select(rows)
+    tok = out[0][rows].argmax(-1)
+    for t in range(steps):
+        keep = {5: [0, 1, 2, 4, 5], 9: [0, 2, 3], 14: [0, 1, 2, 2]}.get(t)
+        if keep is not None:
+            forward.select(torch.tensor(keep))
+            tok = tok[torch.tensor(keep)]
+        out.append(forward.step(tok))
+        tok = out[-1].argmax(-1)
+    return out
+
+
 @pytest.mark.parametrize("native", NATIVE)
 def test_groups_share_their_prompt_in_the_cache_at_head_dim_64(native):
-    """Prompts of 21 and 13 tokens (a shared prompt's end falls inside a 16-key block), four rows from the
-    first and two from the second, rows dropped, and a second copy of a row after sharing (its prompt's
-    slots are then copied into its own cache row): the logits equal the model's own."""
+    """Prompts of 21 and 13 tokens (a shared prompt's end falls inside a 16-key block), shared, dropped and
+    copied again (`_decode_shared`; the copy makes the prompt's slots part of the row's own cache row): the
+    logits equal the model's own."""
     model = _llama_head_dim_64()
-    prompts = [list(range(3, 24)), list(range(30, 43))]
-
-    def decode(forward):
-        ids, attn = left_pad(prompts, 0, torch.device("cpu"))
-        out = [forward.prefill(ids, attn, 24)]
-        rows = torch.tensor([0, 0, 1, 0, 1, 0])
-        forward.select(rows)
-        tok = out[0][rows].argmax(-1)
-        for t in range(24):
-            keep = {5: [0, 1, 2, 4, 5], 9: [0, 2, 3], 14: [0, 1, 2, 2]}.get(t)
-            if keep is not None:
-                forward.select(torch.tensor(keep))
-                tok = tok[torch.tensor(keep)]
-            out.append(forward.step(tok))
-            tok = out[-1].argmax(-1)
-        return out
-
     with torch.inference_mode():
         fused = FusedDecoder.snapshot(model)
         fused.ops = fused.ops if native else None
-        ours = decode(fused)
+        ours = _decode_shared(fused)
         if native:
             assert fused.prefix is None and fused.kv.size(2) == 4          # the copy at step 14 made rows whole
-        theirs = decode(_HFForward(model))
+        theirs = _decode_shared(_HFForward(model))
     for a, b in zip(ours, theirs):
         assert torch.allclose(a, b, atol=1e-4, rtol=1e-5), (a - b).abs().max()
+
+
+@needs_compiler
+@pytest.mark.skipif(_NO_GEMM, reason="the compiled matmul needs AVX-512 (and AVX512-BF16)")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_one_call_step_computes_what_the_per_operation_step_does(monkeypatch, dtype):
+    """`decode_layers` runs every layer in one compiled call; the same step as one call per operation gives
+    the same logits bit for bit (LoRA factors on q, k, v, o and up in bf16; shared, dropped and copied rows)."""
+    monkeypatch.setenv("GRPO_DECODE_LINEAR", "native")
+    model = _with_lora(_llama_head_dim_64(dtype), ["q_proj", "k_proj", "v_proj", "o_proj", "up_proj"])
+    with torch.inference_mode():
+        fused = FusedDecoder.snapshot(model)
+        assert fused.table is not None and fused.table.shape == (2, 26)
+        one_call = _decode_shared(fused)
+        fused.table = None
+        per_op = _decode_shared(fused)
+    for a, b in zip(one_call, per_op):
+        assert torch.equal(a, b)
 
 
 def test_the_fused_base_is_built_once_and_rebuilt_when_a_base_weight_changes(tiny_model_dir):

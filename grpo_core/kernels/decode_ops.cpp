@@ -2,6 +2,9 @@
 // rows, for the fused sampling forward (grpo_core/kernels/fused_decode.py; built and loaded by
 // grpo_core/kernels/native.py). Between the weight streams of a decode step the caches are cold, and as
 // a chain of tensor ops these few kilobytes of work cost more than reading a layer's weights.
+// `decode_layers` runs them and the packed matmuls (gemm_ops.cpp) for every layer of a step in one call:
+// one call per operation from Python cost about a fifth of a bf16 step (the interpreter, and the idle
+// OpenMP thread spinning meanwhile).
 //
 // Every function takes float32 (`_f32`) or bfloat16 (`_bf16`, raw uint16 bits) tensors, computes in
 // float32 and rounds once to the storage type (round to nearest even). Layouts are row-major and
@@ -18,6 +21,12 @@
 #endif
 
 #include "kernel_common.h"
+
+// gemm_ops.cpp: y = x W^T + bias with W in its column-block layout
+extern "C" void packed_linear_f32(const float* x, const float* wp, const float* bias, float* y, int64_t M, int64_t N,
+                                  int64_t K);
+extern "C" void packed_linear_bf16(const uint16_t* x, const uint16_t* wp, const uint16_t* bias, uint16_t* y,
+                                   int64_t M, int64_t N, int64_t K);
 
 namespace {
 
@@ -56,6 +65,7 @@ void rope_cache(const typename D::T* qkv, const typename D::T* cos, const typena
     const int64_t half = d / 2, width = (H + 2 * Hkv) * d;
     typename D::T* keys = cache;
     typename D::T* values = cache + B * Hkv * T * d;
+#pragma omp parallel for schedule(static) if (b >= 8)
     for (int64_t r = 0; r < b; ++r) {
         const typename D::T* row = qkv + r * width;
         const int64_t cr = slot ? slot[r] : r;
@@ -288,6 +298,7 @@ void decode_attention(const typename D::T* q, const typename D::T* cache, const 
 // out = silu(gate) * up. gate_up: [b, 2 I] (gate | up); out: [b, I].
 template <class D>
 void silu_mul(const typename D::T* gate_up, typename D::T* out, int64_t b, int64_t I) {
+#pragma omp parallel for schedule(static) if (b >= 8)
     for (int64_t r = 0; r < b; ++r) {
         const typename D::T* g = gate_up + r * 2 * I;
         const typename D::T* u = g + I;
@@ -300,37 +311,129 @@ void silu_mul(const typename D::T* gate_up, typename D::T* out, int64_t b, int64
     }
 }
 
+// 16 floats as one value (one AVX-512 register, or two or four narrower ones where the CPU has those).
+// Only passed between inline functions of this file, so the ABI note GCC gives without AVX-512 is moot.
+#pragma GCC diagnostic ignored "-Wpsabi"
+typedef float f32x16 __attribute__((vector_size(64)));
+
+inline f32x16 loadu16(const float* p) {
+    f32x16 v;
+    std::memcpy(&v, p, sizeof v);
+    return v;
+}
+
+inline float sum16(const f32x16& v) {
+    float s = 0.f;
+    for (int j = 0; j < 16; ++j) s += v[j];
+    return s;
+}
+
 // y += (x A^T) B: a LoRA adapter's low-rank term added to a linear's output, the factors in float32.
 // x: [b, C]; A: [R, C]; Bt: [R, out] (B transposed, scale folded in); y: [b, out]. Rows go in blocks of
-// ROWS, so that each row of A and of Bt is read once per block.
+// 8 (16 rows: one block per thread): each row of A is read once per block into 8 running sums, and each
+// 16 columns of the output build up in 8 accumulators over the rank before they are added to y once.
 template <class D>
 void lora_add(const typename D::T* x, const float* A, const float* Bt, typename D::T* y, int64_t b, int64_t C,
               int64_t R, int64_t out) {
-    constexpr int64_t ROWS = 4;
+    constexpr int64_t ROWS = 8;
+    const int64_t Cv = C / 16 * 16, outv = out / 16 * 16;
 #pragma omp parallel if (b > ROWS && R * (C + out) > (1 << 14))
     {
-    std::vector<float> xf(ROWS * C), ax(ROWS * R), acc(ROWS * out);
+    std::vector<float> xf(ROWS * C), u(R * ROWS);
 #pragma omp for schedule(static)
     for (int64_t r0 = 0; r0 < b; r0 += ROWS) {
         const int64_t rows = std::min(ROWS, b - r0);
-        for (int64_t i = 0; i < rows * C; ++i) xf[i] = D::load(x[r0 * C + i]);
-        for (int64_t k = 0; k < R; ++k)
-            for (int64_t i = 0; i < rows; ++i) {
-                float a = 0.f;
-#pragma omp simd reduction(+ : a)
-                for (int64_t c = 0; c < C; ++c) a += A[k * C + c] * xf[i * C + c];
-                ax[i * R + k] = a;
+        for (int64_t i = 0; i < ROWS * C; ++i) xf[i] = i < rows * C ? D::load(x[r0 * C + i]) : 0.f;
+        for (int64_t k = 0; k < R; ++k) {                                   // u[k, i] = A[k] . x_i
+            const float* a = A + k * C;
+            f32x16 s[ROWS] = {};
+            for (int64_t c = 0; c < Cv; c += 16) {
+                const f32x16 av = loadu16(a + c);
+                for (int64_t i = 0; i < ROWS; ++i) s[i] += av * loadu16(xf.data() + i * C + c);
             }
-        std::fill(acc.begin(), acc.end(), 0.f);
-        for (int64_t k = 0; k < R; ++k)
-            for (int64_t i = 0; i < rows; ++i) {
-                const float a = ax[i * R + k];
-                float* ai = acc.data() + i * out;
-#pragma omp simd
-                for (int64_t o = 0; o < out; ++o) ai[o] += Bt[k * out + o] * a;
+            for (int64_t i = 0; i < ROWS; ++i) {
+                float t = sum16(s[i]);
+                for (int64_t c = Cv; c < C; ++c) t += a[c] * xf[i * C + c];
+                u[k * ROWS + i] = t;
             }
-        for (int64_t i = 0; i < rows * out; ++i) y[r0 * out + i] = D::store(D::load(y[r0 * out + i]) + acc[i]);
+        }
+        for (int64_t o0 = 0; o0 < outv; o0 += 16) {                         // y_i[o] += sum_k u[k, i] Bt[k, o]
+            f32x16 acc[ROWS] = {};
+            for (int64_t k = 0; k < R; ++k) {
+                const f32x16 bt = loadu16(Bt + k * out + o0);
+                for (int64_t i = 0; i < ROWS; ++i) acc[i] += u[k * ROWS + i] * bt;
+            }
+            for (int64_t i = 0; i < rows; ++i) {
+                typename D::T* yi = y + (r0 + i) * out + o0;
+                for (int j = 0; j < 16; ++j) yi[j] = D::store(D::load(yi[j]) + acc[i][j]);
+            }
+        }
+        for (int64_t i = 0; i < rows; ++i)
+            for (int64_t o = outv; o < out; ++o) {
+                float t = 0.f;
+                for (int64_t k = 0; k < R; ++k) t += u[k * ROWS + i] * Bt[k * out + o];
+                y[(r0 + i) * out + o] = D::store(D::load(y[(r0 + i) * out + o]) + t);
+            }
     }
+    }
+}
+
+// -- a whole decode step's layers in one call ----------------------------------------------------------------
+
+inline void packed_linear(const float* x, const float* w, const float* bias, float* y, int64_t M, int64_t N,
+                          int64_t K) {
+    packed_linear_f32(x, w, bias, y, M, N, K);
+}
+inline void packed_linear(const uint16_t* x, const uint16_t* w, const uint16_t* bias, uint16_t* y, int64_t M,
+                          int64_t N, int64_t K) {
+    packed_linear_bf16(x, w, bias, y, M, N, K);
+}
+
+// A layer's row of the table `decode_layers` reads: for each of its four linears (q|k|v, o, gate|up, down)
+// the packed weight, bias, LoRA A, LoRA B^T (pointers, 0 for none), the LoRA rank and out features; then the
+// post-attention norm's weight and the norm that follows the layer (the next layer's input norm, or the
+// final norm after the last layer).
+enum : int64_t { LIN_W, LIN_BIAS, LIN_A, LIN_BT, LIN_R, LIN_N, LIN_FIELDS };
+enum : int64_t { QKV = 0, O = LIN_FIELDS, GATE_UP = 2 * LIN_FIELDS, DOWN = 3 * LIN_FIELDS, LN2 = 4 * LIN_FIELDS,
+                 NEXT_NORM, LAYER_FIELDS };
+
+template <class D>
+void table_linear(const int64_t* lin, const typename D::T* x, typename D::T* y, int64_t b, int64_t K) {
+    using TT = typename D::T;
+    packed_linear(x, reinterpret_cast<const TT*>(lin[LIN_W]), reinterpret_cast<const TT*>(lin[LIN_BIAS]), y, b,
+                  lin[LIN_N], K);
+    if (lin[LIN_A])
+        lora_add<D>(x, reinterpret_cast<const float*>(lin[LIN_A]), reinterpret_cast<const float*>(lin[LIN_BT]), y,
+                    b, K, lin[LIN_R], lin[LIN_N]);
+}
+
+// The decoder layers of one decode step, each exactly as the per-operation calls compute it: x [b, C] is
+// the residual stream (updated in place) and h [b, C] holds x's normed input to layer 0 on entry and the
+// final norm's output on return. Layer l's cache is cache + l * layer_stride ([2, B, Hkv, T, d], as in
+// rope_cache); the token goes to slot t; the other arguments are those of rope_cache and decode_attention.
+template <class D>
+void decode_layers(const int64_t* table, int64_t L, typename D::T* x, typename D::T* h, typename D::T* cache,
+                   int64_t layer_stride, const typename D::T* cos, const typename D::T* sin, const int64_t* pos,
+                   const uint8_t* valid, int64_t valid_stride, const int64_t* slot, const int64_t* prefix,
+                   int64_t split, int64_t B, int64_t b, int64_t C, int64_t H, int64_t Hkv, int64_t d, int64_t T,
+                   int64_t t, float scale, float eps) {
+    using TT = typename D::T;
+    const int64_t width = table[GATE_UP + LIN_N] / 2;
+    std::vector<TT> qkv(b * (H + 2 * Hkv) * d), q(b * H * d), o(b * H * d), y(b * C), gate_up(b * 2 * width),
+        act(b * width);
+    for (int64_t l = 0; l < L; ++l) {
+        const int64_t* row = table + l * LAYER_FIELDS;
+        TT* kv = cache + l * layer_stride;
+        table_linear<D>(row + QKV, h, qkv.data(), b, C);
+        rope_cache<D>(qkv.data(), cos, sin, pos, q.data(), kv, slot, B, b, H, Hkv, d, T, t);
+        decode_attention<D>(q.data(), kv, valid, valid_stride, slot, prefix, split, B, o.data(), b, Hkv, H / Hkv, d,
+                            T, t + 1, scale);
+        table_linear<D>(row + O, o.data(), y.data(), b, H * d);
+        add_rms_norm<D>(x, y.data(), reinterpret_cast<const TT*>(row[LN2]), h, b, C, eps);
+        table_linear<D>(row + GATE_UP, h, gate_up.data(), b, C);
+        silu_mul<D>(gate_up.data(), act.data(), b, width);
+        table_linear<D>(row + DOWN, act.data(), y.data(), b, width);
+        add_rms_norm<D>(x, y.data(), reinterpret_cast<const TT*>(row[NEXT_NORM]), h, b, C, eps);
     }
 }
 
@@ -361,6 +464,16 @@ void lora_add(const typename D::T* x, const float* A, const float* Bt, typename 
     }                                                                                                         \
     extern "C" void silu_mul_##SUFFIX(const void* gate_up, void* out, int64_t b, int64_t I) {                 \
         silu_mul<D>((const D::T*)gate_up, (D::T*)out, b, I);                                                  \
+    }                                                                                                         \
+    extern "C" void decode_layers_##SUFFIX(const int64_t* table, int64_t L, void* x, void* h, void* cache,      \
+                                           int64_t layer_stride, const void* cos, const void* sin,           \
+                                           const int64_t* pos, const uint8_t* valid, int64_t valid_stride,   \
+                                           const int64_t* slot, const int64_t* prefix, int64_t split,        \
+                                           int64_t B, int64_t b, int64_t C, int64_t H, int64_t Hkv,          \
+                                           int64_t d, int64_t T, int64_t t, float scale, float eps) {        \
+        decode_layers<D>(table, L, (D::T*)x, (D::T*)h, (D::T*)cache, layer_stride, (const D::T*)cos,          \
+                         (const D::T*)sin, pos, valid, valid_stride, slot, prefix, split, B, b, C, H, Hkv, d, \
+                         T, t, scale, eps);                                                                   \
     }
 
 EXPORT_ALL(F32, f32)

@@ -293,6 +293,25 @@ class FusedDecoder:
             w.dtype == dtype and w.is_contiguous() for w in norms)
         self.ops = native.load() if native_ok else None      # the step's small ops compiled for this CPU
         self.next_norms = [layer.ln1 for layer in layers[1:]] + [lean.norm.weight]   # the RMSNorm after each layer
+        self.table = self._layer_table()
+
+    def _layer_table(self) -> torch.Tensor | None:
+        """For `NativeOps.decode_layers`: per layer, each linear's (packed weight, bias, LoRA A, LoRA B^T, rank,
+        out features) as pointers and sizes, then its post-attention norm and the norm after it. None unless
+        every linear reads the compiled matmul's packed weights (the tensors stay alive in self.layers)."""
+        linears = [lin for layer in self.layers for lin in (layer.qkv, layer.o, layer.gate_up, layer.down)]
+        if self.ops is None or any(lin.kernel != "native" for lin in linears):
+            return None
+
+        def fields(lin: FusedLinear) -> list[int]:
+            rank = 0 if lin.lora_a is None else lin.lora_a.size(0)
+            return [lin.weight.data_ptr(), native._ptr(lin.bias) or 0, native._ptr(lin.lora_a) or 0,
+                    native._ptr(lin.lora_b_t) or 0, rank, lin.out_features]
+
+        rows = [[f for lin in (layer.qkv, layer.o, layer.gate_up, layer.down) for f in fields(lin)]
+                + [layer.ln2.data_ptr(), next_norm.data_ptr()]
+                for layer, next_norm in zip(self.layers, self.next_norms)]
+        return torch.tensor(rows, dtype=torch.int64)
 
     @property
     def path(self) -> str:
@@ -393,21 +412,26 @@ class FusedDecoder:
         return self.head(F.rms_norm(x[:, -1], (x.size(-1),), self.lean.norm.weight, self.eps))   # [b, V]
 
     def _native_step(self, tokens: torch.Tensor) -> torch.Tensor:
-        """One token per live row [b] -> logits [b, V], row r at cache row self.live[r]; the work between a
-        layer's linears in compiled calls (native.NativeOps): add + RMSNorm, rotary + KV write, attention,
-        SiLU gate, the adapter's low-rank terms."""
+        """One token per live row [b] -> logits [b, V], row r at cache row self.live[r]; every layer in one
+        compiled call where all linears read packed weights (`decode_layers`), else the work between a layer's
+        linears in compiled calls (native.NativeOps): add + RMSNorm, rotary + KV write, attention, SiLU gate,
+        the adapter's low-rank terms."""
         ops, eps, t, slots = self.ops, self.eps, self.length, self.live
         pos = self.next_pos[slots]                                                         # [b]
         x = self.embed(tokens)                                                             # [b, C] residual
         h = torch.empty_like(x)                                                            # [b, C] normed
-        q = x.new_empty(x.size(0), self.n_q * self.d)                                      # [b, H d]
-        o, act = torch.empty_like(q), x.new_empty(x.size(0), self.width)
         ops.add_rms_norm(x, None, self.layers[0].ln1, h, eps)
-        for i, (layer, next_norm) in enumerate(zip(self.layers, self.next_norms)):
-            ops.rope_cache(layer.qkv(h, ops), self.cos, self.sin, pos, q, self.kv[i], self.n_q, t, slots)
-            ops.decode_attention(q, self.kv[i], self.valid, t + 1, self.scale, o, slots, self.prefix, self.split)
-            ops.add_rms_norm(x, layer.o(o, ops), layer.ln2, h, eps)
-            ops.add_rms_norm(x, layer.down(ops.silu_mul(layer.gate_up(h, ops), act), ops), next_norm, h, eps)
+        if self.table is not None:
+            ops.decode_layers(self.table, x, h, self.kv, self.cos, self.sin, pos, self.valid, t, self.scale, eps,
+                              self.n_q, slots, self.prefix, self.split)
+        else:
+            q = x.new_empty(x.size(0), self.n_q * self.d)                                  # [b, H d]
+            o, act = torch.empty_like(q), x.new_empty(x.size(0), self.width)
+            for i, (layer, next_norm) in enumerate(zip(self.layers, self.next_norms)):
+                ops.rope_cache(layer.qkv(h, ops), self.cos, self.sin, pos, q, self.kv[i], self.n_q, t, slots)
+                ops.decode_attention(q, self.kv[i], self.valid, t + 1, self.scale, o, slots, self.prefix, self.split)
+                ops.add_rms_norm(x, layer.o(o, ops), layer.ln2, h, eps)
+                ops.add_rms_norm(x, layer.down(ops.silu_mul(layer.gate_up(h, ops), act), ops), next_norm, h, eps)
         self.length = t + 1
         return self.head(h, ops)                                                           # [b, V]
 

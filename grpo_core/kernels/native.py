@@ -46,6 +46,8 @@ _SIGNATURES = {
                          _F32],
     "silu_mul": [_PTR, _PTR, _I64, _I64],
     "lora_add": [_PTR, _PTR, _PTR, _PTR, _I64, _I64, _I64, _I64],
+    "decode_layers": [_PTR, _I64, _PTR, _PTR, _PTR, _I64, _PTR, _PTR, _PTR, _PTR, _I64, _PTR, _PTR, _I64, _I64, _I64,
+                      _I64, _I64, _I64, _I64, _I64, _I64, _F32, _F32],
     "logit_sweep_fwd": [_PTR, _PTR, _I64, _I64, _F32, _PTR, _PTR, _PTR],
     "logit_sweep_bwd": [_PTR, _PTR, _PTR, _PTR, _I64, _I64, _F32, _PTR],
     "sample_rows": [_PTR, _PTR, _I64, _I64, _F32, _PTR, _PTR],
@@ -187,6 +189,24 @@ class NativeOps:
         self._fns["lora_add", x.dtype](x.data_ptr(), a.data_ptr(), b_t.data_ptr(), y.data_ptr(), x.size(0),
                                        x.size(1), a.size(0), y.size(1))
         return y
+
+    def decode_layers(self, table: torch.Tensor, x: torch.Tensor, h: torch.Tensor, cache: torch.Tensor,
+                      cos: torch.Tensor, sin: torch.Tensor, pos: torch.Tensor, valid: torch.Tensor, t: int,
+                      scale: float, eps: float, n_q: int, slots: torch.Tensor | None = None,
+                      prefix: torch.Tensor | None = None, split: int = 0) -> torch.Tensor:
+        """Every decoder layer of one decode step in one call, each as the per-operation calls compute it
+        (packed linears with their LoRA terms, `rope_cache`, `decode_attention`, `silu_mul`,
+        `add_rms_norm`). table [L, 26] int64: per layer its linears' pointers (see decode_ops.cpp);
+        x [b, C] the residual stream (updated in place); h [b, C] layer 0's normed input, on return the
+        final norm's output; cache [L, 2, B, Hkv, T, d]; the token goes to slot t. Returns h."""
+        L, _, B, n_kv, T, d = cache.shape
+        b = x.size(0)
+        self._fns["decode_layers", x.dtype](table.data_ptr(), L, x.data_ptr(), h.data_ptr(), cache.data_ptr(),
+                                            cache[0].numel(), cos.data_ptr(), sin.data_ptr(), pos.data_ptr(),
+                                            valid.data_ptr(), valid.stride(0), self._slots(cache[0], b, slots),
+                                            None if prefix is None else self._slots(cache[0], b, prefix), split, B,
+                                            b, x.size(1), n_q, n_kv, d, T, t, scale, eps)
+        return h
 
     def logit_sweep(self, logits: torch.Tensor, ids: torch.Tensor, temperature: float, with_entropy: bool):
         """logits [n, V], ids [n] int64 -> float32 (logp [n], lse [n], entropy [n] or None) of softmax(logits / T)."""

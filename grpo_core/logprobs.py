@@ -12,7 +12,9 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from grpo_core.kernels.fused_decode import use_packed_linears
 from grpo_core.kernels.lean_decode import LeanDecoder, causal_pad_mask, positions
+from grpo_core.kernels.lora_linear import linear
 
 
 def token_logprobs(logits: torch.Tensor, ids: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
@@ -104,7 +106,7 @@ def _sweep_ops(logits: torch.Tensor):
 def _head_chunk(hidden: torch.Tensor, head: torch.nn.Module, ids: torch.Tensor, temperature: float,
                 with_entropy: bool, entropy_grad: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """One chunk: hidden [n, ..., H] -> (logp [n, ...], entropy [n, ...] or empty) via the LM head."""
-    logits = head(hidden)                                                 # [n, ..., V]
+    logits = linear(head, hidden)                                         # [n, ..., V]
     logits = logits.reshape(-1, logits.size(-1))
     ops = None if entropy_grad else _sweep_ops(logits)
     if ops is not None:
@@ -461,6 +463,7 @@ def completion_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Te
     rows, cols = attention_mask[:, P:].bool().nonzero(as_tuple=True)          # [N] real completion tokens
     path = logprob_path(model, input_ids, attention_mask, completion_len, group_size)
     if path == "packed-lean":
+        use_packed_linears(model)                 # the forward's matmuls on the sampler's packed weights, if faster
         p_ids, p_pos, _, src = _packed_groups(input_ids, attention_mask, completion_len, group_size, None, flat=True)
         attend = _segment_attention(input_ids, attention_mask, completion_len, group_size)
         hidden = LeanDecoder.of(model).trunk(p_ids, p_pos, attend)             # [1, total, H]

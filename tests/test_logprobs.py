@@ -73,6 +73,35 @@ def test_completion_logprobs_match_unpadded_forward(tiny_model_dir):
             assert torch.allclose(lp_logits[r, :len(c)], own, atol=1e-4)
 
 
+def _lora_model(tiny_model_dir, dtype=torch.float32):
+    """The tiny Llama with a LoRA adapter (fp32 factors) on q, k, v and o whose B is not zero."""
+    from grpo_core.models import attach_lora
+    from transformers import AutoModelForCausalLM
+    model = attach_lora(AutoModelForCausalLM.from_pretrained(tiny_model_dir).to(dtype), 4, 8, 0.0,
+                        ["q_proj", "k_proj", "v_proj", "o_proj"])
+    for n, p in model.named_parameters():
+        if "lora_" in n:
+            p.data = p.data.float()
+        if "lora_B" in n:
+            torch.nn.init.normal_(p, std=0.2, generator=torch.Generator().manual_seed(0))
+    return model
+
+
+def _grouped_batch():
+    """Two prompts, three answers each of 1-4 tokens: rows [left-padded prompt | right-padded answer]."""
+    prompts, G, P, C = [[5, 6, 7], [8, 9, 10, 11]], 3, 4, 4
+    ids = torch.zeros(len(prompts) * G, P + C, dtype=torch.long)
+    attn = torch.zeros_like(ids)
+    g = torch.Generator().manual_seed(3)
+    for r in range(ids.size(0)):
+        p = prompts[r // G]
+        n = int(torch.randint(1, C + 1, (1,), generator=g))
+        ids[r, P - len(p):P] = torch.tensor(p)
+        ids[r, P:P + n] = torch.randint(12, 90, (n,), generator=g)
+        attn[r, P - len(p):P + n] = 1
+    return ids, attn, G, P, C
+
+
 @pytest.mark.parametrize("layout", ["lean_segments", "lean_segments_split", "packed_mask", "repeated_kv",
                                     "packed_checkpointed"])
 def test_shared_prompt_path_equals_full_pass_value_and_gradient(tiny_model_dir, monkeypatch, layout):
@@ -87,22 +116,8 @@ def test_shared_prompt_path_equals_full_pass_value_and_gradient(tiny_model_dir, 
     elif layout != "lean_segments":
         monkeypatch.setattr(alg.LeanDecoder, "of", classmethod(lambda cls, model: None))
     monkeypatch.setattr(alg, "_pack_is_cheaper", lambda *a: layout != "repeated_kv")
-    from grpo_core.models import attach_lora
-    from transformers import AutoModelForCausalLM
-    model = attach_lora(AutoModelForCausalLM.from_pretrained(tiny_model_dir), 4, 8, 0.0, ["q_proj", "k_proj", "v_proj", "o_proj"])
-    for n, p in model.named_parameters():
-        if "lora_B" in n:
-            torch.nn.init.normal_(p, std=0.2, generator=torch.Generator().manual_seed(0))
-    prompts, G, P, C = [[5, 6, 7], [8, 9, 10, 11]], 3, 4, 4
-    ids = torch.zeros(len(prompts) * G, P + C, dtype=torch.long)
-    attn = torch.zeros_like(ids)
-    g = torch.Generator().manual_seed(3)
-    for r in range(ids.size(0)):
-        p = prompts[r // G]
-        n = int(torch.randint(1, C + 1, (1,), generator=g))
-        ids[r, P - len(p):P] = torch.tensor(p)
-        ids[r, P:P + n] = torch.randint(12, 90, (n,), generator=g)
-        attn[r, P - len(p):P + n] = 1
+    model = _lora_model(tiny_model_dir)
+    ids, attn, G, P, C = _grouped_batch()
     assert _groups_share_prompt(ids, attn, P, G) and not _groups_share_prompt(ids, attn, P, 2)
     mask = attn[:, P:].float()
     params = [p for p in model.parameters() if p.requires_grad]
@@ -164,3 +179,44 @@ def test_completions_split_into_two_query_blocks_only_where_that_saves_work():
     assert [b.tolist() for b in _length_split(lengths, 5)] == [[3, 1], [0, 2]]
     assert [b.tolist() for b in _length_split(torch.tensor([30, 28, 31, 29]), 5)] == [[1, 3, 0, 2]]
     assert [b.tolist() for b in _length_split(torch.tensor([7]), 5)] == [[0]]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_update_forward_multiplies_on_the_samplers_packed_weights(tiny_model_dir, monkeypatch, dtype):
+    """Where the compiled matmul runs, the base linears' forward reads the sampler's packed weights (views
+    into its fused buffer): the same log-probs and LoRA gradients as torch's matmul, every matmul of the
+    forward on them, and a weight changed in place is not read from its stale pack."""
+    from grpo_core.kernels import fused_decode, lora_linear, native
+    if fused_decode._native_gemm(dtype, [(64, 64)]) is None:
+        pytest.skip("the compiled matmul needs AVX-512 (and AVX512-BF16)")
+    monkeypatch.setenv("GRPO_DECODE_LINEAR", "native")
+    model = _lora_model(tiny_model_dir, dtype)
+    ids, attn, G, P, C = _grouped_batch()
+    mask = attn[:, P:].float()
+    params = [p for p in model.parameters() if p.requires_grad]
+    calls = []
+    packed_linear = native.NativeOps.packed_linear
+    monkeypatch.setattr(native.NativeOps, "packed_linear", lambda self, *a: calls.append(a[2]) or packed_linear(self, *a))
+
+    def run(setting):
+        monkeypatch.setenv("GRPO_UPDATE_LINEAR", setting)
+        calls.clear()
+        lp, _ = completion_logprobs(model, ids, attn, C, group_size=G)
+        return lp * mask, torch.autograd.grad((lp * mask).sum(), params), len(calls)
+
+    lp_torch, grads_torch, n_torch = run("torch")
+    lp_packed, grads_packed, n_packed = run("native")
+    assert n_torch == 0 and n_packed == 2 * 7 + 1                       # 7 linears per layer and the head
+    assert fused_decode.use_packed_linears(model) == 15
+    tol = 1e-5 if dtype == torch.float32 else 0.05
+    assert torch.allclose(lp_torch, lp_packed, atol=tol)
+    for a, b in zip(grads_torch, grads_packed):
+        assert torch.allclose(a, b, atol=tol * max(1.0, float(a.abs().max())))
+    up = model.get_base_model().model.layers[1].mlp.up_proj
+    assert lora_linear._packed(up) is not None
+    with torch.no_grad():
+        up.weight.mul_(2.0)                                                 # e.g. full fine-tuning's step
+    assert lora_linear._packed(up) is None                                  # the stale pack is not read
+    assert fused_decode.use_packed_linears(model) == 15 and lora_linear._packed(up) is not None   # repacked
+    monkeypatch.setenv("GRPO_UPDATE_LINEAR", "torch")
+    assert fused_decode.use_packed_linears(model) == 0 and lora_linear._packed(up) is None

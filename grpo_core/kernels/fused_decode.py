@@ -45,7 +45,7 @@ import torch.nn.functional as F
 from grpo_core.kernels import native
 from grpo_core.kernels.cpu_linear import onednn_linear, onednn_pack
 from grpo_core.kernels.lean_decode import LeanDecoder, causal_pad_mask, positions
-from grpo_core.kernels.lora_linear import Unsupported, lora_parts
+from grpo_core.kernels.lora_linear import Unsupported, lora_parts, set_packed
 
 HUGE_PAGE = 2 << 20
 MADV_HUGEPAGE = 14
@@ -275,6 +275,86 @@ def _placed_numel(kernel: str, gemm, group) -> int:
     """Elements a group's fused weight takes in the snapshot buffer (column blocks are padded to 16)."""
     out, inp = sum(w.size(0) for w, _, _ in group), group[0][0].size(1)
     return gemm.packed_numel(out, inp) if kernel == "native" else out * inp
+
+
+# -- the update's forward on the same weights -----------------------------------------------------------------
+
+UPDATE_ROWS = (255, 512, 701)         # the probe's row counts: a micro-batch's packed prompts and answers
+
+
+def native_update_gemm(dtype: torch.dtype, shape: tuple[int, int]) -> bool:
+    """Does the compiled matmul on packed weights multiply an [out, in] weight of this shape by the update's
+    row counts (`UPDATE_ROWS`, odd ones among them: matmul libraries often run those slower) faster than
+    torch's matmul and oneDNN's packed one? Probed once per process; it decides whether the update's forward
+    reads the sampler's packed weights. $GRPO_UPDATE_LINEAR=native or =torch decides instead."""
+    forced = os.environ.get("GRPO_UPDATE_LINEAR", "").strip().lower()
+    if forced not in ("", "native", "torch"):
+        raise ValueError(f"GRPO_UPDATE_LINEAR={forced!r}: use native or torch")
+    if forced == "torch" or _native_gemm(dtype, [shape]) is None:
+        return False
+    return forced == "native" or _probe_update_gemm(dtype, shape)
+
+
+@functools.cache
+def _probe_update_gemm(dtype: torch.dtype, shape: tuple[int, int]) -> bool:
+    ops = native.load()
+    out, inp = shape
+    g = torch.Generator().manual_seed(0)
+    w = (torch.randn(out, inp, generator=g) * 0.02).to(dtype)
+    xs = [torch.randn(rows, inp, generator=g).to(dtype) for rows in UPDATE_ROWS]
+    packed = ops.pack(w, torch.empty(ops.packed_numel(out, inp), dtype=dtype))
+    candidates = {"torch": lambda: [F.linear(x, w) for x in xs],
+                  "native": lambda: [ops.packed_linear(x, packed, None, out) for x in xs]}
+    if torch.backends.mkldnn.is_available():
+        try:
+            onednn = onednn_pack(w, UPDATE_ROWS[1])
+            candidates["onednn"] = lambda: [onednn_linear(x, onednn, None) for x in xs]
+        except (RuntimeError, AttributeError):
+            pass
+    secs = _stream_seconds(candidates, rounds=5)
+    return secs["native"] < min(v for k, v in secs.items() if k != "native")
+
+
+def use_packed_linears(model) -> int:
+    """Let the base linears of a Llama-family model's layers and LM head multiply on the sampler's packed
+    weights in their forward (`lora_linear.set_packed`: views into the fused base buffer, no copy), where the
+    compiled matmul runs and beats torch's at the update's row counts here (`native_update_gemm`); else
+    they keep (or go back to) torch's. A linear of a stacked group whose weight does not start on a
+    16-column block keeps torch's. -> how many linears read packed weights."""
+    lean = LeanDecoder.of(model)
+    if lean is None or lean.embed.weight.device.type != "cpu":
+        return 0
+    dtype = lean.embed.weight.dtype
+    try:
+        modules = [[[lora_parts(getattr(getattr(layer, block), name))[0] for name in names] for block, names in GROUPS]
+                   for layer in lean.layers]
+        groups = [g for layer in modules for g in layer] + [[lora_parts(lean.head)[0]]]
+    except Unsupported:
+        return 0
+    everything = [m for g in groups for m in g]
+    use = all(m.weight.dtype == dtype for m in everything) and native_update_gemm(dtype, tuple(modules[0][2][0].weight.shape))
+    base = None
+    if use:
+        parts = [[[_linear_parts(getattr(getattr(layer, block), name)) for name in names] for block, names in GROUPS]
+                 for layer in lean.layers]
+        base = _fused_base(lean, parts, [_linear_parts(lean.head)], 16)
+    if base is None or base.kernel != "native":
+        for m in everything:
+            set_packed(m, None, None)
+        return 0
+    ops, n = native.load(), 0
+    packs = [wb for layer in base.weights for wb in layer] + [base.head]
+    for group, (packed, _) in zip(groups, packs):
+        row = 0                                  # the group is packed as one stacked [sum out, in] weight
+        for m in group:
+            start = row * m.in_features
+            if row % 16 == 0:                    # starts a column block: its blocks are a slice of the group's
+                set_packed(m, packed[start:start + ops.packed_numel(m.out_features, m.in_features)], ops)
+                n += 1
+            else:
+                set_packed(m, None, None)
+            row += m.out_features
+    return n
 
 
 class FusedDecoder:

@@ -8,6 +8,10 @@ base matmul's own backward. Here the low-rank products run in x's dtype, as auto
 returned as fp32), and the low-rank term is accumulated into the base output in place. In fp32 the
 arithmetic is PEFT's. Sampling, reference, old and current log-probs all take this path, so they agree.
 
+A frozen base linear that carries a packed copy of its weight (`set_packed`: a view into the sampler's
+fused weights, `fused_decode.use_packed_linears`) multiplies on it with the compiled matmul in the forward
+pass; the input gradient stays torch's matmul on the plain weight.
+
 Shapes: N tokens, C in features, O out features, r the adapter's rank.
 """
 from __future__ import annotations
@@ -41,6 +45,45 @@ def lora_parts(module) -> tuple[torch.nn.Module, list[tuple[torch.Tensor, torch.
     return base, factors
 
 
+def set_packed(base: torch.nn.Linear, packed: torch.Tensor | None, ops) -> None:
+    """Give a frozen base linear a packed copy of its weight (`native.NativeOps.pack` layout) for its forward,
+    used while the weight stays at its current version (an in-place change drops it); None takes it away."""
+    base._native_packed = None if packed is None else (packed, base.weight._version, ops)
+
+
+def _packed(base) -> tuple | None:
+    hit = getattr(base, "_native_packed", None)
+    if hit is None or hit[1] != base.weight._version or base.weight.requires_grad:
+        return None
+    return hit
+
+
+def base_forward(base, x: torch.Tensor) -> torch.Tensor:
+    """base(x) for a frozen base linear, on its packed weight where it has one (no autograd: for the forward
+    of an autograd function, or under no_grad)."""
+    hit = _packed(base)
+    if hit is None or x.dtype != base.weight.dtype:
+        return base(x)
+    packed, _, ops = hit
+    return ops.packed_linear(x, packed, base.bias, base.out_features)
+
+
+class _FrozenLinear(torch.autograd.Function):
+    """y = x W^T + b with W frozen: the forward on the packed weight, the input gradient g W."""
+
+    @staticmethod
+    def forward(ctx, x, base):
+        ctx.base = base
+        return base_forward(base, x)
+
+    @staticmethod
+    def backward(ctx, grad_y):
+        base = ctx.base
+        if isinstance(base, PackedLinear):
+            return base.input_grad(grad_y), None
+        return grad_y @ base.weight.detach(), None
+
+
 def _dropout_active(module) -> bool:
     return any(isinstance(d, torch.nn.Dropout) and d.p > 0 and d.training for d in module.lora_dropout.values())
 
@@ -53,7 +96,7 @@ class _LoraLinear(torch.autograd.Function):
         a, bs = A.to(x.dtype), (B * scale).to(x.dtype)                      # [r, C], [O, r]
         x2 = x.reshape(-1, x.size(-1))                                       # [N, C]
         t = x2 @ a.T                                                         # [N, r]
-        y = base(x2).addmm_(t, bs.T)                                         # [N, O]
+        y = base_forward(base, x2).addmm_(t, bs.T)                           # [N, O]
         ctx.save_for_backward(x2, a, bs, t)
         ctx.base, ctx.scale, ctx.shape, ctx.factor_dtype = base, scale, x.shape, A.dtype
         return y.view(*x.shape[:-1], -1)
@@ -75,18 +118,27 @@ class _LoraLinear(torch.autograd.Function):
         return dx, None, dA, dB, None
 
 
+def _frozen(base, x: torch.Tensor) -> torch.Tensor:
+    """base(x), on its packed weight where it has one."""
+    if _packed(base) is None or x.dtype != base.weight.dtype or (base.bias is not None and base.bias.requires_grad):
+        return base(x)
+    if torch.is_grad_enabled() and x.requires_grad:
+        return _FrozenLinear.apply(x, base)
+    return base_forward(base, x)
+
+
 def linear(module, x: torch.Tensor) -> torch.Tensor:
     """module(x) for a plain or PEFT LoRA linear; one active standard adapter on a frozen fp32 or bf16
     nn.Linear runs as `_LoraLinear`, anything else (dropout in training, several adapters, variants, fp16,
     an input of another dtype) through PEFT."""
     if getattr(module, "base_layer", None) is None:
-        return module(x)
+        return _frozen(module, x)
     try:
         base, factors = lora_parts(module)
     except Unsupported:
         return module(x)
     if not factors:
-        return base(x)
+        return _frozen(base, x)
     frozen = not base.weight.requires_grad and (base.bias is None or not base.bias.requires_grad)
     plain = isinstance(base, torch.nn.Linear) and x.dtype == base.weight.dtype in (torch.float32, torch.bfloat16)
     if len(factors) > 1 or not plain or not frozen or _dropout_active(module):

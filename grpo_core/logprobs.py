@@ -3,7 +3,9 @@
 Rows are [left-padded prompt | right-padded completion]. `completion_logprobs` is the entry point; the
 rest is how it avoids work: each group of G answers shares one prompt pass (packed into one row, or a
 repeated KV cache), the LM head runs only on real completion tokens in chunks, and log-prob, entropy
-and their backward take one sweep over the logits. V = vocabulary, H = hidden size.
+and their backward take one sweep over the logits. On a CPU the packed rows' attention and (where a probe
+finds it faster) the frozen base weights' matmuls run as compiled kernels (`kernels/decode_ops.cpp`,
+`kernels/gemm_ops.cpp`). V = vocabulary, H = hidden size.
 """
 from __future__ import annotations
 
@@ -356,11 +358,41 @@ def _length_split(lengths: torch.Tensor, prompt_len: int, min_saving: float = 0.
     return [order[:cut], order[cut:]] if best <= (1 - min_saving) * whole else [order]
 
 
+class _NativeSegmentAttention(torch.autograd.Function):
+    """The attention of `_segment_attention` as one compiled call each way (`native.NativeOps.segment_attention`:
+    only the allowed pairs, float32 softmax, the backward recomputing it from the saved log-sum-exp).
+    q [N, H, d], k, v [N, Hkv, d] -> [N, H, d]; layout: (row_start, prompt_ok, seg)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, layout, scale: float, ops):
+        out, lse = ops.segment_attention(q, k, v, *layout, scale)
+        if any(ctx.needs_input_grad[:3]):
+            ctx.save_for_backward(q, k, v, out, lse)
+            ctx.layout, ctx.scale, ctx.ops = layout, scale, ops
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        q, k, v, out, lse = ctx.saved_tensors
+        dq, dk, dv = ctx.ops.segment_attention_backward(q, k, v, out, grad.contiguous(), lse, *ctx.layout, ctx.scale)
+        return dq, dk, dv, None, None, None
+
+
+def _native_attention_ops(q: torch.Tensor):
+    """The compiled kernels when the segment attention can run on them (CPU, float32 or bfloat16), else None."""
+    if q.device.type != "cpu" or q.dtype not in (torch.float32, torch.bfloat16):
+        return None
+    from grpo_core.kernels import native
+    return native.load()
+
+
 def _segment_attention(input_ids: torch.Tensor, attention_mask: torch.Tensor, completion_len: int, group_size: int):
     """Attention for the group rows of `_packed_groups(..., flat=True)`, end to end in one sequence, that
     computes only the pairs its mask allows: each prompt attends to itself, and each completion to its
-    prompt plus its own earlier tokens, gathered as [B, Lmax] query blocks against [P + Lmax] keys (in two
-    blocks by length when that saves work, `_length_split`).
+    prompt plus its own earlier tokens. On the CPU with the compiled kernels, one call each way
+    (`_NativeSegmentAttention`; 2.3x faster forward, 2.5x forward + backward than the torch ops at the
+    step-speed workload's sizes); otherwise as torch ops, gathered as [B, Lmax] query blocks against
+    [P + Lmax] keys (in two blocks by length when that saves work, `_length_split`).
     Returns attend(q [1, H, total, d], k, v [1, Hkv, total, d], scale) -> [1, H, total, d]."""
     B = input_ids.size(0)
     P, G, n, dev = input_ids.size(1) - completion_len, group_size, B // group_size, input_ids.device
@@ -372,8 +404,16 @@ def _segment_attention(input_ids: torch.Tensor, attention_mask: torch.Tensor, co
     blocks = [_query_blocks(rows, lengths, starts, row_start, group, p_attn, total)
               for rows in _length_split(lengths, P)]
     biases = {}                                   # dtype -> additive masks (prompt, then each block), built once
+    rows, t = attention_mask[:, P:].bool().nonzero(as_tuple=True)               # real answer tokens
+    seg = torch.full((total,), -1, dtype=torch.long, device=dev)                # where each token's answer starts
+    seg[row_start[rows // G] + starts[rows] + t] = starts[rows]
+    layout = (torch.cat([row_start, row_start.new_tensor([total])]), p_attn.contiguous(), seg)
 
     def attend(q, k, v, scale):
+        ops = _native_attention_ops(q)
+        if ops is not None:                       # token-major [N, h, d]: the trunk's q, k, v are views of that
+            q, k, v = (x[0].transpose(0, 1).contiguous() for x in (q, k, v))
+            return _NativeSegmentAttention.apply(q, k, v, layout, scale, ops).transpose(0, 1)[None]
         H, d = q.size(1), q.size(-1)
         if q.dtype not in biases:                 # (only the CPU's written-out attention reads them)
             Hkv = k.size(1)

@@ -166,6 +166,20 @@ def test_the_fused_base_is_built_once_and_rebuilt_when_a_base_weight_changes(tin
     assert fused.layers[1].gate_up.weight.data_ptr() != first.layers[1].gate_up.weight.data_ptr()
 
 
+def test_the_fused_base_is_rebuilt_when_the_model_changes_dtype(tiny_model_dir):
+    """`model.to(dtype)` keeps the parameters (and their version counters) but gives them new data: the
+    snapshot must not reuse the weights it packed before."""
+    model = _with_lora(llama(tiny_model_dir), ["q_proj"])
+    with torch.inference_mode():
+        first = FusedDecoder.snapshot(model)
+    model.to(torch.bfloat16)
+    for n, p in model.named_parameters():
+        if "lora_" in n:
+            p.data = p.data.float()
+    fused = _assert_same(model, atol=0.1, rtol=0.02)
+    assert first.layers[0].gate_up.weight.dtype == torch.float32 and fused.layers[0].gate_up.weight.dtype == torch.bfloat16
+
+
 @pytest.mark.parametrize("native", NATIVE)
 def test_bf16_keeps_the_adapter_as_factors_so_a_small_delta_is_not_rounded_away(tiny_model_dir, native, kernel):
     model = _with_lora(llama(tiny_model_dir).to(torch.bfloat16), ["q_proj", "k_proj", "v_proj", "up_proj"])

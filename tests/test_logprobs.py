@@ -60,7 +60,7 @@ def test_completion_logprobs_match_unpadded_forward(tiny_model_dir):
     ids = torch.zeros(3, P + C, dtype=torch.long)
     attn = torch.zeros(3, P + C, dtype=torch.long)
     for r, (p, c) in enumerate(seqs):
-        ids[r, P - len(p):P] = torch.tensor(p)
+        ids[r, P - len(p):P] = torch.tensor(list(p))
         ids[r, P:P + len(c)] = torch.tensor(c)
         attn[r, P - len(p):P + len(c)] = 1
     with torch.no_grad():
@@ -87,16 +87,16 @@ def _lora_model(tiny_model_dir, dtype=torch.float32):
     return model
 
 
-def _grouped_batch():
-    """Two prompts, three answers each of 1-4 tokens: rows [left-padded prompt | right-padded answer]."""
-    prompts, G, P, C = [[5, 6, 7], [8, 9, 10, 11]], 3, 4, 4
+def _grouped_batch(prompts=((5, 6, 7), (8, 9, 10, 11)), G=3, C=4):
+    """Each prompt with G answers of 1-C tokens: rows [left-padded prompt | right-padded answer]."""
+    P = max(map(len, prompts))
     ids = torch.zeros(len(prompts) * G, P + C, dtype=torch.long)
     attn = torch.zeros_like(ids)
     g = torch.Generator().manual_seed(3)
     for r in range(ids.size(0)):
         p = prompts[r // G]
         n = int(torch.randint(1, C + 1, (1,), generator=g))
-        ids[r, P - len(p):P] = torch.tensor(p)
+        ids[r, P - len(p):P] = torch.tensor(list(p))
         ids[r, P:P + n] = torch.randint(12, 90, (n,), generator=g)
         attn[r, P - len(p):P + n] = 1
     return ids, attn, G, P, C
@@ -220,3 +220,55 @@ def test_the_update_forward_multiplies_on_the_samplers_packed_weights(tiny_model
     assert fused_decode.use_packed_linears(model) == 15 and lora_linear._packed(up) is not None   # repacked
     monkeypatch.setenv("GRPO_UPDATE_LINEAR", "torch")
     assert fused_decode.use_packed_linears(model) == 0 and lora_linear._packed(up) is None
+
+
+@pytest.mark.parametrize("heads", [4, 6], ids=["rep2", "rep3"])
+def test_the_compiled_segment_attention_at_head_dim_64(heads):
+    """The update's attention as compiled calls (16 key slots at a time at head dim 64, the vector path),
+    with prompts of 17 and 21 tokens (left padding, a 16-slot block straddling the prompt's end) and answers
+    of up to 20 tokens: log-probs and LoRA gradients equal the plain forward's, and in bf16 stay near the
+    written-out attention's."""
+    import grpo_core.logprobs as alg
+    from grpo_core.kernels import native
+    from grpo_core.models import attach_lora
+    from transformers import LlamaConfig, LlamaForCausalLM
+    if native.load() is None:
+        pytest.skip("no compiled kernels here")
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=97, hidden_size=64 * heads, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=heads, num_key_value_heads=2, max_position_embeddings=256)
+    model = attach_lora(LlamaForCausalLM(cfg).eval(), 4, 8, 0.0, ["q_proj", "k_proj", "v_proj", "o_proj"])
+    for n, p in model.named_parameters():
+        if "lora_B" in n:
+            torch.nn.init.normal_(p, std=0.2, generator=torch.Generator().manual_seed(0))
+    ids, attn, G, P, C = _grouped_batch(prompts=(tuple(range(3, 20)), tuple(range(30, 51))), G=3, C=20)
+    mask = attn[:, P:].float()
+    params = [p for p in model.parameters() if p.requires_grad]
+    calls = []
+    apply = alg._NativeSegmentAttention.apply
+
+    def run(group_size, compiled=True):
+        calls.clear()
+        lp, _ = completion_logprobs(model, ids, attn, C, group_size=group_size)
+        return lp * mask, torch.autograd.grad((lp * mask).sum(), params)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(alg._NativeSegmentAttention, "apply", lambda *a: calls.append(1) or apply(*a))
+        lp, grads = run(G)
+        assert len(calls) == 2 and logprob_path(model, ids, attn, C, G) == "packed-lean"
+        lp_rows, grads_rows = run(1)                                    # the plain forward, row by row
+        assert not calls
+    assert torch.allclose(lp, lp_rows, atol=1e-5)
+    for a, b in zip(grads, grads_rows):
+        assert torch.allclose(a, b, atol=1e-5)
+    model.to(torch.bfloat16)
+    for n, p in model.named_parameters():
+        if "lora_" in n:
+            p.data = p.data.float()
+    lp, grads = run(G)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(alg, "_native_attention_ops", lambda q: None)
+        lp_torch, grads_torch = run(G)
+    assert (lp - lp_torch).abs().max() < 0.05
+    for a, b in zip(grads, grads_torch):
+        assert (a - b).abs().max() < 0.05 * a.abs().max()

@@ -107,7 +107,8 @@ struct Blocks {
 // The portable form, one (row, head) at a time: qf [rep * d], scores [rep * n] and acc [rep * d] are scratch.
 template <class D>
 void attend_any(const typename D::T* Q, const Blocks<typename D::T>& kv, const uint8_t* ok, typename D::T* O,
-                int64_t T, int64_t n, int64_t rep, int64_t d, float scale, float* qf, float* scores, float* acc) {
+                int64_t T, int64_t n, int64_t rep, int64_t d, float scale, float* qf, float* scores, float* acc,
+                float* lse = nullptr) {
     for (int64_t i = 0; i < rep * d; ++i) qf[i] = D::load(Q[i]) * scale;
     std::fill(scores, scores + rep * n, 0.f);
     const int64_t split = std::min(kv.split, n);
@@ -137,6 +138,7 @@ void attend_any(const typename D::T* Q, const Blocks<typename D::T>& kv, const u
             for (int64_t e = 0; e < d; ++e) acc[g * d + e] += sg[j] * D::load(vj[e]);
         }
         const float norm = total > 0.f ? 1.f / total : 0.f;
+        if (lse) lse[g] = m + std::log(total);
         for (int64_t e = 0; e < d; ++e) O[g * d + e] = D::store(acc[g * d + e] * norm);
     }
 }
@@ -225,7 +227,7 @@ inline void values_upto(int64_t heads, A... args) {
 template <class D, int DIM>
 void attend_fast(const typename D::T* Q, const Blocks<typename D::T>& kv, const uint8_t* ok, typename D::T* O,
                  int64_t T, int64_t n, int64_t rep, float scale, float* qf, float* s, float* norm,
-                 const Blocks<typename D::T>* next) {
+                 const Blocks<typename D::T>* next, float* lse = nullptr) {
     constexpr int GV = DIM == 64 ? 4 : 2;
     const int64_t stride = (n + 15) / 16 * 16;
     for (int64_t i = 0; i < rep * DIM; ++i) qf[i] = D::load(Q[i]) * scale;
@@ -245,6 +247,7 @@ void attend_fast(const typename D::T* Q, const Blocks<typename D::T>& kv, const 
             total += e;
         }
         norm[g] = total > 0.f ? 1.f / total : 0.f;
+        if (lse) lse[g] = m + std::log(total);
     }
     for (int64_t g0 = 0; g0 < rep; g0 += GV)
         values_upto<D, DIM, GV>(rep - g0, s + g0 * stride, kv, ok, n, stride, norm + g0, O + g0 * DIM,
@@ -291,6 +294,297 @@ void decode_attention(const typename D::T* q, const typename D::T* cache, const 
         }
 #endif
         attend_any<D>(Q, kv, ok, O, T, n, rep, d, scale, qf.data(), scores.data(), acc.data());
+    }
+    }
+}
+
+// -- the update's attention over packed groups ----------------------------------------------------------------
+// The update runs each group of answers that share a prompt as one row [prompt | answer 1 | ... | answer G],
+// the rows end to end in one sequence of N tokens (grpo_core/logprobs.py, `_segment_attention`): group g's
+// row is tokens row_start[g] .. row_start[g + 1] - 1, its first P slots the (left-padded) prompt, prompt_ok
+// [n, P] which of them are real. A prompt token attends causally to the real prompt tokens; an answer token
+// to the real prompt tokens and its own answer's tokens up to itself (seg[i]: where its answer starts within
+// the row, -1 for a prompt token); a padding token only to itself. q, out [N, H, d]; k, v [N, Hkv, d];
+// lse [N, H] float32: each softmax's log-sum-exp (of scale q.k), kept for the backward pass.
+
+// Which keys token i (local index li in its row) attends: [0, split) from the prompt (valid ones only), then
+// split .. n - 1 from its own answer (local slots seg .. li). Returns n; a padding token gets n = 0.
+inline int64_t segment_keys(int64_t li, int64_t seg, int64_t P, const uint8_t* prompt_ok, int64_t& split) {
+    if (seg >= 0) {
+        split = P;
+        return P + li - seg + 1;
+    }
+    split = li + 1;
+    return prompt_ok[li] ? li + 1 : 0;
+}
+
+template <class D>
+void segment_attention_fwd(const typename D::T* q, const typename D::T* k, const typename D::T* v,
+                           typename D::T* out, float* lse, const int64_t* row_start, int64_t groups, int64_t P,
+                           const uint8_t* prompt_ok, const int64_t* seg, int64_t H, int64_t Hkv, int64_t d,
+                           float scale) {
+    using TT = typename D::T;
+    const int64_t N = row_start[groups], rep = H / Hkv;
+    int64_t longest = 0;
+    for (int64_t g = 0; g < groups; ++g) longest = std::max(longest, row_start[g + 1] - row_start[g]);
+    // per (group, kv head): keys transposed [d, T] and values [T, d] (T = the row's length), as the decode
+    // attention reads them; and per group which slots are real (the prompt's, then every answer slot)
+    std::vector<TT> kt(N * Hkv * d), vc(N * Hkv * d);
+    std::vector<uint8_t> ok(groups * (P + longest), 1);
+    std::vector<int64_t> group_of(N);
+    for (int64_t g = 0; g < groups; ++g) {
+        std::memcpy(ok.data() + g * (P + longest), prompt_ok + g * P, P);
+        for (int64_t i = row_start[g]; i < row_start[g + 1]; ++i) group_of[i] = g;
+    }
+#pragma omp parallel for schedule(static) if (N * Hkv * d > (1 << 14))
+    for (int64_t gh = 0; gh < groups * Hkv; ++gh) {
+        const int64_t g = gh / Hkv, h = gh % Hkv, r0 = row_start[g], T = row_start[g + 1] - r0;
+        TT* kg = kt.data() + (r0 * Hkv + h * T) * d;
+        TT* vg = vc.data() + (r0 * Hkv + h * T) * d;
+        for (int64_t j = 0; j < T; ++j)
+            for (int64_t e = 0; e < d; ++e) {
+                kg[e * T + j] = k[((r0 + j) * Hkv + h) * d + e];
+                vg[j * d + e] = v[((r0 + j) * Hkv + h) * d + e];
+            }
+    }
+#pragma omp parallel
+    {
+    const int64_t stride = (P + longest + 15) / 16 * 16;
+    std::vector<float> qf(rep * d), scores(rep * stride), acc(rep * d);
+#pragma omp for schedule(dynamic, 16)
+    for (int64_t ih = 0; ih < N * Hkv; ++ih) {
+        const int64_t i = ih / Hkv, h = ih % Hkv, g = group_of[i], r0 = row_start[g], T = row_start[g + 1] - r0;
+        const int64_t li = i - r0;
+        const TT* kg = kt.data() + (r0 * Hkv + h * T) * d;
+        const TT* vg = vc.data() + (r0 * Hkv + h * T) * d;
+        const TT* Q = q + (i * H + h * rep) * d;
+        TT* O = out + (i * H + h * rep) * d;
+        float* L = lse ? lse + i * H + h * rep : nullptr;
+        int64_t split = 0;
+        int64_t n = segment_keys(li, seg[i], P, prompt_ok + g * P, split);
+        // own slots seg .. li at key indices P ..: the own blocks start P slots before the answer
+        const int64_t own = seg[i] >= 0 ? seg[i] - split : 0;
+        Blocks<TT> kv{kg, vg, kg + own, vg + own * d, split};
+        static const uint8_t one = 1;
+        const uint8_t* okg = ok.data() + g * (P + longest);
+        if (n == 0) {                                // a padding token: itself only
+            kv = Blocks<TT>{kg + li, vg + li * d, kg + li, vg + li * d, 1};
+            n = 1;
+            okg = &one;
+        }
+#if defined(FAST_ATTENTION)
+        if (d == 64) {
+            attend_fast<D, 64>(Q, kv, okg, O, T, n, rep, scale, qf.data(), scores.data(), acc.data(), nullptr, L);
+            continue;
+        }
+        if (d == 128) {
+            attend_fast<D, 128>(Q, kv, okg, O, T, n, rep, scale, qf.data(), scores.data(), acc.data(), nullptr, L);
+            continue;
+        }
+#endif
+        attend_any<D>(Q, kv, okg, O, T, n, rep, d, scale, qf.data(), scores.data(), acc.data(), L);
+    }
+    }
+}
+
+// The gradients of segment_attention_fwd: dq [N, H, d], dk, dv [N, Hkv, d] for the output gradient dout,
+// from q, k, v, its output and lse (FlashAttention's backward: each softmax recomputed from lse). One (group,
+// kv head) per thread at a time, so that its keys' gradients build up in float32 without sharing.
+// The keys' slots token li attends in its row: [0, pre) (the prompt's real ones among them) and [a, b).
+struct KeySlots {
+    int64_t pre, a, b;
+};
+
+inline KeySlots key_slots(int64_t li, int64_t seg, int64_t P, const uint8_t* prompt_ok) {
+    int64_t split = 0;
+    const int64_t n = segment_keys(li, seg, P, prompt_ok, split);
+    if (n == 0) return {0, li, li + 1};                    // a padding token: itself
+    return seg >= 0 ? KeySlots{split, seg, li + 1} : KeySlots{split, split, split};
+}
+
+// Scratch of one (group, kv head) for the backward: keys and values transposed [d, T], keys [T, d], and the
+// keys' and values' gradients [T, d], all float32; q, dout of each query head of the kv head [rep, d].
+struct BwdScratch {
+    std::vector<float> kt, vt, kc, gk, gv, qf, gf, gq, p, ds;
+    void reset(int64_t T, int64_t d, int64_t rep) {
+        kt.assign(d * T, 0.f), vt.assign(d * T, 0.f), kc.assign(T * d, 0.f), gk.assign(T * d, 0.f),
+            gv.assign(T * d, 0.f), qf.assign(rep * d, 0.f), gf.assign(rep * d, 0.f), gq.assign(rep * d, 0.f),
+            p.assign(rep * T, 0.f), ds.assign(rep * T, 0.f);
+    }
+};
+
+// One query token's share of the gradients, portable: d(scores) over its key slots, then dq (returned in
+// w.gq) and the keys' and values' gradients (added to w.gk, w.gv). w.qf, w.gf hold its heads' q and dout.
+inline void bwd_token_any(BwdScratch& w, KeySlots ks, const uint8_t* pok, const float* D_, const float* L,
+                          int64_t T, int64_t d, int64_t rep, float scale) {
+    const int64_t ranges[2][2] = {{0, ks.pre}, {ks.a, ks.b}};
+    for (int64_t r = 0; r < rep; ++r) {
+        const float *qr = w.qf.data() + r * d, *gr = w.gf.data() + r * d;
+        float *pr = w.p.data() + r * T, *dr = w.ds.data() + r * T;
+        for (int part = 0; part < 2; ++part) {
+            const int64_t j0 = ranges[part][0], j1 = ranges[part][1];
+            for (int64_t j = j0; j < j1; ++j) pr[j] = dr[j] = 0.f;
+            for (int64_t e = 0; e < d; ++e) {
+                const float qe = qr[e], ge = gr[e];
+                const float *kr = w.kt.data() + e * T, *vr = w.vt.data() + e * T;
+#pragma omp simd
+                for (int64_t j = j0; j < j1; ++j) {
+                    pr[j] += qe * kr[j];
+                    dr[j] += ge * vr[j];
+                }
+            }
+#pragma omp simd
+            for (int64_t j = j0; j < j1; ++j) {
+                const float pj = (part == 1 || pok[j]) ? exp_f32(pr[j] * scale - L[r]) : 0.f;
+                pr[j] = pj;
+                dr[j] = pj * (dr[j] - D_[r]) * scale;
+            }
+        }
+    }
+    std::fill(w.gq.begin(), w.gq.end(), 0.f);
+    for (const auto& range : ranges)
+        for (int64_t j = range[0]; j < range[1]; ++j) {
+            const float* kj = w.kc.data() + j * d;
+            float *gkj = w.gk.data() + j * d, *gvj = w.gv.data() + j * d;
+            for (int64_t r = 0; r < rep; ++r) {
+                const float pj = w.p[r * T + j], dsj = w.ds[r * T + j];
+                const float *qr = w.qf.data() + r * d, *gr = w.gf.data() + r * d;
+                float* gqr = w.gq.data() + r * d;
+#pragma omp simd
+                for (int64_t e = 0; e < d; ++e) {
+                    gqr[e] += dsj * kj[e];
+                    gkj[e] += dsj * qr[e];
+                    gvj[e] += pj * gr[e];
+                }
+            }
+        }
+}
+
+#if defined(FAST_ATTENTION)
+// bwd_token_any with the head dim DIM and the query heads per kv head G known: 16 key slots at a time, the
+// scores and d(probabilities) of all G heads in registers, then each slot's dq, dk, dv terms.
+template <int DIM, int G>
+void bwd_token_fast(BwdScratch& w, KeySlots ks, const uint8_t* pok, const float* D_, const float* L, int64_t T,
+                    float scale) {
+    constexpr int C = DIM / 16;
+    __m512 gq[G][C];
+    for (int g = 0; g < G; ++g)
+        for (int c = 0; c < C; ++c) gq[g][c] = _mm512_setzero_ps();
+    alignas(64) float pb[G][16], db[G][16];
+    const int64_t ranges[2][2] = {{0, ks.pre}, {ks.a, ks.b}};
+    for (int part = 0; part < 2; ++part)
+        for (int64_t j0 = ranges[part][0]; j0 < ranges[part][1]; j0 += 16) {
+            __mmask16 in = lanes_below(ranges[part][1] - j0);
+            if (part == 0)
+                in &= _mm_cmpneq_epi8_mask(_mm_maskz_loadu_epi8(in, pok + j0), _mm_setzero_si128());
+            __m512 sc[G], dp[G];
+            for (int g = 0; g < G; ++g) sc[g] = dp[g] = _mm512_setzero_ps();
+            for (int e = 0; e < DIM; ++e) {
+                const __m512 kv = _mm512_maskz_loadu_ps(in, w.kt.data() + e * T + j0);
+                const __m512 vv = _mm512_maskz_loadu_ps(in, w.vt.data() + e * T + j0);
+                for (int g = 0; g < G; ++g) {
+                    sc[g] = _mm512_fmadd_ps(_mm512_set1_ps(w.qf[g * DIM + e]), kv, sc[g]);
+                    dp[g] = _mm512_fmadd_ps(_mm512_set1_ps(w.gf[g * DIM + e]), vv, dp[g]);
+                }
+            }
+            for (int g = 0; g < G; ++g) {
+                _mm512_store_ps(pb[g], sc[g]);
+                _mm512_store_ps(db[g], dp[g]);
+#pragma omp simd
+                for (int jj = 0; jj < 16; ++jj) {
+                    const float pj = exp_f32(pb[g][jj] * scale - L[g]);
+                    pb[g][jj] = pj;
+                    db[g][jj] = pj * (db[g][jj] - D_[g]) * scale;
+                }
+            }
+            for (int jj = 0; jj < 16; ++jj) {
+                if (!((in >> jj) & 1)) continue;
+                const int64_t j = j0 + jj;
+                __m512 kj[C], gk[C], gv[C];
+                for (int c = 0; c < C; ++c) {
+                    kj[c] = _mm512_loadu_ps(w.kc.data() + j * DIM + 16 * c);
+                    gk[c] = _mm512_loadu_ps(w.gk.data() + j * DIM + 16 * c);
+                    gv[c] = _mm512_loadu_ps(w.gv.data() + j * DIM + 16 * c);
+                }
+                for (int g = 0; g < G; ++g) {
+                    const __m512 ds = _mm512_set1_ps(db[g][jj]), pj = _mm512_set1_ps(pb[g][jj]);
+                    for (int c = 0; c < C; ++c) {
+                        gq[g][c] = _mm512_fmadd_ps(ds, kj[c], gq[g][c]);
+                        gk[c] = _mm512_fmadd_ps(ds, _mm512_loadu_ps(w.qf.data() + g * DIM + 16 * c), gk[c]);
+                        gv[c] = _mm512_fmadd_ps(pj, _mm512_loadu_ps(w.gf.data() + g * DIM + 16 * c), gv[c]);
+                    }
+                }
+                for (int c = 0; c < C; ++c) {
+                    _mm512_storeu_ps(w.gk.data() + j * DIM + 16 * c, gk[c]);
+                    _mm512_storeu_ps(w.gv.data() + j * DIM + 16 * c, gv[c]);
+                }
+            }
+        }
+    for (int g = 0; g < G; ++g)
+        for (int c = 0; c < C; ++c) _mm512_storeu_ps(w.gq.data() + g * DIM + 16 * c, gq[g][c]);
+}
+
+// bwd_token_fast for G = rep (1 .. 4), else false (the caller runs the portable form).
+template <int DIM>
+bool bwd_token_dispatch(BwdScratch& w, KeySlots ks, const uint8_t* pok, const float* D_, const float* L, int64_t T,
+                        int64_t rep, float scale) {
+    switch (rep) {
+        case 1: bwd_token_fast<DIM, 1>(w, ks, pok, D_, L, T, scale); return true;
+        case 2: bwd_token_fast<DIM, 2>(w, ks, pok, D_, L, T, scale); return true;
+        case 3: bwd_token_fast<DIM, 3>(w, ks, pok, D_, L, T, scale); return true;
+        case 4: bwd_token_fast<DIM, 4>(w, ks, pok, D_, L, T, scale); return true;
+        default: return false;
+    }
+}
+#endif
+
+template <class D>
+void segment_attention_bwd(const typename D::T* q, const typename D::T* k, const typename D::T* v,
+                           const typename D::T* out, const typename D::T* dout, const float* lse,
+                           typename D::T* dq, typename D::T* dk, typename D::T* dv, const int64_t* row_start,
+                           int64_t groups, int64_t P, const uint8_t* prompt_ok, const int64_t* seg, int64_t H,
+                           int64_t Hkv, int64_t d, float scale) {
+    const int64_t rep = H / Hkv;
+#pragma omp parallel
+    {
+    BwdScratch w;
+    std::vector<float> D_(rep), L(rep);
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t gh = 0; gh < groups * Hkv; ++gh) {
+        const int64_t g = gh / Hkv, h = gh % Hkv, r0 = row_start[g], T = row_start[g + 1] - r0;
+        const uint8_t* pok = prompt_ok + g * P;
+        w.reset(T, d, rep);
+        for (int64_t j = 0; j < T; ++j)
+            for (int64_t e = 0; e < d; ++e) {
+                const float kj = D::load(k[((r0 + j) * Hkv + h) * d + e]);
+                w.kt[e * T + j] = w.kc[j * d + e] = kj;
+                w.vt[e * T + j] = D::load(v[((r0 + j) * Hkv + h) * d + e]);
+            }
+        for (int64_t li = 0; li < T; ++li) {
+            const int64_t i = r0 + li, head0 = i * H + h * rep;
+            for (int64_t r = 0; r < rep; ++r) {
+                float dot = 0.f;
+                for (int64_t e = 0; e < d; ++e) {
+                    w.qf[r * d + e] = D::load(q[(head0 + r) * d + e]);
+                    w.gf[r * d + e] = D::load(dout[(head0 + r) * d + e]);
+                    dot += w.gf[r * d + e] * D::load(out[(head0 + r) * d + e]);
+                }
+                D_[r] = dot, L[r] = lse[head0 + r];
+            }
+            const KeySlots ks = key_slots(li, seg[i], P, pok);
+            bool done = false;
+#if defined(FAST_ATTENTION)
+            if (d == 64) done = bwd_token_dispatch<64>(w, ks, pok, D_.data(), L.data(), T, rep, scale);
+            if (d == 128) done = bwd_token_dispatch<128>(w, ks, pok, D_.data(), L.data(), T, rep, scale);
+#endif
+            if (!done) bwd_token_any(w, ks, pok, D_.data(), L.data(), T, d, rep, scale);
+            for (int64_t e = 0; e < rep * d; ++e) dq[head0 * d + e] = D::store(w.gq[e]);
+        }
+        for (int64_t j = 0; j < T; ++j)
+            for (int64_t e = 0; e < d; ++e) {
+                dk[((r0 + j) * Hkv + h) * d + e] = D::store(w.gk[j * d + e]);
+                dv[((r0 + j) * Hkv + h) * d + e] = D::store(w.gv[j * d + e]);
+            }
     }
     }
 }
@@ -462,6 +756,22 @@ void decode_layers(const int64_t* table, int64_t L, typename D::T* x, typename D
                                       int64_t C, int64_t R, int64_t out) {                                    \
         lora_add<D>((const D::T*)x, A, Bt, (D::T*)y, b, C, R, out);                                           \
     }                                                                                                         \
+    extern "C" void segment_attention_fwd_##SUFFIX(const void* q, const void* k, const void* v, void* out,        \
+                                                   float* lse, const int64_t* row_start, int64_t groups, int64_t P, \
+                                                   const uint8_t* prompt_ok, const int64_t* seg, int64_t H,         \
+                                                   int64_t Hkv, int64_t d, float scale) {                           \
+        segment_attention_fwd<D>((const D::T*)q, (const D::T*)k, (const D::T*)v, (D::T*)out, lse, row_start,       \
+                                 groups, P, prompt_ok, seg, H, Hkv, d, scale);                                     \
+    }                                                                                                              \
+    extern "C" void segment_attention_bwd_##SUFFIX(const void* q, const void* k, const void* v, const void* out,  \
+                                                   const void* dout, const float* lse, void* dq, void* dk,         \
+                                                   void* dv, const int64_t* row_start, int64_t groups, int64_t P,  \
+                                                   const uint8_t* prompt_ok, const int64_t* seg, int64_t H,        \
+                                                   int64_t Hkv, int64_t d, float scale) {                          \
+        segment_attention_bwd<D>((const D::T*)q, (const D::T*)k, (const D::T*)v, (const D::T*)out,                \
+                                 (const D::T*)dout, lse, (D::T*)dq, (D::T*)dk, (D::T*)dv, row_start, groups, P,   \
+                                 prompt_ok, seg, H, Hkv, d, scale);                                               \
+    }                                                                                                              \
     extern "C" void silu_mul_##SUFFIX(const void* gate_up, void* out, int64_t b, int64_t I) {                 \
         silu_mul<D>((const D::T*)gate_up, (D::T*)out, b, I);                                                  \
     }                                                                                                         \

@@ -244,8 +244,9 @@ def _fused_base(lean: LeanDecoder, parts: list[list[list]], head_parts: list, ro
     dtype = lean.embed.weight.dtype
     shapes = tuple((sum(w.size(0) for w, _, _ in g), g[0][0].size(1)) for g in parts[0])
     kernel, rates = linear_kernel(dtype, rows, shapes)
-    key = tuple((id(w), w._version) for layer in parts for group in layer for w, _, _ in group) + \
-        tuple((id(w), w._version) for w, _, _ in head_parts) + (kernel,)
+    # the same tensors with the same data (`module.to(dtype)` keeps the parameter, not its data) and version
+    key = tuple((id(w), w.data_ptr(), w.dtype, w._version) for layer in parts for group in layer for w, _, _ in group) + \
+        tuple((id(w), w.data_ptr(), w.dtype, w._version) for w, _, _ in head_parts) + (kernel,)
     cached = _BASES.get(lean.embed)
     if cached is not None and cached.key == key:
         return cached
@@ -318,9 +319,9 @@ def _probe_update_gemm(dtype: torch.dtype, shape: tuple[int, int]) -> bool:
 def use_packed_linears(model) -> int:
     """Let the base linears of a Llama-family model's layers and LM head multiply on the sampler's packed
     weights in their forward (`lora_linear.set_packed`: views into the fused base buffer, no copy), where the
-    compiled matmul runs and beats torch's at the update's row counts here (`native_update_gemm`); else
-    they keep (or go back to) torch's. A linear of a stacked group whose weight does not start on a
-    16-column block keeps torch's. -> how many linears read packed weights."""
+    compiled matmul runs and beats torch's at the update's row counts here (`native_update_gemm`) and the
+    base is frozen (LoRA); else they keep (or go back to) torch's. A linear of a stacked group whose weight
+    does not start on a 16-column block keeps torch's. -> how many linears read packed weights."""
     lean = LeanDecoder.of(model)
     if lean is None or lean.embed.weight.device.type != "cpu":
         return 0
@@ -332,12 +333,15 @@ def use_packed_linears(model) -> int:
     except Unsupported:
         return 0
     everything = [m for g in groups for m in g]
-    use = all(m.weight.dtype == dtype for m in everything) and native_update_gemm(dtype, tuple(modules[0][2][0].weight.shape))
+    # trained base weights (full fine-tuning) change every step: their packs would be rebuilt every update
+    use = all(m.weight.dtype == dtype and not m.weight.requires_grad for m in everything) and \
+        native_update_gemm(dtype, tuple(modules[0][2][0].weight.shape))
     base = None
     if use:
         parts = [[[_linear_parts(getattr(getattr(layer, block), name)) for name in names] for block, names in GROUPS]
                  for layer in lean.layers]
-        base = _fused_base(lean, parts, [_linear_parts(lean.head)], 16)
+        with torch.no_grad():
+            base = _fused_base(lean, parts, [_linear_parts(lean.head)], 16)
     if base is None or base.kernel != "native":
         for m in everything:
             set_packed(m, None, None)

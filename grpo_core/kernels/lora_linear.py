@@ -47,13 +47,16 @@ def lora_parts(module) -> tuple[torch.nn.Module, list[tuple[torch.Tensor, torch.
 
 def set_packed(base: torch.nn.Linear, packed: torch.Tensor | None, ops) -> None:
     """Give a frozen base linear a packed copy of its weight (`native.NativeOps.pack` layout) for its forward,
-    used while the weight stays at its current version (an in-place change drops it); None takes it away."""
-    base._native_packed = None if packed is None else (packed, base.weight._version, ops)
+    used while the weight stays the same tensor at the same version (an in-place change, or new data as
+    `module.to(dtype)` gives, drops it); None takes it away."""
+    w = base.weight
+    base._native_packed = None if packed is None else (packed, (w.data_ptr(), w._version, w.dtype), ops)
 
 
 def _packed(base) -> tuple | None:
     hit = getattr(base, "_native_packed", None)
-    if hit is None or hit[1] != base.weight._version or base.weight.requires_grad:
+    w = base.weight
+    if hit is None or hit[1] != (w.data_ptr(), w._version, w.dtype) or w.requires_grad:
         return None
     return hit
 

@@ -45,6 +45,9 @@ _SIGNATURES = {
     "decode_attention": [_PTR, _PTR, _PTR, _I64, _PTR, _PTR, _I64, _I64, _PTR, _I64, _I64, _I64, _I64, _I64, _I64,
                          _F32],
     "silu_mul": [_PTR, _PTR, _I64, _I64],
+    "segment_attention_fwd": [_PTR, _PTR, _PTR, _PTR, _PTR, _PTR, _I64, _I64, _PTR, _PTR, _I64, _I64, _I64, _F32],
+    "segment_attention_bwd": [_PTR, _PTR, _PTR, _PTR, _PTR, _PTR, _PTR, _PTR, _PTR, _PTR, _I64, _I64, _PTR, _PTR, _I64,
+                              _I64, _I64, _F32],
     "lora_add": [_PTR, _PTR, _PTR, _PTR, _I64, _I64, _I64, _I64],
     "decode_layers": [_PTR, _I64, _PTR, _PTR, _PTR, _I64, _PTR, _PTR, _PTR, _PTR, _I64, _PTR, _PTR, _I64, _I64, _I64,
                       _I64, _I64, _I64, _I64, _I64, _I64, _F32, _F32],
@@ -207,6 +210,31 @@ class NativeOps:
                                             None if prefix is None else self._slots(cache[0], b, prefix), split, B,
                                             b, x.size(1), n_q, n_kv, d, T, t, scale, eps)
         return h
+
+    def segment_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, row_start: torch.Tensor,
+                          prompt_ok: torch.Tensor, seg: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """Attention of the update's packed group rows (see decode_ops.cpp): q [N, H, d], k, v [N, Hkv, d];
+        group g's row is tokens row_start[g] .. row_start[g + 1] - 1 (int64 [n + 1]), its first P slots the
+        prompt, prompt_ok [n, P] (bool) the real ones; seg [N] int64 where each token's answer starts in its
+        row (-1: a prompt token). -> (out [N, H, d], lse [N, H] float32)."""
+        out, lse = torch.empty_like(q), torch.empty(q.size(0), q.size(1))
+        self._fns["segment_attention_fwd", q.dtype](q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(),
+                                                    lse.data_ptr(), row_start.data_ptr(), row_start.numel() - 1,
+                                                    prompt_ok.size(1), prompt_ok.data_ptr(), seg.data_ptr(), q.size(1),
+                                                    k.size(1), q.size(2), scale)
+        return out, lse
+
+    def segment_attention_backward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+                                   grad: torch.Tensor, lse: torch.Tensor, row_start: torch.Tensor,
+                                   prompt_ok: torch.Tensor, seg: torch.Tensor, scale: float):
+        """(dq, dk, dv) of `segment_attention` for the output gradient grad [N, H, d]."""
+        dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+        self._fns["segment_attention_bwd", q.dtype](q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(),
+                                                    grad.data_ptr(), lse.data_ptr(), dq.data_ptr(), dk.data_ptr(),
+                                                    dv.data_ptr(), row_start.data_ptr(), row_start.numel() - 1,
+                                                    prompt_ok.size(1), prompt_ok.data_ptr(), seg.data_ptr(), q.size(1),
+                                                    k.size(1), q.size(2), scale)
+        return dq, dk, dv
 
     def logit_sweep(self, logits: torch.Tensor, ids: torch.Tensor, temperature: float, with_entropy: bool):
         """logits [n, V], ids [n] int64 -> float32 (logp [n], lse [n], entropy [n] or None) of softmax(logits / T)."""

@@ -7,7 +7,9 @@ The fused sampler (grpo_core/kernels/fused_decode.py) of the step-speed policy i
 difference to the full step is that work's cost, as it is paid *in place* (between the weight streams
 that evict the caches, which makes a small op several times dearer than in a loop of its own):
 
-    full            the real step (with the small ops compiled, grpo_core/kernels/native.py, where they load)
+    full            the real step (with the small ops compiled, grpo_core/kernels/native.py, where they load;
+                    every layer in one compiled call where the linears are the compiled matmul's)
+    full, per-op calls  the same step with one compiled call per operation from Python
     full, torch ops the step with those ops as torch ops; the next three ablate them there
     -attention      the decode attention returns its queries (no KV read)
     -rmsnorm        both RMSNorms of every layer return their input
@@ -68,11 +70,23 @@ def without_lora(dec: FusedDecoder):
     saved = [(lin.lora_a, lin.lora_b) for lin in linears]
     for lin in linears:
         lin.lora_a = lin.lora_b = None
+    table, dec.table = dec.table, dec._layer_table()          # the one-call step reads the factors from its table
     try:
         yield
     finally:
         for lin, (a, b) in zip(linears, saved):
             lin.lora_a, lin.lora_b = a, b
+        dec.table = table
+
+
+@contextlib.contextmanager
+def per_op_calls(dec: FusedDecoder):
+    """The native step as one compiled call per operation from Python instead of one for all layers."""
+    table, dec.table = dec.table, None
+    try:
+        yield
+    finally:
+        dec.table = table
 
 
 def decode_seconds(dec: FusedDecoder, ids: torch.Tensor) -> float:
@@ -137,6 +151,9 @@ def main(argv=None) -> dict:
     }
     if native_ops is not None:           # the ablations above run on torch ops: their own full step too
         variants = {"full": variants["full"], "full, torch ops": torch_ops, **dict(list(variants.items())[1:])}
+    if dec.table is not None:            # every layer in one compiled call: also one call per operation
+        variants = {"full": variants["full"], "full, per-op calls": lambda: per_op_calls(dec),
+                    **dict(list(variants.items())[1:])}
     seconds: dict[str, list[float]] = {k: [] for k in [*variants, "linears only"]}
     for r in range(args.rounds + 1):
         for name, ctx in variants.items():

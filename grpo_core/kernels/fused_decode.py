@@ -136,7 +136,8 @@ def linear_kernel(dtype: torch.dtype, rows: int, shapes: tuple[tuple[int, int], 
 def _probe(dtype: torch.dtype, rows: int, shapes: tuple[tuple[int, int], ...], mib: int) -> tuple[str, dict]:
     flat, weights = streaming_weights(shapes, mib, dtype)
     itemsize = flat.element_size()
-    inputs = {i: torch.randn(rows, i).to(dtype) for _, i in shapes}
+    g = torch.Generator().manual_seed(0)             # not the global stream: a resumed run must draw the same
+    inputs = {i: torch.randn(rows, i, generator=g).to(dtype) for _, i in shapes}
     candidates = {"plain": lambda: [F.linear(inputs[w.size(1)], w) for w in weights]}
     if torch.backends.mkldnn.is_available():
         try:
@@ -240,14 +241,20 @@ class _FusedBase:
 _BASES: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
-def _fused_base(lean: LeanDecoder, parts: list[list[list]], head_parts: list, rows: int) -> _FusedBase:
+def _fused_base(lean: LeanDecoder, parts: list[list[list]], head_parts: list, rows: int,
+                any_kernel: bool = False) -> _FusedBase:
+    """The fused base weights for the kernel the probe picks at `rows` rows (built, or kept from before while
+    the weights are the same); `any_kernel`: the one kept from before whatever its kernel, if still valid."""
     dtype = lean.embed.weight.dtype
+    # the same tensors with the same data (`module.to(dtype)` keeps the parameter, not its data) and version
+    weights = tuple((id(w), w.data_ptr(), w.dtype, w._version) for layer in parts for group in layer
+                    for w, _, _ in group) + tuple((id(w), w.data_ptr(), w.dtype, w._version) for w, _, _ in head_parts)
+    cached = _BASES.get(lean.embed)
+    if any_kernel and cached is not None and cached.key[:-1] == weights:
+        return cached
     shapes = tuple((sum(w.size(0) for w, _, _ in g), g[0][0].size(1)) for g in parts[0])
     kernel, rates = linear_kernel(dtype, rows, shapes)
-    # the same tensors with the same data (`module.to(dtype)` keeps the parameter, not its data) and version
-    key = tuple((id(w), w.data_ptr(), w.dtype, w._version) for layer in parts for group in layer for w, _, _ in group) + \
-        tuple((id(w), w.data_ptr(), w.dtype, w._version) for w, _, _ in head_parts) + (kernel,)
-    cached = _BASES.get(lean.embed)
+    key = weights + (kernel,)
     if cached is not None and cached.key == key:
         return cached
     gemm = native.load() if kernel == "native" else None
@@ -319,8 +326,8 @@ def _probe_update_gemm(dtype: torch.dtype, shape: tuple[int, int]) -> bool:
 def use_packed_linears(model) -> int:
     """Let the base linears of a Llama-family model's layers and LM head multiply on the sampler's packed
     weights in their forward (`lora_linear.set_packed`: views into the fused base buffer, no copy), where the
-    compiled matmul runs and beats torch's at the update's row counts here (`native_update_gemm`) and the
-    base is frozen (LoRA); else they keep (or go back to) torch's. A linear of a stacked group whose weight
+    base is frozen bf16 (LoRA), the compiled matmul beats torch's at the update's row counts here
+    (`native_update_gemm`) and the fused base reads it; else they keep (or go back to) torch's. A linear of a stacked group whose weight
     does not start on a 16-column block keeps torch's. -> how many linears read packed weights."""
     lean = LeanDecoder.of(model)
     if lean is None or lean.embed.weight.device.type != "cpu":
@@ -333,15 +340,16 @@ def use_packed_linears(model) -> int:
     except Unsupported:
         return 0
     everything = [m for g in groups for m in g]
-    # trained base weights (full fine-tuning) change every step: their packs would be rebuilt every update
-    use = all(m.weight.dtype == dtype and not m.weight.requires_grad for m in everything) and \
-        native_update_gemm(dtype, tuple(modules[0][2][0].weight.shape))
+    # bf16 only (in fp32 the update's frozen weights are oneDNN-packed already, as fast here); a trained base
+    # (full fine-tuning) changes every step, so its packs would be rebuilt every update
+    use = dtype == torch.bfloat16 and all(m.weight.dtype == dtype and not m.weight.requires_grad for m in everything) \
+        and native_update_gemm(dtype, tuple(modules[0][2][0].weight.shape))
     base = None
     if use:
         parts = [[[_linear_parts(getattr(getattr(layer, block), name)) for name in names] for block, names in GROUPS]
                  for layer in lean.layers]
-        with torch.no_grad():
-            base = _fused_base(lean, parts, [_linear_parts(lean.head)], 16)
+        with torch.no_grad():            # the sampler's base as it is (its probe ran at the rows it decodes)
+            base = _fused_base(lean, parts, [_linear_parts(lean.head)], 16, any_kernel=True)
     if base is None or base.kernel != "native":
         for m in everything:
             set_packed(m, None, None)

@@ -4,7 +4,8 @@
 // a chain of tensor ops these few kilobytes of work cost more than reading a layer's weights.
 // `decode_layers` runs them and the packed matmuls (gemm_ops.cpp) for every layer of a step in one call:
 // one call per operation from Python cost about a fifth of a bf16 step (the interpreter, and the idle
-// OpenMP thread spinning meanwhile).
+// OpenMP thread spinning meanwhile). The update's attention over its packed group rows reuses the decode
+// attention forward and adds its backward (`segment_attention_fwd` / `_bwd`, grpo_core/logprobs.py).
 //
 // Every function takes float32 (`_f32`) or bfloat16 (`_bf16`, raw uint16 bits) tensors, computes in
 // float32 and rounds once to the storage type (round to nearest even). Layouts are row-major and
@@ -387,9 +388,6 @@ void segment_attention_fwd(const typename D::T* q, const typename D::T* k, const
     }
 }
 
-// The gradients of segment_attention_fwd: dq [N, H, d], dk, dv [N, Hkv, d] for the output gradient dout,
-// from q, k, v, its output and lse (FlashAttention's backward: each softmax recomputed from lse). One (group,
-// kv head) per thread at a time, so that its keys' gradients build up in float32 without sharing.
 // The keys' slots token li attends in its row: [0, pre) (the prompt's real ones among them) and [a, b).
 struct KeySlots {
     int64_t pre, a, b;
@@ -538,6 +536,9 @@ bool bwd_token_dispatch(BwdScratch& w, KeySlots ks, const uint8_t* pok, const fl
 }
 #endif
 
+// The gradients of segment_attention_fwd: dq [N, H, d], dk, dv [N, Hkv, d] for the output gradient dout,
+// from q, k, v, its output and lse (FlashAttention's backward: each softmax recomputed from lse). One (group,
+// kv head) per thread at a time, so that its keys' gradients build up in float32 without sharing.
 template <class D>
 void segment_attention_bwd(const typename D::T* q, const typename D::T* k, const typename D::T* v,
                            const typename D::T* out, const typename D::T* dout, const float* lse,

@@ -177,7 +177,8 @@ def test_the_fused_base_is_rebuilt_when_the_model_changes_dtype(tiny_model_dir):
         if "lora_" in n:
             p.data = p.data.float()
     fused = _assert_same(model, atol=0.1, rtol=0.02)
-    assert first.layers[0].gate_up.weight.dtype == torch.float32 and fused.layers[0].gate_up.weight.dtype == torch.bfloat16
+    assert first.layers[0].gate_up.weight.dtype == torch.float32
+    assert fused.layers[0].gate_up.weight.dtype == torch.bfloat16
 
 
 @pytest.mark.parametrize("native", NATIVE)

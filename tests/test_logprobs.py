@@ -199,7 +199,8 @@ def test_the_update_forward_multiplies_on_the_samplers_packed_weights(tiny_model
     params = [p for p in model.parameters() if p.requires_grad]
     calls = []
     packed_linear = native.NativeOps.packed_linear
-    monkeypatch.setattr(native.NativeOps, "packed_linear", lambda self, *a: calls.append(a[2]) or packed_linear(self, *a))
+    monkeypatch.setattr(native.NativeOps, "packed_linear",
+                        lambda self, *a: calls.append(a[2]) or packed_linear(self, *a))
 
     def run(setting):
         monkeypatch.setenv("GRPO_UPDATE_LINEAR", setting)
@@ -249,7 +250,7 @@ def test_the_compiled_segment_attention_at_head_dim_64(heads):
     calls = []
     apply = alg._NativeSegmentAttention.apply
 
-    def run(group_size, compiled=True):
+    def run(group_size):
         calls.clear()
         lp, _ = completion_logprobs(model, ids, attn, C, group_size=group_size)
         return lp * mask, torch.autograd.grad((lp * mask).sum(), params)

@@ -327,8 +327,9 @@ def use_packed_linears(model) -> int:
     """Let the base linears of a Llama-family model's layers and LM head multiply on the sampler's packed
     weights in their forward (`lora_linear.set_packed`: views into the fused base buffer, no copy), where the
     base is frozen bf16 (LoRA), the compiled matmul beats torch's at the update's row counts here
-    (`native_update_gemm`) and the fused base reads it; else they keep (or go back to) torch's. A linear of a stacked group whose weight
-    does not start on a 16-column block keeps torch's. -> how many linears read packed weights."""
+    (`native_update_gemm`) and the fused base reads it; else they keep (or go back to) torch's. A linear of
+    a stacked group whose weight does not start on a 16-column block keeps torch's. -> how many linears read
+    packed weights."""
     lean = LeanDecoder.of(model)
     if lean is None or lean.embed.weight.device.type != "cpu":
         return 0

@@ -9,11 +9,13 @@ finds it faster) the frozen base weights' matmuls run as compiled kernels (`kern
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
+from grpo_core.kernels import native
 from grpo_core.kernels.fused_decode import use_packed_linears
 from grpo_core.kernels.lean_decode import LeanDecoder, causal_pad_mask, positions
 from grpo_core.kernels.lora_linear import linear
@@ -97,12 +99,9 @@ class _SweptLogprob(torch.autograd.Function):
         return grad, None, None, None, None
 
 
-def _sweep_ops(logits: torch.Tensor):
-    """The compiled logit sweep when it applies to these logits (CPU, float32 or bfloat16), else None."""
-    if logits.device.type != "cpu" or logits.dtype not in (torch.float32, torch.bfloat16):
-        return None
-    from grpo_core.kernels import native
-    return native.load()
+# the compiled logit sweep and segment attention, where they apply (tests switch either off here)
+_sweep_ops = native.ops_for
+_native_attention_ops = native.ops_for
 
 
 def _head_chunk(hidden: torch.Tensor, head: torch.nn.Module, ids: torch.Tensor, temperature: float,
@@ -378,14 +377,6 @@ class _NativeSegmentAttention(torch.autograd.Function):
         return dq, dk, dv, None, None, None
 
 
-def _native_attention_ops(q: torch.Tensor):
-    """The compiled kernels when the segment attention can run on them (CPU, float32 or bfloat16), else None."""
-    if q.device.type != "cpu" or q.dtype not in (torch.float32, torch.bfloat16):
-        return None
-    from grpo_core.kernels import native
-    return native.load()
-
-
 def _segment_attention(input_ids: torch.Tensor, attention_mask: torch.Tensor, completion_len: int, group_size: int):
     """Attention for the group rows of `_packed_groups(..., flat=True)`, end to end in one sequence, that
     computes only the pairs its mask allows: each prompt attends to itself, and each completion to its
@@ -397,23 +388,28 @@ def _segment_attention(input_ids: torch.Tensor, attention_mask: torch.Tensor, co
     B = input_ids.size(0)
     P, G, n, dev = input_ids.size(1) - completion_len, group_size, B // group_size, input_ids.device
     _, lengths, starts, row_start, total = _group_layout(attention_mask, completion_len, G, flat=True)
-    group = torch.arange(B, device=dev) // G
-    prompt_idx = (row_start[:, None] + torch.arange(P, device=dev)).view(-1)     # [n * P]
     p_attn = attention_mask[::G, :P].bool()                                      # [n, P]
-    prompt_mask = causal_pad_mask(p_attn)                                        # [n, 1, P, P]
-    blocks = [_query_blocks(rows, lengths, starts, row_start, group, p_attn, total)
-              for rows in _length_split(lengths, P)]
-    biases = {}                                   # dtype -> additive masks (prompt, then each block), built once
     rows, t = attention_mask[:, P:].bool().nonzero(as_tuple=True)               # real answer tokens
     seg = torch.full((total,), -1, dtype=torch.long, device=dev)                # where each token's answer starts
     seg[row_start[rows // G] + starts[rows] + t] = starts[rows]
     layout = (torch.cat([row_start, row_start.new_tensor([total])]), p_attn.contiguous(), seg)
+    biases = {}                                   # dtype -> additive masks (prompt, then each block), built once
+
+    @functools.cache
+    def written_out():
+        """The torch ops' gathers and masks: the prompts' slots, their mask, the answers' query blocks."""
+        group = torch.arange(B, device=dev) // G
+        prompt_idx = (row_start[:, None] + torch.arange(P, device=dev)).view(-1)  # [n * P]
+        blocks = [_query_blocks(rows, lengths, starts, row_start, group, p_attn, total)
+                  for rows in _length_split(lengths, P)]
+        return prompt_idx, causal_pad_mask(p_attn), blocks                      # mask [n, 1, P, P]
 
     def attend(q, k, v, scale):
         ops = _native_attention_ops(q)
         if ops is not None:                       # token-major [N, h, d]: the trunk's q, k, v are views of that
             q, k, v = (x[0].transpose(0, 1).contiguous() for x in (q, k, v))
             return _NativeSegmentAttention.apply(q, k, v, layout, scale, ops).transpose(0, 1)[None]
+        prompt_idx, prompt_mask, blocks = written_out()
         H, d = q.size(1), q.size(-1)
         if q.dtype not in biases:                 # (only the CPU's written-out attention reads them)
             Hkv = k.size(1)

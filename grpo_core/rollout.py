@@ -147,10 +147,8 @@ def sample_next(logits: torch.Tensor, temperature: float, top_k: int, top_p: flo
 
 def _sample_ops(logits: torch.Tensor):
     """The compiled sampler (`native.NativeOps.sample_rows`) where it applies to these logits, else None."""
-    if logits.device.type != "cpu" or logits.dtype not in (torch.float32, torch.bfloat16) or logits.dim() != 2:
-        return None
     from grpo_core.kernels import native
-    return native.load()
+    return native.ops_for(logits) if logits.dim() == 2 else None
 
 
 def draw(probs: torch.Tensor, generator: torch.Generator | None, block: int = 256) -> torch.Tensor:

@@ -162,6 +162,12 @@ def _linear_parts(module) -> tuple[torch.Tensor, torch.Tensor | None, list[tuple
     return base.weight, base.bias, [(A, B * scale) for A, B, scale in factors]
 
 
+def _layer_parts(lean: LeanDecoder) -> list[list[list]]:
+    """`_linear_parts` of every linear, per layer and per fused group (`GROUPS`); raises Unsupported."""
+    return [[[_linear_parts(getattr(getattr(layer, block), name)) for name in names] for block, names in GROUPS]
+            for layer in lean.layers]
+
+
 @dataclass
 class FusedLinear:
     weight: torch.Tensor                 # [out, in] in the snapshot buffer, oneDNN-packed, or in column blocks
@@ -347,10 +353,8 @@ def use_packed_linears(model) -> int:
         and native_update_gemm(dtype, tuple(modules[0][2][0].weight.shape))
     base = None
     if use:
-        parts = [[[_linear_parts(getattr(getattr(layer, block), name)) for name in names] for block, names in GROUPS]
-                 for layer in lean.layers]
         with torch.no_grad():            # the sampler's base as it is (its probe ran at the rows it decodes)
-            base = _fused_base(lean, parts, [_linear_parts(lean.head)], 16, any_kernel=True)
+            base = _fused_base(lean, _layer_parts(lean), [_linear_parts(lean.head)], 16, any_kernel=True)
     if base is None or base.kernel != "native":
         for m in everything:
             set_packed(m, None, None)
@@ -424,9 +428,7 @@ class FusedDecoder:
         if getattr(cfg, "hidden_act", "silu") != "silu" or lean.embed.weight.device.type != "cpu":
             return None
         try:
-            parts = [[[_linear_parts(getattr(getattr(layer, block), name)) for name in names]
-                      for block, names in GROUPS] for layer in lean.layers]
-            head_parts = [_linear_parts(lean.head)]
+            parts, head_parts = _layer_parts(lean), [_linear_parts(lean.head)]
         except Unsupported:
             return None
         base = _fused_base(lean, parts, head_parts, rows)

@@ -53,10 +53,13 @@ def set_packed(base: torch.nn.Linear, packed: torch.Tensor | None, ops) -> None:
     base._native_packed = None if packed is None else (packed, (w.data_ptr(), w._version, w.dtype), ops)
 
 
-def _packed(base) -> tuple | None:
+def _packed(base, x: torch.Tensor | None = None) -> tuple | None:
+    """The pack `base` multiplies on: set, still its weight's, the weight and bias frozen (and x, when
+    given, of their dtype)."""
     hit = getattr(base, "_native_packed", None)
-    w = base.weight
-    if hit is None or hit[1] != (w.data_ptr(), w._version, w.dtype) or w.requires_grad:
+    w, b = base.weight, base.bias
+    if hit is None or hit[1] != (w.data_ptr(), w._version, w.dtype) or w.requires_grad or \
+            (x is not None and x.dtype != w.dtype) or (b is not None and b.requires_grad):
         return None
     return hit
 
@@ -64,8 +67,8 @@ def _packed(base) -> tuple | None:
 def base_forward(base, x: torch.Tensor) -> torch.Tensor:
     """base(x) for a frozen base linear, on its packed weight where it has one (no autograd: for the forward
     of an autograd function, or under no_grad)."""
-    hit = _packed(base)
-    if hit is None or x.dtype != base.weight.dtype:
+    hit = _packed(base, x)
+    if hit is None:
         return base(x)
     packed, _, ops = hit
     return ops.packed_linear(x, packed, base.bias, base.out_features)
@@ -123,9 +126,7 @@ class _LoraLinear(torch.autograd.Function):
 
 def _frozen(base, x: torch.Tensor) -> torch.Tensor:
     """base(x), on its packed weight where it has one."""
-    if _packed(base) is None or x.dtype != base.weight.dtype or (base.bias is not None and base.bias.requires_grad):
-        return base(x)
-    if torch.is_grad_enabled() and x.requires_grad:
+    if torch.is_grad_enabled() and x.requires_grad and _packed(base, x) is not None:
         return _FrozenLinear.apply(x, base)
     return base_forward(base, x)
 

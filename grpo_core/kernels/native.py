@@ -416,6 +416,13 @@ def _check_trunk_ops(ops: NativeOps, rand, same) -> None:
     same("rope backward", ops.rope(gq, cos, sin, backward=True), q.grad)
 
 
+def ops_for(t: torch.Tensor) -> NativeOps | None:
+    """The checked kernels where they apply to this tensor (float32 or bfloat16 on the CPU), else None."""
+    if t.device.type != "cpu" or t.dtype not in _SUFFIX:
+        return None
+    return load()
+
+
 @functools.cache
 def load() -> NativeOps | None:
     """The checked kernels for this machine, or None (and why, once, on stderr)."""

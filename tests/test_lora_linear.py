@@ -95,3 +95,38 @@ def test_dropout_in_training_fp16_two_adapters_and_dora_go_through_peft(monkeypa
     model.base_model.set_adapter(["default", "second"])
     assert torch.equal(lora_linear.linear(layer, x), layer(x))
     assert len(calls) == 1
+
+
+def test_input_gradient_on_a_packed_base_multiplies_on_a_packed_transpose_kept_while_the_weight_is():
+    """A base with a forward pack takes its input gradient g W from a packed W^T, built once and rebuilt when
+    the weight changes; an odd out width (bf16 packs pair it) and a wide one (an LM head) stay torch's."""
+    from grpo_core.kernels import native
+    ops = native.load()
+    if ops is None or not ops.packed_linear_supported(torch.bfloat16):
+        pytest.skip("the compiled matmul needs AVX-512 and AVX512-BF16")
+    torch.manual_seed(0)
+    base = torch.nn.Linear(48, 40, bias=False).to(torch.bfloat16).requires_grad_(False)
+
+    def pack(linear):
+        w = linear.weight
+        lora_linear.set_packed(linear, ops.pack(w, w.new_empty(ops.packed_numel(*w.shape))), ops)
+
+    pack(base)
+    g = torch.randn(19, 40).to(torch.bfloat16)
+    want = (g.float() @ base.weight.float()).to(torch.bfloat16)
+    got = lora_linear.input_grad(base, g)
+    assert base._native_packed_t is not None and torch.allclose(got.float(), want.float(), atol=0.05, rtol=0.02)
+    kept = base._native_packed_t[0]
+    lora_linear.input_grad(base, g)
+    assert base._native_packed_t[0] is kept                              # built once
+    with torch.no_grad():
+        base.weight.mul_(-1.0)
+    pack(base)                                                           # a new forward pack: a new transpose
+    got = lora_linear.input_grad(base, g)
+    assert base._native_packed_t[0] is not kept and torch.allclose(got.float(), -want.float(), atol=0.05, rtol=0.02)
+    lora_linear.set_packed(base, None, None)
+    assert base._native_packed_t is None                                 # dropped with the forward pack
+    odd = torch.nn.Linear(48, 41, bias=False).to(torch.bfloat16).requires_grad_(False)
+    pack(odd)
+    g = torch.randn(3, 41).to(torch.bfloat16)
+    assert torch.equal(lora_linear.input_grad(odd, g), g @ odd.weight) and getattr(odd, "_native_packed_t", None) is None

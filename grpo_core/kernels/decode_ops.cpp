@@ -180,32 +180,37 @@ inline void scores16(const float* qf, const Blocks<typename D::T>& kv, const uin
 }
 
 // acc [G][DIM] = sum over valid j of p [G][stride] at j times value j; out = acc * norm[g], rounded. The
-// next (row, head)'s values are prefetched when given.
+// next (row, head)'s values are prefetched when given. The G * DIM / 16 (<= 16) accumulators are named
+// variables: as an array GCC keeps them in memory, storing each one every key.
+#define ACC16(X) X(0) X(1) X(2) X(3) X(4) X(5) X(6) X(7) X(8) X(9) X(10) X(11) X(12) X(13) X(14) X(15)
 template <class D, int DIM, int G>
 inline void weighted_values(const float* p, const Blocks<typename D::T>& kv, const uint8_t* ok, int64_t n,
                             int64_t stride, const float* norm, typename D::T* O, const Blocks<typename D::T>* next) {
     constexpr int C = DIM / 16;
-    __m512 acc[G][C];
-    for (int g = 0; g < G; ++g)
-        for (int c = 0; c < C; ++c) acc[g][c] = _mm512_setzero_ps();
+    static_assert(G * C <= 16, "at most 16 accumulators");
+    __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0, a7 = a0, a8 = a0, a9 = a0,
+           a10 = a0, a11 = a0, a12 = a0, a13 = a0, a14 = a0, a15 = a0;
     for (int64_t j = 0; j < n; ++j) {
         if (next)
             for (int64_t b = 0; b < DIM * int64_t(sizeof(typename D::T)); b += 64)
                 _mm_prefetch(reinterpret_cast<const char*>(next->value(j, DIM)) + b, _MM_HINT_T0);
-        if (!ok[j]) continue;
+        const __mmask16 real = ok[j] ? 0xffff : 0;          // a slot not attended may hold anything: read as 0
         const typename D::T* vj = kv.value(j, DIM);
-        __m512 v[C];
-        for (int c = 0; c < C; ++c) v[c] = load16(vj + 16 * c, 0xffff);
-        for (int g = 0; g < G; ++g) {
-            const __m512 pj = _mm512_set1_ps(p[g * stride + j]);
-            for (int c = 0; c < C; ++c) acc[g][c] = _mm512_fmadd_ps(pj, v[c], acc[g][c]);
-        }
+        __m512 v[C], pj[G];
+        for (int c = 0; c < C; ++c) v[c] = load16(vj + 16 * c, real);
+        for (int g = 0; g < G; ++g) pj[g] = _mm512_set1_ps(p[g * stride + j]);
+#define FMA(k) if constexpr (k < G * C) a##k = _mm512_fmadd_ps(pj[k / C], v[k % C], a##k);
+        ACC16(FMA)
+#undef FMA
     }
-    alignas(64) float row[DIM];
-    for (int g = 0; g < G; ++g) {
-        for (int c = 0; c < C; ++c) _mm512_store_ps(row + 16 * c, _mm512_mul_ps(acc[g][c], _mm512_set1_ps(norm[g])));
-        for (int e = 0; e < DIM; ++e) O[g * DIM + e] = D::store(row[e]);
+    alignas(64) float row[16];
+#define OUT(k)                                                                                    \
+    if constexpr (k < G * C) {                                                                    \
+        _mm512_store_ps(row, _mm512_mul_ps(a##k, _mm512_set1_ps(norm[k / C])));                    \
+        for (int e = 0; e < 16; ++e) O[(k / C) * DIM + (k % C) * 16 + e] = D::store(row[e]);       \
     }
+    ACC16(OUT)
+#undef OUT
 }
 
 // scores16 / weighted_values for `heads` (<= G) query heads, G a constant.
@@ -223,6 +228,21 @@ inline void values_upto(int64_t heads, A... args) {
     weighted_values<D, DIM, G>(args...);
 }
 
+// One row of scores [stride] -> exp(s - max) in place; norm = 1 / their sum, lse (when given) = log-sum-exp.
+inline void softmax_row(float* sg, int64_t stride, float* norm, float* lse) {
+    float m = -3.0e38f, total = 0.f;
+#pragma omp simd reduction(max : m)
+    for (int64_t j = 0; j < stride; ++j) m = sg[j] > m ? sg[j] : m;
+#pragma omp simd reduction(+ : total)
+    for (int64_t j = 0; j < stride; ++j) {
+        const float e = exp_f32(sg[j] - m);
+        sg[j] = e;
+        total += e;
+    }
+    *norm = total > 0.f ? 1.f / total : 0.f;
+    if (lse) *lse = m + std::log(total);
+}
+
 // One (row, head) with the head dim DIM (64 or 128) known: scores 16 keys at a time for up to 8 query
 // heads, the softmax, then the values for as many query heads as keep the accumulators in registers.
 template <class D, int DIM>
@@ -236,23 +256,38 @@ void attend_fast(const typename D::T* Q, const Blocks<typename D::T>& kv, const 
         for (int64_t j0 = 0; j0 < n; j0 += 16)
             scores_upto<D, DIM, 8>(rep - g0, qf + g0 * DIM, kv, ok, T, j0, lanes_below(n - j0), s + g0 * stride,
                                    stride, g0 == 0 ? next : nullptr);
-    for (int64_t g = 0; g < rep; ++g) {
-        float* sg = s + g * stride;
-        float m = -3.0e38f, total = 0.f;
-#pragma omp simd reduction(max : m)
-        for (int64_t j = 0; j < stride; ++j) m = sg[j] > m ? sg[j] : m;
-#pragma omp simd reduction(+ : total)
-        for (int64_t j = 0; j < stride; ++j) {
-            const float e = exp_f32(sg[j] - m);
-            sg[j] = e;
-            total += e;
-        }
-        norm[g] = total > 0.f ? 1.f / total : 0.f;
-        if (lse) lse[g] = m + std::log(total);
-    }
+    for (int64_t g = 0; g < rep; ++g) softmax_row(s + g * stride, stride, norm + g, lse ? lse + g : nullptr);
     for (int64_t g0 = 0; g0 < rep; g0 += GV)
         values_upto<D, DIM, GV>(rep - g0, s + g0 * stride, kv, ok, n, stride, norm + g0, O + g0 * DIM,
                                 g0 == 0 ? next : nullptr);
+}
+
+// attend_fast for c tokens of one kv head that attend the same keys, token t the first n[t] of them (n
+// ascending: consecutive tokens of one causal span): the scores of all c * rep query rows, 8 rows per pass
+// over each 16-key block (one token's rep rows alone are too few independent sums to keep the FMA units
+// busy), each row's keys past its own n masked; then each token's values as attend_fast.
+// Q[t], O[t]: token t's rep heads [rep, DIM]; lse[t] its rep log-sum-exps.
+template <class D, int DIM>
+void attend_tokens(const typename D::T* const* Q, typename D::T* const* O, float* const* lse, const int64_t* n,
+                   int64_t c, const Blocks<typename D::T>& kv, const uint8_t* ok, int64_t T, int64_t rep,
+                   float scale, float* qf, float* s, float* norm) {
+    constexpr int GV = DIM == 64 ? 4 : 2;
+    const int64_t R = c * rep, n_max = n[c - 1], stride = (n_max + 15) / 16 * 16;
+    for (int64_t t = 0; t < c; ++t)
+        for (int64_t i = 0; i < rep * DIM; ++i) qf[t * rep * DIM + i] = D::load(Q[t][i]) * scale;
+    for (int64_t g0 = 0; g0 < R; g0 += 8)
+        for (int64_t j0 = 0; j0 < n_max; j0 += 16)
+            scores_upto<D, DIM, 8>(R - g0, qf + g0 * DIM, kv, ok, T, j0, lanes_below(n_max - j0), s + g0 * stride,
+                                   stride, nullptr);
+    for (int64_t r = 0; r < R; ++r) {
+        float* sr = s + r * stride;
+        std::fill(sr + n[r / rep], sr + stride, -3.0e38f);
+        softmax_row(sr, stride, norm + r, lse[r / rep] ? lse[r / rep] + r % rep : nullptr);
+    }
+    for (int64_t t = 0; t < c; ++t)
+        for (int64_t g0 = 0; g0 < rep; g0 += GV)
+            values_upto<D, DIM, GV>(rep - g0, s + (t * rep + g0) * stride, kv, ok, n[t], stride, norm + t * rep + g0,
+                                    O[t] + g0 * DIM, nullptr);
 }
 #endif
 
@@ -348,42 +383,63 @@ void segment_attention_fwd(const typename D::T* q, const typename D::T* k, const
                 vg[j * d + e] = v[((r0 + j) * Hkv + h) * d + e];
             }
     }
+    // spans of up to SPAN consecutive tokens that attend the same keys, each up to itself: one answer's tokens,
+    // or one prompt's real tokens; a padding token is a span of its own (it attends itself only)
+    constexpr int64_t SPAN = 8;
+    auto padding = [&](int64_t i) { return seg[i] < 0 && !prompt_ok[group_of[i] * P + i - row_start[group_of[i]]]; };
+    std::vector<int64_t> span_start;
+    for (int64_t i = 0; i < N; ++i)
+        if (span_start.empty() || i - span_start.back() == SPAN || i == row_start[group_of[i]] || seg[i] != seg[i - 1] ||
+            padding(i) || padding(i - 1))
+            span_start.push_back(i);
+    const int64_t spans = span_start.size();
+    span_start.push_back(N);
 #pragma omp parallel
     {
     const int64_t stride = (P + longest + 15) / 16 * 16;
-    std::vector<float> qf(rep * d), scores(rep * stride), acc(rep * d);
-#pragma omp for schedule(dynamic, 16)
-    for (int64_t ih = 0; ih < N * Hkv; ++ih) {
-        const int64_t i = ih / Hkv, h = ih % Hkv, g = group_of[i], r0 = row_start[g], T = row_start[g + 1] - r0;
-        const int64_t li = i - r0;
+    std::vector<float> qf(SPAN * rep * d), scores(SPAN * rep * stride), acc(rep * d), norm(SPAN * rep);
+    const TT* Qs[SPAN];
+    TT* Os[SPAN];
+    float* Ls[SPAN];
+    int64_t ns[SPAN];
+#pragma omp for schedule(dynamic, 2)
+    for (int64_t sh = 0; sh < spans * Hkv; ++sh) {
+        const int64_t i0 = span_start[sh / Hkv], c = span_start[sh / Hkv + 1] - i0, h = sh % Hkv;
+        const int64_t g = group_of[i0], r0 = row_start[g], T = row_start[g + 1] - r0;
         const TT* kg = kt.data() + (r0 * Hkv + h * T) * d;
         const TT* vg = vc.data() + (r0 * Hkv + h * T) * d;
-        const TT* Q = q + (i * H + h * rep) * d;
-        TT* O = out + (i * H + h * rep) * d;
-        float* L = lse ? lse + i * H + h * rep : nullptr;
         int64_t split = 0;
-        int64_t n = segment_keys(li, seg[i], P, prompt_ok + g * P, split);
-        // own slots seg .. li at key indices P ..: the own blocks start P slots before the answer
-        const int64_t own = seg[i] >= 0 ? seg[i] - split : 0;
+        for (int64_t t = 0; t < c; ++t) {
+            const int64_t i = i0 + t;
+            ns[t] = segment_keys(i - r0, seg[i], P, prompt_ok + g * P, split);
+            Qs[t] = q + (i * H + h * rep) * d;
+            Os[t] = out + (i * H + h * rep) * d;
+            Ls[t] = lse ? lse + i * H + h * rep : nullptr;
+        }
+        // own slots seg .. li at key indices P ..: the own blocks start P slots before the answer (a span's
+        // tokens differ only in their last key; a prompt's own blocks are its prefix blocks)
+        const int64_t own = seg[i0] >= 0 ? seg[i0] - split : 0;
         Blocks<TT> kv{kg, vg, kg + own, vg + own * d, split};
         static const uint8_t one = 1;
         const uint8_t* okg = ok.data() + g * (P + longest);
-        if (n == 0) {                                // a padding token: itself only
+        if (ns[0] == 0) {                            // a padding token: itself only
+            const int64_t li = i0 - r0;
             kv = Blocks<TT>{kg + li, vg + li * d, kg + li, vg + li * d, 1};
-            n = 1;
+            ns[0] = 1;
             okg = &one;
         }
 #if defined(FAST_ATTENTION)
         if (d == 64) {
-            attend_fast<D, 64>(Q, kv, okg, O, T, n, rep, scale, qf.data(), scores.data(), acc.data(), nullptr, L);
+            attend_tokens<D, 64>(Qs, Os, Ls, ns, c, kv, okg, T, rep, scale, qf.data(), scores.data(), norm.data());
             continue;
         }
         if (d == 128) {
-            attend_fast<D, 128>(Q, kv, okg, O, T, n, rep, scale, qf.data(), scores.data(), acc.data(), nullptr, L);
+            attend_tokens<D, 128>(Qs, Os, Ls, ns, c, kv, okg, T, rep, scale, qf.data(), scores.data(), norm.data());
             continue;
         }
 #endif
-        attend_any<D>(Q, kv, okg, O, T, n, rep, d, scale, qf.data(), scores.data(), acc.data(), L);
+        for (int64_t t = 0; t < c; ++t)
+            attend_any<D>(Qs[t], kv, okg, Os[t], T, ns[t], rep, d, scale, qf.data(), scores.data(), acc.data(), Ls[t]);
     }
     }
 }
@@ -459,15 +515,76 @@ inline void bwd_token_any(BwdScratch& w, KeySlots ks, const uint8_t* pok, const 
 }
 
 #if defined(FAST_ATTENTION)
-// bwd_token_any with the head dim DIM and the query heads per kv head G known: 16 key slots at a time, the
-// scores and d(probabilities) of all G heads in registers, then each slot's dq, dk, dv terms.
+// dst [H][DIM] += coef[h][jj] * rows[jj] summed over the keys jj (of 16) in `in`; rows [16][DIM]. The
+// H * DIM / 16 <= 16 sums are named accumulators (see weighted_values).
+template <int DIM, int H>
+inline void heads_from_keys(float* dst, const float (*coef)[16], const float* rows, __mmask16 in) {
+    constexpr int C = DIM / 16;
+    static_assert(H * C <= 16, "at most 16 accumulators");
+    __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0, a7 = a0, a8 = a0, a9 = a0,
+           a10 = a0, a11 = a0, a12 = a0, a13 = a0, a14 = a0, a15 = a0;
+#define LD(k) if constexpr (k < H * C) a##k = _mm512_loadu_ps(dst + (k / C) * DIM + (k % C) * 16);
+#define FMA(k) if constexpr (k < H * C) a##k = _mm512_fmadd_ps(cf[k / C], v[k % C], a##k);
+#define ST(k) if constexpr (k < H * C) _mm512_storeu_ps(dst + (k / C) * DIM + (k % C) * 16, a##k);
+    ACC16(LD)
+    for (int jj = 0; jj < 16; ++jj) {
+        if (!((in >> jj) & 1)) continue;
+        __m512 v[C], cf[H];
+        for (int c = 0; c < C; ++c) v[c] = _mm512_loadu_ps(rows + jj * DIM + 16 * c);
+        for (int h = 0; h < H; ++h) cf[h] = _mm512_set1_ps(coef[h][jj]);
+        ACC16(FMA)
+    }
+    ACC16(ST)
+#undef LD
+#undef FMA
+#undef ST
+}
+
+// heads_from_keys for G heads, as many at a time as have their sums in 16 registers.
+template <int DIM, int G, int G0 = 0>
+inline void heads_from_keys_all(float* dst, const float (*coef)[16], const float* rows, __mmask16 in) {
+    constexpr int H = std::min(16 / (DIM / 16), G - G0);
+    heads_from_keys<DIM, H>(dst + G0 * DIM, coef + G0, rows, in);
+    if constexpr (G0 + H < G) heads_from_keys_all<DIM, G, G0 + H>(dst, coef, rows, in);
+}
+
+// rows[jj] += sum over the G heads of coef[g][jj] * vecs[g], for each key jj (of 16) in `in`; vecs [G][DIM]
+// (the heads' q or output gradient), kept in registers where G * DIM / 16 <= 16.
+template <int DIM, int G>
+inline void keys_from_heads(float* rows, const float (*coef)[16], const float* vecs, __mmask16 in) {
+    constexpr int C = DIM / 16;
+    constexpr bool held = G * C <= 16;
+    __m512 v0 = _mm512_setzero_ps(), v1 = v0, v2 = v0, v3 = v0, v4 = v0, v5 = v0, v6 = v0, v7 = v0, v8 = v0, v9 = v0,
+           v10 = v0, v11 = v0, v12 = v0, v13 = v0, v14 = v0, v15 = v0;
+#define LD(k) if constexpr (held && k < G * C) v##k = _mm512_loadu_ps(vecs + (k / C) * DIM + (k % C) * 16);
+#define FMA(k) if constexpr (k < G * C) o[k % C] = _mm512_fmadd_ps(cf[k / C], v##k, o[k % C]);
+    ACC16(LD)
+    for (int jj = 0; jj < 16; ++jj) {
+        if (!((in >> jj) & 1)) continue;
+        float* r = rows + jj * DIM;
+        __m512 o[C], cf[G];
+        for (int c = 0; c < C; ++c) o[c] = _mm512_loadu_ps(r + 16 * c);
+        for (int g = 0; g < G; ++g) cf[g] = _mm512_set1_ps(coef[g][jj]);
+        if constexpr (held) {
+            ACC16(FMA)
+        } else {
+            for (int g = 0; g < G; ++g)
+                for (int c = 0; c < C; ++c) o[c] = _mm512_fmadd_ps(cf[g], _mm512_loadu_ps(vecs + g * DIM + 16 * c), o[c]);
+        }
+        for (int c = 0; c < C; ++c) _mm512_storeu_ps(r + 16 * c, o[c]);
+    }
+#undef LD
+#undef FMA
+}
+
+// bwd_token_any with the head dim DIM and the query heads per kv head G (<= 4) known: 16 key slots at a time,
+// the scores and d(probabilities) of all G heads in registers, then the slots' dq, dk and dv terms.
 template <int DIM, int G>
 void bwd_token_fast(BwdScratch& w, KeySlots ks, const uint8_t* pok, const float* D_, const float* L, int64_t T,
                     float scale) {
-    constexpr int C = DIM / 16;
-    __m512 gq[G][C];
-    for (int g = 0; g < G; ++g)
-        for (int c = 0; c < C; ++c) gq[g][c] = _mm512_setzero_ps();
+    const float *kt = w.kt.data(), *vt = w.vt.data(), *kc = w.kc.data(), *qf = w.qf.data(), *gf = w.gf.data();
+    float *gq = w.gq.data(), *gk = w.gk.data(), *gv = w.gv.data();
+    std::fill(gq, gq + G * DIM, 0.f);
     alignas(64) float pb[G][16], db[G][16];
     const int64_t ranges[2][2] = {{0, ks.pre}, {ks.a, ks.b}};
     for (int part = 0; part < 2; ++part)
@@ -475,19 +592,23 @@ void bwd_token_fast(BwdScratch& w, KeySlots ks, const uint8_t* pok, const float*
             __mmask16 in = lanes_below(ranges[part][1] - j0);
             if (part == 0)
                 in &= _mm_cmpneq_epi8_mask(_mm_maskz_loadu_epi8(in, pok + j0), _mm_setzero_si128());
-            __m512 sc[G], dp[G];
-            for (int g = 0; g < G; ++g) sc[g] = dp[g] = _mm512_setzero_ps();
+            // per head its scores (s) and d(probabilities) (p) of the 16 slots; named, as in weighted_values
+            __m512 s0 = _mm512_setzero_ps(), s1 = s0, s2 = s0, s3 = s0, p0 = s0, p1 = s0, p2 = s0, p3 = s0;
             for (int e = 0; e < DIM; ++e) {
-                const __m512 kv = _mm512_maskz_loadu_ps(in, w.kt.data() + e * T + j0);
-                const __m512 vv = _mm512_maskz_loadu_ps(in, w.vt.data() + e * T + j0);
-                for (int g = 0; g < G; ++g) {
-                    sc[g] = _mm512_fmadd_ps(_mm512_set1_ps(w.qf[g * DIM + e]), kv, sc[g]);
-                    dp[g] = _mm512_fmadd_ps(_mm512_set1_ps(w.gf[g * DIM + e]), vv, dp[g]);
-                }
+                const __m512 kv = _mm512_maskz_loadu_ps(in, kt + e * T + j0);
+                const __m512 vv = _mm512_maskz_loadu_ps(in, vt + e * T + j0);
+#define DOT(g)                                                                          \
+    if constexpr (g < G) {                                                              \
+        s##g = _mm512_fmadd_ps(_mm512_set1_ps(qf[g * DIM + e]), kv, s##g);              \
+        p##g = _mm512_fmadd_ps(_mm512_set1_ps(gf[g * DIM + e]), vv, p##g);              \
+    }
+                DOT(0) DOT(1) DOT(2) DOT(3)
+#undef DOT
             }
+#define KEEP(g) if constexpr (g < G) _mm512_store_ps(pb[g], s##g), _mm512_store_ps(db[g], p##g);
+            KEEP(0) KEEP(1) KEEP(2) KEEP(3)
+#undef KEEP
             for (int g = 0; g < G; ++g) {
-                _mm512_store_ps(pb[g], sc[g]);
-                _mm512_store_ps(db[g], dp[g]);
 #pragma omp simd
                 for (int jj = 0; jj < 16; ++jj) {
                     const float pj = exp_f32(pb[g][jj] * scale - L[g]);
@@ -495,31 +616,10 @@ void bwd_token_fast(BwdScratch& w, KeySlots ks, const uint8_t* pok, const float*
                     db[g][jj] = pj * (db[g][jj] - D_[g]) * scale;
                 }
             }
-            for (int jj = 0; jj < 16; ++jj) {
-                if (!((in >> jj) & 1)) continue;
-                const int64_t j = j0 + jj;
-                __m512 kj[C], gk[C], gv[C];
-                for (int c = 0; c < C; ++c) {
-                    kj[c] = _mm512_loadu_ps(w.kc.data() + j * DIM + 16 * c);
-                    gk[c] = _mm512_loadu_ps(w.gk.data() + j * DIM + 16 * c);
-                    gv[c] = _mm512_loadu_ps(w.gv.data() + j * DIM + 16 * c);
-                }
-                for (int g = 0; g < G; ++g) {
-                    const __m512 ds = _mm512_set1_ps(db[g][jj]), pj = _mm512_set1_ps(pb[g][jj]);
-                    for (int c = 0; c < C; ++c) {
-                        gq[g][c] = _mm512_fmadd_ps(ds, kj[c], gq[g][c]);
-                        gk[c] = _mm512_fmadd_ps(ds, _mm512_loadu_ps(w.qf.data() + g * DIM + 16 * c), gk[c]);
-                        gv[c] = _mm512_fmadd_ps(pj, _mm512_loadu_ps(w.gf.data() + g * DIM + 16 * c), gv[c]);
-                    }
-                }
-                for (int c = 0; c < C; ++c) {
-                    _mm512_storeu_ps(w.gk.data() + j * DIM + 16 * c, gk[c]);
-                    _mm512_storeu_ps(w.gv.data() + j * DIM + 16 * c, gv[c]);
-                }
-            }
+            heads_from_keys_all<DIM, G>(gq, db, kc + j0 * DIM, in);       // dq += dS K
+            keys_from_heads<DIM, G>(gk + j0 * DIM, db, qf, in);            // dk += dS^T q
+            keys_from_heads<DIM, G>(gv + j0 * DIM, pb, gf, in);            // dv += P^T dout
         }
-    for (int g = 0; g < G; ++g)
-        for (int c = 0; c < C; ++c) _mm512_storeu_ps(w.gq.data() + g * DIM + 16 * c, gq[g][c]);
 }
 
 // bwd_token_fast for G = rep (1 .. 4), else false (the caller runs the portable form).
@@ -564,11 +664,14 @@ void segment_attention_bwd(const typename D::T* q, const typename D::T* k, const
         for (int64_t li = 0; li < T; ++li) {
             const int64_t i = r0 + li, head0 = i * H + h * rep;
             for (int64_t r = 0; r < rep; ++r) {
+                const typename D::T *qr = q + (head0 + r) * d, *gr = dout + (head0 + r) * d, *orow = out + (head0 + r) * d;
+                float *qd = w.qf.data() + r * d, *gd = w.gf.data() + r * d;
                 float dot = 0.f;
+#pragma omp simd reduction(+ : dot)
                 for (int64_t e = 0; e < d; ++e) {
-                    w.qf[r * d + e] = D::load(q[(head0 + r) * d + e]);
-                    w.gf[r * d + e] = D::load(dout[(head0 + r) * d + e]);
-                    dot += w.gf[r * d + e] * D::load(out[(head0 + r) * d + e]);
+                    qd[e] = D::load(qr[e]);
+                    gd[e] = D::load(gr[e]);
+                    dot += gd[e] * D::load(orow[e]);
                 }
                 D_[r] = dot, L[r] = lse[head0 + r];
             }

@@ -10,7 +10,9 @@ arithmetic is PEFT's. Sampling, reference, old and current log-probs all take th
 
 A frozen base linear that carries a packed copy of its weight (`set_packed`: a view into the sampler's
 fused weights, `fused_decode.use_packed_linears`) multiplies on it with the compiled matmul in the forward
-pass; the input gradient stays torch's matmul on the plain weight.
+pass, and its input gradient g W on a packed copy of W^T, built on the first backward and kept while the
+weight stays the same (a second copy of the weight: torch's bf16 matmul runs these shapes up to a third
+slower here).
 
 Shapes: N tokens, C in features, O out features, r the adapter's rank.
 """
@@ -51,6 +53,8 @@ def set_packed(base: torch.nn.Linear, packed: torch.Tensor | None, ops) -> None:
     `module.to(dtype)` gives, drops it); None takes it away."""
     w = base.weight
     base._native_packed = None if packed is None else (packed, (w.data_ptr(), w._version, w.dtype), ops)
+    if packed is None:
+        base._native_packed_t = None
 
 
 def _packed(base, x: torch.Tensor | None = None) -> tuple | None:
@@ -74,6 +78,27 @@ def base_forward(base, x: torch.Tensor) -> torch.Tensor:
     return ops.packed_linear(x, packed, base.bias, base.out_features)
 
 
+PACKED_GRAD_MAX_INNER = 8192
+
+
+def input_grad(base, g: torch.Tensor) -> torch.Tensor:
+    """g W [N, C] for g [N, O]: the input gradient of a frozen base linear, on a packed W^T where the base has
+    a forward pack (W^T packed on first use, kept while the pack's weight is the same)."""
+    if isinstance(base, PackedLinear):
+        return base.input_grad(g)
+    hit = _packed(base, g)
+    # a bf16 pack pairs the inner (here: out) dim; past ~8K inner the kernel's column block (16 x inner) no
+    # longer stays in cache across row blocks, and torch's blocked matmul wins (an LM head: 2.5x)
+    if hit is None or base.out_features % 2 or base.out_features > PACKED_GRAD_MAX_INNER:
+        return g @ base.weight.detach()
+    _, key, ops = hit
+    cached = getattr(base, "_native_packed_t", None)
+    if cached is None or cached[1] != key:
+        w_t = base.weight.detach().T                                         # [C, O]
+        cached = base._native_packed_t = (ops.pack(w_t, w_t.new_empty(ops.packed_numel(*w_t.shape))), key)
+    return ops.packed_linear(g, cached[0], None, base.in_features)
+
+
 class _FrozenLinear(torch.autograd.Function):
     """y = x W^T + b with W frozen: the forward on the packed weight, the input gradient g W."""
 
@@ -84,10 +109,7 @@ class _FrozenLinear(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_y):
-        base = ctx.base
-        if isinstance(base, PackedLinear):
-            return base.input_grad(grad_y), None
-        return grad_y @ base.weight.detach(), None
+        return input_grad(ctx.base, grad_y), None
 
 
 def _dropout_active(module) -> bool:
@@ -114,9 +136,7 @@ class _LoraLinear(torch.autograd.Function):
         gt = g @ bs                                                          # [N, r] = dL/dt
         dx = dA = dB = None
         if ctx.needs_input_grad[0]:
-            base = ctx.base
-            dx = base.input_grad(g) if isinstance(base, PackedLinear) else g @ base.weight.detach()
-            dx = dx.addmm_(gt, a).view(ctx.shape)                             # [N, C]
+            dx = input_grad(ctx.base, g).addmm_(gt, a).view(ctx.shape)         # [N, C]
         if ctx.needs_input_grad[2]:
             dA = (gt.T @ x2).to(ctx.factor_dtype)                            # [r, C]
         if ctx.needs_input_grad[3]:

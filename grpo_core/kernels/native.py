@@ -318,7 +318,8 @@ class NativeOps:
                                                                                    and K % 2):
             raise ValueError(f"cannot pack a {tuple(weight.shape)} {weight.dtype} weight into {out.numel()} "
                              f"{out.dtype} (needs {self.packed_numel(N, K)} of its dtype; bf16: an even width)")
-        self._fns["pack", weight.dtype](weight.contiguous().data_ptr(), out.data_ptr(), N, K)
+        weight = weight.contiguous()             # kept alive through the call (a temporary's pointer is not)
+        self._fns["pack", weight.dtype](weight.data_ptr(), out.data_ptr(), N, K)
         return out
 
     def packed_linear(self, x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None,

@@ -73,7 +73,16 @@ def test_each_op_equals_torch_at_the_models_shapes(dtype):
 
     A, B, out = torch.randn(48, C, generator=g) * 0.1, torch.randn(960, 48, generator=g) * 0.1, rand(b, 960)
     want = out.float() + x.float() @ A.T @ B.T
-    _close(ops.lora_add(x, A, B.T.contiguous(), out), want, dtype)
+    _close(ops.lora_add(x, A, *ops.lora_blocks(B), out.clone()), want, dtype)
+    # a stacked q|k|v group's block-diagonal B (outputs 40 | 24 | 22, ranks 16 each; blocks straddle two
+    # adapters, the last is partial): each 16-column block keeps only the rank rows it uses
+    B = torch.block_diag(*(torch.randn(n, 16, generator=g) * 0.1 for n in (40, 24, 22)))
+    A, out = torch.randn(48, C, generator=g) * 0.1, rand(b, 86)
+    blocks, k0 = ops.lora_blocks(B)
+    assert blocks.shape == (6, 32, 16) and k0.tolist() == [0, 0, 0, 16, 16, 16]
+    _close(ops.lora_add(x, A, blocks, k0, out.clone()), out.float() + x.float() @ A.T @ B.T, dtype)
+    zero_b = ops.lora_blocks(torch.zeros(86, 48))                       # a fresh adapter: nothing to add
+    assert zero_b[0].shape == (6, 0, 16) and torch.equal(ops.lora_add(x, A, *zero_b, out.clone()), out)
 
     gate_up = rand(b, 2 * I)
     _close(ops.silu_mul(gate_up, torch.empty(b, I, dtype=dtype)), F.silu(gate_up[:, :I].float()) * gate_up[:, I:].float(),

@@ -727,14 +727,17 @@ inline float sum16(const f32x16& v) {
 }
 
 // y += (x A^T) B: a LoRA adapter's low-rank term added to a linear's output, the factors in float32.
-// x: [b, C]; A: [R, C]; Bt: [R, out] (B transposed, scale folded in); y: [b, out]. Rows go in blocks of
-// 8 (16 rows: one block per thread): each row of A is read once per block into 8 running sums, and each
-// 16 columns of the output build up in 8 accumulators over the rank before they are added to y once.
+// x: [b, C]; A: [R, C]; y: [b, out]; B (scale folded in) by blocks of 16 output columns: Bb [ceil(out / 16),
+// RB, 16] holds B^T's rows k0[j] .. k0[j] + RB - 1 for block j's columns (zero past out), the rows that are
+// zero for all 16 columns left out (a stacked group's B is block-diagonal: each block needs only its own
+// adapter's rank), contiguous so that the block's factors stream in one run. Rows go in blocks of 8 (16
+// rows: one block per thread): each row of A is read once per block into 8 running sums, and each 16
+// columns of the output build up in 8 accumulators over the rank before they are added to y once.
 template <class D>
-void lora_add(const typename D::T* x, const float* A, const float* Bt, typename D::T* y, int64_t b, int64_t C,
-              int64_t R, int64_t out) {
+void lora_add(const typename D::T* x, const float* A, const float* Bb, const int64_t* k0, typename D::T* y,
+              int64_t b, int64_t C, int64_t R, int64_t RB, int64_t out) {
     constexpr int64_t ROWS = 8;
-    const int64_t Cv = C / 16 * 16, outv = out / 16 * 16;
+    const int64_t Cv = C / 16 * 16;
 #pragma omp parallel if (b > ROWS && R * (C + out) > (1 << 14))
     {
     std::vector<float> xf(ROWS * C), u(R * ROWS);
@@ -755,23 +758,19 @@ void lora_add(const typename D::T* x, const float* A, const float* Bt, typename 
                 u[k * ROWS + i] = t;
             }
         }
-        for (int64_t o0 = 0; o0 < outv; o0 += 16) {                         // y_i[o] += sum_k u[k, i] Bt[k, o]
+        for (int64_t j = 0; j * 16 < out; ++j) {                           // y_i[o] += sum_k u[k, i] B[o, k]
+            const float *bj = Bb + j * RB * 16, *uj = u.data() + k0[j] * ROWS;
             f32x16 acc[ROWS] = {};
-            for (int64_t k = 0; k < R; ++k) {
-                const f32x16 bt = loadu16(Bt + k * out + o0);
-                for (int64_t i = 0; i < ROWS; ++i) acc[i] += u[k * ROWS + i] * bt;
+            for (int64_t k = 0; k < RB; ++k) {
+                const f32x16 bt = loadu16(bj + k * 16);
+                for (int64_t i = 0; i < ROWS; ++i) acc[i] += uj[k * ROWS + i] * bt;
             }
+            const int64_t cols = std::min<int64_t>(16, out - j * 16);
             for (int64_t i = 0; i < rows; ++i) {
-                typename D::T* yi = y + (r0 + i) * out + o0;
-                for (int j = 0; j < 16; ++j) yi[j] = D::store(D::load(yi[j]) + acc[i][j]);
+                typename D::T* yi = y + (r0 + i) * out + j * 16;
+                for (int64_t o = 0; o < cols; ++o) yi[o] = D::store(D::load(yi[o]) + acc[i][o]);
             }
         }
-        for (int64_t i = 0; i < rows; ++i)
-            for (int64_t o = outv; o < out; ++o) {
-                float t = 0.f;
-                for (int64_t k = 0; k < R; ++k) t += u[k * ROWS + i] * Bt[k * out + o];
-                y[(r0 + i) * out + o] = D::store(D::load(y[(r0 + i) * out + o]) + t);
-            }
     }
     }
 }
@@ -788,10 +787,11 @@ inline void packed_linear(const uint16_t* x, const uint16_t* w, const uint16_t* 
 }
 
 // A layer's row of the table `decode_layers` reads: for each of its four linears (q|k|v, o, gate|up, down)
-// the packed weight, bias, LoRA A, LoRA B^T (pointers, 0 for none), the LoRA rank and out features; then the
+// the packed weight, bias, LoRA A, LoRA B's blocks and their first rank rows (pointers, 0 for none; see
+// lora_add), the LoRA rank, the blocks' rank and out features; then the
 // post-attention norm's weight and the norm that follows the layer (the next layer's input norm, or the
 // final norm after the last layer).
-enum : int64_t { LIN_W, LIN_BIAS, LIN_A, LIN_BT, LIN_R, LIN_N, LIN_FIELDS };
+enum : int64_t { LIN_W, LIN_BIAS, LIN_A, LIN_BB, LIN_K0, LIN_R, LIN_RB, LIN_N, LIN_FIELDS };
 enum : int64_t { QKV = 0, O = LIN_FIELDS, GATE_UP = 2 * LIN_FIELDS, DOWN = 3 * LIN_FIELDS, LN2 = 4 * LIN_FIELDS,
                  NEXT_NORM, LAYER_FIELDS };
 
@@ -801,8 +801,8 @@ void table_linear(const int64_t* lin, const typename D::T* x, typename D::T* y, 
     packed_linear(x, reinterpret_cast<const TT*>(lin[LIN_W]), reinterpret_cast<const TT*>(lin[LIN_BIAS]), y, b,
                   lin[LIN_N], K);
     if (lin[LIN_A])
-        lora_add<D>(x, reinterpret_cast<const float*>(lin[LIN_A]), reinterpret_cast<const float*>(lin[LIN_BT]), y,
-                    b, K, lin[LIN_R], lin[LIN_N]);
+        lora_add<D>(x, reinterpret_cast<const float*>(lin[LIN_A]), reinterpret_cast<const float*>(lin[LIN_BB]),
+                    reinterpret_cast<const int64_t*>(lin[LIN_K0]), y, b, K, lin[LIN_R], lin[LIN_RB], lin[LIN_N]);
 }
 
 // The decoder layers of one decode step, each exactly as the per-operation calls compute it: x [b, C] is
@@ -856,9 +856,9 @@ void decode_layers(const int64_t* table, int64_t L, typename D::T* x, typename D
         decode_attention<D>((const D::T*)q, (const D::T*)cache, valid, valid_stride, slot, prefix, split, B,  \
                             (D::T*)out, b, Hkv, rep, d, T, n, scale);                                         \
     }                                                                                                         \
-    extern "C" void lora_add_##SUFFIX(const void* x, const float* A, const float* Bt, void* y, int64_t b,       \
-                                      int64_t C, int64_t R, int64_t out) {                                    \
-        lora_add<D>((const D::T*)x, A, Bt, (D::T*)y, b, C, R, out);                                           \
+    extern "C" void lora_add_##SUFFIX(const void* x, const float* A, const float* Bb, const int64_t* k0, void* y, \
+                                      int64_t b, int64_t C, int64_t R, int64_t RB, int64_t out) {             \
+        lora_add<D>((const D::T*)x, A, Bb, k0, (D::T*)y, b, C, R, RB, out);                                   \
     }                                                                                                         \
     extern "C" void segment_attention_fwd_##SUFFIX(const void* q, const void* k, const void* v, void* out,        \
                                                    float* lse, const int64_t* row_start, int64_t groups, int64_t P, \

@@ -179,7 +179,8 @@ class FusedLinear:
     out_features: int = 0
 
     def __post_init__(self):
-        self.lora_b_t = None if self.lora_b is None else self.lora_b.t().contiguous()   # [R, out] for native ops
+        # B for the native ops: per 16 output columns the rank rows they use (native.NativeOps.lora_blocks)
+        self.lora_blocks = None if self.lora_b is None else native.NativeOps.lora_blocks(self.lora_b)
 
     def __call__(self, x: torch.Tensor, ops: "native.NativeOps | None" = None) -> torch.Tensor:
         """x [..., in] -> [..., out]; `ops` adds the adapter's term in one compiled call (x [b, in] only)."""
@@ -190,7 +191,7 @@ class FusedLinear:
         else:
             y = F.linear(x, self.weight, self.bias)
         if self.lora_a is not None and ops is not None:
-            ops.lora_add(x, self.lora_a, self.lora_b_t, y)
+            ops.lora_add(x, self.lora_a, *self.lora_blocks, y)
         elif self.lora_a is not None:
             y += F.linear(F.linear(x.to(self.lora_a.dtype), self.lora_a), self.lora_b)   # rounds into y's dtype
         return y
@@ -393,17 +394,19 @@ class FusedDecoder:
         self.table = self._layer_table()
 
     def _layer_table(self) -> torch.Tensor | None:
-        """For `NativeOps.decode_layers`: per layer, each linear's (packed weight, bias, LoRA A, LoRA B^T, rank,
-        out features) as pointers and sizes, then its post-attention norm and the norm after it. None unless
+        """For `NativeOps.decode_layers`: per layer, each linear's (packed weight, bias, LoRA A, LoRA B's blocks and
+        their first rank rows, rank, block rank, out features) as pointers and sizes, then its post-attention norm and the norm after it. None unless
         every linear reads the compiled matmul's packed weights (the tensors stay alive in self.layers)."""
         linears = [lin for layer in self.layers for lin in (layer.qkv, layer.o, layer.gate_up, layer.down)]
         if self.ops is None or any(lin.kernel != "native" for lin in linears):
             return None
 
         def fields(lin: FusedLinear) -> list[int]:
-            rank = 0 if lin.lora_a is None else lin.lora_a.size(0)
-            return [lin.weight.data_ptr(), native._ptr(lin.bias) or 0, native._ptr(lin.lora_a) or 0,
-                    native._ptr(lin.lora_b_t) or 0, rank, lin.out_features]
+            if lin.lora_a is None:
+                return [lin.weight.data_ptr(), native._ptr(lin.bias) or 0, 0, 0, 0, 0, 0, lin.out_features]
+            blocks, k0 = lin.lora_blocks
+            return [lin.weight.data_ptr(), native._ptr(lin.bias) or 0, lin.lora_a.data_ptr(), blocks.data_ptr(),
+                    k0.data_ptr(), lin.lora_a.size(0), blocks.size(1), lin.out_features]
 
         rows = [[f for lin in (layer.qkv, layer.o, layer.gate_up, layer.down) for f in fields(lin)]
                 + [layer.ln2.data_ptr(), next_norm.data_ptr()]

@@ -48,7 +48,7 @@ _SIGNATURES = {
     "segment_attention_fwd": [_PTR, _PTR, _PTR, _PTR, _PTR, _PTR, _I64, _I64, _PTR, _PTR, _I64, _I64, _I64, _F32],
     "segment_attention_bwd": [_PTR, _PTR, _PTR, _PTR, _PTR, _PTR, _PTR, _PTR, _PTR, _PTR, _I64, _I64, _PTR, _PTR, _I64,
                               _I64, _I64, _F32],
-    "lora_add": [_PTR, _PTR, _PTR, _PTR, _I64, _I64, _I64, _I64],
+    "lora_add": [_PTR, _PTR, _PTR, _PTR, _PTR, _I64, _I64, _I64, _I64, _I64],
     "decode_layers": [_PTR, _I64, _PTR, _PTR, _PTR, _I64, _PTR, _PTR, _PTR, _PTR, _I64, _PTR, _PTR, _I64, _I64, _I64,
                       _I64, _I64, _I64, _I64, _I64, _I64, _F32, _F32],
     "logit_sweep_fwd": [_PTR, _PTR, _I64, _I64, _F32, _PTR, _PTR, _PTR],
@@ -187,10 +187,27 @@ class NativeOps:
         self._fns["silu_mul", gate_up.dtype](gate_up.data_ptr(), out.data_ptr(), out.size(0), out.size(1))
         return out
 
-    def lora_add(self, x: torch.Tensor, a: torch.Tensor, b_t: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        """y [b, out] += (x [b, C] A^T) B^T, A [R, C] and B^T [R, out] float32 (rounded once into y's dtype)."""
-        self._fns["lora_add", x.dtype](x.data_ptr(), a.data_ptr(), b_t.data_ptr(), y.data_ptr(), x.size(0),
-                                       x.size(1), a.size(0), y.size(1))
+    @staticmethod
+    def lora_blocks(b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """B [out, R] float32 -> `lora_add`'s layout: (blocks [ceil(out / 16), RB, 16], k0 [ceil(out / 16)]
+        int64), per 16 output columns B^T's RB consecutive rows from k0 that hold all their nonzeros (RB the
+        widest such run: a stacked group's block-diagonal B needs each block's own adapter's rank only)."""
+        out, R = b.shape
+        nb = (out + 15) // 16
+        per = torch.cat([b.float(), b.new_zeros(nb * 16 - out, R, dtype=torch.float32)]).view(nb, 16, R)
+        used, k = (per != 0).any(1), torch.arange(R)                                      # [nb, R]
+        lo, hi = torch.where(used, k, R).amin(1), torch.where(used, k + 1, 0).amax(1)     # [nb]
+        rb = int((hi - lo).clamp(min=0).max()) if nb else 0
+        k0 = lo.clamp(max=R - rb)
+        rows = (k0[:, None] + torch.arange(rb))[:, None, :].expand(nb, 16, rb)            # [nb, 16, RB]
+        return per.gather(2, rows).transpose(1, 2).contiguous(), k0.contiguous()
+
+    def lora_add(self, x: torch.Tensor, a: torch.Tensor, blocks: torch.Tensor, k0: torch.Tensor,
+                 y: torch.Tensor) -> torch.Tensor:
+        """y [b, out] += (x [b, C] A^T) B^T, A [R, C] float32 and B as `lora_blocks` gives it (rounded once
+        into y's dtype)."""
+        self._fns["lora_add", x.dtype](x.data_ptr(), a.data_ptr(), blocks.data_ptr(), k0.data_ptr(), y.data_ptr(),
+                                       x.size(0), x.size(1), a.size(0), blocks.size(1), y.size(1))
         return y
 
     def decode_layers(self, table: torch.Tensor, x: torch.Tensor, h: torch.Tensor, cache: torch.Tensor,
@@ -199,7 +216,7 @@ class NativeOps:
                       prefix: torch.Tensor | None = None, split: int = 0) -> torch.Tensor:
         """Every decoder layer of one decode step in one call, each as the per-operation calls compute it
         (packed linears with their LoRA terms, `rope_cache`, `decode_attention`, `silu_mul`,
-        `add_rms_norm`). table [L, 26] int64: per layer its linears' pointers (see decode_ops.cpp);
+        `add_rms_norm`). table [L, 34] int64: per layer its linears' pointers (see decode_ops.cpp);
         x [b, C] the residual stream (updated in place); h [b, C] layer 0's normed input, on return the
         final norm's output; cache [L, 2, B, Hkv, T, d]; the token goes to slot t. Returns h."""
         L, _, B, n_kv, T, d = cache.shape
@@ -368,7 +385,7 @@ def _reference_check(ops: NativeOps) -> None:
         same("decode_attention", got, want.reshape(b, H * d))
         A, B, y = torch.randn(3, C, generator=g), torch.randn(5, 3, generator=g), rand(b, 5)
         want = y.float() + x.float() @ A.T @ B.T
-        same("lora_add", ops.lora_add(x, A, B.T.contiguous(), y), want)
+        same("lora_add", ops.lora_add(x, A, *ops.lora_blocks(B), y), want)
         gate_up = rand(b, 2 * C)
         got = ops.silu_mul(gate_up, torch.empty(b, C, dtype=dtype))
         same("silu_mul", got, F.silu(gate_up[:, :C].float()) * gate_up[:, C:].float())

@@ -99,7 +99,7 @@ def test_dropout_in_training_fp16_two_adapters_and_dora_go_through_peft(monkeypa
 
 def test_input_gradient_on_a_packed_base_multiplies_on_a_packed_transpose_kept_while_the_weight_is():
     """A base with a forward pack takes its input gradient g W from a packed W^T, built once and rebuilt when
-    the weight changes; an odd out width (bf16 packs pair it) and a wide one (an LM head) stay torch's."""
+    the weight changes; an odd out width (bf16 packs pair it) stays torch's."""
     from grpo_core.kernels import native
     ops = native.load()
     if ops is None or not ops.packed_linear_supported(torch.bfloat16):

@@ -12,6 +12,7 @@
 // M rows, N output columns, K inputs (even for bf16); x [M, K], y [M, N] row-major, bias [N] or null.
 #include <cstdint>
 #include <cstring>
+#include <vector>
 
 #if defined(__AVX512F__)
 #include <immintrin.h>
@@ -39,60 +40,101 @@ inline void store_row(float* y, __m512 v, __mmask16 mask) { _mm512_mask_storeu_p
 
 inline __m512 load_bias(const float* b, __mmask16 mask) { return _mm512_maskz_loadu_ps(mask, b); }
 
-// MB rows of x against one column block: acc[m] = sum_k x[m, k] w[k, 0..15].
+// MB rows of x (row stride ldx) against one column block over kc inputs: acc[m] = sum_k x[m, k] w[k, 0..15],
+// starting from the bias (or 0), or from acc_in's partial sums [MB][16]; written to y, or as partial sums
+// to acc_out.
 template <int MB>
-void block_f32(const float* x, int64_t K, const float* wb, const float* bias, float* y, int64_t N, __mmask16 mask) {
+void block_f32(const float* x, int64_t ldx, int64_t kc, const float* wb, const float* bias, float* y, int64_t N,
+               __mmask16 mask, const float* acc_in, float* acc_out) {
     __m512 acc[MB];
-    for (int m = 0; m < MB; ++m) acc[m] = bias ? load_bias(bias, mask) : _mm512_setzero_ps();
-    for (int64_t k = 0; k < K; ++k) {
+    for (int m = 0; m < MB; ++m)
+        acc[m] = acc_in ? _mm512_loadu_ps(acc_in + m * COLS) : bias ? load_bias(bias, mask) : _mm512_setzero_ps();
+    for (int64_t k = 0; k < kc; ++k) {
         _mm_prefetch(reinterpret_cast<const char*>(wb + k * COLS) + PREFETCH, _MM_HINT_T0);
         const __m512 w = _mm512_loadu_ps(wb + k * COLS);
-        for (int m = 0; m < MB; ++m) acc[m] = _mm512_fmadd_ps(_mm512_set1_ps(x[m * K + k]), w, acc[m]);
+        for (int m = 0; m < MB; ++m) acc[m] = _mm512_fmadd_ps(_mm512_set1_ps(x[m * ldx + k]), w, acc[m]);
     }
-    for (int m = 0; m < MB; ++m) store_row(y + m * N, acc[m], mask);
+    for (int m = 0; m < MB; ++m)
+        if (acc_out) _mm512_storeu_ps(acc_out + m * COLS, acc[m]);
+        else store_row(y + m * N, acc[m], mask);
 }
 #endif
 
 #if defined(__AVX512BF16__)
-// MB rows of x against one column block. The accumulators are named registers and each row's pair of
-// inputs is a {1to16} memory operand of VDPBF16PS (compilers emit a separate broadcast, which competes
-// with the products for a port); rows past MB compile away.
-#define DP(i) if constexpr (i < MB) asm("vdpbf16ps %1%{1to16%}, %2, %0" : "+v"(a##i) : "m"(*(const int32_t*)(xk + i * K)), "v"(w));
+// block_f32 in bf16 (kc even). The accumulators are named registers and each row's pair of inputs is a
+// {1to16} memory operand of VDPBF16PS (compilers emit a separate broadcast, which competes with the products
+// for a port); rows past MB compile away.
+#define ALL(X) X(0) X(1) X(2) X(3) X(4) X(5) X(6) X(7) X(8) X(9) X(10) X(11) X(12) X(13) X(14) X(15)
+#define DP(i) if constexpr (i < MB) asm("vdpbf16ps %1%{1to16%}, %2, %0" : "+v"(a##i) : "m"(*(const int32_t*)(xk + i * ldx)), "v"(w));
+#define LD(i) if constexpr (i < MB) a##i = _mm512_loadu_ps(acc_in + i * COLS);
+#define KEEP(i) if constexpr (i < MB) _mm512_storeu_ps(acc_out + i * COLS, a##i);
 #define ST(i) if constexpr (i < MB) _mm256_mask_storeu_epi16(y + i * N, mask, (__m256i)_mm512_cvtneps_pbh(a##i));
 template <int MB>
-void block_bf16(const uint16_t* x, int64_t K, const uint16_t* wb, const uint16_t* bias, uint16_t* y, int64_t N,
-                __mmask16 mask) {
+void block_bf16(const uint16_t* x, int64_t ldx, int64_t kc, const uint16_t* wb, const uint16_t* bias, uint16_t* y,
+                int64_t N, __mmask16 mask, const float* acc_in, float* acc_out) {
     __m512 b0 = _mm512_setzero_ps();
-    if (bias) {
+    if (bias && !acc_in) {
         const __m256i raw = _mm256_maskz_loadu_epi16(mask, bias);
         b0 = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
     }
     __m512 a0 = b0, a1 = b0, a2 = b0, a3 = b0, a4 = b0, a5 = b0, a6 = b0, a7 = b0, a8 = b0, a9 = b0, a10 = b0,
            a11 = b0, a12 = b0, a13 = b0, a14 = b0, a15 = b0;
-    for (int64_t k = 0; k < K / 2; ++k) {
+    if (acc_in) { ALL(LD) }
+    for (int64_t k = 0; k < kc / 2; ++k) {
         _mm_prefetch(reinterpret_cast<const char*>(wb + k * 2 * COLS) + PREFETCH, _MM_HINT_T0);
         const __m512 w = _mm512_castsi512_ps(_mm512_loadu_si512(wb + k * 2 * COLS));
         const uint16_t* xk = x + 2 * k;
-        DP(0) DP(1) DP(2) DP(3) DP(4) DP(5) DP(6) DP(7) DP(8) DP(9) DP(10) DP(11) DP(12) DP(13) DP(14) DP(15)
+        ALL(DP)
     }
-    ST(0) ST(1) ST(2) ST(3) ST(4) ST(5) ST(6) ST(7) ST(8) ST(9) ST(10) ST(11) ST(12) ST(13) ST(14) ST(15)
+    if (acc_out) {
+        ALL(KEEP)
+    } else {
+        ALL(ST)
+    }
 }
+#undef ALL
 #undef DP
+#undef LD
+#undef KEEP
 #undef ST
 #endif
 
 // Rows in blocks of 16 (the last one smaller), the column blocks shared among threads; each column
-// block's weights are read from memory once and stay in cache for the later row blocks.
+// block's weights are read from memory once and stay in cache for the later row blocks. Past KC inputs
+// (an LM head's input gradient: 16 x 49152 weights) the rows' inputs would be read again from memory for
+// every column block: the inputs go in chunks of KC, all rows' share of a chunk copied out (its row
+// stride padded: rows 2^k bytes apart share cache sets) to stay in cache while the column blocks pass over
+// it, the partial sums kept in float32 between chunks.
+constexpr int64_t KC = 1024, KC_STRIDE = KC + 32;
+
 template <class T, class Block>
 void packed_linear(const T* x, const T* wp, const T* bias, T* y, int64_t M, int64_t N, int64_t K, Block block) {
-    const int64_t nb = blocks(N);
-#pragma omp parallel for schedule(static) if (nb > 1 && M * N * K > (1 << 18))
-    for (int64_t j = 0; j < nb; ++j) {
+    const int64_t nb = blocks(N), rows16 = (M + 15) / 16 * 16;
+    // column block j against inputs k0 .. k0 + len - 1, read from xs (row stride ldx)
+    auto tile = [&](int64_t j, const T* xs, int64_t ldx, int64_t k0, int64_t len, float* partial) {
         const int64_t cols = N - j * COLS < COLS ? N - j * COLS : COLS;
         const unsigned mask = cols == COLS ? 0xffffu : (1u << cols) - 1u;
-        for (int64_t r = 0; r < M; r += 16)
-            block(x + r * K, wp + j * COLS * K, bias ? bias + j * COLS : nullptr, y + r * N + j * COLS,
-                  M - r < 16 ? M - r : 16, mask);
+        for (int64_t r = 0; r < M; r += 16) {
+            float* sums = partial ? partial + (j * rows16 + r) * COLS : nullptr;
+            block(xs + r * ldx, ldx, len, wp + j * COLS * K + k0 * COLS, bias ? bias + j * COLS : nullptr,
+                  y + r * N + j * COLS, M - r < 16 ? M - r : 16, mask, k0 ? sums : nullptr,
+                  k0 + len < K ? sums : nullptr);
+        }
+    };
+    if (K <= KC) {
+#pragma omp parallel for schedule(static) if (nb > 1 && M * N * K > (1 << 18))
+        for (int64_t j = 0; j < nb; ++j) tile(j, x, K, 0, K, nullptr);
+        return;
+    }
+    std::vector<float> partial(nb * rows16 * COLS);
+    std::vector<T> chunk(M * KC_STRIDE);
+#pragma omp parallel
+    for (int64_t k0 = 0; k0 < K; k0 += KC) {
+        const int64_t len = K - k0 < KC ? K - k0 : KC;
+#pragma omp for schedule(static)
+        for (int64_t r = 0; r < M; ++r) std::memcpy(chunk.data() + r * KC_STRIDE, x + r * K + k0, len * sizeof(T));
+#pragma omp for schedule(static)
+        for (int64_t j = 0; j < nb; ++j) tile(j, chunk.data(), KC_STRIDE, k0, len, partial.data());
     }
 }
 
@@ -136,8 +178,9 @@ extern "C" void packed_linear_f32(const float* x, const float* wp, const float* 
                                   int64_t K) {
 #if defined(__AVX512F__)
     packed_linear(x, wp, bias, y, M, N, K,
-                  [K, N](const float* xb, const float* wb, const float* b, float* yb, int64_t rows, __mmask16 mask) {
-                      ROWS_SWITCH(block_f32, rows, xb, K, wb, b, yb, N, mask)
+                  [N](const float* xb, int64_t ldx, int64_t kc, const float* wb, const float* b, float* yb,
+                      int64_t rows, __mmask16 mask, const float* in, float* out) {
+                      ROWS_SWITCH(block_f32, rows, xb, ldx, kc, wb, b, yb, N, mask, in, out)
                   });
 #endif
 }
@@ -146,7 +189,9 @@ extern "C" void packed_linear_bf16(const uint16_t* x, const uint16_t* wp, const 
                                    int64_t M, int64_t N, int64_t K) {
 #if defined(__AVX512BF16__)
     packed_linear(x, wp, bias, y, M, N, K,
-                  [K, N](const uint16_t* xb, const uint16_t* wb, const uint16_t* b, uint16_t* yb, int64_t rows,
-                         __mmask16 mask) { ROWS_SWITCH(block_bf16, rows, xb, K, wb, b, yb, N, mask) });
+                  [N](const uint16_t* xb, int64_t ldx, int64_t kc, const uint16_t* wb, const uint16_t* b,
+                      uint16_t* yb, int64_t rows, __mmask16 mask, const float* in, float* out) {
+                      ROWS_SWITCH(block_bf16, rows, xb, ldx, kc, wb, b, yb, N, mask, in, out)
+                  });
 #endif
 }

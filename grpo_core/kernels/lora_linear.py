@@ -78,18 +78,13 @@ def base_forward(base, x: torch.Tensor) -> torch.Tensor:
     return ops.packed_linear(x, packed, base.bias, base.out_features)
 
 
-PACKED_GRAD_MAX_INNER = 8192
-
-
 def input_grad(base, g: torch.Tensor) -> torch.Tensor:
     """g W [N, C] for g [N, O]: the input gradient of a frozen base linear, on a packed W^T where the base has
     a forward pack (W^T packed on first use, kept while the pack's weight is the same)."""
     if isinstance(base, PackedLinear):
         return base.input_grad(g)
     hit = _packed(base, g)
-    # a bf16 pack pairs the inner (here: out) dim; past ~8K inner the kernel's column block (16 x inner) no
-    # longer stays in cache across row blocks, and torch's blocked matmul wins (an LM head: 2.5x)
-    if hit is None or base.out_features % 2 or base.out_features > PACKED_GRAD_MAX_INNER:
+    if hit is None or base.out_features % 2:                    # a bf16 pack pairs the inner (here: out) dim
         return g @ base.weight.detach()
     _, key, ops = hit
     cached = getattr(base, "_native_packed_t", None)

@@ -129,4 +129,5 @@ def test_input_gradient_on_a_packed_base_multiplies_on_a_packed_transpose_kept_w
     odd = torch.nn.Linear(48, 41, bias=False).to(torch.bfloat16).requires_grad_(False)
     pack(odd)
     g = torch.randn(3, 41).to(torch.bfloat16)
-    assert torch.equal(lora_linear.input_grad(odd, g), g @ odd.weight) and getattr(odd, "_native_packed_t", None) is None
+    assert torch.equal(lora_linear.input_grad(odd, g), g @ odd.weight)
+    assert getattr(odd, "_native_packed_t", None) is None

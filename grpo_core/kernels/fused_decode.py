@@ -395,8 +395,9 @@ class FusedDecoder:
 
     def _layer_table(self) -> torch.Tensor | None:
         """For `NativeOps.decode_layers`: per layer, each linear's (packed weight, bias, LoRA A, LoRA B's blocks and
-        their first rank rows, rank, block rank, out features) as pointers and sizes, then its post-attention norm and the norm after it. None unless
-        every linear reads the compiled matmul's packed weights (the tensors stay alive in self.layers)."""
+        their first rank rows, rank, block rank, out features) as pointers and sizes, then its post-attention
+        norm and the norm after it. None unless every linear reads the compiled matmul's packed weights (the
+        tensors stay alive in self.layers)."""
         linears = [lin for layer in self.layers for lin in (layer.qkv, layer.o, layer.gate_up, layer.down)]
         if self.ops is None or any(lin.kernel != "native" for lin in linears):
             return None

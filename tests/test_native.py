@@ -161,14 +161,14 @@ def test_the_compiled_draw_is_the_inverse_cdf_of_the_softmax_at_the_vocabulary_s
 def test_packed_linear_equals_torch_at_the_models_shapes(dtype):
     """The decode matmul on column-block-packed weights: the fused q|k|v, the MLP's down projection and a width
     that is no multiple of 16, at 16 rows (the register-blocked case), fewer and more, with and without bias;
-    and an inner dimension past one chunk (an LM head's input gradient: two whole chunks and a part, the
+    and an inner dimension taken in chunks (an LM head's input gradient: ten whole chunks and a part, the
     bias added once)."""
     ops = native.load()
     if not ops.packed_linear_supported(dtype):
         pytest.skip(f"the compiled matmul needs AVX-512 (and AVX512-BF16) for {dtype}")
     g = torch.Generator().manual_seed(3)
     for (out, inp), rows, bias in (((960, 576), 16, False), ((576, 1536), 16, True), ((37, 576), 5, True),
-                                   ((960, 576), 40, True), ((40, 2 * 1024 + 70), 19, True)):
+                                   ((960, 576), 40, True), ((40, 8 * 1024 + 2 * 1024 + 70), 19, True)):
         w = (torch.randn(out, inp, generator=g) * 0.05).to(dtype)
         x = torch.randn(rows, inp, generator=g).to(dtype)
         b = torch.randn(out, generator=g).to(dtype) if bias else None

@@ -181,8 +181,7 @@ inline void scores16(const float* qf, const Blocks<typename D::T>& kv, const uin
 
 // acc [G][DIM] = sum over valid j of p [G][stride] at j times value j; out = acc * norm[g], rounded. The
 // next (row, head)'s values are prefetched when given. The G * DIM / 16 (<= 16) accumulators are named
-// variables: as an array GCC keeps them in memory, storing each one every key.
-#define ACC16(X) X(0) X(1) X(2) X(3) X(4) X(5) X(6) X(7) X(8) X(9) X(10) X(11) X(12) X(13) X(14) X(15)
+// variables (EACH16).
 template <class D, int DIM, int G>
 inline void weighted_values(const float* p, const Blocks<typename D::T>& kv, const uint8_t* ok, int64_t n,
                             int64_t stride, const float* norm, typename D::T* O, const Blocks<typename D::T>* next) {
@@ -200,7 +199,7 @@ inline void weighted_values(const float* p, const Blocks<typename D::T>& kv, con
         for (int c = 0; c < C; ++c) v[c] = load16(vj + 16 * c, real);
         for (int g = 0; g < G; ++g) pj[g] = _mm512_set1_ps(p[g * stride + j]);
 #define FMA(k) if constexpr (k < G * C) a##k = _mm512_fmadd_ps(pj[k / C], v[k % C], a##k);
-        ACC16(FMA)
+        EACH16(FMA)
 #undef FMA
     }
     alignas(64) float row[16];
@@ -209,7 +208,7 @@ inline void weighted_values(const float* p, const Blocks<typename D::T>& kv, con
         _mm512_store_ps(row, _mm512_mul_ps(a##k, _mm512_set1_ps(norm[k / C])));                    \
         for (int e = 0; e < 16; ++e) O[(k / C) * DIM + (k % C) * 16 + e] = D::store(row[e]);       \
     }
-    ACC16(OUT)
+    EACH16(OUT)
 #undef OUT
 }
 
@@ -243,34 +242,17 @@ inline void softmax_row(float* sg, int64_t stride, float* norm, float* lse) {
     if (lse) *lse = m + std::log(total);
 }
 
-// One (row, head) with the head dim DIM (64 or 128) known: scores 16 keys at a time for up to 8 query
-// heads, the softmax, then the values for as many query heads as keep the accumulators in registers.
-template <class D, int DIM>
-void attend_fast(const typename D::T* Q, const Blocks<typename D::T>& kv, const uint8_t* ok, typename D::T* O,
-                 int64_t T, int64_t n, int64_t rep, float scale, float* qf, float* s, float* norm,
-                 const Blocks<typename D::T>* next, float* lse = nullptr) {
-    constexpr int GV = DIM == 64 ? 4 : 2;
-    const int64_t stride = (n + 15) / 16 * 16;
-    for (int64_t i = 0; i < rep * DIM; ++i) qf[i] = D::load(Q[i]) * scale;
-    for (int64_t g0 = 0; g0 < rep; g0 += 8)
-        for (int64_t j0 = 0; j0 < n; j0 += 16)
-            scores_upto<D, DIM, 8>(rep - g0, qf + g0 * DIM, kv, ok, T, j0, lanes_below(n - j0), s + g0 * stride,
-                                   stride, g0 == 0 ? next : nullptr);
-    for (int64_t g = 0; g < rep; ++g) softmax_row(s + g * stride, stride, norm + g, lse ? lse + g : nullptr);
-    for (int64_t g0 = 0; g0 < rep; g0 += GV)
-        values_upto<D, DIM, GV>(rep - g0, s + g0 * stride, kv, ok, n, stride, norm + g0, O + g0 * DIM,
-                                g0 == 0 ? next : nullptr);
-}
-
-// attend_fast for c tokens of one kv head that attend the same keys, token t the first n[t] of them (n
-// ascending: consecutive tokens of one causal span): the scores of all c * rep query rows, 8 rows per pass
-// over each 16-key block (one token's rep rows alone are too few independent sums to keep the FMA units
-// busy), each row's keys past its own n masked; then each token's values as attend_fast.
-// Q[t], O[t]: token t's rep heads [rep, DIM]; lse[t] its rep log-sum-exps.
+// The attention of c tokens of one kv head that attend the same keys, token t the first n[t] of them (n
+// ascending: consecutive tokens of one causal span; c = 1 for a decode row), with the head dim DIM (64 or
+// 128) known: the scores of all c * rep query rows, 8 rows per pass over each 16-key block (one token's
+// rep rows alone are too few independent sums to keep the FMA units busy), each row's keys past its own n
+// masked; the softmax; then each token's values for as many query heads as keep the accumulators in
+// registers. Q[t], O[t]: token t's rep heads [rep, DIM]; lse[t] its rep log-sum-exps (or null). The next
+// (row, head)'s keys and values are prefetched when given.
 template <class D, int DIM>
 void attend_tokens(const typename D::T* const* Q, typename D::T* const* O, float* const* lse, const int64_t* n,
                    int64_t c, const Blocks<typename D::T>& kv, const uint8_t* ok, int64_t T, int64_t rep,
-                   float scale, float* qf, float* s, float* norm) {
+                   float scale, float* qf, float* s, float* norm, const Blocks<typename D::T>* next = nullptr) {
     constexpr int GV = DIM == 64 ? 4 : 2;
     const int64_t R = c * rep, n_max = n[c - 1], stride = (n_max + 15) / 16 * 16;
     for (int64_t t = 0; t < c; ++t)
@@ -278,7 +260,7 @@ void attend_tokens(const typename D::T* const* Q, typename D::T* const* O, float
     for (int64_t g0 = 0; g0 < R; g0 += 8)
         for (int64_t j0 = 0; j0 < n_max; j0 += 16)
             scores_upto<D, DIM, 8>(R - g0, qf + g0 * DIM, kv, ok, T, j0, lanes_below(n_max - j0), s + g0 * stride,
-                                   stride, nullptr);
+                                   stride, g0 == 0 ? next : nullptr);
     for (int64_t r = 0; r < R; ++r) {
         float* sr = s + r * stride;
         std::fill(sr + n[r / rep], sr + stride, -3.0e38f);
@@ -287,7 +269,7 @@ void attend_tokens(const typename D::T* const* Q, typename D::T* const* O, float
     for (int64_t t = 0; t < c; ++t)
         for (int64_t g0 = 0; g0 < rep; g0 += GV)
             values_upto<D, DIM, GV>(rep - g0, s + (t * rep + g0) * stride, kv, ok, n[t], stride, norm + t * rep + g0,
-                                    O[t] + g0 * DIM, nullptr);
+                                    O[t] + g0 * DIM, t == 0 && g0 == 0 ? next : nullptr);
 }
 #endif
 
@@ -320,12 +302,15 @@ void decode_attention(const typename D::T* q, const typename D::T* cache, const 
         // read from memory at a fraction of its bandwidth otherwise
         const Blocks<TT> following = blocks(rh + 1 < b * Hkv ? rh + 1 : rh);
         const Blocks<TT>* next = rh + 1 < b * Hkv ? &following : nullptr;
+        float* const no_lse = nullptr;
         if (d == 64) {
-            attend_fast<D, 64>(Q, kv, ok, O, T, n, rep, scale, qf.data(), scores.data(), acc.data(), next);
+            attend_tokens<D, 64>(&Q, &O, &no_lse, &n, 1, kv, ok, T, rep, scale, qf.data(), scores.data(), acc.data(),
+                                 next);
             continue;
         }
         if (d == 128) {
-            attend_fast<D, 128>(Q, kv, ok, O, T, n, rep, scale, qf.data(), scores.data(), acc.data(), next);
+            attend_tokens<D, 128>(&Q, &O, &no_lse, &n, 1, kv, ok, T, rep, scale, qf.data(), scores.data(), acc.data(),
+                                  next);
             continue;
         }
 #endif
@@ -526,15 +511,15 @@ inline void heads_from_keys(float* dst, const float (*coef)[16], const float* ro
 #define LD(k) if constexpr (k < H * C) a##k = _mm512_loadu_ps(dst + (k / C) * DIM + (k % C) * 16);
 #define FMA(k) if constexpr (k < H * C) a##k = _mm512_fmadd_ps(cf[k / C], v[k % C], a##k);
 #define ST(k) if constexpr (k < H * C) _mm512_storeu_ps(dst + (k / C) * DIM + (k % C) * 16, a##k);
-    ACC16(LD)
+    EACH16(LD)
     for (int jj = 0; jj < 16; ++jj) {
         if (!((in >> jj) & 1)) continue;
         __m512 v[C], cf[H];
         for (int c = 0; c < C; ++c) v[c] = _mm512_loadu_ps(rows + jj * DIM + 16 * c);
         for (int h = 0; h < H; ++h) cf[h] = _mm512_set1_ps(coef[h][jj]);
-        ACC16(FMA)
+        EACH16(FMA)
     }
-    ACC16(ST)
+    EACH16(ST)
 #undef LD
 #undef FMA
 #undef ST
@@ -558,7 +543,7 @@ inline void keys_from_heads(float* rows, const float (*coef)[16], const float* v
            v10 = v0, v11 = v0, v12 = v0, v13 = v0, v14 = v0, v15 = v0;
 #define LD(k) if constexpr (held && k < G * C) v##k = _mm512_loadu_ps(vecs + (k / C) * DIM + (k % C) * 16);
 #define FMA(k) if constexpr (k < G * C) o[k % C] = _mm512_fmadd_ps(cf[k / C], v##k, o[k % C]);
-    ACC16(LD)
+    EACH16(LD)
     for (int jj = 0; jj < 16; ++jj) {
         if (!((in >> jj) & 1)) continue;
         float* r = rows + jj * DIM;
@@ -566,7 +551,7 @@ inline void keys_from_heads(float* rows, const float (*coef)[16], const float* v
         for (int c = 0; c < C; ++c) o[c] = _mm512_loadu_ps(r + 16 * c);
         for (int g = 0; g < G; ++g) cf[g] = _mm512_set1_ps(coef[g][jj]);
         if constexpr (held) {
-            ACC16(FMA)
+            EACH16(FMA)
         } else {
             for (int g = 0; g < G; ++g)
                 for (int c = 0; c < C; ++c) o[c] = _mm512_fmadd_ps(cf[g], _mm512_loadu_ps(vecs + g * DIM + 16 * c), o[c]);

@@ -14,6 +14,8 @@
 #include <cstring>
 #include <vector>
 
+#include "kernel_common.h"
+
 #if defined(__AVX512F__)
 #include <immintrin.h>
 #endif
@@ -64,7 +66,6 @@ void block_f32(const float* x, int64_t ldx, int64_t kc, const float* wb, const f
 // block_f32 in bf16 (kc even). The accumulators are named registers and each row's pair of inputs is a
 // {1to16} memory operand of VDPBF16PS (compilers emit a separate broadcast, which competes with the products
 // for a port); rows past MB compile away.
-#define ALL(X) X(0) X(1) X(2) X(3) X(4) X(5) X(6) X(7) X(8) X(9) X(10) X(11) X(12) X(13) X(14) X(15)
 #define DP(i) if constexpr (i < MB) asm("vdpbf16ps %1%{1to16%}, %2, %0" : "+v"(a##i) : "m"(*(const int32_t*)(xk + i * ldx)), "v"(w));
 #define LD(i) if constexpr (i < MB) a##i = _mm512_loadu_ps(acc_in + i * COLS);
 #define KEEP(i) if constexpr (i < MB) _mm512_storeu_ps(acc_out + i * COLS, a##i);
@@ -79,20 +80,19 @@ void block_bf16(const uint16_t* x, int64_t ldx, int64_t kc, const uint16_t* wb, 
     }
     __m512 a0 = b0, a1 = b0, a2 = b0, a3 = b0, a4 = b0, a5 = b0, a6 = b0, a7 = b0, a8 = b0, a9 = b0, a10 = b0,
            a11 = b0, a12 = b0, a13 = b0, a14 = b0, a15 = b0;
-    if (acc_in) { ALL(LD) }
+    if (acc_in) { EACH16(LD) }
     for (int64_t k = 0; k < kc / 2; ++k) {
         _mm_prefetch(reinterpret_cast<const char*>(wb + k * 2 * COLS) + PREFETCH, _MM_HINT_T0);
         const __m512 w = _mm512_castsi512_ps(_mm512_loadu_si512(wb + k * 2 * COLS));
         const uint16_t* xk = x + 2 * k;
-        ALL(DP)
+        EACH16(DP)
     }
     if (acc_out) {
-        ALL(KEEP)
+        EACH16(KEEP)
     } else {
-        ALL(ST)
+        EACH16(ST)
     }
 }
-#undef ALL
 #undef DP
 #undef LD
 #undef KEEP

@@ -1,8 +1,12 @@
-// What the compiled kernels share (decode_ops.cpp, logit_ops.cpp): the two storage types, loaded into and
-// rounded from float32, and an exp that vectorises.
+// What the compiled kernels share (decode_ops.cpp, logit_ops.cpp, trunk_ops.cpp, gemm_ops.cpp): the two
+// storage types, loaded into and rounded from float32, an exp that vectorises, and EACH16, which writes a
+// statement once per index 0 .. 15: for register blocking with named accumulators (as an array of vectors
+// GCC keeps them in memory, storing each one at every step).
 #pragma once
 #include <cmath>
 #include <cstdint>
+
+#define EACH16(X) X(0) X(1) X(2) X(3) X(4) X(5) X(6) X(7) X(8) X(9) X(10) X(11) X(12) X(13) X(14) X(15)
 
 namespace {
 

@@ -31,6 +31,41 @@ def _close(got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype) -> None:
     assert torch.allclose(got.float(), want.float(), atol=tol, rtol=tol), (got.float() - want.float()).abs().max()
 
 
+def _lora_term(x, A, B, dtype):
+    """(x A^T) B^T as the update computes it: the factors and x A^T rounded to the dtype."""
+    return (x.float() @ A.to(dtype).float().T).to(dtype).float() @ B.to(dtype).float().T
+
+
+def _check_lora_add(ops, x, rand, dtype):
+    g = torch.Generator().manual_seed(1)
+    A, B, out = torch.randn(48, C, generator=g) * 0.1, torch.randn(960, 48, generator=g) * 0.1, rand(x.size(0), 960)
+    lora = ops.lora_pack(A.to(dtype), B.to(dtype))
+    assert (lora.rank, lora.block_rank) == (48, 48) and lora.k0.tolist() == [0] * 60
+    _close(ops.lora_add(x, lora, out.clone()), out.float() + _lora_term(x, A, B, dtype), dtype)
+    # a stacked q|k|v group's block-diagonal B (outputs 40 | 24 | 22, ranks 16 each; blocks straddle two
+    # adapters, the last is partial): each 16-column block keeps only the rank rows it uses
+    B = torch.block_diag(*(torch.randn(n, 16, generator=g) * 0.1 for n in (40, 24, 22))).to(dtype)
+    A, out = (torch.randn(48, C, generator=g) * 0.1).to(dtype), rand(x.size(0), 86)
+    lora = ops.lora_pack(A, B)
+    assert lora.block_rank == 32 and lora.k0.tolist() == [0, 0, 0, 16, 16, 16]
+    assert lora.blocks.numel() == 6 * 16 * 32
+    _close(ops.lora_add(x, lora, out.clone()), out.float() + _lora_term(x, A, B, dtype), dtype)
+    # the blocks: each output column's 32 rank rows from its block's k0, laid out as `pack` lays out a weight
+    rows = torch.stack([B[n, lora.k0[n // 16]:lora.k0[n // 16] + 32] for n in range(86)])
+    assert torch.equal(lora.blocks, ops.pack(rows, rows.new_empty(ops.packed_numel(86, 32))))
+    # an odd rank gets a zero rank row; a rank past 16 and an output past 16 have partial blocks
+    A, B, out = rand(5, C, std=0.1), rand(37, 5, std=0.1), rand(x.size(0), 37)
+    lora = ops.lora_pack(A, B)
+    assert (lora.rank, lora.block_rank) == (6, 6)
+    _close(ops.lora_add(x, lora, out.clone()), out.float() + _lora_term(x, A, B, dtype), dtype)
+    A, B, out = rand(40, C, std=0.1), rand(37, 40, std=0.1), rand(x.size(0), 37)
+    _close(ops.lora_add(x, ops.lora_pack(A, B), out.clone()), out.float() + _lora_term(x, A, B, dtype), dtype)
+    zero = ops.lora_pack(A, torch.zeros_like(B))                        # a fresh adapter: nothing to add
+    assert zero.block_rank == 0 and torch.equal(ops.lora_add(x, zero, out.clone()), out)
+    with pytest.raises(ValueError, match="do not match"):
+        ops.lora_pack(A, B[:, :8])
+
+
 @needs_compiler
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_each_op_equals_torch_at_the_models_shapes(dtype):
@@ -71,18 +106,8 @@ def test_each_op_equals_torch_at_the_models_shapes(dtype):
                                           scale=0.125)
     _close(attn, want.reshape(b, H * d), dtype)
 
-    A, B, out = torch.randn(48, C, generator=g) * 0.1, torch.randn(960, 48, generator=g) * 0.1, rand(b, 960)
-    want = out.float() + x.float() @ A.T @ B.T
-    _close(ops.lora_add(x, A, *ops.lora_blocks(B), out.clone()), want, dtype)
-    # a stacked q|k|v group's block-diagonal B (outputs 40 | 24 | 22, ranks 16 each; blocks straddle two
-    # adapters, the last is partial): each 16-column block keeps only the rank rows it uses
-    B = torch.block_diag(*(torch.randn(n, 16, generator=g) * 0.1 for n in (40, 24, 22)))
-    A, out = torch.randn(48, C, generator=g) * 0.1, rand(b, 86)
-    blocks, k0 = ops.lora_blocks(B)
-    assert blocks.shape == (6, 32, 16) and k0.tolist() == [0, 0, 0, 16, 16, 16]
-    _close(ops.lora_add(x, A, blocks, k0, out.clone()), out.float() + x.float() @ A.T @ B.T, dtype)
-    zero_b = ops.lora_blocks(torch.zeros(86, 48))                       # a fresh adapter: nothing to add
-    assert zero_b[0].shape == (6, 0, 16) and torch.equal(ops.lora_add(x, A, *zero_b, out.clone()), out)
+    if ops.packed_linear_supported(dtype):
+        _check_lora_add(ops, x, rand, dtype)
 
     gate_up = rand(b, 2 * I)
     _close(ops.silu_mul(gate_up, torch.empty(b, I, dtype=dtype)), F.silu(gate_up[:, :I].float()) * gate_up[:, I:].float(),

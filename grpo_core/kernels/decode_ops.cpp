@@ -28,6 +28,11 @@ extern "C" void packed_linear_f32(const float* x, const float* wp, const float* 
                                   int64_t K);
 extern "C" void packed_linear_bf16(const uint16_t* x, const uint16_t* wp, const uint16_t* bias, uint16_t* y,
                                    int64_t M, int64_t N, int64_t K);
+// and y += (x A^T) B^T, a LoRA adapter's term, on its factors packed likewise (NativeOps.lora_pack)
+extern "C" void lora_add_f32(const float* x, const float* ap, const float* bb, const int64_t* k0, float* y, int64_t M,
+                             int64_t K, int64_t R, int64_t RB, int64_t N);
+extern "C" void lora_add_bf16(const uint16_t* x, const uint16_t* ap, const uint16_t* bb, const int64_t* k0,
+                              uint16_t* y, int64_t M, int64_t K, int64_t R, int64_t RB, int64_t N);
 
 namespace {
 
@@ -694,72 +699,6 @@ void silu_mul(const typename D::T* gate_up, typename D::T* out, int64_t b, int64
     }
 }
 
-// 16 floats as one value (one AVX-512 register, or two or four narrower ones where the CPU has those).
-// Only passed between inline functions of this file, so the ABI note GCC gives without AVX-512 is moot.
-#pragma GCC diagnostic ignored "-Wpsabi"
-typedef float f32x16 __attribute__((vector_size(64)));
-
-inline f32x16 loadu16(const float* p) {
-    f32x16 v;
-    std::memcpy(&v, p, sizeof v);
-    return v;
-}
-
-inline float sum16(const f32x16& v) {
-    float s = 0.f;
-    for (int j = 0; j < 16; ++j) s += v[j];
-    return s;
-}
-
-// y += (x A^T) B: a LoRA adapter's low-rank term added to a linear's output, the factors in float32.
-// x: [b, C]; A: [R, C]; y: [b, out]; B (scale folded in) by blocks of 16 output columns: Bb [ceil(out / 16),
-// RB, 16] holds B^T's rows k0[j] .. k0[j] + RB - 1 for block j's columns (zero past out), the rows that are
-// zero for all 16 columns left out (a stacked group's B is block-diagonal: each block needs only its own
-// adapter's rank), contiguous so that the block's factors stream in one run. Rows go in blocks of 8 (16
-// rows: one block per thread): each row of A is read once per block into 8 running sums, and each 16
-// columns of the output build up in 8 accumulators over the rank before they are added to y once.
-template <class D>
-void lora_add(const typename D::T* x, const float* A, const float* Bb, const int64_t* k0, typename D::T* y,
-              int64_t b, int64_t C, int64_t R, int64_t RB, int64_t out) {
-    constexpr int64_t ROWS = 8;
-    const int64_t Cv = C / 16 * 16;
-#pragma omp parallel if (b > ROWS && R * (C + out) > (1 << 14))
-    {
-    std::vector<float> xf(ROWS * C), u(R * ROWS);
-#pragma omp for schedule(static)
-    for (int64_t r0 = 0; r0 < b; r0 += ROWS) {
-        const int64_t rows = std::min(ROWS, b - r0);
-        for (int64_t i = 0; i < ROWS * C; ++i) xf[i] = i < rows * C ? D::load(x[r0 * C + i]) : 0.f;
-        for (int64_t k = 0; k < R; ++k) {                                   // u[k, i] = A[k] . x_i
-            const float* a = A + k * C;
-            f32x16 s[ROWS] = {};
-            for (int64_t c = 0; c < Cv; c += 16) {
-                const f32x16 av = loadu16(a + c);
-                for (int64_t i = 0; i < ROWS; ++i) s[i] += av * loadu16(xf.data() + i * C + c);
-            }
-            for (int64_t i = 0; i < ROWS; ++i) {
-                float t = sum16(s[i]);
-                for (int64_t c = Cv; c < C; ++c) t += a[c] * xf[i * C + c];
-                u[k * ROWS + i] = t;
-            }
-        }
-        for (int64_t j = 0; j * 16 < out; ++j) {                           // y_i[o] += sum_k u[k, i] B[o, k]
-            const float *bj = Bb + j * RB * 16, *uj = u.data() + k0[j] * ROWS;
-            f32x16 acc[ROWS] = {};
-            for (int64_t k = 0; k < RB; ++k) {
-                const f32x16 bt = loadu16(bj + k * 16);
-                for (int64_t i = 0; i < ROWS; ++i) acc[i] += uj[k * ROWS + i] * bt;
-            }
-            const int64_t cols = std::min<int64_t>(16, out - j * 16);
-            for (int64_t i = 0; i < rows; ++i) {
-                typename D::T* yi = y + (r0 + i) * out + j * 16;
-                for (int64_t o = 0; o < cols; ++o) yi[o] = D::store(D::load(yi[o]) + acc[i][o]);
-            }
-        }
-    }
-    }
-}
-
 // -- a whole decode step's layers in one call ----------------------------------------------------------------
 
 inline void packed_linear(const float* x, const float* w, const float* bias, float* y, int64_t M, int64_t N,
@@ -769,6 +708,14 @@ inline void packed_linear(const float* x, const float* w, const float* bias, flo
 inline void packed_linear(const uint16_t* x, const uint16_t* w, const uint16_t* bias, uint16_t* y, int64_t M,
                           int64_t N, int64_t K) {
     packed_linear_bf16(x, w, bias, y, M, N, K);
+}
+inline void lora_add(const float* x, const float* ap, const float* bb, const int64_t* k0, float* y, int64_t M,
+                     int64_t K, int64_t R, int64_t RB, int64_t N) {
+    lora_add_f32(x, ap, bb, k0, y, M, K, R, RB, N);
+}
+inline void lora_add(const uint16_t* x, const uint16_t* ap, const uint16_t* bb, const int64_t* k0, uint16_t* y,
+                     int64_t M, int64_t K, int64_t R, int64_t RB, int64_t N) {
+    lora_add_bf16(x, ap, bb, k0, y, M, K, R, RB, N);
 }
 
 // A layer's row of the table `decode_layers` reads: for each of its four linears (q|k|v, o, gate|up, down)
@@ -786,8 +733,8 @@ void table_linear(const int64_t* lin, const typename D::T* x, typename D::T* y, 
     packed_linear(x, reinterpret_cast<const TT*>(lin[LIN_W]), reinterpret_cast<const TT*>(lin[LIN_BIAS]), y, b,
                   lin[LIN_N], K);
     if (lin[LIN_A])
-        lora_add<D>(x, reinterpret_cast<const float*>(lin[LIN_A]), reinterpret_cast<const float*>(lin[LIN_BB]),
-                    reinterpret_cast<const int64_t*>(lin[LIN_K0]), y, b, K, lin[LIN_R], lin[LIN_RB], lin[LIN_N]);
+        lora_add(x, reinterpret_cast<const TT*>(lin[LIN_A]), reinterpret_cast<const TT*>(lin[LIN_BB]),
+                 reinterpret_cast<const int64_t*>(lin[LIN_K0]), y, b, K, lin[LIN_R], lin[LIN_RB], lin[LIN_N]);
 }
 
 // The decoder layers of one decode step, each exactly as the per-operation calls compute it: x [b, C] is
@@ -840,10 +787,6 @@ void decode_layers(const int64_t* table, int64_t L, typename D::T* x, typename D
                                               int64_t n, float scale) {                                       \
         decode_attention<D>((const D::T*)q, (const D::T*)cache, valid, valid_stride, slot, prefix, split, B,  \
                             (D::T*)out, b, Hkv, rep, d, T, n, scale);                                         \
-    }                                                                                                         \
-    extern "C" void lora_add_##SUFFIX(const void* x, const float* A, const float* Bb, const int64_t* k0, void* y, \
-                                      int64_t b, int64_t C, int64_t R, int64_t RB, int64_t out) {             \
-        lora_add<D>((const D::T*)x, A, Bb, k0, (D::T*)y, b, C, R, RB, out);                                   \
     }                                                                                                         \
     extern "C" void segment_attention_fwd_##SUFFIX(const void* q, const void* k, const void* v, void* out,        \
                                                    float* lse, const int64_t* row_start, int64_t groups, int64_t P, \

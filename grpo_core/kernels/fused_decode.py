@@ -16,7 +16,8 @@ shapes through both (`linear_kernel`), not by CPU vendor.
 The fused base weights are built once and kept while the base does not change (under LoRA it never
 does); each rollout takes only the adapter. In fp32 it is merged into a copy of the groups it touches
 (W + B A, one addmm per group per rollout); in bf16 a merge would round a young adapter's small delta
-away, so there its factors stay separate (fp32, as PEFT keeps them), stacked per group.
+away, so there its factors stay separate, stacked per group, and are rounded to bf16 as the update's
+low-rank products round them (`lora_linear`), so sampler and update compute the same term.
 
 A finished row leaves the step at once: the native step runs only the live rows, each addressing its own
 row of the KV cache, which is never copied for it (on a CPU where 16 rows already make the matmuls bound
@@ -177,10 +178,13 @@ class FusedLinear:
     kernel: str = "plain"                # which matmul reads `weight` (linear_kernel)
     gemm: "native.NativeOps | None" = None   # for kernel "native"
     out_features: int = 0
+    _lora_pack: "native.LoraPack | None" = None
 
-    def __post_init__(self):
-        # B for the native ops: per 16 output columns the rank rows they use (native.NativeOps.lora_blocks)
-        self.lora_blocks = None if self.lora_b is None else native.NativeOps.lora_blocks(self.lora_b)
+    def lora_pack(self, ops: "native.NativeOps", dtype: torch.dtype) -> "native.LoraPack":
+        """The factors as the compiled `lora_add` reads them, in the activations' dtype (packed on first use)."""
+        if self._lora_pack is None:
+            self._lora_pack = ops.lora_pack(self.lora_a.to(dtype), self.lora_b.to(dtype))
+        return self._lora_pack
 
     def __call__(self, x: torch.Tensor, ops: "native.NativeOps | None" = None) -> torch.Tensor:
         """x [..., in] -> [..., out]; `ops` adds the adapter's term in one compiled call (x [b, in] only)."""
@@ -190,10 +194,13 @@ class FusedLinear:
             y = onednn_linear(x, self.weight, self.bias)
         else:
             y = F.linear(x, self.weight, self.bias)
-        if self.lora_a is not None and ops is not None:
-            ops.lora_add(x, self.lora_a, *self.lora_blocks, y)
-        elif self.lora_a is not None:
-            y += F.linear(F.linear(x.to(self.lora_a.dtype), self.lora_a), self.lora_b)   # rounds into y's dtype
+        if self.lora_a is None:
+            return y
+        if ops is not None and ops.packed_linear_supported(x.dtype):
+            ops.lora_add(x, self.lora_pack(ops, x.dtype), y)
+        else:                          # as the update rounds it: x A^T to x's dtype, then the sum once
+            u = F.linear(x.to(self.lora_a.dtype), self.lora_a).to(x.dtype)               # [..., R]
+            y += F.linear(u.to(self.lora_b.dtype), self.lora_b)
         return y
 
 
@@ -401,13 +408,14 @@ class FusedDecoder:
         linears = [lin for layer in self.layers for lin in (layer.qkv, layer.o, layer.gate_up, layer.down)]
         if self.ops is None or any(lin.kernel != "native" for lin in linears):
             return None
+        dtype = self.embed.weight.dtype
 
         def fields(lin: FusedLinear) -> list[int]:
             if lin.lora_a is None:
                 return [lin.weight.data_ptr(), native._ptr(lin.bias) or 0, 0, 0, 0, 0, 0, lin.out_features]
-            blocks, k0 = lin.lora_blocks
-            return [lin.weight.data_ptr(), native._ptr(lin.bias) or 0, lin.lora_a.data_ptr(), blocks.data_ptr(),
-                    k0.data_ptr(), lin.lora_a.size(0), blocks.size(1), lin.out_features]
+            lora = lin.lora_pack(self.ops, dtype)
+            return [lin.weight.data_ptr(), native._ptr(lin.bias) or 0, lora.a.data_ptr(), lora.blocks.data_ptr(),
+                    lora.k0.data_ptr(), lora.rank, lora.block_rank, lin.out_features]
 
         rows = [[f for lin in (layer.qkv, layer.o, layer.gate_up, layer.down) for f in fields(lin)]
                 + [layer.ln2.data_ptr(), next_norm.data_ptr()]
@@ -451,8 +459,10 @@ class FusedDecoder:
             A, B = _factors(group)
             weight, bias = weight_bias
             out = sum(w.size(0) for w, _, _ in group)
-            if A is None or not merge:
-                return FusedLinear(weight, bias, A, B, kernel, gemm, out)
+            if A is None or not merge:          # rounded to the weights' dtype, as the update rounds them
+                dtype = lean.embed.weight.dtype
+                return FusedLinear(weight, bias, *(None if f is None else f.to(dtype).float() for f in (A, B)), kernel,
+                                   gemm, out)
             merged = scratch[off:off + weight.numel()]
             off += weight.numel()
             if kernel == "native":                 # W + B A in rows, then into column blocks

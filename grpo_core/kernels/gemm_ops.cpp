@@ -45,12 +45,14 @@ inline __m512 load_bias(const float* b, __mmask16 mask) { return _mm512_maskz_lo
 // MB rows of x (row stride ldx) against one column block over kc inputs: acc[m] = sum_k x[m, k] w[k, 0..15],
 // starting from the bias (or 0), or from acc_in's partial sums [MB][16]; written to y, or as partial sums
 // to acc_out.
-template <int MB>
+// ADD: starting from y's own values instead (y += x W^T).
+template <int MB, bool ADD = false>
 void block_f32(const float* x, int64_t ldx, int64_t kc, const float* wb, const float* bias, float* y, int64_t N,
                __mmask16 mask, const float* acc_in, float* acc_out) {
     __m512 acc[MB];
     for (int m = 0; m < MB; ++m)
-        acc[m] = acc_in ? _mm512_loadu_ps(acc_in + m * COLS) : bias ? load_bias(bias, mask) : _mm512_setzero_ps();
+        acc[m] = ADD ? _mm512_maskz_loadu_ps(mask, y + m * N) : acc_in ? _mm512_loadu_ps(acc_in + m * COLS)
+                 : bias ? load_bias(bias, mask) : _mm512_setzero_ps();
     for (int64_t k = 0; k < kc; ++k) {
         _mm_prefetch(reinterpret_cast<const char*>(wb + k * COLS) + PREFETCH, _MM_HINT_T0);
         const __m512 w = _mm512_loadu_ps(wb + k * COLS);
@@ -70,16 +72,17 @@ void block_f32(const float* x, int64_t ldx, int64_t kc, const float* wb, const f
 #define LD(i) if constexpr (i < MB) a##i = _mm512_loadu_ps(acc_in + i * COLS);
 #define KEEP(i) if constexpr (i < MB) _mm512_storeu_ps(acc_out + i * COLS, a##i);
 #define ST(i) if constexpr (i < MB) _mm256_mask_storeu_epi16(y + i * N, mask, (__m256i)_mm512_cvtneps_pbh(a##i));
-template <int MB>
+#define LDY(i) if constexpr (i < MB) a##i = widen(_mm256_maskz_loadu_epi16(mask, y + i * N));
+inline __m512 widen(__m256i bf16) { return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bf16), 16)); }
+
+template <int MB, bool ADD = false>
 void block_bf16(const uint16_t* x, int64_t ldx, int64_t kc, const uint16_t* wb, const uint16_t* bias, uint16_t* y,
                 int64_t N, __mmask16 mask, const float* acc_in, float* acc_out) {
     __m512 b0 = _mm512_setzero_ps();
-    if (bias && !acc_in) {
-        const __m256i raw = _mm256_maskz_loadu_epi16(mask, bias);
-        b0 = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
-    }
+    if (bias && !acc_in) b0 = widen(_mm256_maskz_loadu_epi16(mask, bias));
     __m512 a0 = b0, a1 = b0, a2 = b0, a3 = b0, a4 = b0, a5 = b0, a6 = b0, a7 = b0, a8 = b0, a9 = b0, a10 = b0,
            a11 = b0, a12 = b0, a13 = b0, a14 = b0, a15 = b0;
+    if constexpr (ADD) { EACH16(LDY) }
     if (acc_in) { EACH16(LD) }
     for (int64_t k = 0; k < kc / 2; ++k) {
         _mm_prefetch(reinterpret_cast<const char*>(wb + k * 2 * COLS) + PREFETCH, _MM_HINT_T0);
@@ -97,6 +100,7 @@ void block_bf16(const uint16_t* x, int64_t ldx, int64_t kc, const uint16_t* wb, 
 #undef LD
 #undef KEEP
 #undef ST
+#undef LDY
 #endif
 
 // Rows in blocks of 16 (the last one smaller), the column blocks shared among threads; each column
@@ -139,6 +143,36 @@ void packed_linear(const T* x, const T* wp, const T* bias, T* y, int64_t M, int6
     }
 }
 
+// y += (x A^T) B^T: a LoRA adapter's low-rank term (its scale folded into B) added to a linear's output
+// y [M, N], the factors in x's type. A [R, K] is packed as a weight of R outputs (R a multiple of 16); B by
+// blocks of 16 output columns: block j holds the RB rank rows k0[j] .. k0[j] + RB - 1 of B^T that its columns
+// use (a stacked q|k|v group's B is block-diagonal, so each block needs only its own adapter's rank), packed
+// as a weight of 16 outputs and RB inputs (RB even), the blocks one after another. u = x A^T is rounded to
+// T, as the update's low-rank product is (grpo_core/kernels/lora_linear.py).
+template <class T, class Block, class AddBlock>
+void lora_add(const T* x, const T* ap, const T* bb, const int64_t* k0, T* y, int64_t M, int64_t K, int64_t R,
+              int64_t RB, int64_t N, Block block, AddBlock add) {
+    if (RB == 0) return;                                    // B is zero (a fresh adapter): nothing to add
+    auto mask_of = [](int64_t cols) { return cols >= COLS ? 0xffffu : (1u << cols) - 1u; };
+    std::vector<T> u(M * R);
+    // one parallel region: u by (rank block, 8 rows), then y's column blocks (u shared, after the barrier)
+    const int64_t nr = blocks(R), row_blocks = (M + 7) / 8, nb = blocks(N);
+#pragma omp parallel if (M * (R * K + N * RB) > (1 << 16))
+    {
+#pragma omp for schedule(static)
+        for (int64_t t = 0; t < nr * row_blocks; ++t) {
+            const int64_t jr = t / row_blocks, r = t % row_blocks * 8;
+            block(x + r * K, K, K, ap + jr * COLS * K, nullptr, u.data() + r * R + jr * COLS,
+                  M - r < 8 ? M - r : 8, mask_of(R - jr * COLS), nullptr, nullptr);
+        }
+#pragma omp for schedule(static)
+        for (int64_t j = 0; j < nb; ++j)
+            for (int64_t r = 0; r < M; r += 16)
+                add(u.data() + r * R + k0[j], R, RB, bb + j * RB * COLS, nullptr, y + r * N + j * COLS,
+                    M - r < 16 ? M - r : 16, mask_of(N - j * COLS), nullptr, nullptr);
+    }
+}
+
 #define ROWS_SWITCH(FN, rows, ...)                                                                        \
     switch (rows) {                                                                                       \
         case 1: FN<1>(__VA_ARGS__); break;   case 2: FN<2>(__VA_ARGS__); break;                           \
@@ -175,24 +209,49 @@ extern "C" int packed_linear_supported_bf16() {
 #endif
 }
 
+#if defined(__AVX512F__)
+template <int MB>
+void add_f32(const float* x, int64_t ldx, int64_t kc, const float* wb, const float* b, float* y, int64_t N,
+             __mmask16 mask, const float* in, float* out) {
+    block_f32<MB, true>(x, ldx, kc, wb, b, y, N, mask, in, out);
+}
+// The row-block dispatch of a block kernel for an output of N columns.
+#define ROWS_OF(FN, T, N)                                                                                 \
+    [N](const T* xb, int64_t ldx, int64_t kc, const T* wb, const T* b, T* yb, int64_t rows, __mmask16 mask,  \
+        const float* in, float* out) { ROWS_SWITCH(FN, rows, xb, ldx, kc, wb, b, yb, N, mask, in, out) }
+#endif
+#if defined(__AVX512BF16__)
+template <int MB>
+void add_bf16(const uint16_t* x, int64_t ldx, int64_t kc, const uint16_t* wb, const uint16_t* b, uint16_t* y,
+              int64_t N, __mmask16 mask, const float* in, float* out) {
+    block_bf16<MB, true>(x, ldx, kc, wb, b, y, N, mask, in, out);
+}
+#endif
+
 extern "C" void packed_linear_f32(const float* x, const float* wp, const float* bias, float* y, int64_t M, int64_t N,
                                   int64_t K) {
 #if defined(__AVX512F__)
-    packed_linear(x, wp, bias, y, M, N, K,
-                  [N](const float* xb, int64_t ldx, int64_t kc, const float* wb, const float* b, float* yb,
-                      int64_t rows, __mmask16 mask, const float* in, float* out) {
-                      ROWS_SWITCH(block_f32, rows, xb, ldx, kc, wb, b, yb, N, mask, in, out)
-                  });
+    packed_linear(x, wp, bias, y, M, N, K, ROWS_OF(block_f32, float, N));
 #endif
 }
 
 extern "C" void packed_linear_bf16(const uint16_t* x, const uint16_t* wp, const uint16_t* bias, uint16_t* y,
                                    int64_t M, int64_t N, int64_t K) {
 #if defined(__AVX512BF16__)
-    packed_linear(x, wp, bias, y, M, N, K,
-                  [N](const uint16_t* xb, int64_t ldx, int64_t kc, const uint16_t* wb, const uint16_t* b,
-                      uint16_t* yb, int64_t rows, __mmask16 mask, const float* in, float* out) {
-                      ROWS_SWITCH(block_bf16, rows, xb, ldx, kc, wb, b, yb, N, mask, in, out)
-                  });
+    packed_linear(x, wp, bias, y, M, N, K, ROWS_OF(block_bf16, uint16_t, N));
+#endif
+}
+
+extern "C" void lora_add_f32(const float* x, const float* ap, const float* bb, const int64_t* k0, float* y, int64_t M,
+                             int64_t K, int64_t R, int64_t RB, int64_t N) {
+#if defined(__AVX512F__)
+    lora_add(x, ap, bb, k0, y, M, K, R, RB, N, ROWS_OF(block_f32, float, R), ROWS_OF(add_f32, float, N));
+#endif
+}
+
+extern "C" void lora_add_bf16(const uint16_t* x, const uint16_t* ap, const uint16_t* bb, const int64_t* k0,
+                              uint16_t* y, int64_t M, int64_t K, int64_t R, int64_t RB, int64_t N) {
+#if defined(__AVX512BF16__)
+    lora_add(x, ap, bb, k0, y, M, K, R, RB, N, ROWS_OF(block_bf16, uint16_t, R), ROWS_OF(add_bf16, uint16_t, N));
 #endif
 }

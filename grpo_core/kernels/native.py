@@ -26,6 +26,7 @@ import sys
 import tempfile
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -64,6 +65,15 @@ _SIGNATURES = {
     "packed_linear": [_PTR, _PTR, _PTR, _PTR, _I64, _I64, _I64],
     "packed_linear_supported": [],
 }
+
+
+class LoraPack(NamedTuple):
+    """A LoRA adapter's factors as `NativeOps.lora_add` reads them (`NativeOps.lora_pack`)."""
+    a: torch.Tensor               # A [R, C] packed as a weight of R outputs
+    blocks: torch.Tensor          # per 16 output columns, B^T's rows k0 .. k0 + RB - 1, packed
+    k0: torch.Tensor              # [ceil(out / 16)] int64
+    rank: int                     # R (even)
+    block_rank: int               # RB (even; 0 when B is zero)
 
 
 class BuildError(RuntimeError):
@@ -187,27 +197,32 @@ class NativeOps:
         self._fns["silu_mul", gate_up.dtype](gate_up.data_ptr(), out.data_ptr(), out.size(0), out.size(1))
         return out
 
-    @staticmethod
-    def lora_blocks(b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """B [out, R] float32 -> `lora_add`'s layout: (blocks [ceil(out / 16), RB, 16], k0 [ceil(out / 16)]
-        int64), per 16 output columns B^T's RB consecutive rows from k0 that hold all their nonzeros (RB the
-        widest such run: a stacked group's block-diagonal B needs each block's own adapter's rank only)."""
-        out, R = b.shape
-        nb = (out + 15) // 16
-        per = torch.cat([b.float(), b.new_zeros(nb * 16 - out, R, dtype=torch.float32)]).view(nb, 16, R)
+    def lora_pack(self, a: torch.Tensor, b: torch.Tensor) -> LoraPack:
+        """A [R, C] and B [out, R] (its scale folded in; a stacked group's A stacked and B block-diagonal) ->
+        `lora_add`'s factors, in their dtype: A packed as a weight of R outputs, and B by blocks of 16 output
+        columns, each the rank rows k0 .. k0 + RB - 1 of B^T that hold all of its nonzeros (RB the widest such
+        run, even), packed as a weight of 16 outputs and RB inputs. An odd R gets a zero rank row."""
+        if a.dtype != b.dtype or a.size(0) != b.size(1):
+            raise ValueError(f"LoRA factors A {tuple(a.shape)} {a.dtype} and B {tuple(b.shape)} {b.dtype} do not match")
+        if a.size(0) % 2:
+            a, b = torch.cat([a, a.new_zeros(1, a.size(1))]), torch.cat([b, b.new_zeros(b.size(0), 1)], 1)
+        (out, R), nb = b.shape, (b.size(0) + 15) // 16
+        per = torch.cat([b, b.new_zeros(nb * 16 - out, R)]).view(nb, 16, R)
         used, k = (per != 0).any(1), torch.arange(R)                                      # [nb, R]
         lo, hi = torch.where(used, k, R).amin(1), torch.where(used, k + 1, 0).amax(1)     # [nb]
         rb = int((hi - lo).clamp(min=0).max()) if nb else 0
-        k0 = lo.clamp(max=R - rb)
-        rows = (k0[:, None] + torch.arange(rb))[:, None, :].expand(nb, 16, rb)            # [nb, 16, RB]
-        return per.gather(2, rows).transpose(1, 2).contiguous(), k0.contiguous()
+        rb += rb % 2
+        k0 = lo.clamp(max=R - rb).contiguous()
+        rows = per.gather(2, (k0[:, None] + torch.arange(rb))[:, None, :].expand(nb, 16, rb))   # [nb, 16, RB]
+        packed_a = self.pack(a, a.new_empty(self.packed_numel(R, a.size(1))))
+        packed_b = self.pack(rows.reshape(nb * 16, rb), b.new_empty(self.packed_numel(nb * 16, rb)))
+        return LoraPack(packed_a, packed_b, k0, R, rb)
 
-    def lora_add(self, x: torch.Tensor, a: torch.Tensor, blocks: torch.Tensor, k0: torch.Tensor,
-                 y: torch.Tensor) -> torch.Tensor:
-        """y [b, out] += (x [b, C] A^T) B^T, A [R, C] float32 and B as `lora_blocks` gives it (rounded once
-        into y's dtype)."""
-        self._fns["lora_add", x.dtype](x.data_ptr(), a.data_ptr(), blocks.data_ptr(), k0.data_ptr(), y.data_ptr(),
-                                       x.size(0), x.size(1), a.size(0), blocks.size(1), y.size(1))
+    def lora_add(self, x: torch.Tensor, lora: LoraPack, y: torch.Tensor) -> torch.Tensor:
+        """y [b, out] += (x [b, C] A^T) B^T on `lora_pack`'s factors (x, y and the factors of one dtype; the
+        product x A^T rounded to it, as the update's is). Needs `packed_linear_supported`."""
+        self._fns["lora_add", x.dtype](x.data_ptr(), lora.a.data_ptr(), lora.blocks.data_ptr(), lora.k0.data_ptr(),
+                                       y.data_ptr(), x.size(0), x.size(1), lora.rank, lora.block_rank, y.size(1))
         return y
 
     def decode_layers(self, table: torch.Tensor, x: torch.Tensor, h: torch.Tensor, cache: torch.Tensor,
@@ -383,9 +398,6 @@ def _reference_check(ops: NativeOps) -> None:
             cache[1, :, :, :n].float(),
             attn_mask=valid[:, None, None, :n], scale=0.3)
         same("decode_attention", got, want.reshape(b, H * d))
-        A, B, y = torch.randn(3, C, generator=g), torch.randn(5, 3, generator=g), rand(b, 5)
-        want = y.float() + x.float() @ A.T @ B.T
-        same("lora_add", ops.lora_add(x, A, *ops.lora_blocks(B), y), want)
         gate_up = rand(b, 2 * C)
         got = ops.silu_mul(gate_up, torch.empty(b, C, dtype=dtype))
         same("silu_mul", got, F.silu(gate_up[:, :C].float()) * gate_up[:, C:].float())
@@ -409,6 +421,9 @@ def _reference_check(ops: NativeOps) -> None:
                 packed = ops.pack(w, torch.empty(ops.packed_numel(37, 2 * C), dtype=dtype))
                 same("packed_linear", ops.packed_linear(x, packed, bias, 37),
                      x.float() @ w.float().T + bias.float())
+            A, B, y = rand(3, 2 * C), rand(5, 3), rand(rows, 5)
+            want = y.float() + (x.float() @ A.float().T).to(dtype).float() @ B.float().T
+            same("lora_add", ops.lora_add(x, ops.lora_pack(A, B), y), want)
 
 
 def _check_trunk_ops(ops: NativeOps, rand, same) -> None:

@@ -187,7 +187,7 @@ class FusedLinear:
         return self._lora_pack
 
     def __call__(self, x: torch.Tensor, ops: "native.NativeOps | None" = None) -> torch.Tensor:
-        """x [..., in] -> [..., out]; `ops` adds the adapter's term in one compiled call (x [b, in] only)."""
+        """x [..., in] -> [..., out]; `ops` adds the adapter's term in one compiled call."""
         if self.kernel == "native":
             y = self.gemm.packed_linear(x, self.weight, self.bias, self.out_features)
         elif self.kernel == "onednn":
@@ -197,7 +197,7 @@ class FusedLinear:
         if self.lora_a is None:
             return y
         if ops is not None and ops.packed_linear_supported(x.dtype):
-            ops.lora_add(x, self.lora_pack(ops, x.dtype), y)
+            ops.lora_add(x.reshape(-1, x.size(-1)), self.lora_pack(ops, x.dtype), y.view(-1, y.size(-1)))
         else:                          # as the update rounds it: x A^T to x's dtype, then the sum once
             u = F.linear(x.to(self.lora_a.dtype), self.lora_a).to(x.dtype)               # [..., R]
             y += F.linear(u.to(self.lora_b.dtype), self.lora_b)
@@ -491,7 +491,7 @@ class FusedDecoder:
     def _layer(self, i: int, layer: FusedLayer, x: torch.Tensor, cos, sin, mask, t0: int) -> torch.Tensor:
         b, n, C = x.shape
         H, Hkv, d = self.n_q, self.n_kv, self.d
-        qkv = layer.qkv(F.rms_norm(x, (C,), layer.ln1, self.eps))                       # [b, n, (H+2Hkv)d]
+        qkv = layer.qkv(F.rms_norm(x, (C,), layer.ln1, self.eps), self.ops)             # [b, n, (H+2Hkv)d]
         qk = qkv[..., :(H + Hkv) * d].view(b, n, H + Hkv, d)
         qk = torch.addcmul(qk * cos, qk.roll(d // 2, -1), sin)                            # rotary on q and k
         cache = self.kv[i]                                                                 # [2, b, Hkv, T, d]
@@ -507,9 +507,9 @@ class FusedDecoder:
             o = F.scaled_dot_product_attention(q, keys.repeat_interleave(self.rep, 1),
                                                values.repeat_interleave(self.rep, 1), attn_mask=mask, scale=self.scale)
             o = o.transpose(1, 2)                                                          # [b, n, H, d]
-        x = x + layer.o(o.reshape(b, n, H * d))
-        gate, up = layer.gate_up(F.rms_norm(x, (C,), layer.ln2, self.eps)).split(self.width, -1)
-        return x + layer.down(F.silu(gate) * up)
+        x = x + layer.o(o.reshape(b, n, H * d), self.ops)
+        gate, up = layer.gate_up(F.rms_norm(x, (C,), layer.ln2, self.eps), self.ops).split(self.width, -1)
+        return x + layer.down(F.silu(gate) * up, self.ops)
 
     def _forward(self, ids: torch.Tensor, pos: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         x = self.embed(ids)                                                                # [b, n, C]
@@ -518,7 +518,7 @@ class FusedDecoder:
         for i, layer in enumerate(self.layers):
             x = self._layer(i, layer, x, cos, sin, mask, t0)
         self.length = t0 + ids.size(1)
-        return self.head(F.rms_norm(x[:, -1], (x.size(-1),), self.lean.norm.weight, self.eps))   # [b, V]
+        return self.head(F.rms_norm(x[:, -1], (x.size(-1),), self.lean.norm.weight, self.eps), self.ops)   # [b, V]
 
     def _native_step(self, tokens: torch.Tensor) -> torch.Tensor:
         """One token per live row [b] -> logits [b, V], row r at cache row self.live[r]; every layer in one

@@ -50,7 +50,7 @@ class Policy:
         if not self.use_peft:
             yield self.ref_model
         elif self.reference_adapter is None:
-            with self.model.disable_adapter():
+            with _adapters_disabled(self.model):
                 yield self.model
         else:
             with _active_adapter(self.model, self.reference_adapter):
@@ -92,6 +92,29 @@ class Policy:
                 self.ref_model.save_pretrained(Path(out_dir) / REFERENCE_ADAPTER)
         self.tokenizer.save_pretrained(out_dir)
         return out_dir
+
+
+@contextlib.contextmanager
+def _adapters_disabled(model):
+    """The base model alone: every LoRA layer's adapters switched off, as PEFT's `disable_adapter()` does, but
+    without the survey of every layer's status it takes first (about 25 ms a call on the default model, one
+    per update); each layer's flag is restored after. Gradient flags are left alone: the reference runs
+    without gradients. A model whose layers lack PEFT's flag gets PEFT's own context."""
+    layers = [m for m in model.modules() if hasattr(m, "base_layer") and hasattr(m, "_disable_adapters")]
+    if not layers or not hasattr(model, "_adapters_disabled"):
+        with model.disable_adapter():
+            yield model
+        return
+    flags, was = [m._disable_adapters for m in layers], model._adapters_disabled
+    try:
+        for m in layers:
+            m._disable_adapters = True
+        model._adapters_disabled = True
+        yield model
+    finally:
+        for m, flag in zip(layers, flags):
+            m._disable_adapters = flag
+        model._adapters_disabled = was
 
 
 @contextlib.contextmanager

@@ -356,10 +356,10 @@ def optimizer_step(policy: Policy, optimizer, scheduler, micro_batches: Sequence
         stats["entropy"] = ((entropy.detach() * mask).sum() / mask.sum().clamp(min=1)).item()
         per_micro_batch.append((stats, 0.0 if mb.stand_in else mask.sum().item()))
         del logp, entropy, loss
-    data_parallel.sum_across([p.grad for p in policy.trainable_parameters() if p.grad is not None])
+    params = policy.trainable_parameters()
+    data_parallel.sum_across([p.grad for p in params if p.grad is not None])
     metrics = step_statistics(per_micro_batch, step_loss, data_parallel)
-    grad_norm = torch.nn.utils.clip_grad_norm_(
-        policy.trainable_parameters(), cfg.max_grad_norm if cfg.max_grad_norm > 0 else float("inf")).item()
+    grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm if cfg.max_grad_norm > 0 else float("inf")).item()
     optimizer.step()
     scheduler.step()
     metrics.update({"grad_norm": grad_norm, "learning_rate": scheduler.get_last_lr()[0],

@@ -36,8 +36,13 @@ def test_lora_reference_is_base_with_adapter_off(grpo_home):
     base = logits(pol.model)
     opt = make_optimizer(pol, cfg)
     grpo_update(pol, opt, make_scheduler(opt, cfg), samples(), cfg, seed=0)
+    with pol.model.disable_adapter():
+        peft_off = logits(pol.model)
     with pol.reference() as ref:
         assert torch.allclose(logits(ref), base, atol=1e-6)       # reference unchanged
+        assert torch.equal(logits(ref), peft_off)                 # as PEFT's own switch computes it
+        assert all(m.disable_adapters for m in ref.modules() if hasattr(m, "lora_A"))
+    assert not any(m.disable_adapters for m in pol.model.modules() if hasattr(m, "lora_A"))   # switched back on
     assert not torch.allclose(logits(pol.model), base)            # policy moved
     assert all("lora" in n for n, p in pol.model.named_parameters() if p.requires_grad)
 

@@ -1,5 +1,6 @@
 // y = x W^T (+ bias) for the few rows of a decode step, on weights packed once into column blocks
-// (grpo_core/kernels/fused_decode.py picks it where a probe finds it fastest; built by native.py).
+// (grpo_core/kernels/fused_decode.py picks it where a probe finds it fastest; built by native.py), and a
+// LoRA adapter's low-rank term on its factors packed the same way (`lora_add`).
 //
 // With 16 rows a decode step's matmuls do 16 multiply-adds per weight read: on AVX-512 that is one
 // 16-lane FMA per row for every 64 bytes of weights, so the kernel is bound by arithmetic, not memory,

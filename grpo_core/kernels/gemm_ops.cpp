@@ -156,7 +156,7 @@ void packed_linear(const T* x, const T* wp, const T* bias, T* y, int64_t M, int6
 }
 
 // y += (x A^T) B^T: a LoRA adapter's low-rank term (its scale folded into B) added to a linear's output
-// y [M, N], the factors in x's type. A [R, K] is packed as a weight of R outputs (R a multiple of 16); B by
+// y [M, N], the factors in x's type. A [R, K] is packed as a weight of R outputs (R even); B by
 // blocks of 16 output columns: block j holds the RB rank rows k0[j] .. k0[j] + RB - 1 of B^T that its columns
 // use (a stacked q|k|v group's B is block-diagonal, so each block needs only its own adapter's rank), packed
 // as a weight of 16 outputs and RB inputs (RB even), the blocks one after another. u = x A^T is rounded to

@@ -17,10 +17,6 @@
 #include <cstring>
 #include <vector>
 
-#if defined(__AVX512F__)
-#include <immintrin.h>
-#endif
-
 #include "kernel_common.h"
 
 // gemm_ops.cpp: y = x W^T + bias with W in its column-block layout
@@ -151,14 +147,6 @@ void attend_any(const typename D::T* Q, const Blocks<typename D::T>& kv, const u
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 #define FAST_ATTENTION 1
-inline __m512 load16(const float* p, __mmask16 m) { return _mm512_maskz_loadu_ps(m, p); }
-inline __m512 load16(const uint16_t* p, __mmask16 m) {
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, p)), 16));
-}
-
-inline __mmask16 lanes_below(int64_t count) {      // the first `count` of 16 lanes (count may be <= 0 or > 16)
-    return count >= 16 ? __mmask16(0xffff) : count <= 0 ? __mmask16(0) : __mmask16((1u << count) - 1u);
-}
 
 // Scores of G query heads against keys j0 .. j0+15 (the `in` lanes), into s [G][stride] at j0: masked
 // slots get -3e38 (exp gives 0). The next (row, head)'s keys in this range are prefetched when given.

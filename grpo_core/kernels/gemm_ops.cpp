@@ -17,10 +17,6 @@
 
 #include "kernel_common.h"
 
-#if defined(__AVX512F__)
-#include <immintrin.h>
-#endif
-
 namespace {
 
 constexpr int64_t COLS = 16;
@@ -52,8 +48,6 @@ void pack(const T* w, T* out, int64_t N, int64_t K, int64_t pair) {
 #if defined(__AVX512F__)
 inline void store_row(float* y, __m512 v, __mmask16 mask) { _mm512_mask_storeu_ps(y, mask, v); }
 
-inline __m512 load_bias(const float* b, __mmask16 mask) { return _mm512_maskz_loadu_ps(mask, b); }
-
 // MB rows of x (row stride ldx) against one column block over kc inputs: acc[m] = sum_k x[m, k] w[k, 0..15],
 // starting from the bias (or 0), or from acc_in's partial sums [MB][16]; written to y, or as partial sums
 // to acc_out.
@@ -63,8 +57,8 @@ void block_f32(const float* x, int64_t ldx, int64_t kc, const float* wb, const f
                __mmask16 mask, const float* acc_in, float* acc_out) {
     __m512 acc[MB];
     for (int m = 0; m < MB; ++m)
-        acc[m] = ADD ? _mm512_maskz_loadu_ps(mask, y + m * N) : acc_in ? _mm512_loadu_ps(acc_in + m * COLS)
-                 : bias ? load_bias(bias, mask) : _mm512_setzero_ps();
+        acc[m] = ADD ? load16(y + m * N, mask) : acc_in ? _mm512_loadu_ps(acc_in + m * COLS)
+                 : bias ? load16(bias, mask) : _mm512_setzero_ps();
     for (int64_t k = 0; k < kc; ++k) {
         prefetch_weights(wb + k * COLS);
         const __m512 w = _mm512_loadu_ps(wb + k * COLS);
@@ -83,15 +77,14 @@ void block_f32(const float* x, int64_t ldx, int64_t kc, const float* wb, const f
 #define DP(i) if constexpr (i < MB) asm("vdpbf16ps %1%{1to16%}, %2, %0" : "+v"(a##i) : "m"(*(const int32_t*)(xk + i * ldx)), "v"(w));
 #define LD(i) if constexpr (i < MB) a##i = _mm512_loadu_ps(acc_in + i * COLS);
 #define KEEP(i) if constexpr (i < MB) _mm512_storeu_ps(acc_out + i * COLS, a##i);
-#define ST(i) if constexpr (i < MB) _mm256_mask_storeu_epi16(y + i * N, mask, (__m256i)_mm512_cvtneps_pbh(a##i));
-#define LDY(i) if constexpr (i < MB) a##i = widen(_mm256_maskz_loadu_epi16(mask, y + i * N));
-inline __m512 widen(__m256i bf16) { return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bf16), 16)); }
+#define ST(i) if constexpr (i < MB) _mm256_mask_storeu_epi16(y + i * N, mask, narrow16(a##i));
+#define LDY(i) if constexpr (i < MB) a##i = load16(y + i * N, mask);
 
 template <int MB, bool ADD = false>
 void block_bf16(const uint16_t* x, int64_t ldx, int64_t kc, const uint16_t* wb, const uint16_t* bias, uint16_t* y,
                 int64_t N, __mmask16 mask, const float* acc_in, float* acc_out) {
     __m512 b0 = _mm512_setzero_ps();
-    if (bias && !acc_in) b0 = widen(_mm256_maskz_loadu_epi16(mask, bias));
+    if (bias && !acc_in) b0 = load16(bias, mask);
     __m512 a0 = b0, a1 = b0, a2 = b0, a3 = b0, a4 = b0, a5 = b0, a6 = b0, a7 = b0, a8 = b0, a9 = b0, a10 = b0,
            a11 = b0, a12 = b0, a13 = b0, a14 = b0, a15 = b0;
     if constexpr (ADD) { EACH16(LDY) }

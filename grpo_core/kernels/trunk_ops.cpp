@@ -12,10 +12,6 @@
 
 #include "kernel_common.h"
 
-#if defined(__AVX512BF16__)
-#include <immintrin.h>
-#endif
-
 namespace {
 
 template <class D>
@@ -80,34 +76,12 @@ void silu_mul_bwd(const typename D::T* gate, const typename D::T* up, const type
     }
 }
 
-#if defined(__AVX512BF16__)
+#if defined(__AVX512BF16__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 // The SiLU gate in bf16, 16 values at a time: the same arithmetic, with the CPU's conversions to bf16 (round
-// to nearest even, as BF16::store) and 2^n by VSCALEFPS. As the compiler vectorises the loops above, the
-// software rounding and exp's integer steps cost more than the arithmetic (1.15M values: 547 us).
-inline __m512 widen16(const uint16_t* p, __mmask16 m) {
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, p)), 16));
-}
-inline __m256i narrow16(__m512 v) { return (__m256i)_mm512_cvtneps_pbh(v); }
+// to nearest even, as BF16::store) and exp16. As the compiler vectorises the loops above, the software
+// rounding and exp's integer steps cost more than the arithmetic (1.15M values: 547 us).
 inline __m512 round16(__m512 v) {
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(narrow16(v)), 16));
-}
-
-// exp_f32 (kernel_common.h) on 16 lanes.
-inline __m512 exp16(__m512 x) {
-    const __mmask16 zero = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.f), _CMP_LT_OQ);
-    x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.f)), _mm512_set1_ps(88.f));
-    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-    p = _mm512_add_ps(_mm512_fmadd_ps(p, _mm512_mul_ps(r, r), r), _mm512_set1_ps(1.f));
-    return _mm512_maskz_mov_ps(~zero, _mm512_scalef_ps(p, n));
 }
 
 inline __m512 sigmoid16(__m512 v) {
@@ -118,10 +92,10 @@ template <>
 void silu_mul_fwd<BF16>(const uint16_t* gate, const uint16_t* up, uint16_t* out, int64_t n) {
 #pragma omp parallel for schedule(static) if (n > (1 << 16))
     for (int64_t i = 0; i < n; i += 16) {
-        const __mmask16 m = n - i >= 16 ? __mmask16(0xffff) : __mmask16((1u << (n - i)) - 1u);
-        const __m512 g = widen16(gate + i, m);
+        const __mmask16 m = lanes_below(n - i);
+        const __m512 g = load16(gate + i, m);
         const __m512 silu = round16(_mm512_mul_ps(g, sigmoid16(g)));
-        _mm256_mask_storeu_epi16(out + i, m, narrow16(_mm512_mul_ps(silu, widen16(up + i, m))));
+        _mm256_mask_storeu_epi16(out + i, m, narrow16(_mm512_mul_ps(silu, load16(up + i, m))));
     }
 }
 
@@ -130,11 +104,11 @@ void silu_mul_bwd<BF16>(const uint16_t* gate, const uint16_t* up, const uint16_t
                         int64_t n) {
 #pragma omp parallel for schedule(static) if (n > (1 << 16))
     for (int64_t i = 0; i < n; i += 16) {
-        const __mmask16 m = n - i >= 16 ? __mmask16(0xffff) : __mmask16((1u << (n - i)) - 1u);
-        const __m512 g = widen16(gate + i, m), s = sigmoid16(g), di = widen16(d + i, m), one = _mm512_set1_ps(1.f);
+        const __mmask16 m = lanes_below(n - i);
+        const __m512 g = load16(gate + i, m), s = sigmoid16(g), di = load16(d + i, m), one = _mm512_set1_ps(1.f);
         // d up s (1 + g (1 - s)) and d g s, multiplied in the order the portable loop multiplies them
         const __m512 grad_silu = _mm512_mul_ps(s, _mm512_fmadd_ps(g, _mm512_sub_ps(one, s), one));
-        _mm256_mask_storeu_epi16(dgate + i, m, narrow16(_mm512_mul_ps(_mm512_mul_ps(di, widen16(up + i, m)), grad_silu)));
+        _mm256_mask_storeu_epi16(dgate + i, m, narrow16(_mm512_mul_ps(_mm512_mul_ps(di, load16(up + i, m)), grad_silu)));
         _mm256_mask_storeu_epi16(dup + i, m, narrow16(_mm512_mul_ps(_mm512_mul_ps(di, g), s)));
     }
 }

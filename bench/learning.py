@@ -42,12 +42,23 @@ def machine() -> dict:
     import transformers
     cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
                 if line.startswith("model name")), platform.processor())
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
-    dirty = bool(subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT,
-                                capture_output=True, text=True).stdout.strip())
+    commit = _git("rev-parse", "--short", "HEAD")
+    if commit:
+        commit += "-dirty" if _git("status", "--porcelain", "--untracked-files=no") else ""
+    else:            # no git or no repository (a copy of the tree, e.g. on a device machine): the caller's word
+        commit = os.environ.get("GRPO_COMMIT", "unknown")
     return {"cpu": cpu, "cores": os.cpu_count(), "torch": torch.__version__, "transformers": transformers.__version__,
             "trl": _version("trl"), "prefect": _version("prefect"), "python": platform.python_version(),
-            "commit": commit + ("-dirty" if dirty else "")}
+            "commit": commit}
+
+
+def _git(*args: str) -> str:
+    """git's output in the repository, or "" where git or the repository is missing."""
+    try:
+        done = subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True)
+    except OSError:
+        return ""
+    return done.stdout.strip() if done.returncode == 0 else ""
 
 
 def _version(package: str) -> str | None:

@@ -109,19 +109,20 @@ import shutil, sys
 from pathlib import Path
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
+from grpo_core.io import atomic_dir
 src, out = Path(sys.argv[1]), Path(sys.argv[2])
-tmp = out.with_name(out.name + ".partial")
-shutil.rmtree(tmp, ignore_errors=True)
-torch.manual_seed(0)
-model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(src), dtype=torch.float32)
-model.save_pretrained(tmp)                       # model.safetensors, fp32 like the converted default model
-for f in src.iterdir():                          # the default model's own config, tokenizer and generation config
-    shutil.copy2(f, tmp / f.name)
-(tmp / "RANDOM_WEIGHTS.txt").write_text("config and tokenizer of smollm2-135m-instruct; weights: transformers' "
-                                        "from_config init, torch.manual_seed(0); built by bench/gpu_checks.sh\n")
-shutil.rmtree(out, ignore_errors=True)
-tmp.rename(out)
-print(f"built {out}: {sum(p.numel() for p in model.parameters()) / 1e6:.1f}M parameters, random weights")
+
+def build(tmp: Path) -> None:
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(src), dtype=torch.float32)
+    model.save_pretrained(tmp)                   # model.safetensors, fp32 like the converted default model
+    for f in src.iterdir():                      # the default model's own config, tokenizer and generation config
+        shutil.copy2(f, tmp / f.name)
+    (tmp / "RANDOM_WEIGHTS.txt").write_text("config and tokenizer of smollm2-135m-instruct; weights: transformers' "
+                                            "from_config init, torch.manual_seed(0); built by bench/gpu_checks.sh\n")
+    print(f"built {out}: {sum(p.numel() for p in model.parameters()) / 1e6:.1f}M parameters, random weights")
+
+atomic_dir(out, build, replace=True)
 EOF
   fi
   MODEL_ARGS=(--model "$rand") WEIGHTS=random

@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 TORCH_SPEC ?= torch==2.13.0
 RUN_ARGS ?=
 
-.PHONY: venv run test test-slow test-all images clean stack stack-down
+.PHONY: venv run test test-slow test-all test-avx2 images clean stack stack-down
 
 venv: $(VENV)/.installed
 
@@ -30,6 +30,14 @@ test-slow: venv
 
 test-all: venv
 	$(BIN)/python -m pytest -q
+
+# The default suite as a CPU without AVX-512 would run it, on any machine: the fast paths' choices and the
+# compiled kernels capped at AVX2 (grpo_core/kernels/cpu_features.py), torch's and oneDNN's own kernels too.
+# TESTS=... runs other tests (e.g. TESTS="-m slow").
+AVX2_ENV := GRPO_MAX_CPU_ISA=avx2 ATEN_CPU_CAPABILITY=avx2 DNNL_MAX_CPU_ISA=AVX2
+TESTS ?= -m "not slow"
+test-avx2: venv
+	$(AVX2_ENV) $(BIN)/python -m pytest -q $(TESTS)
 
 # The shared stack (PostgreSQL, Prefect server, MLflow server, a worker): images built here when no registry
 # answers; STACK_ARGS e.g. "--expose" or "--auth". `grpo infra status` checks it.

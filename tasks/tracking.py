@@ -16,6 +16,7 @@ from typing import Any, Callable
 
 from grpo_core.config import ConfigError, GRPOConfig
 from grpo_core.io import read_json, read_jsonl, write_json
+from grpo_core.kernels import cpu_features
 from tasks.retry import CUT_OFF_MESSAGES
 
 
@@ -148,7 +149,7 @@ def _start_or_resume_run(cfg: GRPOConfig, run_dir: Path, flow_run_id: str | None
         exp_id = experiment_id(cfg)
         run = c.create_run(exp_id, run_name=run_dir.name, tags={
             "git_commit": _git_commit(), "config_hash": cfg.config_hash(), "run_dir": str(run_dir.resolve()),
-            "base_model": cfg.model, **source_tags()})
+            "base_model": cfg.model, "cpu": cpu_features.detect().summary(), **source_tags()})
         run_id = run.info.run_id
         log_params(c, run_id, cfg.flat())
         c.log_text(run_id, cfg.to_yaml(), "config.yaml")

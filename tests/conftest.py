@@ -79,3 +79,27 @@ def tiny_config(tmp_path: Path, **overrides) -> dict:
         else:
             base[k] = v
     return GRPOConfig.model_validate(base).model_dump(mode="json")
+
+
+def cpu_declines(path: str, dtype=None) -> str | None:
+    """Why this CPU cannot run the fast path `path` for `dtype` (fp32 by default), as the code itself decides
+    (`grpo_core.kernels.cpu_features.declines`, capped by $GRPO_MAX_CPU_ISA), with the skip's wording; None
+    where it can."""
+    import torch
+    from grpo_core.kernels import cpu_features
+    dtype = dtype or torch.float32
+    reason = cpu_features.declines(path, dtype)
+    return None if reason is None else f"{path} ({str(dtype).removeprefix('torch.')}) not on this CPU: {reason}"
+
+
+def needs_cpu(path: str, dtype=None) -> pytest.MarkDecorator:
+    """Skip mark for a test of a fast path this CPU cannot run (`cpu_declines`)."""
+    reason = cpu_declines(path, dtype)
+    return pytest.mark.skipif(reason is not None, reason=reason or "")
+
+
+def skip_unless_cpu(path: str, dtype=None) -> None:
+    """In a test: skip it where this CPU cannot run the fast path (`cpu_declines`)."""
+    reason = cpu_declines(path, dtype)
+    if reason is not None:
+        pytest.skip(reason)

@@ -8,10 +8,11 @@ import torch
 import torch.nn.functional as F
 from transformers import AutoModelForCausalLM
 
-from grpo_core.kernels.cpu_linear import PackedLinear, available, sampling_weights, use_onednn_linears
+from grpo_core.kernels.cpu_linear import PackedLinear, sampling_weights, use_onednn_linears
 from grpo_core.models import attach_lora
+from tests.conftest import needs_cpu
 
-pytestmark = pytest.mark.skipif(not available(), reason="this torch build has no usable oneDNN fp32 linear")
+pytestmark = needs_cpu("onednn_linear")
 
 
 def packed_copy(layer: torch.nn.Linear) -> PackedLinear:

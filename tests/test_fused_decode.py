@@ -5,12 +5,16 @@ huge-page buffers and the kernel probe. The checks run with the step's small ops
 (grpo_core/kernels/native.py) and as torch ops."""
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
-from grpo_core.kernels.fused_decode import _BASES, FusedDecoder, hugepage_empty, linear_kernel
+from grpo_core.kernels import cpu_features
+from grpo_core.kernels.fused_decode import _BASES, FusedDecoder, _probe, hugepage_empty, linear_kernel
 from grpo_core.models import attach_lora
 from grpo_core.rollout import KVCacheSampler, _HFForward, left_pad
+from tests.conftest import cpu_declines, needs_cpu, skip_unless_cpu
 from tests.test_lean_decode import llama, qwen2, run as lean_run
 from tests.test_native import needs_compiler
 
@@ -35,22 +39,25 @@ PROMPTS = [[10, 11, 12, 13], [14], [15, 16]]
 NATIVE = [pytest.param(True, marks=needs_compiler, id="native-ops"), pytest.param(False, id="torch-ops")]
 
 
-def _gemm_runs(dtype):
-    from grpo_core.kernels import native
-    ops = native.load()
-    return ops is not None and ops.packed_linear_supported(dtype)
+def _use_kernel(kernel: str, dtype: torch.dtype, monkeypatch) -> str:
+    """Force the fused forward's linear kernel, or skip where this CPU cannot run it for `dtype`."""
+    path = cpu_features.DECODE_LINEARS[kernel]
+    if path:
+        skip_unless_cpu(path, dtype)
+    monkeypatch.setenv("GRPO_DECODE_LINEAR", kernel)
+    return kernel
 
 
-_NO_GEMM = not _gemm_runs(torch.float32) or not _gemm_runs(torch.bfloat16)
-KERNELS = ["plain", "onednn", pytest.param("native", marks=pytest.mark.skipif(
-    _NO_GEMM, reason="the compiled matmul needs AVX-512 (and AVX512-BF16)"))]
-
-
-@pytest.fixture(params=KERNELS)
+@pytest.fixture(params=list(cpu_features.DECODE_LINEARS))
 def kernel(request, monkeypatch):
-    """Each linear kernel of the fused forward in turn (as the probe would pick it on some CPU)."""
-    monkeypatch.setenv("GRPO_DECODE_LINEAR", request.param)
-    return request.param
+    """Each linear kernel of the fused forward in turn, fp32 (as the probe would pick it on some CPU)."""
+    return _use_kernel(request.param, torch.float32, monkeypatch)
+
+
+@pytest.fixture(params=list(cpu_features.DECODE_LINEARS))
+def bf16_kernel(request, monkeypatch):
+    """Each linear kernel of the fused forward in turn, bf16."""
+    return _use_kernel(request.param, torch.bfloat16, monkeypatch)
 
 
 def _assert_same(model, atol=1e-4, rtol=1e-5, prompts=PROMPTS, steps=8, native=False):
@@ -138,8 +145,8 @@ def test_groups_share_their_prompt_in_the_cache_at_head_dim_64(native):
 
 
 @needs_compiler
-@pytest.mark.skipif(_NO_GEMM, reason="the compiled matmul needs AVX-512 (and AVX512-BF16)")
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [pytest.param(dtype, marks=needs_cpu("compiled_matmul", dtype))
+                                   for dtype in (torch.float32, torch.bfloat16)])
 def test_the_one_call_step_computes_what_the_per_operation_step_does(monkeypatch, dtype):
     """`decode_layers` runs every layer in one compiled call; the same step as one call per operation gives
     the same logits bit for bit (LoRA factors on q, k, v, o and up in bf16; shared, dropped and copied rows)."""
@@ -182,7 +189,7 @@ def test_the_fused_base_is_rebuilt_when_the_model_changes_dtype(tiny_model_dir):
 
 
 @pytest.mark.parametrize("native", NATIVE)
-def test_bf16_keeps_the_adapter_as_factors_so_a_small_delta_is_not_rounded_away(tiny_model_dir, native, kernel):
+def test_bf16_keeps_the_adapter_as_factors_so_a_small_delta_is_not_rounded_away(tiny_model_dir, native, bf16_kernel):
     model = _with_lora(llama(tiny_model_dir).to(torch.bfloat16), ["q_proj", "k_proj", "v_proj", "up_proj"])
     for n, p in model.named_parameters():
         if "lora_" in n:
@@ -228,11 +235,38 @@ def test_hugepage_buffer_is_aligned_and_the_probe_names_a_kernel(monkeypatch):
     buf = hugepage_empty(3 << 20, torch.float32)
     assert buf.numel() == 3 << 20 and buf.data_ptr() % (2 << 20) == 0
     monkeypatch.delenv("GRPO_DECODE_LINEAR", raising=False)
-    kernel, rates = linear_kernel(torch.float32, 4, ((96, 64), (64, 96)), mib=4)
-    assert kernel in rates and all(r > 0 for r in rates.values())
-    assert ("native" in rates) == _gemm_runs(torch.float32)
-    monkeypatch.setenv("GRPO_DECODE_LINEAR", "onednn")
-    assert linear_kernel(torch.float32, 4, ((96, 64), (64, 96)), mib=4) == ("onednn", {})
+    for dtype in (torch.float32, torch.bfloat16):
+        kernel, rates = linear_kernel(dtype, 4, ((96, 64), (64, 96)), mib=4)
+        assert kernel in rates and all(r > 0 for r in rates.values())
+        # the probe times exactly the kernels `cpu_features.plan` lists for this CPU
+        assert "|".join(rates) == cpu_features.plan(cpu_features.detect(), dtype)["decode_linears"].split(" ")[0]
+    if cpu_declines("onednn_linear") is None:
+        monkeypatch.setenv("GRPO_DECODE_LINEAR", "onednn")
+        assert linear_kernel(torch.float32, 4, ((96, 64), (64, 96)), mib=4) == ("onednn", {})
     monkeypatch.setenv("GRPO_DECODE_LINEAR", "fast")
     with pytest.raises(ValueError, match="GRPO_DECODE_LINEAR='fast': use one of plain, onednn, native"):
         linear_kernel(torch.float32, 4, ((96, 64), (64, 96)), mib=4)
+
+
+def test_a_kernel_this_cpu_cannot_run_is_declined_with_the_reason(monkeypatch, capsys):
+    """On an AVX2 CPU (this one, capped): the probe leaves oneDNN's bf16 packing and the compiled matmul out and
+    says why once; naming one of them in $GRPO_DECODE_LINEAR is an error that says why."""
+    avx2 = cpu_features.detect().with_cap("avx2")
+    monkeypatch.setattr(cpu_features, "detect", lambda: avx2)
+    monkeypatch.setattr(cpu_features, "_SAID", set())
+    monkeypatch.delenv("GRPO_DECODE_LINEAR", raising=False)
+    _probe.cache_clear()
+    try:
+        kernel, rates = linear_kernel(torch.bfloat16, 4, ((96, 64), (64, 96)), mib=4)
+    finally:
+        _probe.cache_clear()
+    assert kernel == "plain" and list(rates) == ["plain"]
+    err = capsys.readouterr().err
+    assert "grpo: oneDNN bfloat16 linears not used here (oneDNN packs bf16 weights only with AVX-512" in err
+    if cpu_features.detect().compiler:
+        assert "grpo: compiled bfloat16 matmul not used here (the compiled bf16 matmul needs AVX-512" in err
+    for kernel, path in (("onednn", "onednn_linear"), ("native", "compiled_matmul")):
+        monkeypatch.setenv("GRPO_DECODE_LINEAR", kernel)
+        reason = re.escape(cpu_features.declines(path, torch.bfloat16))
+        with pytest.raises(ValueError, match=f"GRPO_DECODE_LINEAR={kernel}: .*{reason}"):
+            linear_kernel(torch.bfloat16, 4, ((96, 64), (64, 96)), mib=4)

@@ -8,6 +8,7 @@ import torch
 
 from grpo_core.logprobs import (completion_logits, completion_logprobs, head_logprobs, logprob_path, token_entropy,
                                 token_logprobs)
+from tests.conftest import skip_unless_cpu
 
 
 # -- log-probs without the full log-softmax ---------------------------------------------------------
@@ -188,8 +189,8 @@ def test_the_update_forward_multiplies_on_the_samplers_packed_weights(tiny_model
     base keeps oneDNN's packed weights."""
     from grpo_core.kernels import fused_decode, lora_linear, native
     dtype = torch.bfloat16
-    if fused_decode._native_gemm(dtype, [(64, 64)]) is None:
-        pytest.skip("the compiled matmul needs AVX-512 and AVX512-BF16")
+    skip_unless_cpu("compiled_matmul", dtype)
+    assert fused_decode._native_gemm(dtype, [(64, 64)]) is not None
     monkeypatch.setenv("GRPO_DECODE_LINEAR", "native")
     monkeypatch.setenv("GRPO_UPDATE_LINEAR", "native")
     assert fused_decode.use_packed_linears(_lora_model(tiny_model_dir, torch.float32)) == 0

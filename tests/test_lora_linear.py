@@ -9,7 +9,8 @@ import torch
 from peft import LoraConfig, get_peft_model
 
 from grpo_core.kernels import lora_linear
-from grpo_core.kernels.cpu_linear import PackedLinear, available, use_onednn_linears
+from grpo_core.kernels.cpu_linear import PackedLinear, use_onednn_linears
+from tests.conftest import needs_cpu, skip_unless_cpu
 
 
 def peft_linear(dtype=torch.float32, bias=False, dropout=0.0, dora=False, pack=False):
@@ -38,7 +39,7 @@ def rel(a, b):
     return ((a.float() - b.float()).norm() / b.float().norm()).item()
 
 
-ONEDNN = pytest.param(True, marks=pytest.mark.skipif(not available(), reason="no oneDNN"))
+ONEDNN = pytest.param(True, marks=needs_cpu("onednn_linear"))
 
 
 @pytest.mark.parametrize("bias", [False, True])
@@ -101,9 +102,9 @@ def test_input_gradient_on_a_packed_base_multiplies_on_a_packed_transpose_kept_w
     """A base with a forward pack takes its input gradient g W from a packed W^T, built once and rebuilt when
     the weight changes; an odd out width (bf16 packs pair it) stays torch's."""
     from grpo_core.kernels import native
+    skip_unless_cpu("compiled_matmul", torch.bfloat16)
     ops = native.load()
-    if ops is None or not ops.packed_linear_supported(torch.bfloat16):
-        pytest.skip("the compiled matmul needs AVX-512 and AVX512-BF16")
+    assert ops is not None and ops.packed_linear_supported(torch.bfloat16)
     torch.manual_seed(0)
     base = torch.nn.Linear(48, 40, bias=False).to(torch.bfloat16).requires_grad_(False)
 

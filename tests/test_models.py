@@ -51,7 +51,10 @@ def test_auto_precision_is_bf16_for_lora_on_cpus_with_native_bf16_matmul(monkeyp
     assert select_dtype("auto", cpu, use_peft=True) == torch.float32 and cpu_bf16_matmul() is None
     assert describe_precision("auto", cpu, True) == "precision: float32 base weights on cpu (auto: GRPO_CPU_BF16=0)"
     monkeypatch.delenv("GRPO_CPU_BF16")
-    flags = open("/proc/cpuinfo").read().split() if __import__("os").path.exists("/proc/cpuinfo") else []
-    native = "amx_bf16" in flags or "avx512_bf16" in flags
-    if cpu_bf16_matmul() is not None:
-        assert native, flags                                                     # the probe agrees with the CPU flags
+    from grpo_core.kernels import cpu_features
+    features = cpu_features.detect()
+    assert cpu_bf16_matmul() == features.bf16_matmul
+    assert select_dtype("auto", cpu, use_peft=True) == (torch.bfloat16 if features.bf16_matmul else torch.float32)
+    if features.cap is None:                                  # the CPU's flags agree with torch's own probes
+        assert bool(features.bf16_matmul) == (torch.cpu._is_amx_tile_supported()
+                                              or torch.cpu._is_avx512_bf16_supported())

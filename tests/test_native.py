@@ -17,10 +17,10 @@ import torch
 import torch.nn.functional as F
 
 from grpo_core.kernels import native
+from tests.conftest import needs_cpu, skip_unless_cpu
 
 ROOT = Path(__file__).resolve().parents[1]
-needs_compiler = pytest.mark.skipif(not any(shutil.which(c) for c in ("g++", "c++", "clang++")),
-                                    reason="no C++ compiler here (CI installs g++)")
+needs_compiler = needs_cpu("native_ops")                # CI installs g++
 
 # SmolLM2-135M: hidden 576, 9 query heads over 3 key/value heads of 64, MLP 1536
 b, H, Hkv, d, C, I, T = 5, 9, 3, 64, 576, 1536, 40
@@ -188,9 +188,9 @@ def test_packed_linear_equals_torch_at_the_models_shapes(dtype):
     that is no multiple of 16, at 16 rows (the register-blocked case), fewer and more, with and without bias;
     and an inner dimension taken in chunks (an LM head's input gradient: ten whole chunks and a part, the
     bias added once)."""
+    skip_unless_cpu("compiled_matmul", dtype)
     ops = native.load()
-    if not ops.packed_linear_supported(dtype):
-        pytest.skip(f"the compiled matmul needs AVX-512 (and AVX512-BF16) for {dtype}")
+    assert ops.packed_linear_supported(dtype)
     g = torch.Generator().manual_seed(3)
     for (out, inp), rows, bias in (((960, 576), 16, False), ((576, 1536), 16, True), ((37, 576), 5, True),
                                    ((960, 576), 40, True), ((40, 8 * 1024 + 2 * 1024 + 70), 19, True)):

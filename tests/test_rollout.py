@@ -7,10 +7,11 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from grpo_core.kernels.cpu_linear import available as cpu_linear_available, use_onednn_linears
+from grpo_core.kernels.cpu_linear import use_onednn_linears
 from grpo_core.models import attach_lora, load_tokenizer
 from grpo_core.rollout import HFGenerateSampler, KVCacheSampler, draw, merged_lora, sample_next
 from grpo_core.sampling import Completion, SamplingParams
+from tests.conftest import needs_cpu
 
 CPU = torch.device("cpu")
 
@@ -91,8 +92,7 @@ def test_sample_next_topk_topp_temperature():
     assert (sample_next(logits[:2], 1.0, 0, 1.0, True, None) == 0).all()
 
 
-@pytest.mark.parametrize("packed", [False, pytest.param(True, marks=pytest.mark.skipif(
-    not cpu_linear_available(), reason="no usable oneDNN fp32 linear"))])
+@pytest.mark.parametrize("packed", [False, pytest.param(True, marks=needs_cpu("onednn_linear"))])
 def test_merged_lora_is_exact_and_restored(tiny_model_dir, packed):
     """Both ways of sampling with the adapter merged: PEFT's in-place merge/unmerge (restored up to
     rounding) and, on oneDNN-packed layers, separate merged tensors (weights bit-identical after)."""

@@ -126,7 +126,8 @@ def test_champion_alias_names_the_best_iteration_and_loads(tiny_run):
 
 def test_experiment_is_a_training_experiment_and_runs_name_their_source(tiny_run):
     """The experiment is tagged as model training; runs carry the entry point and the git commit as MLflow's
-    source tags and the whole command line as `command` (tests/test_browser.py checks what the UI shows)."""
+    source tags, the whole command line as `command` and the CPU's features as `cpu` (tests/test_browser.py
+    checks what the UI shows)."""
     from mlflow.tracking import MlflowClient
     summary, cfg, uri = tiny_run
     c = MlflowClient(tracking_uri=uri)
@@ -137,6 +138,8 @@ def test_experiment_is_a_training_experiment_and_runs_name_their_source(tiny_run
     assert tags["mlflow.source.type"] == "LOCAL" and tags["mlflow.source.name"] == expected["mlflow.source.name"]
     assert tags["command"] == expected["command"]
     assert tags["mlflow.source.git.commit"] == tags["git_commit"] and len(tags["git_commit"]) == 40
+    from grpo_core.kernels import cpu_features
+    assert tags["cpu"] == cpu_features.detect().summary()              # runs on different machines compare
 
 
 def test_runs_log_their_data_as_inputs_bookkeeping_as_tags_and_key_curve_copies(tiny_run):

@@ -50,8 +50,12 @@ def cmd_train(args) -> int:
     from flows.train import engine_settings, preflight, training_run
     from tasks.tracking import ui_command
     preflight(cfg)  # bad model, data, adapter, tracking server, ... fail here, before the engine starts
+    from grpo_core.kernels import cpu_features
     from grpo_core.models import describe_precision, select_device
-    print(describe_precision(cfg.dtype, select_device(cfg.device), cfg.use_peft), flush=True)
+    device = select_device(cfg.device)
+    print(describe_precision(cfg.dtype, device, cfg.use_peft), flush=True)
+    if device.type == "cpu":             # what the fast paths may use here (a path left out says why, once)
+        print(f"cpu: {cpu_features.detect().summary()}", flush=True)
     t0 = time.time()
     with run_console(getattr(args, "debug", False)), engine_settings():
         summary = training_run(config=cfg.model_dump(mode="json"))
@@ -81,6 +85,26 @@ def cmd_model_fetch(args) -> int:
     return 0
 
 
+def cmd_model_kernels(args) -> int:
+    import torch
+    from grpo_core.kernels import cpu_features
+    features = cpu_features.detect()
+    if args.as_isa:
+        features = features.with_cap(args.as_isa)
+    print(f"cpu: {features.summary()}")
+    print(f"compiler: {features.compiler or 'none'}; oneDNN packed linears: fp32 {'yes' if features.onednn else 'no'}, "
+          f"bf16 {'yes' if features.onednn_bf16 else 'no'}")
+    for dtype in (torch.float32, torch.bfloat16):
+        rows = cpu_features.plan(features, dtype)
+        if dtype == torch.float32:
+            print(f"dtype auto (LoRA): {rows['precision']}")
+        print(f"\n{str(dtype).removeprefix('torch.')}:")
+        for path, choice in rows.items():
+            if path != "precision":
+                print(f"  {path:<15} {choice}")
+    return 0
+
+
 def _with_config(sp: argparse.ArgumentParser) -> argparse.ArgumentParser:
     sp.add_argument("--config", "-c", metavar="YAML", help="config file (YAML); defaults apply to missing fields")
     sp.add_argument("--set", "-s", action="append", metavar="KEY=VALUE",
@@ -89,7 +113,7 @@ def _with_config(sp: argparse.ArgumentParser) -> argparse.ArgumentParser:
 
 
 def register(subparsers) -> None:
-    """Add `train`, `config` and `model fetch` to the `grpo` parser's subparsers."""
+    """Add `train`, `config`, `model fetch` and `model kernels` to the `grpo` parser's subparsers."""
     t = _with_config(subparsers.add_parser(
         "train", help="run a GRPO training run (the main job)",
         description="Train a model with GRPO. Evaluates the base model, then runs pipeline_iterations iterations "
@@ -111,3 +135,8 @@ def register(subparsers) -> None:
     f = msub.add_parser("fetch", help="fetch and convert a built-in model into $GRPO_HOME (done on first use anyway)")
     f.add_argument("model", nargs="?", default="smollm2-135m-instruct")
     f.set_defaults(func=cmd_model_fetch)
+    k = msub.add_parser("kernels", help="what this CPU speeds up: its features and the kernel each fast path takes "
+                        "in float32 and bfloat16, with the reason for every one left out")
+    k.add_argument("--as", dest="as_isa", choices=("avx2", "avx512", "avx512_bf16", "amx"),
+                   help="as a CPU of at most this level would (same as GRPO_MAX_CPU_ISA)")
+    k.set_defaults(func=cmd_model_kernels)

@@ -15,11 +15,12 @@ optimizer step in full fine-tuning.
 from __future__ import annotations
 
 import contextlib
-import functools
 import weakref
 
 import torch
 import torch.nn.functional as F
+
+from grpo_core.kernels import cpu_features
 
 
 def onednn_pack(weight: torch.Tensor, rows: int | None = None) -> torch.Tensor:
@@ -30,21 +31,6 @@ def onednn_pack(weight: torch.Tensor, rows: int | None = None) -> torch.Tensor:
 
 def onednn_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
-
-
-@functools.cache
-def available() -> bool:
-    """Can this torch build run packed oneDNN fp32 linears here, with fp32 results?"""
-    try:
-        if not torch.backends.mkldnn.is_available():
-            return False
-        g = torch.Generator().manual_seed(0)
-        w, x = torch.randn(48, 40, generator=g), torch.randn(5, 3, 40, generator=g)
-        got = onednn_linear(x, onednn_pack(w), None)
-        want = (x.double() @ w.double().T).float()
-        return bool(torch.allclose(got, want, rtol=1e-5, atol=1e-5))
-    except (RuntimeError, AttributeError):
-        return False
 
 
 class _PackedLinearFn(torch.autograd.Function):
@@ -108,9 +94,11 @@ def use_onednn_linears(model: torch.nn.Module, pack: bool = True) -> int:
     """Turn the model's plain fp32 CPU nn.Linear layers (not LoRA's own A/B) into PackedLinear, in place.
 
     Parameters and state-dict keys are unchanged. pack=False skips the packed copies (no extra
-    memory; sampling is slower). Returns how many layers were converted (0 when oneDNN is not usable
-    here)."""
-    if not available():
+    memory; sampling is slower). Returns how many layers were converted (0, and why once on stderr, when
+    oneDNN is not usable here: `cpu_features`)."""
+    reason = cpu_features.declines("onednn_linear", torch.float32)
+    if reason is not None:
+        cpu_features.note_declined("oneDNN fp32 linears", reason)
         return 0
     n = 0
     for name, module in model.named_modules():

@@ -9,9 +9,10 @@ and 8.5-9 GB/s on 2 MiB pages (`bench/floor.py` measures both here). Fusing halv
 per layer (7 -> 4) and the other per-token work is a handful of tensor ops per layer (fused RMSNorm,
 rotary tables computed once per batch, one KV-cache write).
 
-Which linear kernel reads the weights fastest here (plain rows on huge pages, or oneDNN's packed
-layout) is decided once per process by a short probe that streams synthetic weights of the model's
-shapes through both (`linear_kernel`), not by CPU vendor.
+Which linear kernel reads the weights fastest here (plain rows on huge pages, oneDNN's packed layout, or
+the compiled matmul's column blocks) is decided once per process by a short probe that streams synthetic
+weights of the model's shapes through each kernel this CPU can run (`linear_kernel`; `cpu_features` says
+which can, and a kernel left out says why once), not by CPU vendor.
 
 The fused base weights are built once and kept while the base does not change (under LoRA it never
 does); each rollout takes only the adapter. In fp32 it is merged into a copy of the groups it touches
@@ -43,7 +44,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from grpo_core.kernels import native
+from grpo_core.kernels import cpu_features, native
 from grpo_core.kernels.cpu_linear import onednn_linear, onednn_pack
 from grpo_core.kernels.lean_decode import LeanDecoder, causal_pad_mask, positions
 from grpo_core.kernels.lora_linear import Unsupported, lora_parts, set_packed
@@ -108,12 +109,27 @@ KERNELS = ("plain", "onednn", "native")
 
 
 def _native_gemm(dtype: torch.dtype, shapes) -> "native.NativeOps | None":
-    """The compiled packed-weight matmul, where it runs for this dtype and these [out, in] shapes."""
+    """The compiled packed-weight matmul, where it runs for this dtype and these [out, in] shapes (where this
+    CPU cannot run it, says why once)."""
     ops = native.load()
-    odd = dtype == torch.bfloat16 and any(i % 2 for _, i in shapes)          # bf16 packs inputs in pairs
-    if ops is None or odd or not ops.packed_linear_supported(dtype):
+    if ops is None:
         return None
-    return ops
+    reason = cpu_features.declines("compiled_matmul", dtype)
+    if reason is None and not ops.packed_linear_supported(dtype):
+        reason = f"the compiler built it without the {dtype} instructions this CPU has"
+    if reason is not None:
+        cpu_features.note_declined(f"compiled {str(dtype).removeprefix('torch.')} matmul", reason)
+        return None
+    odd = dtype == torch.bfloat16 and any(i % 2 for _, i in shapes)          # bf16 packs inputs in pairs
+    return None if odd else ops
+
+
+def _onednn_ok(dtype: torch.dtype) -> bool:
+    """Does oneDNN pack weights of this dtype here (where not, says why once)?"""
+    reason = cpu_features.declines("onednn_linear", dtype)
+    if reason is not None:
+        cpu_features.note_declined(f"oneDNN {str(dtype).removeprefix('torch.')} linears", reason)
+    return reason is None
 
 
 def linear_kernel(dtype: torch.dtype, rows: int, shapes: tuple[tuple[int, int], ...],
@@ -129,7 +145,10 @@ def linear_kernel(dtype: torch.dtype, rows: int, shapes: tuple[tuple[int, int], 
     if forced not in KERNELS:
         raise ValueError(f"GRPO_DECODE_LINEAR={forced!r}: use one of {', '.join(KERNELS)}")
     if forced == "native" and _native_gemm(dtype, shapes) is None:
-        raise ValueError(f"GRPO_DECODE_LINEAR=native: the compiled matmul does not run for {dtype} here")
+        raise ValueError(f"GRPO_DECODE_LINEAR=native: the compiled matmul does not run for {dtype} here "
+                         f"({cpu_features.declines('compiled_matmul', dtype) or 'odd input width, or no build'})")
+    if forced == "onednn" and not _onednn_ok(dtype):
+        raise ValueError(f"GRPO_DECODE_LINEAR=onednn: {cpu_features.declines('onednn_linear', dtype)}")
     return forced, {}
 
 
@@ -140,12 +159,9 @@ def _probe(dtype: torch.dtype, rows: int, shapes: tuple[tuple[int, int], ...], m
     g = torch.Generator().manual_seed(0)             # not the global stream: a resumed run must draw the same
     inputs = {i: torch.randn(rows, i, generator=g).to(dtype) for _, i in shapes}
     candidates = {"plain": lambda: [F.linear(inputs[w.size(1)], w) for w in weights]}
-    if torch.backends.mkldnn.is_available():
-        try:
-            packed = [(onednn_pack(w, rows), w.size(1)) for w in weights]
-            candidates["onednn"] = lambda: [onednn_linear(inputs[i], p, None) for p, i in packed]
-        except (RuntimeError, AttributeError):
-            pass
+    if _onednn_ok(dtype):
+        packed = [(onednn_pack(w, rows), w.size(1)) for w in weights]
+        candidates["onednn"] = lambda: [onednn_linear(inputs[i], p, None) for p, i in packed]
     ops = _native_gemm(dtype, shapes)
     if ops is not None:
         blocks = [(ops.pack(w, hugepage_empty(ops.packed_numel(*w.shape), dtype)), *w.shape) for w in weights]
@@ -327,12 +343,9 @@ def _probe_update_gemm(dtype: torch.dtype, shape: tuple[int, int]) -> bool:
     packed = ops.pack(w, torch.empty(ops.packed_numel(out, inp), dtype=dtype))
     candidates = {"torch": lambda: [F.linear(x, w) for x in xs],
                   "native": lambda: [ops.packed_linear(x, packed, None, out) for x in xs]}
-    if torch.backends.mkldnn.is_available():
-        try:
-            onednn = onednn_pack(w, UPDATE_ROWS[1])
-            candidates["onednn"] = lambda: [onednn_linear(x, onednn, None) for x in xs]
-        except (RuntimeError, AttributeError):
-            pass
+    if _onednn_ok(dtype):
+        onednn = onednn_pack(w, UPDATE_ROWS[1])
+        candidates["onednn"] = lambda: [onednn_linear(x, onednn, None) for x in xs]
     secs = _stream_seconds(candidates, rounds=5)
     return secs["native"] < min(v for k, v in secs.items() if k != "native")
 

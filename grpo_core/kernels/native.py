@@ -3,8 +3,8 @@ update's logit sweep (`logit_ops.cpp`) and its trunk's elementwise work (`trunk_
 CPU and loaded with ctypes.
 
 Built once per source, compiler and CPU, with the system C++ compiler (`$CXX`, else g++, c++ or
-clang++) and `-march=native`, into `$GRPO_HOME/kernels/` (the sources compiled side by side, linked to a
-temporary name, then renamed). No torch headers are involved, so a build takes a few seconds (about 4 on
+clang++) and `-march=native` (within `$GRPO_MAX_CPU_ISA`'s cap: `cpu_features`), into
+`$GRPO_HOME/kernels/` (the sources compiled side by side, linked to a temporary name, then renamed). No torch headers are involved, so a build takes a few seconds (about 4 on
 a 2-vCPU machine). Before first use every function is
 checked against the same arithmetic written with torch ops; if the compiler is missing, the build fails
 or a check disagrees, `load()` returns None, says why once on stderr, and the sampler and the update keep
@@ -19,8 +19,6 @@ import ctypes
 import functools
 import hashlib
 import os
-import platform
-import shutil
 import subprocess
 import sys
 import tempfile
@@ -30,6 +28,8 @@ from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
+
+from grpo_core.kernels import cpu_features
 
 SOURCES = [Path(__file__).parent / name
            for name in ("kernel_common.h", "decode_ops.cpp", "logit_ops.cpp", "trunk_ops.cpp", "gemm_ops.cpp")]
@@ -81,29 +81,20 @@ class BuildError(RuntimeError):
 
 
 def _compiler() -> str:
-    for name in (os.environ.get("CXX"), "g++", "c++", "clang++"):
-        if name and shutil.which(name):
-            return shutil.which(name)
-    raise BuildError("no C++ compiler found (set $CXX, or install g++)")
-
-
-def _cpu_flags() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith(("flags", "Features")):
-                return line
-    except OSError:
-        pass
-    return platform.processor()
+    cxx = cpu_features.find_compiler()
+    if cxx is None:
+        raise BuildError(cpu_features.NO_COMPILER)
+    return cxx
 
 
 def library_path(cache_dir: Path | None = None) -> Path:
     """Where the build for this source, compiler and CPU lives (built if missing)."""
     from grpo_core.models import grpo_home
-    cxx = _compiler()
+    cxx, features = _compiler(), cpu_features.detect()
+    flags = [*FLAGS, *features.compiler_flags()]            # within $GRPO_MAX_CPU_ISA's cap, if set
     version = subprocess.run([cxx, "--version"], capture_output=True, text=True).stdout
     sources = [src.read_text() for src in SOURCES]
-    key = hashlib.sha256("\0".join([*sources, cxx, version, " ".join(FLAGS), _cpu_flags()]).encode())
+    key = hashlib.sha256("\0".join([*sources, cxx, version, " ".join(flags), *sorted(features.flags)]).encode())
     out_dir = Path(cache_dir or grpo_home() / "kernels")
     lib = out_dir / f"native_ops-{key.hexdigest()[:16]}.so"
     if lib.exists():
@@ -113,14 +104,14 @@ def library_path(cache_dir: Path | None = None) -> Path:
         # one compiler per source, side by side, then one link into a temporary name that is renamed
         units = [src for src in SOURCES if src.suffix == ".cpp"]
         objects = [Path(work) / f"{src.stem}.o" for src in units]
-        jobs = [subprocess.Popen([cxx, *FLAGS, "-c", "-o", str(obj), str(src)], stdout=subprocess.DEVNULL,
+        jobs = [subprocess.Popen([cxx, *flags, "-c", "-o", str(obj), str(src)], stdout=subprocess.DEVNULL,
                                  stderr=subprocess.PIPE, text=True) for src, obj in zip(units, objects)]
         errors = [job.communicate()[1] for job in jobs]
         tmp = Path(work) / "lib.so"
         for job, err in zip(jobs, errors):
             if job.returncode:
                 raise BuildError(f"{cxx} failed: {err.strip()[-2000:]}")
-        done = subprocess.run([cxx, *FLAGS, "-shared", "-o", str(tmp), *map(str, objects)], capture_output=True,
+        done = subprocess.run([cxx, *flags, "-shared", "-o", str(tmp), *map(str, objects)], capture_output=True,
                               text=True)
         if done.returncode:
             raise BuildError(f"{cxx} failed: {done.stderr.strip()[-2000:]}")

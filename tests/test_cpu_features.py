@@ -126,6 +126,15 @@ def test_auto_precision_follows_the_features(name, monkeypatch):
     assert select_dtype("auto", torch.device("cpu"), use_peft=True) == want
 
 
+def test_the_run_header_names_the_cpu_and_each_path_it_leaves_out():
+    zen2, zen4 = cpu("avx2 (AMD EPYC Zen 2)"), cpu("avx512_bf16 (AMD EPYC Zen 4)")
+    assert cpu_features.describe(zen4, BF16) == "cpu: avx512_bf16 (AMD EPYC Zen 4): avx2 avx512 avx512_bf16"
+    assert cpu_features.describe(zen2, BF16) == (
+        "cpu: avx2 (AMD EPYC Zen 2): avx2; not used here: AVX-512 attention (the vector attention needs AVX-512); "
+        f"compiled matmul ({NEEDS_BF16}); oneDNN packed linears ({NO_ONEDNN_BF16})")
+    assert cpu_features.describe(zen2, FP32).endswith(f"; compiled matmul ({NEEDS_512})")
+
+
 def test_grpo_model_kernels_prints_each_paths_choice_and_why(capsys):
     from flows.cli.main import main
     assert main(["model", "kernels", "--as", "avx2"]) == 0

@@ -51,11 +51,12 @@ def cmd_train(args) -> int:
     from tasks.tracking import ui_command
     preflight(cfg)  # bad model, data, adapter, tracking server, ... fail here, before the engine starts
     from grpo_core.kernels import cpu_features
-    from grpo_core.models import describe_precision, select_device
+    from grpo_core.models import describe_precision, select_device, select_dtype
     device = select_device(cfg.device)
     print(describe_precision(cfg.dtype, device, cfg.use_peft), flush=True)
-    if device.type == "cpu":             # what the fast paths may use here (a path left out says why, once)
-        print(f"cpu: {cpu_features.detect().summary()}", flush=True)
+    if device.type == "cpu":             # what the fast paths use here, and why any is left out
+        print(cpu_features.describe(cpu_features.detect(), select_dtype(cfg.dtype, device, cfg.use_peft)),
+              flush=True)
     t0 = time.time()
     with run_console(getattr(args, "debug", False)), engine_settings():
         summary = training_run(config=cfg.model_dump(mode="json"))

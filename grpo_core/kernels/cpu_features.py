@@ -13,10 +13,10 @@ DNNL_MAX_CPU_ISA=AVX2` torch's own kernels and oneDNN do the same (`make test-av
 from __future__ import annotations
 
 import functools
+import logging
 import os
 import platform
 import shutil
-import sys
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -208,11 +208,24 @@ def plan(features: CpuFeatures, dtype: torch.dtype) -> dict[str, str]:
     return out
 
 
+FAST_PATHS = {"native_ops": "compiled step ops", "vector_attention": "AVX-512 attention",
+              "compiled_matmul": "compiled matmul", "onednn_linear": "oneDNN packed linears"}
+
+
+def describe(features: CpuFeatures, dtype: torch.dtype) -> str:
+    """One line for a run's header: the CPU, and each fast path it leaves out for `dtype`, with the reason."""
+    left_out = [f"{name} ({reason})" for path, name in FAST_PATHS.items()
+                if (reason := declines(path, dtype, features))]
+    return f"cpu: {features.summary()}" + (f"; not used here: {'; '.join(left_out)}" if left_out else "")
+
+
 _SAID: set[tuple[str, str]] = set()
+log = logging.getLogger(__name__)
 
 
 def note_declined(path: str, reason: str) -> None:
-    """Say once per process, on stderr, that a fast path was declined here and why."""
+    """Log once per process (INFO) that a fast path was declined here and why (`grpo train` says it up front,
+    in its header: `describe`)."""
     if (path, reason) not in _SAID:
         _SAID.add((path, reason))
-        print(f"grpo: {path} not used here ({reason})", file=sys.stderr, flush=True)
+        log.info("%s not used here (%s)", path, reason)

@@ -16,7 +16,6 @@ from typing import Any, Callable
 
 from grpo_core.config import ConfigError, GRPOConfig
 from grpo_core.io import read_json, read_jsonl, write_json
-from grpo_core.kernels import cpu_features
 from tasks.retry import CUT_OFF_MESSAGES
 
 
@@ -146,6 +145,7 @@ def _start_or_resume_run(cfg: GRPOConfig, run_dir: Path, flow_run_id: str | None
         run_id = state["mlflow_run_id"]
         c.update_run(run_id, status="RUNNING")
     else:
+        from grpo_core.kernels import cpu_features          # imports torch: only where a run starts
         exp_id = experiment_id(cfg)
         run = c.create_run(exp_id, run_name=run_dir.name, tags={
             "git_commit": _git_commit(), "config_hash": cfg.config_hash(), "run_dir": str(run_dir.resolve()),

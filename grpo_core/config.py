@@ -286,11 +286,16 @@ class GRPOConfig(_Section):
     warmup_ratio: float = Field(0.0, ge=0, le=1)
     # -- GRPO -------------------------------------------------------------------------------
     beta: float = Field(0.04, ge=0, description="KL weight to the reference (0: reference never run)")
+    use_bias_correction_kl: bool = Field(
+        True, description="the k3 KL times the importance ratio (DeepSeek-V3.2; TRL 1.16's default): its gradient "
+                          "is the unbiased reverse-KL gradient, which changes it even on-policy; false: plain k3")
     epsilon: float = Field(0.2, gt=0, lt=1, description="lower clip range of the ratio")
     epsilon_high: float | None = Field(None, gt=0, description="upper clip range (DAPO clip-higher); default: epsilon")
-    loss_type: Literal["grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo"] = Field(
+    loss_type: Literal["grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "vespo"] = Field(
         "grpo", description="per-token loss and its reduction: grpo/bnpo/dr_grpo/dapo (clipped surrogate), cispo "
-                            "(clipped IS weight, REINFORCE-style), sapo (soft gate); see grpo_core.loss")
+                            "(clipped IS weight, REINFORCE-style), sapo (soft gate), luspo (clipped surrogate, "
+                            "each sequence's token sum: use importance_sampling_level: sequence, as the paper), "
+                            "vespo (a smooth gamma weight of the sequence's IS weight); see grpo_core.loss")
     scale_rewards: Literal["group", "batch", "none"] = "group"
     num_iterations: int = Field(1, ge=1, description="mu: updates per rollout batch (old log-probs stored when > 1)")
     mask_truncated_completions: bool = Field(False, description="truncated completions get no loss (TRL)")
@@ -304,10 +309,17 @@ class GRPOConfig(_Section):
                                         "advantages (loss = -A * sigmoid(tau (rho - 1)) * 4 / tau)")
     sapo_temperature_neg: float = Field(1.05, gt=0, description="loss_type sapo: gate temperature for "
                                         "non-positive advantages")
+    vespo_k_pos: float = Field(2.0, ge=0, description="loss_type vespo: power k of phi(w) = e^lambda w^k "
+                                "e^(-lambda w) for non-negative advantages (down-weights w < 1)")
+    vespo_lambda_pos: float = Field(3.0, gt=0, description="loss_type vespo: decay lambda for non-negative "
+                                    "advantages (down-weights w > 1)")
+    vespo_k_neg: float = Field(3.0, ge=0, description="loss_type vespo: k for negative advantages")
+    vespo_lambda_neg: float = Field(2.0, gt=0, description="loss_type vespo: lambda for negative advantages")
     top_entropy_quantile: float = Field(1.0, gt=0, le=1, description="train only on the tokens in the top q "
                                         "fraction of the micro-batch by entropy (1.0: every token)")
-    entropy_coef: float = Field(0.0, ge=0, description="entropy bonus: loss -= entropy_coef * entropy, reduced "
-                                "like the loss (0: off; > 0 backpropagates through the entropy)")
+    entropy_coef: float = Field(0.0, ge=0, description="entropy bonus, as TRL: loss -= entropy_coef * the mean "
+                                "per-token entropy over the tokens the policy loss trains on, whatever the "
+                                "loss_type (0: off; > 0 backpropagates through the entropy)")
     off_policy_mask_threshold: float | None = Field(
         None, ge=0, description="off-policy sequence masking (DeepSeek-V3.2): a negative-advantage sequence whose "
                                 "mean KL(sampler || policy) exceeds this gets no policy loss (None: off)")
@@ -331,8 +343,8 @@ class GRPOConfig(_Section):
     def _variant_combinations(self):
         epsilon_high = self.epsilon if self.epsilon_high is None else self.epsilon_high
         if self.delta is not None:
-            if self.loss_type in ("cispo", "sapo"):
-                raise ValueError(f"delta applies to the clipped loss types (grpo, bnpo, dr_grpo, dapo), not "
+            if self.loss_type in ("cispo", "sapo", "vespo"):
+                raise ValueError(f"delta applies to the clipped loss types (grpo, bnpo, dr_grpo, dapo, luspo), not "
                                  f"loss_type: {self.loss_type}; unset delta")
             if self.delta <= 1 + epsilon_high:
                 raise ValueError(f"delta ({self.delta}) must be > 1 + epsilon_high ({1 + epsilon_high}); below it "
@@ -340,6 +352,15 @@ class GRPOConfig(_Section):
         if self.loss_type == "cispo" and epsilon_high < 1:
             raise ValueError(f"loss_type: cispo caps the IS weight at epsilon_high itself (TRL; e.g. 5.0), so "
                              f"epsilon_high ({epsilon_high}) < 1 would scale every token down; set epsilon_high >= 1")
+        if self.loss_type == "vespo" and self.importance_sampling_level != "token":
+            raise ValueError(f"loss_type: vespo weighs each sequence by its own whole-sequence IS weight, so "
+                             f"importance_sampling_level: {self.importance_sampling_level} would change nothing but "
+                             f"the logged clip ratios; set importance_sampling_level: token (as TRL)")
+        if (self.loss_type == "vespo" and self.vllm_importance_sampling_correction
+                and self.vllm_importance_sampling_mode.startswith("sequence")):
+            raise ValueError(f"loss_type: vespo folds the sampler correction into each sequence's weight token by "
+                             f"token; set vllm_importance_sampling_mode: token_truncate or token_mask (not "
+                             f"{self.vllm_importance_sampling_mode})")
         if self.sync_ref_model and self.beta == 0:
             raise ValueError("sync_ref_model moves the KL reference, but beta = 0 uses none; set beta > 0 or "
                              "sync_ref_model: false")

@@ -10,18 +10,21 @@ sg[.] = stop-gradient. With the defaults (token ratio, loss_type grpo, no masks)
 
     pg_loss1 = -A_i * rho
     pg_loss2 = -A_i * clip(rho, 1 - eps_low, 1 + eps_high)
-    loss     = max(pg_loss1, pg_loss2) + beta * KL_k3(pi || ref)          per token, [B, L]
+    loss     = max(pg_loss1, pg_loss2) + beta * rho * KL_k3(pi || ref)    per token, [B, L]
 
 then reduced over tokens as `loss_type` says (see `aggregate`), scaled so that the micro-batches of one
-optimizer step add up to that step's loss. `grpo_loss` lists, in order, what each option changes.
+optimizer step add up to that step's loss. The KL is weighted by the ratio (`use_bias_correction_kl`,
+DeepSeek-V3.2, TRL's default) so that its gradient is the unbiased reverse-KL gradient; rho's value is 1
+on-policy, its gradient is not. `grpo_loss` lists, in order, what each option changes.
 """
 from __future__ import annotations
 
+import math
 from typing import Sequence
 
 import torch
 
-LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo")
+LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "vespo")
 IMPORTANCE_SAMPLING_LEVELS = ("token", "sequence", "sequence_token")
 SAMPLER_CORRECTION_MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
 
@@ -65,6 +68,15 @@ def kl_k3(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
     """Per-token k3 estimator of KL(pi || ref): exp(ref - logp) - (ref - logp) - 1 (>= 0). [B, L]."""
     delta = ref_logp - logp                                               # [B, L]
     return torch.exp(delta) - delta - 1
+
+
+def entropy_bonus(entropy: torch.Tensor, mask: torch.Tensor, top_entropy_quantile: float = 1.0) -> torch.Tensor:
+    """The mean per-token entropy over the tokens the policy loss trains on (the high-entropy mask applied
+    when `top_entropy_quantile` < 1), whatever the loss type (TRL: the bonus is not reduced like the policy
+    loss, so `entropy_coef` means the same for every loss type). entropy/mask: [B, L] -> scalar."""
+    if top_entropy_quantile < 1.0:
+        mask = mask * high_entropy_mask(entropy, mask, top_entropy_quantile)             # [B, L]
+    return (entropy * mask).sum() / mask.sum().clamp(min=1)
 
 
 # -- the importance ratio to the rollout policy -----------------------------------------------------
@@ -140,6 +152,29 @@ def sapo_loss(ratio: torch.Tensor, advantages: torch.Tensor, temperature_pos: fl
     return -advantages * torch.sigmoid(tau * (ratio - 1)) * 4 / tau
 
 
+@torch.no_grad()
+def vespo_weight(advantages: torch.Tensor, logp: torch.Tensor, old_logp: torch.Tensor, mask: torch.Tensor,
+                 k_pos: float, lambda_pos: float, k_neg: float, lambda_neg: float,
+                 sampler_weight: torch.Tensor | None = None) -> torch.Tensor:
+    """VESPO's gamma weight of each sequence (a coefficient: no gradient flows through it):
+
+        w      = prod_t pi(y_t) / pi_old(y_t)      (times the sampler correction's weights, when given)
+        phi(w) = e^lambda * w^k * e^(-lambda w)    (phi(1) = 1; k, lambda by the sign of A)
+
+    in log space, with TRL's clamps (each token's log-ratio to +-20, log w to [log 1e-8, 20]); a weight
+    that overflows counts as 0. advantages [B, 1]; logp/old_logp/mask [B, L]; sampler_weight [B, L]
+    -> [B, 1]."""
+    floor = math.log(1e-8)
+    log_w = ((logp - old_logp).clamp(-20.0, 20.0) * mask).sum(-1, keepdim=True)              # [B, 1]
+    if sampler_weight is not None:
+        log_w = log_w + sampler_weight.log().clamp(floor, 20.0).sum(-1, keepdim=True)
+    log_w = log_w.clamp(floor, 20.0)
+    positive = advantages >= 0
+    k = torch.where(positive, k_pos, k_neg)
+    lam = torch.where(positive, lambda_pos, lambda_neg).clamp(min=1e-4)
+    return torch.exp(lam + k * log_w - lam * torch.exp(log_w)).nan_to_num(nan=0.0, posinf=0.0, neginf=0.0)
+
+
 # -- which tokens count, and how much -------------------------------------------------------------------
 
 def off_policy_sequence_mask(advantages: torch.Tensor, logp: torch.Tensor, sampler_logp: torch.Tensor,
@@ -202,19 +237,20 @@ def aggregate(per_token_loss: torch.Tensor, mask: torch.Tensor, loss_type: str, 
               num_micro_batches: int = 1, num_tokens_in_batch: float | None = None) -> torch.Tensor:
     """Reduce one micro-batch's [B, L] per-token loss to its share of the optimizer step's loss.
 
-    grpo, sapo:  mean over sequences of each sequence's token mean (DeepSeekMath)
-    bnpo:        token mean over the micro-batch
-    dr_grpo:     token sum / (B * max_completion_length) (constant normaliser, Dr. GRPO)
-    dapo, cispo: token sum / num_tokens_in_batch, the completion tokens the whole step trains on (DAPO)
+    grpo, sapo:         mean over sequences of each sequence's token mean (DeepSeekMath)
+    bnpo:               token mean over the micro-batch
+    dr_grpo:            token sum / (B * max_completion_length) (constant normaliser, Dr. GRPO)
+    luspo:              mean over sequences of each sequence's token sum (LUSPO: a sequence weighs its length)
+    dapo, cispo, vespo: token sum / num_tokens_in_batch, the completion tokens the whole step trains on (DAPO)
 
-    grpo, sapo, bnpo and dr_grpo normalise each micro-batch by itself, so the share is that value
-    divided by `num_micro_batches` (as TRL divides by the gradient-accumulation steps); the dapo/cispo
+    grpo, sapo, bnpo, dr_grpo and luspo normalise each micro-batch by itself, so the share is that value
+    divided by `num_micro_batches` (as TRL divides by the gradient-accumulation steps); the dapo
     normaliser already counts the whole step's tokens, so its shares add up as they are. Without
     `num_tokens_in_batch`, dapo counts this micro-batch's tokens, which is right only when it is the
     whole step.
     """
     masked = per_token_loss * mask                                        # [B, L]
-    if loss_type in ("dapo", "cispo"):
+    if loss_type in ("dapo", "cispo", "vespo"):
         if num_tokens_in_batch is None:
             if num_micro_batches != 1:
                 raise ValueError(f"{loss_type} over several micro-batches needs num_tokens_in_batch (tokens per step)")
@@ -226,6 +262,8 @@ def aggregate(per_token_loss: torch.Tensor, mask: torch.Tensor, loss_type: str, 
         micro_batch_loss = masked.sum() / mask.sum().clamp(min=1)
     elif loss_type == "dr_grpo":
         micro_batch_loss = masked.sum() / (per_token_loss.size(0) * max_completion_length)
+    elif loss_type == "luspo":
+        micro_batch_loss = masked.sum(-1).mean()
     else:
         raise ValueError(f"loss_type must be one of {', '.join(LOSS_TYPES)}, not {loss_type!r}")
     return micro_batch_loss / num_micro_batches
@@ -235,10 +273,12 @@ def aggregate(per_token_loss: torch.Tensor, mask: torch.Tensor, loss_type: str, 
 
 def policy_loss(ratio: torch.Tensor, advantages: torch.Tensor, logp: torch.Tensor, loss_type: str,
                 epsilon_low: float, epsilon_high: float, delta: float | None, sapo_temperature_pos: float,
-                sapo_temperature_neg: float) -> torch.Tensor:
-    """The per-token policy loss `loss_type` names: `cispo_loss` (cap epsilon_high), `sapo_loss`, or
-    `clipped_surrogate` (grpo, bnpo, dr_grpo, dapo; with `delta`). [B, L] (or [B, 1] for a sequence
-    ratio, except cispo)."""
+                sapo_temperature_neg: float, vespo_phi: torch.Tensor | None = None) -> torch.Tensor:
+    """The per-token policy loss `loss_type` names: `cispo_loss` (cap epsilon_high), `sapo_loss`, VESPO's
+    -sg[phi(w)] * A * logp_t (`vespo_weight`, given as `vespo_phi`), or `clipped_surrogate` (grpo, bnpo,
+    dr_grpo, dapo, luspo; with `delta`). [B, L] (or [B, 1] for a sequence ratio, except cispo and vespo)."""
+    if loss_type == "vespo":
+        return -vespo_phi * advantages * logp
     if loss_type == "cispo":
         return cispo_loss(ratio, advantages, logp, epsilon_high)
     if loss_type == "sapo":
@@ -289,18 +329,21 @@ def grpo_loss(logp: torch.Tensor, old_logp: torch.Tensor, ref_logp: torch.Tensor
               entropy: torch.Tensor | None = None, top_entropy_quantile: float = 1.0, entropy_coef: float = 0.0,
               sampler_logp: torch.Tensor | None = None, off_policy_mask_threshold: float | None = None,
               sampler_correction: str | None = None, sampler_correction_cap: float = 3.0,
-              ) -> tuple[torch.Tensor, dict[str, float]]:
+              use_bias_correction_kl: bool = True, vespo_k_pos: float = 2.0, vespo_lambda_pos: float = 3.0,
+              vespo_k_neg: float = 3.0, vespo_lambda_neg: float = 2.0) -> tuple[torch.Tensor, dict[str, float]]:
     """The loss of one micro-batch. logp/old_logp/ref_logp/mask/entropy/sampler_logp: [B, L];
     advantages: [B]. In order (TRL's order):
 
     1) ratio = `importance_ratio` at `importance_sampling_level`
-    2) the per-token `policy_loss` of `loss_type`
+    2) the per-token `policy_loss` of `loss_type` (vespo: with `vespo_weight` of the sequence, into which
+       the sampler correction's weights go instead of 3))
     3) times `token_weights`: the off-policy sequence mask (`off_policy_mask_threshold`), the
        high-entropy mask (`top_entropy_quantile` < 1), the sampler correction (`sampler_correction`
        names a vllm_importance_sampling_mode; needs sampler_logp)
-    4) + beta * KL_k3(pi || ref)
-    5) - entropy_coef * entropy (an entropy bonus; `entropy` must carry its gradient)
-    6) `aggregate` as loss_type says
+    4) + beta * KL_k3(pi || ref), times the ratio of 1) (before `delta` caps it) with
+       `use_bias_correction_kl`
+    5) `aggregate` as loss_type says
+    6) - entropy_coef * `entropy_bonus` / num_micro_batches (`entropy` must carry its gradient)
 
     Returns this micro-batch's share of the step's loss (call backward on it, and sum it over the
     step's micro-batches for the step's loss) and detached statistics of this micro-batch (masked token
@@ -308,12 +351,28 @@ def grpo_loss(logp: torch.Tensor, old_logp: torch.Tensor, ref_logp: torch.Tensor
     """
     advantages = advantages.unsqueeze(1)                                  # [B, 1]
     ratio = importance_ratio(logp, old_logp, mask, importance_sampling_level)       # [B, L] or [B, 1]
+    phi, folded = None, {}
+    if loss_type == "vespo":
+        sampler_weight = None
+        if sampler_correction is not None:          # folded into the sequence's weight, not applied per token
+            if sampler_logp is None:
+                raise ValueError("vllm_importance_sampling_correction needs the sampler's log-probs (sampler_logp)")
+            sampler_weight = sampler_correction_weight(old_logp, sampler_logp, mask, sampler_correction,
+                                                       sampler_correction_cap)                 # [B, L]
+            folded = {"sampler_is/weight_mean": sampler_weight.expand_as(mask),
+                      "sampler_is/zeroed_frac": (sampler_weight == 0).expand_as(mask)}
+            sampler_correction = None
+        phi = vespo_weight(advantages, logp, old_logp, mask, vespo_k_pos, vespo_lambda_pos, vespo_k_neg,
+                           vespo_lambda_neg, sampler_weight)                                   # [B, 1]
     per_token_loss = policy_loss(ratio, advantages, logp, loss_type, epsilon_low, epsilon_high, delta,
-                                 sapo_temperature_pos, sapo_temperature_neg)
+                                 sapo_temperature_pos, sapo_temperature_neg, phi)
     weight, touched = token_weights(
         advantages, logp, old_logp, mask, entropy=entropy, top_entropy_quantile=top_entropy_quantile,
         sampler_logp=sampler_logp, off_policy_mask_threshold=off_policy_mask_threshold,
         sampler_correction=sampler_correction, sampler_correction_cap=sampler_correction_cap)
+    touched.update(folded)
+    if phi is not None:
+        touched["vespo/phi_seq_mean"] = phi                           # [B, 1]: a mean over sequences
     if weight is not None:
         per_token_loss = per_token_loss * weight                          # [B, L]
     kl = None
@@ -321,27 +380,35 @@ def grpo_loss(logp: torch.Tensor, old_logp: torch.Tensor, ref_logp: torch.Tensor
         if ref_logp is None:
             raise ValueError("beta > 0 needs reference log-probs")
         kl = kl_k3(logp, ref_logp)                                        # [B, L]
+        if use_bias_correction_kl:
+            kl = kl * ratio                                               # [B, L]; ratio [B, L] or [B, 1]
         per_token_loss = per_token_loss + beta * kl
+    loss = aggregate(per_token_loss, mask, loss_type, max_completion_length, num_micro_batches,
+                     num_tokens_in_batch)
     if entropy_coef != 0.0:
         if entropy is None or not entropy.requires_grad:
             raise ValueError("entropy_coef > 0 needs the per-token entropy with its gradient")
-        per_token_loss = per_token_loss - entropy_coef * entropy
-    loss = aggregate(per_token_loss, mask, loss_type, max_completion_length, num_micro_batches,
-                     num_tokens_in_batch)
+        loss = loss - entropy_coef * entropy_bonus(entropy, mask, top_entropy_quantile) / num_micro_batches
     return loss, _statistics(ratio, advantages, mask, kl, touched, loss_type, epsilon_low, epsilon_high)
 
 
 @torch.no_grad()
 def _statistics(ratio, advantages, mask, kl, touched, loss_type, epsilon_low, epsilon_high) -> dict[str, float]:
-    """Masked token means: how often the ratio was clipped (by the hard clip, or by CISPO's cap; SAPO
-    has no hard clip), the KL, and the fractions each enabled mask or weight touched."""
+    """Masked token means (as TRL logs them): how often the ratio was clipped (by the hard clip, or by
+    CISPO's cap; SAPO has no hard clip; a sequence ratio counts once per sequence), the KL, and the
+    fractions each enabled mask or weight touched."""
     num_tokens = mask.sum().clamp(min=1)
-    token_mean = lambda x: ((x.float() * mask).sum() / num_tokens).item()   # noqa: E731
-    ratio = ratio.detach().expand_as(mask)                                # [B, L]
-    none = torch.zeros_like(mask, dtype=torch.bool)
+
+    def token_mean(x):                                                    # [B, L], or [B, 1]: one per sequence
+        if x.size(1) == 1 < mask.size(1):
+            return x.float().mean().item()
+        return ((x.float() * mask).sum() / num_tokens).item()
+
+    ratio = ratio.detach()                                                # [B, L] or [B, 1]
+    none = torch.zeros_like(ratio, dtype=torch.bool)
     if loss_type == "cispo":
         is_low_clipped, is_high_clipped = none, (ratio > epsilon_high) & (advantages > 0)
-    elif loss_type == "sapo":
+    elif loss_type in ("sapo", "vespo"):
         is_low_clipped = is_high_clipped = none
     else:
         is_low_clipped = (ratio < 1 - epsilon_low) & (advantages < 0)     # [B, L]

@@ -257,7 +257,7 @@ def shard_rows(rows: Sequence[int], kept: Sequence[ScoredSample],
 # What `grpo_core.loss.aggregate` divides a micro-batch's summed token losses by, per loss type: the
 # micro-batch's sequences or tokens, or (None) the step's token count, which every process already uses.
 MICRO_BATCH_NORMALISER = {"grpo": "sequences", "sapo": "sequences", "dr_grpo": "sequences", "bnpo": "tokens",
-                          "dapo": None, "cispo": None}
+                          "luspo": "sequences", "dapo": None, "cispo": None, "vespo": None}
 
 
 def shard_loss_weight(share: Sequence[ScoredSample], whole: Sequence[ScoredSample], cfg: GRPOConfig) -> float:
@@ -314,6 +314,8 @@ def micro_batch_loss(logp: torch.Tensor, entropy: torch.Tensor, mb: MicroBatch, 
         num_tokens_in_batch=tokens_per_step, importance_sampling_level=cfg.importance_sampling_level,
         delta=cfg.delta, sapo_temperature_pos=cfg.sapo_temperature_pos, sapo_temperature_neg=cfg.sapo_temperature_neg,
         entropy=entropy, top_entropy_quantile=cfg.top_entropy_quantile, entropy_coef=cfg.entropy_coef,
+        use_bias_correction_kl=cfg.use_bias_correction_kl, vespo_k_pos=cfg.vespo_k_pos,
+        vespo_lambda_pos=cfg.vespo_lambda_pos, vespo_k_neg=cfg.vespo_k_neg, vespo_lambda_neg=cfg.vespo_lambda_neg,
         sampler_logp=mb.sampler_logp, off_policy_mask_threshold=cfg.off_policy_mask_threshold,
         sampler_correction=cfg.vllm_importance_sampling_mode if cfg.vllm_importance_sampling_correction else None,
         sampler_correction_cap=cfg.vllm_importance_sampling_cap)

@@ -11,10 +11,15 @@ One micro-batch is a list of sequences; each sequence gives, for its completion 
     GRPO/DAPO/...    J_t = min(min(r, delta) A, clip(r, 1-eps_low, 1+eps_high) A)   (delta: INTELLECT-2)
     CISPO            J_t = sg[min(r, eps_high)] A log pi(y_t)                      (TRL / ScaleRL cap)
     SAPO             J_t = sigmoid(tau (r - 1)) 4 / tau A,  tau = tau_pos if A > 0 else tau_neg
+    LUSPO            J_t as GRPO's; the loss sums each sequence's tokens (no 1/|o_i|), then averages
+    VESPO            J_t = sg[phi(w)] A log pi(y_t),  w = prod_t pi / pi_old (times the sampler weights),
+                     phi(w) = w^k exp(-lambda (w - 1)), (k, lambda) = (k_pos, lambda_pos) if A >= 0
     off-policy mask  J_t = 0 for the whole sequence when A < 0 and mean_t(log mu - log pi) > threshold
     entropy mask     J_t = 0 unless H_t >= quantile(H of all the micro-batch's tokens, 1 - q)
     sampler weight   J_t *= w (pi_old / mu per token or per sequence; truncated to C or zeroed above C)
-    per token        L_t = -J_t + beta * (ref/pi - log(ref/pi) - 1) - entropy_coef * H_t
+    per token        L_t = -J_t + beta * r * (ref/pi - log(ref/pi) - 1)
+                     (r: the ratio J_t uses, before delta; DeepSeek-V3.2's bias-corrected KL; without it r = 1)
+    entropy bonus    loss -= entropy_coef * (mean of H_t over the tokens the entropy mask keeps) / micro-batches
 """
 from __future__ import annotations
 
@@ -36,9 +41,11 @@ class Options:
     tau_neg: float = 1.05
     top_entropy_quantile: float = 1.0
     entropy_coef: float = 0.0
+    bias_correction_kl: bool = True
     off_policy_threshold: float | None = None
     sampler_mode: str | None = None
     sampler_cap: float = 3.0
+    vespo: tuple[float, float, float, float] = (2.0, 3.0, 3.0, 2.0)     # k_pos, lambda_pos, k_neg, lambda_neg
 
 
 @dataclass
@@ -78,6 +85,11 @@ def sequence_terms(seq: Sequence, o: Options, entropy_threshold: float | None) -
             weights = [0.0 if w > o.sampler_cap else w for w in raw]
     else:
         weights = [1.0] * n
+    if o.loss_type == "vespo":                   # the sampler weights go into the sequence's w, not per token
+        w = math.exp(sum(seq.logp[t].item() - seq.old[t] for t in range(n))) * math.prod(weights)
+        k, lam = o.vespo[:2] if A >= 0 else o.vespo[2:]
+        phi = w ** k * math.exp(-lam * (w - 1))
+        weights = [1.0] * n
     terms = []
     for t in range(n):
         if o.level == "token":
@@ -88,6 +100,8 @@ def sequence_terms(seq: Sequence, o: Options, entropy_threshold: float | None) -
             r = torch.exp(log_s.detach() + seq.logp[t] - seq.logp[t].detach())
         if o.loss_type == "cispo":
             j = torch.clamp(r, max=o.eps_high).detach() * A * seq.logp[t]
+        elif o.loss_type == "vespo":
+            j = phi * A * seq.logp[t]
         elif o.loss_type == "sapo":
             tau = o.tau_pos if A > 0 else o.tau_neg
             j = torch.sigmoid(tau * (r - 1)) * 4 / tau * A
@@ -99,11 +113,14 @@ def sequence_terms(seq: Sequence, o: Options, entropy_threshold: float | None) -
         term = -j * weights[t]
         if o.beta:
             d = seq.ref[t] - seq.logp[t]
-            term = term + o.beta * (torch.exp(d) - d - 1)
-        if o.entropy_coef:
-            term = term - o.entropy_coef * seq.entropy[t]
+            term = term + o.beta * (r if o.bias_correction_kl else 1.0) * (torch.exp(d) - d - 1)
         terms.append(term)
     return terms
+
+
+def kept_entropies(seqs: list[Sequence], threshold: float | None) -> list:
+    """The entropies of the tokens the policy loss trains on (all, or those at or above the threshold)."""
+    return [h for s in seqs for h in s.entropy if threshold is None or h.detach().item() >= threshold]
 
 
 def micro_batch_loss(seqs: list[Sequence], o: Options, n_micro_batches: int = 1, max_completion_length: int = 0,
@@ -116,9 +133,16 @@ def micro_batch_loss(seqs: list[Sequence], o: Options, n_micro_batches: int = 1,
     sums = [sum(ts) if ts else 0.0 for ts in per_seq]
     n_tokens = sum(len(ts) for ts in per_seq)
     if o.loss_type in ("grpo", "sapo"):
-        return sum(s / max(len(ts), 1) for s, ts in zip(sums, per_seq)) / len(seqs) / n_micro_batches
-    if o.loss_type == "bnpo":
-        return sum(sums) / max(n_tokens, 1) / n_micro_batches
-    if o.loss_type == "dr_grpo":
-        return sum(sums) / (len(seqs) * max_completion_length) / n_micro_batches
-    return sum(sums) / (dapo_tokens if dapo_tokens is not None else max(n_tokens, 1))    # dapo, cispo
+        loss = sum(s / max(len(ts), 1) for s, ts in zip(sums, per_seq)) / len(seqs) / n_micro_batches
+    elif o.loss_type == "bnpo":
+        loss = sum(sums) / max(n_tokens, 1) / n_micro_batches
+    elif o.loss_type == "dr_grpo":
+        loss = sum(sums) / (len(seqs) * max_completion_length) / n_micro_batches
+    elif o.loss_type == "luspo":
+        loss = sum(sums) / len(seqs) / n_micro_batches
+    else:                                                                  # dapo, cispo, vespo
+        loss = sum(sums) / (dapo_tokens if dapo_tokens is not None else max(n_tokens, 1))
+    if o.entropy_coef:
+        kept = kept_entropies(seqs, threshold)
+        loss = loss - o.entropy_coef * sum(kept) / max(len(kept), 1) / n_micro_batches
+    return loss

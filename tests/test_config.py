@@ -96,6 +96,13 @@ def test_help_renders_and_states_no_speed_figures():
     (["vllm_importance_sampling_cap=0.5"], ["vllm_importance_sampling_cap"]),
     (["off_policy_mask_threshold=-0.1"], ["off_policy_mask_threshold"]),
     (["entropy_coef=-0.01"], ["entropy_coef"]),
+    (["loss_type=luspo2"], ["loss_type"]),
+    (["vespo_lambda_pos=0"], ["vespo_lambda_pos"]),
+    (["vespo_k_neg=-1"], ["vespo_k_neg"]),
+    (["loss_type=vespo", "importance_sampling_level=sequence"], ["vespo", "importance_sampling_level: token"]),
+    (["loss_type=vespo", "vllm_importance_sampling_correction=true"],              # default mode sequence_mask
+     ["vespo", "vllm_importance_sampling_mode: token_truncate or token_mask"]),
+    (["loss_type=vespo", "delta=1.5"], ["delta", "vespo"]),
     (["sync_ref_model=true", "beta=0"], ["sync_ref_model", "beta"]),
     (["ref_model_mixup_alpha=1.5"], ["ref_model_mixup_alpha"]),
     (["ref_model_sync_steps=0"], ["ref_model_sync_steps"]),
@@ -114,6 +121,7 @@ def test_variant_options_defaults_are_plain_grpo_and_good_values_load():
             cfg.off_policy_mask_threshold, cfg.vllm_importance_sampling_correction, cfg.sync_ref_model) == \
         ("token", "grpo", None, 1.0, 0.0, None, False, False)
     assert cfg.reference == "init" and not cfg.needs_sampler_logprobs
+    assert cfg.use_bias_correction_kl                               # TRL 1.16's default (DeepSeek-V3.2)
     good = load_config(None, ["importance_sampling_level=sequence", "loss_type=cispo", "epsilon_high=5.0",
                               "top_entropy_quantile=0.2", "entropy_coef=0.001", "off_policy_mask_threshold=0.5",
                               "vllm_importance_sampling_correction=true", "vllm_importance_sampling_mode=token_mask",
@@ -121,6 +129,10 @@ def test_variant_options_defaults_are_plain_grpo_and_good_values_load():
     assert good.needs_sampler_logprobs and good.epsilon_high == 5.0
     assert load_config(None, ["delta=1.5", "epsilon_high=0.28"]).delta == 1.5
     assert load_config(None, ["loss_type=sapo", "sapo_temperature_neg=2"]).sapo_temperature_neg == 2.0
+    assert load_config(None, ["loss_type=luspo", "importance_sampling_level=sequence", "delta=1.5"]).delta == 1.5
+    vespo = load_config(None, ["loss_type=vespo", "vespo_k_pos=1", "vllm_importance_sampling_correction=true",
+                               "vllm_importance_sampling_mode=token_mask", "use_bias_correction_kl=false"])
+    assert (vespo.vespo_k_pos, vespo.vespo_lambda_pos, vespo.use_bias_correction_kl) == (1.0, 3.0, False)
     # reference: init without an init adapter is fine (it means the base)
     assert load_config(None, ["reference=init"]).init_adapter is None
 
@@ -128,7 +140,8 @@ def test_variant_options_defaults_are_plain_grpo_and_good_values_load():
 def test_variant_options_are_logged_and_shown_in_help():
     from grpo_core.config import field_help
     names = ["importance_sampling_level", "delta", "sapo_temperature_pos", "sapo_temperature_neg",
-             "top_entropy_quantile", "entropy_coef", "off_policy_mask_threshold",
+             "top_entropy_quantile", "entropy_coef", "off_policy_mask_threshold", "use_bias_correction_kl",
+             "vespo_k_pos", "vespo_lambda_pos", "vespo_k_neg", "vespo_lambda_neg",
              "vllm_importance_sampling_correction", "vllm_importance_sampling_mode", "vllm_importance_sampling_cap",
              "sync_ref_model", "ref_model_mixup_alpha", "ref_model_sync_steps", "reference"]
     flat, text = GRPOConfig().flat(), field_help()

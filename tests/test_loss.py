@@ -97,32 +97,39 @@ def test_clipped_surrogate_and_kl_by_hand():
 
 # -- gradient == gradient of the published objective, written out line by line ---------------------
 
-def reference_objective(logp, old, ref, adv, mask, beta, eps_low, eps_high, loss_type, L_max, n_tokens):
+def reference_objective(logp, old, ref, adv, mask, beta, eps_low, eps_high, loss_type, L_max, n_tokens, bias_kl):
     """The published per-token objective, summed with Python loops over sequences and tokens.
 
-    J_i,t = min(rho A_i, clip(rho, 1-eps_low, 1+eps_high) A_i) - beta * (pi_ref/pi - log(pi_ref/pi) - 1)
+    J_i,t = min(rho A_i, clip(rho, 1-eps_low, 1+eps_high) A_i) - beta * w * (pi_ref/pi - log(pi_ref/pi) - 1)
+    with w = rho (DeepSeek-V3.2's bias-corrected KL, `bias_kl`) or 1
     grpo (DeepSeekMath), sapo: 1/B sum_i 1/|o_i| sum_t J;  bnpo: sum J / sum |o_i| (this batch);
-    dr_grpo: sum J / (B * L_max);  dapo, cispo: sum J / (tokens in the whole generation batch). Loss = -J.
-    CISPO (TRL): J = sg[min(rho, eps_high)] A log pi;  SAPO: J = sigmoid(tau (rho - 1)) 4 / tau A.
+    dr_grpo: sum J / (B * L_max);  dapo, cispo, vespo: sum J / (tokens in the whole generation batch);
+    luspo: 1/B sum_i sum_t J. Loss = -J.
+    CISPO (TRL): J = sg[min(rho, eps_high)] A log pi;  SAPO: J = sigmoid(tau (rho - 1)) 4 / tau A;
+    VESPO (default k, lambda): J = sg[w^k e^(-lambda (w - 1))] A log pi, w = prod_t rho_t.
     """
     B, L = logp.shape
     total = 0.0
     seq_means = []
     for i in range(B):
         s, n = 0.0, 0
+        w = math.exp(sum((logp[i, t] - old[i, t]).item() for t in range(L) if mask[i, t] == 1))
+        k, lam = (2.0, 3.0) if adv[i] >= 0 else (3.0, 2.0)
         for t in range(L):
             if mask[i, t] == 0:
                 continue
             rho = torch.exp(logp[i, t] - old[i, t])
             if loss_type == "cispo":                # REINFORCE with a stop-gradient weight capped at eps_high
                 surrogate = torch.clamp(rho, max=eps_high).detach() * adv[i] * logp[i, t]
+            elif loss_type == "vespo":              # a gamma weight of the sequence's IS weight, no gradient
+                surrogate = w ** k * math.exp(-lam * (w - 1)) * adv[i] * logp[i, t]
             elif loss_type == "sapo":               # soft gate, default temperatures 1.0 / 1.05
                 tau = 1.0 if adv[i] > 0 else 1.05
                 surrogate = torch.sigmoid(tau * (rho - 1)) * 4 / tau * adv[i]
             else:
                 surrogate = torch.minimum(rho * adv[i], torch.clamp(rho, 1 - eps_low, 1 + eps_high) * adv[i])
             kl = torch.exp(ref[i, t] - logp[i, t]) - (ref[i, t] - logp[i, t]) - 1 if beta else 0.0
-            s = s + surrogate - beta * kl
+            s = s + surrogate - beta * (rho if bias_kl else 1.0) * kl
             n += 1
         total = total + s
         seq_means.append(s / max(n, 1))
@@ -132,13 +139,15 @@ def reference_objective(logp, old, ref, adv, mask, beta, eps_low, eps_high, loss
         return -total / mask.sum()
     if loss_type == "dr_grpo":
         return -total / (B * L_max)
+    if loss_type == "luspo":
+        return -total / B
     return -total / n_tokens
 
 
 @pytest.mark.parametrize("loss_type", LOSS_TYPES)
 @pytest.mark.parametrize("mu", [1, 3])
-@pytest.mark.parametrize("beta", [0.0, 0.04])
-def test_gradient_matches_published_objective(loss_type, mu, beta):
+@pytest.mark.parametrize("beta, bias_kl", [(0.0, True), (0.04, True), (0.04, False)])
+def test_gradient_matches_published_objective(loss_type, mu, beta, bias_kl):
     g = torch.Generator().manual_seed(hash((loss_type, mu, beta)) % 1000)
     B, L, L_max = 6, 7, 9
     mask = (torch.rand(B, L, generator=g) > 0.3).float()
@@ -153,10 +162,11 @@ def test_gradient_matches_published_objective(loss_type, mu, beta):
     old = logp.detach() if mu == 1 else logp.detach() + 0.4 * torch.randn(B, L, generator=g)
     n_tokens = mask.sum().item() + 5          # dapo: the generation batch holds more than this micro-batch
     loss, _ = grpo_loss(logp, old, ref, adv, mask, beta=beta, epsilon_low=0.2, epsilon_high=0.28,
-                        loss_type=loss_type, max_completion_length=L_max, num_tokens_in_batch=n_tokens)
+                        loss_type=loss_type, max_completion_length=L_max, num_tokens_in_batch=n_tokens,
+                        use_bias_correction_kl=bias_kl)
     (grad,) = torch.autograd.grad(loss, logits)
     logp2 = token_logprobs(logits, ids)
-    expect = reference_objective(logp2, old, ref, adv, mask, beta, 0.2, 0.28, loss_type, L_max, n_tokens)
+    expect = reference_objective(logp2, old, ref, adv, mask, beta, 0.2, 0.28, loss_type, L_max, n_tokens, bias_kl)
     (grad_ref,) = torch.autograd.grad(expect, logits)
     assert loss.item() == pytest.approx(expect.item(), rel=1e-5, abs=1e-6)
     assert torch.allclose(grad, grad_ref, atol=1e-6, rtol=1e-4)
@@ -337,21 +347,48 @@ def test_sampler_correction_weight_by_hand(mode, expect):
     assert torch.allclose(w, torch.tensor(expect), atol=1e-6), w
 
 
-def test_entropy_bonus_is_reduced_like_the_loss():
+@pytest.mark.parametrize("loss_type", LOSS_TYPES)
+def test_entropy_bonus_is_the_mean_token_entropy_whatever_the_loss_type(loss_type):
+    """TRL's bonus: entropy_coef times the token mean of the entropy (over the tokens the entropy mask keeps),
+    divided by the micro-batches of the step, not reduced like the loss (a sequence mean of token means
+    would weigh the one-token answer's entropy as much as the four-token one's)."""
     g = torch.Generator().manual_seed(3)
     logits = torch.randn(3, 4, 7, generator=g, requires_grad=True)
     ids = torch.randint(0, 7, (3, 4), generator=g)
     mask = torch.tensor([[1., 1., 1., 0.], [1., 0., 0., 0.], [1., 1., 1., 1.]])
     adv = torch.tensor([0.5, -1.0, 2.0])
-    kw = dict(beta=0.0, epsilon_low=0.2, epsilon_high=0.2, loss_type="grpo", max_completion_length=4)
+    kw = dict(beta=0.0, epsilon_low=0.2, epsilon_high=0.2, loss_type=loss_type, max_completion_length=4,
+              num_micro_batches=2, num_tokens_in_batch=20.0)
     logp = token_logprobs(logits, ids)
     entropy = token_entropy(logits)
-    plain, _ = grpo_loss(logp, logp.detach(), None, adv, mask, **kw, entropy=entropy)
-    bonus, _ = grpo_loss(logp, logp.detach(), None, adv, mask, **kw, entropy=entropy, entropy_coef=0.1)
-    seq_mean_entropy = ((entropy * mask).sum(-1) / mask.sum(-1)).mean()
-    assert bonus.item() == pytest.approx(plain.item() - 0.1 * seq_mean_entropy.item(), rel=1e-6)
+    for q in (1.0, 0.5):
+        plain, _ = grpo_loss(logp, logp.detach(), None, adv, mask, **kw, entropy=entropy, top_entropy_quantile=q)
+        bonus, _ = grpo_loss(logp, logp.detach(), None, adv, mask, **kw, entropy=entropy, top_entropy_quantile=q,
+                             entropy_coef=0.1)
+        values = sorted(entropy[mask.bool()].tolist())              # 8 tokens
+        kept = values if q == 1.0 else [h for h in values if h >= (values[3] + values[4]) / 2 - 1e-7]
+        assert len(kept) == (8 if q == 1.0 else 4)
+        assert bonus.item() == pytest.approx(plain.item() - 0.1 * sum(kept) / len(kept) / 2, rel=1e-6)
     with pytest.raises(ValueError, match="entropy"):
         grpo_loss(logp, logp.detach(), None, adv, mask, **kw, entropy=entropy.detach(), entropy_coef=0.1)
+
+
+def test_bias_corrected_kl_gradient_on_policy_is_the_reverse_kl_gradient():
+    """On-policy (ratio 1 in value), one token: plain k3's gradient in logp is beta (1 - ref/pi), the
+    bias-corrected one's beta (k3 + 1 - ref/pi) = beta (log pi - log ref), the gradient of the reverse KL's
+    sample log(pi / ref); the loss value is the same."""
+    logp = torch.tensor([[-1.0]], requires_grad=True)
+    ref, adv, mask = torch.tensor([[-1.5]]), torch.tensor([0.0]), torch.ones(1, 1)
+    kw = dict(beta=0.1, epsilon_low=0.2, epsilon_high=0.2, loss_type="grpo", max_completion_length=1)
+    k3 = math.exp(-0.5) + 0.5 - 1
+    for corrected, grad_want in ((True, 0.1 * 0.5), (False, 0.1 * (1 - math.exp(-0.5)))):
+        loss, stats = grpo_loss(logp, logp.detach(), ref, adv, mask, **kw, use_bias_correction_kl=corrected)
+        (grad,) = torch.autograd.grad(loss, logp)
+        assert loss.item() == pytest.approx(0.1 * k3, rel=1e-6) and stats["kl"] == pytest.approx(k3, rel=1e-6)
+        assert grad.item() == pytest.approx(grad_want, rel=1e-6)
+    # off-policy the value is weighted too: ratio e^0.3 times k3
+    loss, stats = grpo_loss(logp, logp.detach() - 0.3, ref, adv, mask, **kw)
+    assert stats["kl"] == pytest.approx(math.exp(0.3) * k3, rel=1e-6)
 
 
 # -- every option against the published objectives, written out token by token ---------------------------
@@ -366,6 +403,15 @@ VARIANTS = {
     "sapo_sequence": Options(loss_type="sapo", level="sequence", tau_pos=2.0, tau_neg=0.5),
     "top_entropy": Options(top_entropy_quantile=0.3, loss_type="dr_grpo"),
     "entropy_bonus": Options(entropy_coef=0.05, beta=0.04),
+    "luspo": Options(loss_type="luspo", level="sequence", beta=0.04),
+    "luspo_token_delta": Options(loss_type="luspo", delta=1.6),
+    "vespo": Options(loss_type="vespo"),
+    "vespo_sampler_kl": Options(loss_type="vespo", sampler_mode="token_truncate", sampler_cap=1.5, beta=0.04,
+                                vespo=(1.5, 2.0, 2.5, 1.0)),
+    "entropy_bonus_dapo_masked": Options(entropy_coef=0.05, loss_type="dapo", top_entropy_quantile=0.5),
+    "kl_plain_k3": Options(beta=0.04, bias_correction_kl=False, loss_type="bnpo"),
+    "kl_sequence_ratio": Options(beta=0.04, level="sequence"),
+    "kl_cispo": Options(beta=0.04, loss_type="cispo", eps_high=1.5),
     "off_policy_mask": Options(off_policy_threshold=0.05, loss_type="dapo"),
     "token_truncate": Options(sampler_mode="token_truncate", sampler_cap=1.5),
     "token_mask": Options(sampler_mode="token_mask", sampler_cap=1.5, loss_type="bnpo"),
@@ -380,7 +426,10 @@ def loss_kwargs(o: Options) -> dict:
     return dict(beta=o.beta, epsilon_low=o.eps_low, epsilon_high=o.eps_high, loss_type=o.loss_type,
                 importance_sampling_level=o.level, delta=o.delta, sapo_temperature_pos=o.tau_pos,
                 sapo_temperature_neg=o.tau_neg, top_entropy_quantile=o.top_entropy_quantile,
-                entropy_coef=o.entropy_coef, off_policy_mask_threshold=o.off_policy_threshold,
+                entropy_coef=o.entropy_coef, use_bias_correction_kl=o.bias_correction_kl,
+                vespo_k_pos=o.vespo[0], vespo_lambda_pos=o.vespo[1], vespo_k_neg=o.vespo[2],
+                vespo_lambda_neg=o.vespo[3],
+                off_policy_mask_threshold=o.off_policy_threshold,
                 sampler_correction=o.sampler_mode, sampler_correction_cap=o.sampler_cap)
 
 

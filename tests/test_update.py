@@ -96,7 +96,8 @@ def reference_step_loss(policy, cfg, samples, idx_mbs, adv, old_lp, dapo_norm):
                 rho = torch.exp(lp[t] - old_lp[i][t])
                 j = torch.minimum(rho * adv[i], torch.clamp(rho, 1 - cfg.epsilon, 1 + cfg.epsilon_high) * adv[i])
                 d = ref[t] - lp[t]
-                j = j - cfg.beta * (torch.exp(d) - d - 1)
+                kl_weight = rho if cfg.use_bias_correction_kl else 1.0          # DeepSeek-V3.2's correction
+                j = j - cfg.beta * kl_weight * (torch.exp(d) - d - 1)
                 acc, n = acc + j, n + 1
             per_seq.append(acc / max(n, 1))
             tok_sum, n_tok = tok_sum + acc, n_tok + n
@@ -117,6 +118,7 @@ def reference_step_loss(policy, cfg, samples, idx_mbs, adv, old_lp, dapo_norm):
 def test_update_gradients_match_published_objective(grpo_home, loss_type, mu, steps, accum):
     cfg, policy = tiny_policy(loss_type=loss_type, num_iterations=mu, steps_per_iteration=steps,
                               gradient_accumulation_steps=accum, beta=0.1, epsilon=0.2, epsilon_high=0.28,
+                              use_bias_correction_kl=loss_type != "bnpo",
                               mask_truncated_completions=loss_type in ("bnpo", "dapo"),
                               scale_rewards={"grpo": "group", "bnpo": "batch", "dr_grpo": "none"}.get(loss_type, "group"))
     samples = make_samples(4, seed=hash((loss_type, mu, steps)) % 97)

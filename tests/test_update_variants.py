@@ -57,9 +57,11 @@ def options_of(cfg: GRPOConfig) -> Options:
     return Options(loss_type=cfg.loss_type, beta=cfg.beta, eps_low=cfg.epsilon, eps_high=cfg.epsilon_high,
                    level=cfg.importance_sampling_level, delta=cfg.delta, tau_pos=cfg.sapo_temperature_pos,
                    tau_neg=cfg.sapo_temperature_neg, top_entropy_quantile=cfg.top_entropy_quantile,
-                   entropy_coef=cfg.entropy_coef, off_policy_threshold=cfg.off_policy_mask_threshold,
+                   entropy_coef=cfg.entropy_coef, bias_correction_kl=cfg.use_bias_correction_kl,
+                   off_policy_threshold=cfg.off_policy_mask_threshold,
                    sampler_mode=cfg.vllm_importance_sampling_mode if cfg.vllm_importance_sampling_correction else None,
-                   sampler_cap=cfg.vllm_importance_sampling_cap)
+                   sampler_cap=cfg.vllm_importance_sampling_cap,
+                   vespo=(cfg.vespo_k_pos, cfg.vespo_lambda_pos, cfg.vespo_k_neg, cfg.vespo_lambda_neg))
 
 
 def reference_step_loss(policy, cfg, kept, idx_mbs, adv, old_lp, dapo_norm):
@@ -167,8 +169,11 @@ VARIANTS = {
     "gspo": dict(importance_sampling_level="sequence", loss_type="dapo", num_iterations=2),
     "cispo": dict(loss_type="cispo", epsilon_high=1.3, num_iterations=2, steps_per_iteration=2),
     "sapo": dict(loss_type="sapo", num_iterations=2, sapo_temperature_neg=2.0),
-    "delta_entropy": dict(delta=1.5, top_entropy_quantile=0.45, entropy_coef=0.05, num_iterations=2,
+    "delta_entropy": dict(delta=1.5, top_entropy_quantile=0.25, entropy_coef=0.05, num_iterations=2,
                           gradient_accumulation_steps=2, loss_type="dr_grpo"),
+    "luspo": dict(loss_type="luspo", importance_sampling_level="sequence", num_iterations=2),
+    "vespo_plain_k3": dict(loss_type="vespo", num_iterations=2, gradient_accumulation_steps=2,
+                           use_bias_correction_kl=False, vespo_k_neg=2.0),
 }
 
 

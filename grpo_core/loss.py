@@ -70,6 +70,17 @@ def kl_k3(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
     return torch.exp(delta) - delta - 1
 
 
+def kl_term(logp: torch.Tensor, ref_logp: torch.Tensor | None, ratio: torch.Tensor,
+            use_bias_correction_kl: bool = True) -> torch.Tensor:
+    """The per-token KL the loss adds beta times: `kl_k3`, times the importance ratio (its value before
+    `delta` caps it; [B, L] or [B, 1]) when `use_bias_correction_kl` (DeepSeek-V3.2: then its gradient is the
+    unbiased reverse-KL gradient, also on-policy). [B, L]."""
+    if ref_logp is None:
+        raise ValueError("beta > 0 needs reference log-probs")
+    kl = kl_k3(logp, ref_logp)                                            # [B, L]
+    return kl * ratio if use_bias_correction_kl else kl
+
+
 def entropy_bonus(entropy: torch.Tensor, mask: torch.Tensor, top_entropy_quantile: float = 1.0) -> torch.Tensor:
     """The mean per-token entropy over the tokens the policy loss trains on (the high-entropy mask applied
     when `top_entropy_quantile` < 1), whatever the loss type (TRL: the bonus is not reduced like the policy
@@ -310,15 +321,22 @@ def token_weights(advantages: torch.Tensor, logp: torch.Tensor, old_logp: torch.
         keep_tokens = high_entropy_mask(entropy, mask, top_entropy_quantile)      # [B, L]
         weight = times(keep_tokens)
         touched["entropy_mask/kept_frac"] = keep_tokens
-    if sampler_correction is not None:
-        if sampler_logp is None:
-            raise ValueError("vllm_importance_sampling_correction needs the sampler's log-probs (sampler_logp)")
-        is_weight = sampler_correction_weight(old_logp, sampler_logp, mask, sampler_correction,
-                                              sampler_correction_cap).expand_as(mask)
-        weight = times(is_weight)
-        touched["sampler_is/weight_mean"] = is_weight
-        touched["sampler_is/zeroed_frac"] = is_weight == 0
+    is_weight, is_stats = _sampler_weight(old_logp, sampler_logp, mask, sampler_correction, sampler_correction_cap)
+    if is_weight is not None:
+        weight = times(is_weight.expand_as(mask))
+        touched.update(is_stats)
     return weight, touched
+
+
+def _sampler_weight(old_logp: torch.Tensor, sampler_logp: torch.Tensor | None, mask: torch.Tensor,
+                    mode: str | None, cap: float) -> tuple[torch.Tensor | None, dict[str, torch.Tensor]]:
+    """`sampler_correction_weight` when `mode` names one ([B, L] or [B, 1]; else None) and its statistics."""
+    if mode is None:
+        return None, {}
+    if sampler_logp is None:
+        raise ValueError("vllm_importance_sampling_correction needs the sampler's log-probs (sampler_logp)")
+    w = sampler_correction_weight(old_logp, sampler_logp, mask, mode, cap)
+    return w, {"sampler_is/weight_mean": w.expand_as(mask), "sampler_is/zeroed_frac": (w == 0).expand_as(mask)}
 
 
 def grpo_loss(logp: torch.Tensor, old_logp: torch.Tensor, ref_logp: torch.Tensor | None,
@@ -352,18 +370,12 @@ def grpo_loss(logp: torch.Tensor, old_logp: torch.Tensor, ref_logp: torch.Tensor
     advantages = advantages.unsqueeze(1)                                  # [B, 1]
     ratio = importance_ratio(logp, old_logp, mask, importance_sampling_level)       # [B, L] or [B, 1]
     phi, folded = None, {}
-    if loss_type == "vespo":
-        sampler_weight = None
-        if sampler_correction is not None:          # folded into the sequence's weight, not applied per token
-            if sampler_logp is None:
-                raise ValueError("vllm_importance_sampling_correction needs the sampler's log-probs (sampler_logp)")
-            sampler_weight = sampler_correction_weight(old_logp, sampler_logp, mask, sampler_correction,
-                                                       sampler_correction_cap)                 # [B, L]
-            folded = {"sampler_is/weight_mean": sampler_weight.expand_as(mask),
-                      "sampler_is/zeroed_frac": (sampler_weight == 0).expand_as(mask)}
-            sampler_correction = None
+    if loss_type == "vespo":                        # the sampler correction goes into phi, not per token
+        sampler_weight, folded = _sampler_weight(old_logp, sampler_logp, mask, sampler_correction,
+                                                 sampler_correction_cap)
         phi = vespo_weight(advantages, logp, old_logp, mask, vespo_k_pos, vespo_lambda_pos, vespo_k_neg,
                            vespo_lambda_neg, sampler_weight)                                   # [B, 1]
+        sampler_correction = None
     per_token_loss = policy_loss(ratio, advantages, logp, loss_type, epsilon_low, epsilon_high, delta,
                                  sapo_temperature_pos, sapo_temperature_neg, phi)
     weight, touched = token_weights(
@@ -377,11 +389,7 @@ def grpo_loss(logp: torch.Tensor, old_logp: torch.Tensor, ref_logp: torch.Tensor
         per_token_loss = per_token_loss * weight                          # [B, L]
     kl = None
     if beta != 0.0:
-        if ref_logp is None:
-            raise ValueError("beta > 0 needs reference log-probs")
-        kl = kl_k3(logp, ref_logp)                                        # [B, L]
-        if use_bias_correction_kl:
-            kl = kl * ratio                                               # [B, L]; ratio [B, L] or [B, 1]
+        kl = kl_term(logp, ref_logp, ratio, use_bias_correction_kl)       # [B, L]
         per_token_loss = per_token_loss + beta * kl
     loss = aggregate(per_token_loss, mask, loss_type, max_completion_length, num_micro_batches,
                      num_tokens_in_batch)

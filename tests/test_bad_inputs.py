@@ -133,7 +133,7 @@ CASES = [
     Case("out_of_range_section", lambda w: w.train("--set", "data.max_digits=12"),
          ["'data.max_digits': must be <= 9, got 12"]),
     Case("not_a_choice", lambda w: w.train("--set", "loss_type=ppo"),
-         ["'loss_type': must be 'grpo', 'bnpo', 'dr_grpo', 'dapo', 'cispo' or 'sapo', got 'ppo'"]),
+         ["'loss_type': must be 'grpo', 'bnpo', 'dr_grpo', 'dapo', 'cispo', 'sapo', 'luspo' or 'vespo', got 'ppo'"]),
     Case("bad_run_name", lambda w: w.train("--run-name", "my run!"), ["'run_name': must match pattern", "'my run!'"]),
     # -- incompatible combinations ---------------------------------------------------------------------------
     Case("sync_ref_model_without_kl", lambda w: w.train("--set", "sync_ref_model=true", "--set", "beta=0"),

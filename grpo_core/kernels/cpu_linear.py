@@ -94,8 +94,8 @@ def use_onednn_linears(model: torch.nn.Module, pack: bool = True) -> int:
     """Turn the model's plain fp32 CPU nn.Linear layers (not LoRA's own A/B) into PackedLinear, in place.
 
     Parameters and state-dict keys are unchanged. pack=False skips the packed copies (no extra
-    memory; sampling is slower). Returns how many layers were converted (0, and why once on stderr, when
-    oneDNN is not usable here: `cpu_features`)."""
+    memory; sampling is slower). Returns how many layers were converted (0 when oneDNN is not usable here:
+    `cpu_features` says why, once, in the log)."""
     reason = cpu_features.declines("onednn_linear", torch.float32)
     if reason is not None:
         cpu_features.note_declined("oneDNN fp32 linears", reason)

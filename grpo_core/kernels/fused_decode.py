@@ -114,11 +114,12 @@ def _native_gemm(dtype: torch.dtype, shapes) -> "native.NativeOps | None":
     ops = native.load()
     if ops is None:
         return None
+    name = str(dtype).removeprefix("torch.")
     reason = cpu_features.declines("compiled_matmul", dtype)
     if reason is None and not ops.packed_linear_supported(dtype):
-        reason = f"the compiler built it without the {dtype} instructions this CPU has"
+        reason = f"the compiler built it without the {name} instructions this CPU has"
     if reason is not None:
-        cpu_features.note_declined(f"compiled {str(dtype).removeprefix('torch.')} matmul", reason)
+        cpu_features.note_declined(f"compiled {name} matmul", reason)
         return None
     odd = dtype == torch.bfloat16 and any(i % 2 for _, i in shapes)          # bf16 packs inputs in pairs
     return None if odd else ops

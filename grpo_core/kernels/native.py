@@ -4,9 +4,10 @@ CPU and loaded with ctypes.
 
 Built once per source, compiler and CPU, with the system C++ compiler (`$CXX`, else g++, c++ or
 clang++) and `-march=native` (within `$GRPO_MAX_CPU_ISA`'s cap: `cpu_features`), into
-`$GRPO_HOME/kernels/` (the sources compiled side by side, linked to a temporary name, then renamed). No torch headers are involved, so a build takes a few seconds (about 4 on
-a 2-vCPU machine). Before first use every function is
-checked against the same arithmetic written with torch ops; if the compiler is missing, the build fails
+`$GRPO_HOME/kernels/` (the sources compiled side by side, linked to a temporary name, then renamed). No
+torch headers are involved, so a build takes a few seconds (about 4 on a 2-vCPU machine). Before first
+use every function is checked against the same arithmetic written with torch ops; if the compiler is
+missing, the build fails
 or a check disagrees, `load()` returns None, says why once on stderr, and the sampler and the update keep
 their torch ops.
 `GRPO_NATIVE_KERNELS=0` turns them off.

@@ -403,7 +403,7 @@ def grpo_loss(logp: torch.Tensor, old_logp: torch.Tensor, ref_logp: torch.Tensor
 @torch.no_grad()
 def _statistics(ratio, advantages, mask, kl, touched, loss_type, epsilon_low, epsilon_high) -> dict[str, float]:
     """Masked token means (as TRL logs them): how often the ratio was clipped (by the hard clip, or by
-    CISPO's cap; SAPO has no hard clip; a sequence ratio counts once per sequence), the KL, and the
+    CISPO's cap; SAPO has no hard clip; a sequence ratio counts for each of its tokens), the KL, and the
     fractions each enabled mask or weight touched."""
     num_tokens = mask.sum().clamp(min=1)
 
@@ -412,7 +412,7 @@ def _statistics(ratio, advantages, mask, kl, touched, loss_type, epsilon_low, ep
             return x.float().mean().item()
         return ((x.float() * mask).sum() / num_tokens).item()
 
-    ratio = ratio.detach()                                                # [B, L] or [B, 1]
+    ratio = ratio.detach().expand_as(mask)      # [B, L]: token-weighted, so data-parallel shares add up
     none = torch.zeros_like(ratio, dtype=torch.bool)
     if loss_type == "cispo":
         is_low_clipped, is_high_clipped = none, (ratio > epsilon_high) & (advantages > 0)

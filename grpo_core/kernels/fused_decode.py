@@ -105,7 +105,7 @@ def streaming_weights(shapes, mib: int, dtype: torch.dtype, huge_pages: bool = T
     return flat, weights
 
 
-KERNELS = ("plain", "onednn", "native")
+KERNELS = tuple(cpu_features.DECODE_LINEARS)          # plain, onednn, native
 
 
 def _native_gemm(dtype: torch.dtype, shapes) -> "native.NativeOps | None":

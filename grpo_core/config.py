@@ -115,6 +115,8 @@ class EvalConfig(_Section):
     max_completion_length: int | None = Field(None, ge=1, description="default: the training max_completion_length")
     seed: int | None = Field(None, description="generation seed; default seed + 12345 (same for every iteration)")
     every: int = Field(1, ge=1, description="evaluate every N iterations (the last one always)")
+    without_tools: bool = Field(True, description="when the run has tools: also evaluate each mode with no tool "
+                                "to call (eval/without_tools/<mode>/...), next to the numbers with tools")
     table_rows: int = Field(200, ge=0, description="completions per iteration in the MLflow sample table (0: none)")
     plots: bool = Field(True, description="log PNG plots (accuracy/reward curves, length distribution) to MLflow")
     monitors: MonitorConfig = Field(default_factory=MonitorConfig)
@@ -404,6 +406,37 @@ class GRPOConfig(_Section):
     def _correctness_func_resolves(cls, entry: str) -> str:
         from grpo_core.rewards import resolve_reward
         resolve_reward(entry, "correctness_func", entry)
+        return entry
+    # -- tools: multi-turn rollouts (grpo_core.multiturn; TRL's tools / environment_factory) ------------
+    tools: list[str] = Field(default_factory=list, description="functions the model may call while it answers: "
+                             "built-in (calculator, python, rust: code runs in the sandbox), \"package.module:function\""
+                             " (type hints and a Google-style docstring, sync or async, as TRL's tools), or a name "
+                             "installed packages register under the entry-point group grpo_pipeline.tools")
+    environment: str | dict[str, str] | None = Field(
+        None, description="an environment class with TRL's environment_factory contract (reset(**task) -> text "
+                          "appended to the question or None; public methods are tools; optional get_reward() -> "
+                          "float owns the reward), one instance per rollout: built-in rust_fix, "
+                          "\"package.module:Class\", or an entry point of grpo_pipeline.environments; a mapping "
+                          "name -> entry picks one per task by the task's meta.environment")
+    max_tool_calling_iterations: int | None = Field(
+        None, ge=0, description="rounds of tool calls per rollout (None: until the model answers without a call or "
+                                "max_completion_length, counted over the model's own tokens, runs out)")
+    tool_timeout: float = Field(30.0, gt=0, description="seconds one tool call may take; after that the model gets "
+                                "an error text as the tool's response")
+
+    @field_validator("tools")
+    @classmethod
+    def _tools_resolve(cls, entries: list[str]) -> list[str]:
+        from grpo_core.tools import resolve_tools
+        resolve_tools(entries, None)
+        return entries
+
+    @field_validator("environment")
+    @classmethod
+    def _environment_resolves(cls, entry):
+        if entry is not None:
+            from grpo_core.tools import resolve_environments
+            resolve_environments(entry, None)
         return entry
     # -- sections ---------------------------------------------------------------------------
     data: DataConfig = Field(default_factory=DataConfig)

@@ -36,9 +36,11 @@ from grpo_core.task import Task
 from grpo_core.monitors import completion_flags, text_monitor_metrics
 from grpo_core.passk import mean_pass_at_k
 from grpo_core.policy import Policy
-from grpo_core.rewards import compute_rewards, correctness_scores, is_well_formatted, reward_context
+from grpo_core.multiturn import Toolbox
+from grpo_core.rewards import (add_environment_rewards, compute_rewards, correctness_scores, is_well_formatted,
+                               reward_context)
 from grpo_core.overlap import Overlapped
-from grpo_core.sampling import Sample, SamplingParams
+from grpo_core.sampling import Sample, SamplingParams, readable_conversation
 from grpo_core.rollout import make_backend, rollout
 
 MODES = ("greedy", "sampled")
@@ -86,11 +88,14 @@ def score_samples(samples, tasks_by_id: dict[str, Task], cfg: GRPOConfig, mode: 
         weights.append(0.0)
     sample_tasks = [tasks_by_id[s.task_id] for s in samples]
     completions = [s.completion for s in samples]
-    context = reward_context(cfg, [s.completion_ids for s in samples])        # as the score stage does
-    scores = compute_rewards(completions, sample_tasks, funcs, weights, context)
+    masks = [getattr(s, "completion_mask", None) for s in samples]
+    extras = [getattr(s, "extra", None) or {} for s in samples]
+    context = reward_context(cfg, [s.completion_ids for s in samples], masks)        # as the score stage does
+    scores = add_environment_rewards(compute_rewards(completions, sample_tasks, funcs, weights, context),
+                                     [e.get("environment_reward") for e in extras])
     correctness = correctness_scores(scores, funcs, completions, sample_tasks, context, cfg.correctness_func)
     rows, seen = [], defaultdict(int)
-    for i, (s, t) in enumerate(zip(samples, sample_tasks)):
+    for i, (s, t, mask, extra) in enumerate(zip(samples, sample_tasks, masks, extras)):
         acc = correctness[i]
         flags = completion_flags(s.completion, t.kind)
         verdict = _verdict(acc) + (f" [{', '.join(flags)}]" if flags else "")
@@ -99,7 +104,9 @@ def score_samples(samples, tasks_by_id: dict[str, Task], cfg: GRPOConfig, mode: 
                      "rewards": {f: values[i] for f, values in scores.per_func.items()},
                      "reward_total": scores.totals[i], "correct": None if acc is None else acc >= 1.0,
                      "formatted": is_well_formatted(s.completion, t.kind), "verdict": verdict, "flags": flags,
-                     "length": len(s.completion_ids), "truncated": s.truncated})
+                     "length": len(s.completion_ids) if mask is None else sum(mask),
+                     "truncated": s.truncated, "tools": "turns" in extra,
+                     **({"conversation": readable_conversation(extra)} if "turns" in extra else {})})
         seen[t.id] += 1
     return rows
 
@@ -143,7 +150,11 @@ def summarize(rows: Sequence[dict], ks: Sequence[int]) -> dict[str, float]:
     funcs = list(dict.fromkeys(f for r in rows for f in r["rewards"]))
     kinds = sorted({r["kind"] for r in rows})
     groups: dict[str, list[dict]] = defaultdict(list)
+    with_tools = any(r.get("tools") for r in rows)
     for r in rows:
+        if with_tools and not r.get("tools"):              # the same questions with no tool to call
+            groups["eval/without_tools"].append(r)
+            continue
         groups["eval"].append(r)
         groups[f"eval/{metric_name(r['source'])}"].append(r)
         if len(kinds) > 1:
@@ -183,17 +194,28 @@ def sample_rows(policy: Policy, tasks: Sequence[Task], cfg: GRPOConfig, seed: in
         if cfg.stages.score.during_rollout else None
     sampled: list[tuple[str, list[Sample]]] = []
     with scorer or contextlib.nullcontext():
-        for mode, n, params in eval_modes(cfg, seed):
+        for mode, n, params, toolbox in _eval_runs(cfg, seed):
             if tasks:
-                hand_over = (lambda group, mode=mode: scorer.add((mode, group[0].group), [(mode, s) for s in group])) \
+                key = (mode, toolbox is not None)
+                hand_over = (lambda group, key=key: scorer.add((*key, group[0].group), [(key[0], s) for s in group])) \
                     if scorer else None
                 samples = rollout(backend, policy.tokenizer, tasks, n, params, cfg.data.prompt_format,
-                                  cfg.max_prompt_length, on_group=hand_over)
-                sampled.append((mode, samples))
+                                  cfg.max_prompt_length, on_group=hand_over, toolbox=toolbox)
+                sampled.append((key, samples))
     scored = scorer.finish() if scorer else None
     if scored is None:
-        return [row for mode, samples in sampled for row in score_samples(samples, by_id, cfg, mode)]
-    return [row for mode, samples in sampled for g in range(len(tasks)) for row in scored[(mode, g)]]
+        return [row for key, samples in sampled for row in score_samples(samples, by_id, cfg, key[0])]
+    return [row for key, samples in sampled for g in range(len(tasks)) for row in scored[(*key, g)]]
+
+
+def _eval_runs(cfg: GRPOConfig, seed: int) -> list[tuple]:
+    """(mode, n, params, toolbox) for every evaluation pass: each mode with the run's tools, and, when the run
+    has tools and eval.without_tools, each mode again with none (the same questions, one-turn answers)."""
+    toolbox = Toolbox.from_config(cfg)
+    runs = [(*m, toolbox) for m in eval_modes(cfg, seed)]
+    if toolbox is not None and cfg.eval.without_tools:
+        runs += [(*m, None) for m in eval_modes(cfg, seed)]
+    return runs
 
 
 def merge_rows(tasks: Sequence[Task], parts: Sequence[Sequence[dict]]) -> list[dict]:
@@ -202,7 +224,8 @@ def merge_rows(tasks: Sequence[Task], parts: Sequence[Sequence[dict]]) -> list[d
     if len(position) != len(tasks):
         raise ValueError("held-out tasks must have unique ids")
     return sorted((r for part in parts for r in part),
-                  key=lambda r: (MODES.index(r["mode"]), position[r["task_id"]], r["sample"]))
+                  key=lambda r: (not r.get("tools", True), MODES.index(r["mode"]), position[r["task_id"]],
+                                 r["sample"]))
 
 
 def evaluate_policy(policy: Policy, tasks: Sequence[Task], cfg: GRPOConfig, seed: int | None = None,

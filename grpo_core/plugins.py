@@ -23,6 +23,8 @@ from typing import Any, Callable, Collection, Iterable
 
 REWARD_GROUP = "grpo_pipeline.rewards"
 SOURCE_GROUP = "grpo_pipeline.sources"
+TOOL_GROUP = "grpo_pipeline.tools"
+ENVIRONMENT_GROUP = "grpo_pipeline.environments"
 
 REWARD_SIGNATURE = "def f(prompts, completions, **kwargs) -> list[float | None]"
 _SPEC = re.compile(r"^[A-Za-z_][\w]*(\.[A-Za-z_][\w]*)*:[A-Za-z_][\w]*(\.[A-Za-z_][\w]*)*$")

@@ -163,10 +163,13 @@ def resolve_reward_funcs(entries: Sequence[str]) -> list[RewardFunc]:
 # -- running them -------------------------------------------------------------------------------------------
 
 
-def reward_context(cfg, completion_ids: Sequence[Sequence[int]]) -> dict:
-    """The run context reward functions get: token ids and counts, and settings from the run's GRPOConfig."""
+def reward_context(cfg, completion_ids: Sequence[Sequence[int]],
+                   completion_masks: Sequence[Sequence[int] | None] | None = None) -> dict:
+    """The run context reward functions get: token ids and counts (of the model's own tokens, where a
+    multi-turn completion's mask sets tool turns apart), and settings from the run's GRPOConfig."""
+    masks = completion_masks or [None] * len(completion_ids)
     return {"completion_ids": [list(ids) for ids in completion_ids],
-            "completion_lengths": [len(ids) for ids in completion_ids],
+            "completion_lengths": [len(ids) if m is None else sum(m) for ids, m in zip(completion_ids, masks)],
             "max_completion_length": cfg.max_completion_length, "overlong_buffer_length": cfg.overlong_buffer_length,
             "sandbox_backend": cfg.sandbox.backend, "code_reward_mode": cfg.sandbox.reward_mode,
             "sandbox_images": dict(cfg.sandbox.images)}
@@ -281,6 +284,19 @@ def compute_rewards(completions: Sequence[str], tasks: Sequence[Task], funcs: Se
         vals = [per_func[f.name][i] for f in resolved]
         totals.append(None if any(v is None for v in vals) else sum(w * v for w, v in zip(weights, vals)))
     return RewardScores(totals, per_func, {f.name: outputs[f.name][1] for f in resolved})
+
+
+def add_environment_rewards(scores: RewardScores, environment_rewards: Sequence[dict | None]) -> RewardScores:
+    """The environments' own rewards (multi-turn rollouts: `get_reward()`, one {class name: value} per sample
+    or None) as extra reward sources with weight 1, as TRL adds them; a sample whose environment does not
+    own its reward gets None in that column and nothing added to its total."""
+    names = list(dict.fromkeys(k for r in environment_rewards if r for k in r))
+    for name in names:
+        values = [None if not r else r.get(name) for r in environment_rewards]
+        scores.per_func[name] = values
+        scores.seconds.setdefault(name, 0.0)
+        scores.totals = [t if t is None or v is None else t + v for t, v in zip(scores.totals, values)]
+    return scores
 
 
 def correctness_scores(scores: RewardScores, funcs: Sequence[str], completions: Sequence[str],

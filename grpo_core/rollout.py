@@ -313,13 +313,20 @@ def make_backend(cfg, policy, progress: bool = True, merge_lora: bool = True) ->
 
 def rollout(backend: RolloutBackend, tokenizer, tasks: Sequence[Task], n: int, params: SamplingParams,
             fmt: PromptFormat | str, max_prompt_length: int,
-            on_group: Callable[[list[Sample]], None] | None = None) -> list[Sample]:
+            on_group: Callable[[list[Sample]], None] | None = None, toolbox=None) -> list[Sample]:
     """n completions for every task, as Samples (groups contiguous, in task order).
 
     `completion` is the response prefix (if any) + the decoded sampled tokens: what rewards judge.
     With params.logprobs each Sample carries its sampler log-probs. `on_group(samples)` gets each group
-    as soon as it is sampled (by the local samplers; after the whole batch by the others)."""
+    as soon as it is sampled (by the local samplers; after the whole batch by the others). With a
+    `toolbox` (grpo_core.multiturn.Toolbox) the model may call tools: multi-turn rollouts."""
     fmt = PromptFormat.of(fmt)
+    if toolbox is not None:
+        from grpo_core.multiturn import tool_rollout
+        groups = tool_rollout(backend, tokenizer, tasks, n, params, fmt, max_prompt_length, toolbox)
+        for group in groups if on_group is not None else ():
+            on_group(group)
+        return [s for group in groups for s in group]
     prompt_ids = [chat_prompt_ids(tokenizer, t, fmt, max_prompt_length) for t in tasks]
     eos = tokenizer.eos_token_id
 

@@ -34,9 +34,20 @@ class Sample:
     truncated: bool             # hit max_new_tokens without EOS
     extra: dict = field(default_factory=dict)
     sampler_logprobs: list[float] | None = None   # per completion token, when SamplingParams.logprobs
+    completion_mask: list[int] | None = None      # multi-turn: 1 on the model's own tokens, 0 on tool turns
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+
+def readable_conversation(extra: dict) -> str:
+    """A multi-turn completion (`Sample.extra["conversation"]`) as text for the completion tables: each turn
+    under its role."""
+    parts = []
+    for m in extra.get("conversation", []):
+        head = f"[{m['role']}" + (f" {m['name']}]" if m.get("name") else "]")
+        parts.append(f"{head}\n{m['content']}")
+    return "\n\n".join(parts)
 
 
 class Completion(list):
@@ -73,16 +84,31 @@ class PromptFormat:
         return self if task.kind == "math" else PromptFormat()
 
 
-def chat_prompt_ids(tokenizer, task: Task, fmt: PromptFormat | str, max_prompt_length: int) -> list[int]:
-    """The task's prompt in the model's chat format (+ response prefix), as token ids (left-truncated)."""
+def prompt_messages(task: Task, fmt: PromptFormat | str, observation: str | None = None) -> list[dict]:
+    """The chat messages that put `task` to the model: system prompt, worked examples, the question (with an
+    environment's `observation` appended to it, as TRL's `reset()` text is)."""
     fmt = PromptFormat.of(fmt).for_task(task)
     messages = [{"role": "system", "content": fmt.system_prompt}] if fmt.system_prompt else []
     for q, a in fmt.few_shot:
         messages += [{"role": "user", "content": q}, {"role": "assistant", "content": a}]
-    messages.append({"role": "user", "content": task.prompt})
+    messages.append({"role": "user", "content": task.prompt + (observation or "")})
+    return messages
+
+
+def render_chat(tokenizer, messages: list[dict], **template_kwargs) -> str:
+    """Messages as the text the model sees before its turn (plain paragraphs where there is no chat template)."""
     if getattr(tokenizer, "chat_template", None):
-        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-    else:
-        text = "\n\n".join(m["content"] for m in messages) + "\n"
-    ids = tokenizer(text + fmt.response_prefix, add_special_tokens=False)["input_ids"]
+        return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False, **template_kwargs)
+    return "\n\n".join(m["content"] for m in messages) + "\n"
+
+
+def chat_prompt_ids(tokenizer, task: Task, fmt: PromptFormat | str, max_prompt_length: int) -> list[int]:
+    """The task's prompt in the model's chat format (+ response prefix), as token ids (left-truncated)."""
+    return prompt_text_ids(tokenizer, render_chat(tokenizer, prompt_messages(task, fmt)), task, fmt,
+                           max_prompt_length)
+
+
+def prompt_text_ids(tokenizer, text: str, task: Task, fmt: PromptFormat | str, max_prompt_length: int) -> list[int]:
+    """Rendered prompt text + the format's response prefix, as token ids (left-truncated)."""
+    ids = tokenizer(text + PromptFormat.of(fmt).for_task(task).response_prefix, add_special_tokens=False)["input_ids"]
     return list(ids)[-max_prompt_length:]

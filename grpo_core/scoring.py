@@ -13,7 +13,7 @@ from statistics import mean
 from grpo_core.config import GRPOConfig
 from grpo_core.io import read_json, write_json
 from grpo_core.overlap import Overlapped
-from grpo_core.rewards import compute_rewards, correctness_scores, resolve_reward_funcs, reward_context
+from grpo_core.rewards import add_environment_rewards, compute_rewards, correctness_scores, resolve_reward_funcs, reward_context
 from grpo_core.task import Task
 
 
@@ -22,8 +22,10 @@ def score_rows(cfg: GRPOConfig, rows: list[dict], tasks: dict[str, Task]) -> tup
     function, correct), and the seconds each reward function took."""
     completions = [r["completion"] for r in rows]
     row_tasks = [tasks[r["task_id"]] for r in rows]
-    context = reward_context(cfg, [r["completion_ids"] for r in rows])
-    scores = compute_rewards(completions, row_tasks, cfg.reward_funcs, cfg.reward_weights, context)
+    context = reward_context(cfg, [r["completion_ids"] for r in rows], [r.get("completion_mask") for r in rows])
+    scores = add_environment_rewards(
+        compute_rewards(completions, row_tasks, cfg.reward_funcs, cfg.reward_weights, context),
+        [(r.get("extra") or {}).get("environment_reward") for r in rows])
     correctness = correctness_scores(scores, cfg.reward_funcs, completions, row_tasks, context, cfg.correctness_func)
     scored = [{"task_id": r["task_id"], "reward": total, "rewards": {f: values[i] for f, values in scores.per_func.items()},
                "correct": correctness[i]} for i, (r, total) in enumerate(zip(rows, scores.totals))]

@@ -33,6 +33,12 @@ class ScoredSample:
     reward: float | None                        # None: could not be scored (the sample is left out)
     truncated: bool
     sampler_logprobs: list[float] | None = None  # log-prob of each completion token under the sampler
+    completion_mask: list[int] | None = None    # multi-turn: 1 on the model's tokens, 0 on tool turns (no loss)
+
+    @property
+    def model_tokens(self) -> int:
+        """The completion tokens the model wrote (a tool turn's are context, not the model's)."""
+        return len(self.completion_ids) if self.completion_mask is None else sum(self.completion_mask)
 
 
 @dataclass
@@ -155,7 +161,8 @@ def pad_batch(samples: Sequence[ScoredSample], pad_id: int, device: torch.device
         if c:
             input_ids[r, p_len:p_len + len(c)] = torch.tensor(c)
             attn[r, p_len:p_len + len(c)] = 1
-            c_mask[r, :len(c)] = 1
+            c_mask[r, :len(c)] = 1 if s.completion_mask is None else torch.tensor(s.completion_mask,
+                                                                                    dtype=torch.float32)
     return input_ids.to(device), attn.to(device), c_mask.to(device)
 
 
@@ -206,7 +213,7 @@ def batch_statistics(samples: Sequence[ScoredSample | None], kept: Sequence[Scor
     if not kept:
         return stats
     rewards = torch.tensor([s.reward for s in kept], dtype=torch.float32)             # [N]
-    lengths = [len(s.completion_ids) for s in kept]
+    lengths = [s.model_tokens for s in kept]
     stats.update({
         "frac_reward_zero_std": zero_std_groups(rewards, group_sizes).float().mean().item(),
         "reward_std": rewards.std().item() if len(kept) > 1 else 0.0,
@@ -239,7 +246,7 @@ def make_micro_batch(rows: Sequence[ScoredSample], advantages: torch.Tensor, pad
 
 def loss_tokens(sample: ScoredSample, mask_truncated: bool) -> int:
     """The completion tokens of `sample` that get a loss (none of a truncated answer under mask_truncated)."""
-    return 0 if mask_truncated and sample.truncated else len(sample.completion_ids)
+    return 0 if mask_truncated and sample.truncated else sample.model_tokens
 
 
 def shard_rows(rows: Sequence[int], kept: Sequence[ScoredSample],

@@ -6,6 +6,7 @@ import contextlib
 import time
 
 from grpo_core.io import write_jsonl
+from grpo_core.multiturn import Toolbox
 from grpo_core.policy import load_policy
 from grpo_core.rollout import make_backend, rollout as sample_groups
 from grpo_core.sampling import SamplingParams
@@ -36,7 +37,8 @@ def sample_share(data_parallel: DataParallel, config: dict, run_dir: str, iterat
     t0 = time.perf_counter()
     with scorer or contextlib.nullcontext():
         samples = sample_groups(backend, policy.tokenizer, tasks, cfg.num_generations, params,
-                                cfg.data.prompt_format_at(iteration), cfg.max_prompt_length, on_group) if tasks else []
+                                cfg.data.prompt_format_at(iteration), cfg.max_prompt_length, on_group,
+                                Toolbox.from_config(cfg)) if tasks else []
     sampled = time.perf_counter() - t0
     early = scorer.finish() if scorer else None            # the groups sampled last are still being scored
     groups = [[] for _ in tasks]

@@ -12,6 +12,7 @@ function's source file edited since) and it scores every sample."""
 from __future__ import annotations
 
 from grpo_core.io import read_jsonl, write_jsonl
+from grpo_core.multiturn import tool_metrics
 from grpo_core.scoring import read_early_scores, score_metrics, score_rows
 from grpo_core.task import read_tasks
 from tasks.layout import cfg_of, iter_dir
@@ -31,4 +32,5 @@ def score(config: dict, run_dir: str, iteration: int, prompts: str, samples: str
         scored, seconds = score_rows(cfg, rows, {t.id: t for t in read_tasks(prompts)})
     scored = [{**s, "group": r["group"]} for s, r in zip(scored, rows)]
     out = write_jsonl(iter_dir(run_dir, iteration) / "scores.jsonl", scored)
-    return {"scores": str(out), "metrics": score_metrics(scored, seconds), "scored_during_rollout": early is not None}
+    return {"scores": str(out), "metrics": {**score_metrics(scored, seconds), **tool_metrics(rows)},
+            "scored_during_rollout": early is not None}

@@ -16,6 +16,7 @@ from typing import Any, Callable
 
 from grpo_core.config import ConfigError, GRPOConfig
 from grpo_core.io import read_json, read_jsonl, write_json
+from grpo_core.sampling import readable_conversation
 from tasks.retry import CUT_OFF_MESSAGES
 
 
@@ -506,8 +507,11 @@ def completion_table(samples: list[dict], scores: list[dict], advantages: list[f
         if r["group"] not in prompts:
             prompts[r["group"]] = decode(r["prompt_ids"])
         row = {"iteration": iteration, "group": r["group"], "task_id": r["task_id"], "prompt": prompts[r["group"]],
-               "completion": r["completion"], "reward": sc["reward"], "advantage": adv,
-               "correct": sc.get("correct"), "length": len(r["completion_ids"]), "truncated": r["truncated"],
+               "completion": readable_conversation(r["extra"]) if "turns" in (r.get("extra") or {})
+               else r["completion"],
+               "reward": sc["reward"], "advantage": adv, "correct": sc.get("correct"),
+               "length": sum(r["completion_mask"]) if r.get("completion_mask") else len(r["completion_ids"]),
+               "truncated": r["truncated"],
                **{f"reward_{f}": sc["rewards"].get(f) for f in funcs}}
         for c in cols:
             cols[c].append(row[c])

@@ -22,7 +22,8 @@ def scored_batch(samples: str, scores: str) -> list[ScoredSample | None]:
     """The rollout rows joined with their rewards; None where a completion could not be scored."""
     return [None if sc["reward"] is None else
             ScoredSample(group=r["group"], prompt_ids=r["prompt_ids"], completion_ids=r["completion_ids"],
-                         reward=sc["reward"], truncated=r["truncated"], sampler_logprobs=r.get("sampler_logprobs"))
+                         reward=sc["reward"], truncated=r["truncated"], sampler_logprobs=r.get("sampler_logprobs"),
+                         completion_mask=r.get("completion_mask"))
             for r, sc in zip(read_jsonl(samples), read_jsonl(scores))]
 
 

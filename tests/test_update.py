@@ -31,15 +31,22 @@ class RecordingSGD(torch.optim.SGD):
         return super().step(closure)
 
 
-def make_samples(n_groups: int, seed: int, truncated_frac: float = 0.25) -> list[ScoredSample]:
+def make_samples(n_groups: int, seed: int, truncated_frac: float = 0.25, tool_turns: bool = False) -> list[ScoredSample]:
+    """Random groups; with `tool_turns`, most completions are multi-turn: model tokens, a tool turn (mask 0),
+    model tokens again."""
     rng = random.Random(seed)
     out = []
     for g in range(n_groups):
         prompt = [rng.randrange(10, 90) for _ in range(rng.randint(3, 6))]
         for _ in range(G):
             comp = [rng.randrange(10, 90) for _ in range(rng.randint(1, 7))]
+            mask = None
+            if tool_turns and rng.random() < 0.75:
+                tool, after = rng.randint(1, 4), rng.randint(1, 3)
+                comp += [rng.randrange(10, 90) for _ in range(tool + after)]
+                mask = [1] * (len(comp) - tool - after) + [0] * tool + [1] * after
             out.append(ScoredSample(group=g, prompt_ids=prompt, completion_ids=comp, reward=float(rng.randint(0, 2)),
-                                    truncated=rng.random() < truncated_frac))
+                                    truncated=rng.random() < truncated_frac, completion_mask=mask))
     return out
 
 
@@ -91,7 +98,7 @@ def reference_step_loss(policy, cfg, samples, idx_mbs, adv, old_lp, dapo_norm):
             masked = cfg.mask_truncated_completions and s.truncated
             acc, n = 0.0, 0
             for t in range(len(s.completion_ids)):
-                if masked:
+                if masked or (s.completion_mask is not None and not s.completion_mask[t]):   # a tool turn's token
                     continue
                 rho = torch.exp(lp[t] - old_lp[i][t])
                 j = torch.minimum(rho * adv[i], torch.clamp(rho, 1 - cfg.epsilon, 1 + cfg.epsilon_high) * adv[i])
@@ -114,14 +121,17 @@ def reference_step_loss(policy, cfg, samples, idx_mbs, adv, old_lp, dapo_norm):
 
 
 @pytest.mark.parametrize("loss_type", ["grpo", "bnpo", "dr_grpo", "dapo"])
-@pytest.mark.parametrize("mu,steps,accum", [(1, 1, 1), (2, 1, 2), (1, 2, 1)])
-def test_update_gradients_match_published_objective(grpo_home, loss_type, mu, steps, accum):
+@pytest.mark.parametrize("mu,steps,accum,tool_turns", [(1, 1, 1, False), (2, 1, 2, False), (1, 2, 1, False),
+                                                       (2, 1, 2, True)])
+def test_update_gradients_match_published_objective(grpo_home, loss_type, mu, steps, accum, tool_turns):
+    """With `tool_turns`: multi-turn completions, whose tool tokens are context only (the objective sums over
+    the model's own tokens)."""
     cfg, policy = tiny_policy(loss_type=loss_type, num_iterations=mu, steps_per_iteration=steps,
                               gradient_accumulation_steps=accum, beta=0.1, epsilon=0.2, epsilon_high=0.28,
                               use_bias_correction_kl=loss_type != "bnpo",
                               mask_truncated_completions=loss_type in ("bnpo", "dapo"),
                               scale_rewards={"grpo": "group", "bnpo": "batch", "dr_grpo": "none"}.get(loss_type, "group"))
-    samples = make_samples(4, seed=hash((loss_type, mu, steps)) % 97)
+    samples = make_samples(4, seed=hash((loss_type, mu, steps)) % 97, tool_turns=tool_turns)
     with torch.no_grad():
         old_lp = [seq_logprobs(policy.model, s) for s in samples]           # the rollout policy
     opt = RecordingSGD(policy.trainable_parameters(), lr=2.0)                # big steps: ratios leave the clip range
@@ -130,7 +140,7 @@ def test_update_gradients_match_published_objective(grpo_home, loss_type, mu, st
     plan = plan_steps(samples, G, steps, accum, seed=5)
     assert len(metrics) == mu * len(plan) == len(opt.grads)
     adv = hand_advantages([s.reward for s in samples], cfg.scale_rewards)
-    counted = sum(len(s.completion_ids) for s in samples if not (cfg.mask_truncated_completions and s.truncated))
+    counted = sum(s.model_tokens for s in samples if not (cfg.mask_truncated_completions and s.truncated))
     dapo_norm = counted / len(plan)
     for k in range(len(opt.grads)):
         with torch.no_grad():

@@ -46,6 +46,9 @@ def register(subparsers) -> argparse.ArgumentParser:
     e.add_argument("--config", "-c", metavar="YAML", help="config file (default with --run: the run's config)")
     e.add_argument("--set", "-s", action="append", metavar="KEY=VALUE", help="override a config field (repeatable)")
     e.add_argument("--tracking-uri", help="MLflow tracking URI for --run (default: config / $MLFLOW_TRACKING_URI)")
+    e.add_argument("--tools", metavar="NAMES", help="comma-separated tools the model may call (multi-turn "
+                                                   "answers): calculator, python, rust, \"package.module:function\";"
+                                                   " 'none' for none (default: the config's tools)")
     e.add_argument("--limit", type=int, help="evaluate only the first N tasks")
     e.add_argument("--output-dir", help="write metrics.json, eval_samples.jsonl and plots there")
     e.add_argument("--json", action="store_true", help="print the metrics as JSON instead of a table")
@@ -115,6 +118,9 @@ def run_eval(args) -> tuple[dict, list[dict], list]:
             overrides.append(f"model={args.model}")
         if args.tracking_uri:
             overrides.append(f"tracking.tracking_uri={args.tracking_uri}")
+        if args.tools:
+            names = [] if args.tools.strip() == "none" else [t.strip() for t in args.tools.split(",") if t.strip()]
+            overrides.append(f"tools={json.dumps(names)}")
         cfg = load_config(config_path, overrides)
         dataset = args.dataset or (str(eval_path) if eval_path else None)
         if dataset is None:

@@ -1,0 +1,298 @@
+"""Multi-turn rollouts: the model's turns alternate with tool (or environment) turns.
+
+A rollout is one conversation. The model answers; when its answer holds tool calls (`<tool_call>{...}
+</tool_call>`, parsed by grpo_core.tools), every call of the batch runs at once, the results are appended as a
+tool turn in the chat template's own format, and the model goes on from there. It stops when it answers
+without a tool call, after `max_tool_calling_iterations` rounds of calls, or when its token budget
+(`max_completion_length`, counted over its own tokens only) runs out.
+
+The completion is every token after the prompt. `Sample.completion_mask` marks the model's own tokens (1)
+apart from the tool turns (0): those are context only, with no loss, no KL and no statistic. Rewards judge
+the model's last turn (its answer); an environment with `get_reward()` judges the whole episode, and its
+score is kept in `Sample.extra["environment_reward"]`.
+
+Each turn after the first re-encodes the conversation in one batched prefill (as TRL does) instead of
+continuing the previous turn's KV cache. The tools, environments and their contract (TRL's) are in
+grpo_core.tools; the samplers in grpo_core.rollout.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
+
+from grpo_core.sampling import PromptFormat, Sample, SamplingParams, prompt_messages, prompt_text_ids, render_chat
+from grpo_core.task import Task
+from grpo_core.tools import (Tool, ToolResult, environment_tools, fallback_system_prompt, parse_tool_calls,
+                             resolve_environments, resolve_tools, run_tool_calls)
+
+
+@dataclass
+class Toolbox:
+    """What the model may call in a rollout: standalone tools, and environments (one instance per rollout)."""
+    tools: list[Tool]
+    environments: dict[str | None, Callable[[], object]] | None = None   # {None: factory} or {name: factory}
+    max_iterations: int | None = None          # rounds of tool calls per rollout (None: until the budget ends)
+    timeout: float = 30.0                      # seconds per tool call
+
+    @classmethod
+    def from_config(cls, cfg, tools: Sequence[str] | None = None) -> "Toolbox | None":
+        """The run's toolbox (`tools`, `environment`), or None when the model may call nothing. `tools`
+        overrides the config's list (evaluation with and without tools)."""
+        entries = list(cfg.tools if tools is None else tools)
+        environment = cfg.environment if tools is None else None
+        if not entries and environment is None:
+            return None
+        envs = resolve_environments(environment, cfg.sandbox) if environment is not None else None
+        return cls(resolve_tools(entries, cfg.sandbox), envs, cfg.max_tool_calling_iterations, cfg.tool_timeout)
+
+    def environment_for(self, task: Task) -> object | None:
+        """A fresh environment for one rollout of `task` (a dict of environments: chosen by `meta.environment`)."""
+        if self.environments is None:
+            return None
+        name = None if None in self.environments else (task.meta or {}).get("environment")
+        if name not in self.environments:
+            raise ValueError(f"task {task.id!r}: meta.environment is {name!r}, which names no environment; use one "
+                             f"of {', '.join(map(repr, self.environments))} (config field environment)")
+        return self.environments[name]()
+
+    def toolset(self, environment: object | None) -> dict[str, Tool]:
+        """The tools one rollout may call: the standalone ones and its environment's methods."""
+        tools = self.tools + (environment_tools(environment) if environment is not None else [])
+        return {t.name: t for t in tools}
+
+
+# -- the chat template's tool format ---------------------------------------------------------------------
+
+_PROBE = {"type": "function", "function": {"name": "probe_tool_7f3a", "description": "probe",
+                                           "parameters": {"type": "object", "properties": {}}}}
+
+
+def renders_tools(tokenizer) -> bool:
+    """Does the chat template render a tool list and a tool-call conversation itself (Qwen, Llama 3, ...)?
+    If not (SmolLM2's), the tools go into the system prompt in the documented fallback format."""
+    cached = getattr(tokenizer, "_grpo_renders_tools", None)
+    if cached is None:
+        cached = False
+        if getattr(tokenizer, "chat_template", None):
+            try:
+                listed = tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], tools=[_PROBE],
+                                                       tokenize=False, add_generation_prompt=True)
+                answered = _render_tool_turn(tokenizer, [ToolResult("probe_tool_7f3a", "probe_result_9c2d", False, 0.0)],
+                                             native=True)
+                cached = "probe_tool_7f3a" in listed and "probe_result_9c2d" in answered
+            except Exception:  # noqa: BLE001 - any template error means: render tools ourselves
+                cached = False
+        try:
+            tokenizer._grpo_renders_tools = cached
+        except AttributeError:
+            pass
+    return cached
+
+
+def _with_system(messages: list[dict], text: str) -> list[dict]:
+    if messages and messages[0]["role"] == "system":
+        return [{"role": "system", "content": f"{messages[0]['content']}\n\n{text}"}] + messages[1:]
+    return [{"role": "system", "content": text}] + messages
+
+
+def tool_prompt_ids(tokenizer, task: Task, fmt: PromptFormat, max_prompt_length: int, tools: Sequence[Tool],
+                    observation: str | None = None) -> list[int]:
+    """The task's prompt with the tools it may call (the template's own format, else the fallback system
+    prompt) and an environment's `reset()` text appended to the question."""
+    messages = prompt_messages(task, fmt, observation)
+    schemas = [t.schema for t in tools]
+    if not schemas:
+        text = render_chat(tokenizer, messages)
+    elif renders_tools(tokenizer):
+        text = render_chat(tokenizer, messages, tools=schemas)
+    else:
+        text = render_chat(tokenizer, _with_system(messages, fallback_system_prompt(schemas)))
+    return prompt_text_ids(tokenizer, text, task, fmt, max_prompt_length)
+
+
+def _render_tool_turn(tokenizer, results: Sequence[ToolResult], native: bool) -> str:
+    """The text between the model's end-of-turn token and its next turn: the tool results, then the
+    opening of the model's turn (the template's rendering of one conversation with and without them)."""
+    if native:
+        call = {"type": "function", "function": {"name": results[0].name, "arguments": {}}}
+        before = [{"role": "user", "content": "q"}, {"role": "assistant", "content": "", "tool_calls": [call]}]
+        turn = [{"role": "tool", "name": r.name, "content": r.content} for r in results]
+    else:
+        before = [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]
+        turn = [{"role": "user", "content": "\n".join(f"<tool_response>\n{r.content}\n</tool_response>"
+                                                      for r in results)}]
+    if not getattr(tokenizer, "chat_template", None):             # plain text prompts: paragraphs
+        return f"\n\n{turn[0]['content']}\n\n"
+    prefix = tokenizer.apply_chat_template(before, tokenize=False)
+    full = tokenizer.apply_chat_template(before + turn, tokenize=False, add_generation_prompt=True)
+    eos = tokenizer.eos_token or ""
+    cut = prefix.rfind(eos) + len(eos) if eos and eos in prefix else len(prefix)   # the model emits EOS itself
+    if full[:cut] != prefix[:cut]:
+        raise ValueError("the chat template renders a conversation differently once a tool turn follows it; "
+                         "tool turns cannot be appended to the model's tokens with this template")
+    return full[cut:]
+
+
+def tool_turn_ids(tokenizer, results: Sequence[ToolResult]) -> list[int]:
+    """The tool turn's token ids (context for the model, never trained on)."""
+    text = _render_tool_turn(tokenizer, results, native=renders_tools(tokenizer))
+    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
+# -- one rollout's conversation --------------------------------------------------------------------------
+
+@dataclass
+class Episode:
+    """One rollout so far: every token after the prompt, which of them are the model's, and what happened."""
+    ids: list[int] = field(default_factory=list)
+    mask: list[int] = field(default_factory=list)          # 1: the model's token, 0: a tool turn's
+    logprobs: list[float] | None = None                     # the sampler's, per token (0.0 on tool tokens)
+    turns: list[str] = field(default_factory=list)          # the model's turns, decoded
+    conversation: list[dict] = field(default_factory=list)  # assistant and tool messages, for reading
+    calls: int = 0
+    errors: int = 0
+    per_tool: dict[str, list[float]] = field(default_factory=dict)   # name -> [calls, seconds]
+    pending: list = field(default_factory=list)             # the tool calls of the last turn, not yet run
+    truncated: bool = False
+    capped: bool = False                                    # still calling tools when the rounds ran out
+
+    @property
+    def model_tokens(self) -> int:
+        return sum(self.mask)
+
+    @property
+    def done(self) -> bool:
+        return self.truncated or self.capped or not self.pending
+
+    def add_model_turn(self, ids: list[int], logprobs: list[float] | None, tokenizer) -> None:
+        text = tokenizer.decode(ids, skip_special_tokens=True)
+        self.ids += ids
+        self.mask += [1] * len(ids)
+        if logprobs is not None:
+            self.logprobs = (self.logprobs or []) + list(logprobs)
+        self.turns.append(text)
+        self.conversation.append({"role": "assistant", "content": text})
+        self.truncated = not (ids and ids[-1] == tokenizer.eos_token_id)
+        self.pending = parse_tool_calls(text)
+
+    def add_tool_turn(self, results: Sequence[ToolResult], ids: list[int]) -> None:
+        self.ids += ids
+        self.mask += [0] * len(ids)
+        if self.logprobs is not None:
+            self.logprobs += [0.0] * len(ids)
+        for r in results:
+            self.calls += 1
+            self.errors += r.error
+            tally = self.per_tool.setdefault(r.name or "?", [0, 0.0])
+            tally[0] += 1
+            tally[1] += r.seconds
+            self.conversation.append({"role": "tool", "name": r.name, "content": r.content})
+        self.pending = []
+
+    def record(self) -> dict:
+        """What the metrics and the completion tables read (Sample.extra)."""
+        return {"turns": len(self.turns), "tool_calls": self.calls, "tool_errors": self.errors,
+                "tool_usage": {k: {"calls": int(v[0]), "seconds": v[1]} for k, v in self.per_tool.items()},
+                "max_turns_reached": self.capped, "conversation": self.conversation}
+
+
+# -- the rollout -------------------------------------------------------------------------------------------
+
+def _first_turn(backend, prompts: list[list[int]], n: int, params: SamplingParams) -> list:
+    """The first turn of every rollout, sampled as a one-turn rollout is: a group's rows in one call per
+    prompt when they share it (the same draws as without tools), else one call per row."""
+    heads = prompts[::n]
+    if all(prompts[k * n + j] == heads[k] for k in range(len(heads)) for j in range(n)):
+        return [c for group in backend.generate(heads, n, params) for c in group]
+    return [group[0] for group in backend.generate(prompts, 1, params)]
+
+
+def _continue(backend, prompts: list[list[int]], episodes: list[Episode], rows: list[int], budget: int,
+              params: SamplingParams, round_: int, tokenizer) -> None:
+    """The model's next turn in each of `rows`, after its tool turn, within its own token budget."""
+    left = [budget - episodes[i].model_tokens for i in rows]
+    for i, room in zip(rows, left):
+        if room <= 0:                                        # the tool turn came with no room for an answer
+            episodes[i].truncated = True
+    live = [(i, room) for i, room in zip(rows, left) if room > 0]
+    if not live:
+        return
+    turn_params = dataclasses.replace(params, max_new_tokens=max(room for _, room in live),
+                                      seed=params.seed + 7919 * round_)
+    out = backend.generate([prompts[i] + episodes[i].ids for i, _ in live], 1, turn_params)
+    for (i, room), (completion,) in zip(live, out):
+        lps = getattr(completion, "logprobs", None)
+        episodes[i].add_model_turn(list(completion)[:room], lps[:room] if lps is not None else None, tokenizer)
+
+
+def _environment_reward(environment: object | None) -> dict | None:
+    """{environment class name: get_reward()} for an environment that owns its reward."""
+    get_reward = getattr(environment, "get_reward", None)
+    if get_reward is None:
+        return None
+    value = get_reward()
+    return {type(environment).__name__: None if value is None else float(value)}
+
+
+def tool_rollout(backend, tokenizer, tasks: Sequence[Task], n: int, params: SamplingParams, fmt: PromptFormat,
+                 max_prompt_length: int, toolbox: Toolbox) -> list[list[Sample]]:
+    """n multi-turn rollouts of every task -> one group of Samples per task (in task order)."""
+    # 1) one environment per rollout, reset with its task's fields; the tools each rollout may call
+    row_tasks = [t for t in tasks for _ in range(n)]
+    environments = [toolbox.environment_for(t) for t in row_tasks]
+    observations = [env.reset(**t.to_dict()) if env is not None else None for env, t in zip(environments, row_tasks)]
+    toolsets = [toolbox.toolset(env) for env in environments]
+    # 2) prompts rendered with each rollout's tools
+    prompts = [tool_prompt_ids(tokenizer, t, fmt, max_prompt_length, list(ts.values()), obs)
+               for t, ts, obs in zip(row_tasks, toolsets, observations)]
+    # 3) the first turn
+    episodes = [Episode() for _ in row_tasks]
+    for ep, completion in zip(episodes, _first_turn(backend, prompts, n, params)):
+        ep.add_model_turn(list(completion), getattr(completion, "logprobs", None), tokenizer)
+    # 4) rounds of tool calls (all of a round at once), each followed by the model's next turn
+    round_ = 0
+    while calling := [i for i, ep in enumerate(episodes) if not ep.done]:
+        if toolbox.max_iterations is not None and round_ >= toolbox.max_iterations:
+            for i in calling:
+                episodes[i].capped = True
+            break
+        round_ += 1
+        results = run_tool_calls([episodes[i].pending for i in calling], [toolsets[i] for i in calling],
+                                 toolbox.timeout)
+        for i, res in zip(calling, results):
+            episodes[i].add_tool_turn(res, tool_turn_ids(tokenizer, res))
+        _continue(backend, prompts, episodes, calling, params.max_new_tokens, params, round_, tokenizer)
+    # 5) the environments' own rewards, and the samples
+    rewards = [_environment_reward(env) for env in environments]
+    return [[_sample(tasks[g], g, prompts[r], episodes[r], rewards[r], fmt) for r in range(g * n, (g + 1) * n)]
+            for g in range(len(tasks))]
+
+
+def _sample(task: Task, group: int, prompt_ids: list[int], ep: Episode, reward: dict | None,
+            fmt: PromptFormat) -> Sample:
+    prefix = fmt.for_task(task).response_prefix if len(ep.turns) == 1 else ""
+    extra = ep.record()
+    if reward is not None:
+        extra["environment_reward"] = reward
+    return Sample(task_id=task.id, group=group, prompt_ids=prompt_ids, completion_ids=ep.ids,
+                  completion=prefix + ep.turns[-1], truncated=ep.truncated, extra=extra,
+                  sampler_logprobs=ep.logprobs, completion_mask=ep.mask)
+
+
+def tool_metrics(samples: Sequence[dict]) -> dict[str, float]:
+    """Per-batch tool and turn metrics from sample rows (their `extra`); {} for one-turn rollouts."""
+    rows = [s.get("extra") or {} for s in samples]
+    rows = [r for r in rows if "turns" in r]
+    if not rows:
+        return {}
+    calls = sum(r["tool_calls"] for r in rows)
+    out = {"tools/calls_per_rollout": calls / len(rows),
+           "tools/error_rate": sum(r["tool_errors"] for r in rows) / max(calls, 1),
+           "turns/mean": sum(r["turns"] for r in rows) / len(rows),
+           "turns/max": float(max(r["turns"] for r in rows)),
+           "turns/max_reached_frac": sum(bool(r["max_turns_reached"]) for r in rows) / len(rows)}
+    for name in sorted({k for r in rows for k in r["tool_usage"]}):
+        out[f"tools/{name}/calls"] = float(sum(r["tool_usage"].get(name, {}).get("calls", 0) for r in rows))
+        out[f"tools/{name}/seconds"] = sum(r["tool_usage"].get(name, {}).get("seconds", 0.0) for r in rows)
+    return out

@@ -97,7 +97,7 @@ class TRLLoop:
         tok = AutoTokenizer.from_pretrained(path)
         tok.padding_side = "left"
         tok.chat_template = qwen_template()
-        self.cfg, self.trainers = cfg, {}
+        self.cfg, self.trainers, self.lookup = cfg, {}, lookup
         model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
         rows = [{"prompt": [{"role": "user", "content": "x"}]}] * 16
         for turns in TURNS:
@@ -122,6 +122,8 @@ class TRLLoop:
         prompts = [[{"role": "system", "content": S.SYSTEM_PROMPT}, {"role": "user", "content": t.prompt}]
                    for t in S.prompts_for(k, self.cfg) for _ in range(self.cfg.num_generations)]
         trainer = self.trainers[turns]
+        trainer._sync_tool_dicts = [{"lookup": self.lookup}] * len(prompts)    # what a training step sets up
+        trainer._async_tool_dicts = [{}] * len(prompts)
         G.parse_response = forced
         torch.manual_seed(k)
         try:

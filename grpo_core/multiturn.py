@@ -17,6 +17,7 @@ grpo_core.tools; the samplers in grpo_core.rollout.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
@@ -246,11 +247,22 @@ def tool_rollout(backend, tokenizer, tasks: Sequence[Task], n: int, params: Samp
     # 2) prompts rendered with each rollout's tools
     prompts = [tool_prompt_ids(tokenizer, t, fmt, max_prompt_length, list(ts.values()), obs)
                for t, ts, obs in zip(row_tasks, toolsets, observations)]
-    # 3) the first turn
-    episodes = [Episode() for _ in row_tasks]
+    session = backend.session(len(row_tasks)) if hasattr(backend, "session") else contextlib.nullcontext()
+    with session:
+        episodes = _turns(backend, tokenizer, prompts, toolsets, n, params, toolbox)
+    # 5) the environments' own rewards, and the samples
+    rewards = [_environment_reward(env) for env in environments]
+    return [[_sample(tasks[g], g, prompts[r], episodes[r], rewards[r], fmt) for r in range(g * n, (g + 1) * n)]
+            for g in range(len(tasks))]
+
+
+def _turns(backend, tokenizer, prompts: list[list[int]], toolsets: list[dict[str, Tool]], n: int,
+           params: SamplingParams, toolbox: Toolbox) -> list[Episode]:
+    """Every rollout's conversation: 3) the first turn, 4) rounds of tool calls (all of a round at once), each
+    followed by the model's next turn."""
+    episodes = [Episode() for _ in prompts]
     for ep, completion in zip(episodes, _first_turn(backend, prompts, n, params)):
         ep.add_model_turn(list(completion), getattr(completion, "logprobs", None), tokenizer)
-    # 4) rounds of tool calls (all of a round at once), each followed by the model's next turn
     round_ = 0
     while calling := [i for i, ep in enumerate(episodes) if not ep.done]:
         if toolbox.max_iterations is not None and round_ >= toolbox.max_iterations:
@@ -263,10 +275,7 @@ def tool_rollout(backend, tokenizer, tasks: Sequence[Task], n: int, params: Samp
         for i, res in zip(calling, results):
             episodes[i].add_tool_turn(res, tool_turn_ids(tokenizer, res))
         _continue(backend, prompts, episodes, calling, params.max_new_tokens, params, round_, tokenizer)
-    # 5) the environments' own rewards, and the samples
-    rewards = [_environment_reward(env) for env in environments]
-    return [[_sample(tasks[g], g, prompts[r], episodes[r], rewards[r], fmt) for r in range(g * n, (g + 1) * n)]
-            for g in range(len(tasks))]
+    return episodes
 
 
 def _sample(task: Task, group: int, prompt_ids: list[int], ep: Episode, reward: dict | None,

@@ -41,6 +41,21 @@ class BatchedBackend:
     def __init__(self, model, tokenizer, device: torch.device, batch_size: int = 64, progress: bool = True):
         self.model, self.tokenizer, self.device = model, tokenizer, device
         self.batch_size, self.progress = batch_size, progress
+        self._in_session = False
+
+    @contextlib.contextmanager
+    def session(self, rows: int):
+        """Several `generate` calls in one sampling context (one weight snapshot, eval mode): the turns of a
+        multi-turn rollout. `rows`: the most rows a call will have."""
+        was_training = self.model.training
+        self.model.eval()
+        with self._sampling(min(rows, self.batch_size)):
+            self._in_session = True
+            try:
+                yield self
+            finally:
+                self._in_session = False
+                self.model.train(was_training)
 
     def _generator(self, seed: int) -> torch.Generator | None:
         return torch.Generator(device=self.device).manual_seed(seed)
@@ -62,7 +77,7 @@ class BatchedBackend:
         was_training = self.model.training
         self.model.eval()
         bar = tqdm(total=len(rows), desc="generate", unit="seq", disable=not self.progress, leave=False)
-        with self._sampling(min(len(rows), self.batch_size)):
+        with contextlib.nullcontext() if self._in_session else self._sampling(min(len(rows), self.batch_size)):
             for start in range(0, len(rows), self.batch_size):
                 idx = order[start:start + self.batch_size]
                 for i, ids in zip(idx, self._generate_batch([rows[i] for i in idx], params, generator)):

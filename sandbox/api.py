@@ -1,7 +1,7 @@
-"""Public API of the sandbox: jobs in, verdicts out.
+"""Public API of the sandbox: jobs in, verdicts out; programs in, their output out.
 
-The sandbox runs untrusted (model-written) code against hidden tests and returns a verdict.
-It knows nothing about GRPO, rewards or datasets.
+The sandbox runs untrusted (model-written) code against hidden tests and returns a verdict, or runs a
+whole program (a tool call) and returns what it printed. It knows nothing about GRPO, rewards or datasets.
 
 Calling it
 ----------
@@ -20,6 +20,16 @@ names the field and the fix (call :func:`validate_tests` up front to get an exce
 ``check_references([(code, tests, kind, entry_point), ...])`` are for dataset curation:
 ``.passed`` is True iff every hidden test passed (Rust: clippy not required, see
 ``.clippy_clean``); ``.infra_error`` says the sandbox failed (status unknown, retry later).
+
+``run_programs(programs, backend="auto", workers=None, images=None) -> list[RunOutput]`` runs whole
+programs (``run_program(program, ...)`` one): ``Program(language, code, stdin="", limits=None)``.
+Python runs the code as a script (``__main__``, standard library); Rust compiles it as a binary crate
+(``fn main``, std only, no dependencies, offline, ``unsafe`` forbidden) and runs it. The same boxes and
+limits as scoring: no network, read-only root, fresh state, ``timeout_s`` for the run (Rust:
+``build_timeout_s`` for the compiler), memory, pids, and ``output_bytes`` per stream (a cut stream ends
+with ``...[truncated]`` and the program is stopped). ``RunOutput.status``: ``ok`` (exit status 0),
+``error`` (non-zero exit, crash, out of memory, output limit, or a Rust compile error whose messages
+are in ``stderr``), ``timeout``, ``infra_error`` (the sandbox failed, not the program).
 
 ``backend``: ``"docker"`` (containers; needs an engine and the images from
 ``python -m sandbox.images build``), ``"local"`` (subprocess + rlimits + bubblewrap when
@@ -94,7 +104,7 @@ import os
 from dataclasses import dataclass
 from typing import Any, Sequence
 
-from sandbox.types import LANGUAGES, Job, TaskFormatError, Verdict
+from sandbox.types import LANGUAGES, Job, Program, RunOutput, TaskFormatError, Verdict
 
 def validate_tests(language: str, tests: Any, entry_point: str | None = None) -> None:
     """Raise :class:`TaskFormatError` if ``tests`` is not a valid tests dict for ``language``."""
@@ -150,6 +160,36 @@ def score_batch(jobs: Sequence[Job], backend: Any = "auto", workers: int | None 
 def score(job: Job, backend: Any = "auto") -> Verdict:
     """Run one job; see :func:`score_batch`."""
     return score_batch([job], backend=backend, workers=1)[0]
+
+
+def run_programs(programs: Sequence[Program], backend: Any = "auto", workers: int | None = None,
+                 images: dict[str, str] | None = None) -> list[RunOutput]:
+    """Run whole programs concurrently; return one :class:`RunOutput` per program, in the same order.
+    ``backend``, ``workers`` and ``images`` as for :func:`score_batch`."""
+    be = get_backend(backend, images) if isinstance(backend, str) or backend is None else backend
+    return be.run_batch(list(programs), workers=workers)
+
+
+def run_program(program: Program, backend: Any = "auto", images: dict[str, str] | None = None) -> RunOutput:
+    """Run one program; see :func:`run_programs`."""
+    return run_programs([program], backend=backend, workers=1, images=images)[0]
+
+
+def rust_test_items(tests_src: str) -> list[tuple[str, str]]:
+    """The ``#[test]`` functions of a Rust tests source, in order: ``(name as verdicts give it, e.g.
+    "tests::small", its source text with the attributes and comment lines right above it)``. Raises
+    :class:`TaskFormatError` when the source has none or cannot be cut into them."""
+    from sandbox import rust_harness
+    rust_harness.validate_tests({"format": "rust", "tests": tests_src})
+    return [(path, tests_src[start:end]) for path, start, end in rust_harness.test_spans(tests_src)]
+
+
+def select_rust_tests(tests_src: str, keep: Sequence[str]) -> str:
+    """``tests_src`` without the ``#[test]`` functions not named in ``keep`` (their attributes and the
+    comments right above them go too); helpers, ``use`` lines and modules stay. Raises
+    :class:`TaskFormatError` when the source cannot be cut so."""
+    from sandbox import rust_harness
+    return rust_harness.select_tests(tests_src, set(keep))
 
 
 @dataclass

@@ -1,4 +1,5 @@
-"""What every backend shares: job -> box message, box reply -> verdict, concurrency.
+"""What every backend shares: job -> box message, box reply -> verdict (and program -> message,
+reply -> run output), concurrency.
 
 A backend only has to implement ``_exchange(message, limits, deadline_s) -> reply dict`` (send one
 job to a fresh-state box, get the runner's reply) and may raise :class:`InfraError` or
@@ -14,8 +15,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict
 from typing import Any
 
-from sandbox import python_tests, rust_harness
-from sandbox.types import Job, Limits, TaskFormatError, TestResult, Verdict, infra_error
+from sandbox import programs, python_tests, rust_harness
+from sandbox.types import Job, Limits, Program, RunOutput, TaskFormatError, TestResult, Verdict, infra_error
 
 log = logging.getLogger("sandbox")
 
@@ -76,11 +77,17 @@ class Backend:
         return obj
 
     def score_batch(self, jobs: list[Job], workers: int | None = None) -> list[Verdict]:
-        workers = max(1, min(workers or self.default_workers(), len(jobs) or 1))
-        if workers == 1 or len(jobs) <= 1:
-            return [self.score_one(j) for j in jobs]
+        return self._concurrently(self.score_one, jobs, workers)
+
+    def run_batch(self, programs: list[Program], workers: int | None = None) -> list[RunOutput]:
+        return self._concurrently(self.run_one, programs, workers)
+
+    def _concurrently(self, one, items: list, workers: int | None) -> list:
+        workers = max(1, min(workers or self.default_workers(), len(items) or 1))
+        if workers == 1 or len(items) <= 1:
+            return [one(item) for item in items]
         with ThreadPoolExecutor(workers, thread_name_prefix=f"sbx-{self.name}") as ex:
-            return list(ex.map(self.score_one, jobs))
+            return list(ex.map(one, items))
 
     def default_workers(self) -> int:
         return os.cpu_count() or 2
@@ -101,18 +108,29 @@ class Backend:
     # ------------------------------------------------------------------ one job
     def score_one(self, job: Job) -> Verdict:
         t0 = time.monotonic()
-        try:
-            v = self._score_one(job)
-        except TaskFormatError as e:
-            v = infra_error(f"malformed task: {e}")
-        except InfraError as e:
-            v = infra_error(str(e))
-        except Exception as e:  # noqa: BLE001 - never let one job take the batch down
-            log.exception("sandbox backend %s failed on job %s", self.name, job.id)
-            v = infra_error(f"{type(e).__name__}: {e}")
+        v = self._guarded(self._score_one, job, infra_error)
         v.duration_s = time.monotonic() - t0
         v.backend, v.job_id = self.name, job.id
         return v
+
+    def run_one(self, program: Program) -> RunOutput:
+        t0 = time.monotonic()
+        out = self._guarded(self._run_one, program, programs.infra_failure)
+        out.duration_s = time.monotonic() - t0
+        out.backend, out.program_id = self.name, program.id
+        return out
+
+    def _guarded(self, work, item, failed):
+        """``work(item)``; a sandbox failure (or a malformed task) becomes ``failed(detail)``, never an exception."""
+        try:
+            return work(item)
+        except TaskFormatError as e:
+            return failed(f"malformed task: {e}")
+        except InfraError as e:
+            return failed(str(e))
+        except Exception as e:  # noqa: BLE001 - never let one job take the batch down
+            log.exception("sandbox backend %s failed on job %s", self.name, item.id)
+            return failed(f"{type(e).__name__}: {e}")
 
     def _score_one(self, job: Job) -> Verdict:
         lim = job.effective_limits()
@@ -175,6 +193,21 @@ class Backend:
         status, tests, stages, detail = rust_harness.judge(reply, names)
         return Verdict(status=status, tests=tests, stages=stages, detail=detail,
                        stdout=reply.get("stdout", ""), stderr=reply.get("stderr", ""))
+
+    def _run_one(self, program: Program) -> RunOutput:
+        lim = program.effective_limits()
+        msg = programs.message(program, self._limits_dict(lim))
+        if program.language == "rust":
+            msg.update(self._rust_toolchain())
+        if not program.code.strip():
+            return RunOutput("error", None, "", "", "empty program: no code to run")
+        try:
+            reply = self._exchange(msg, lim, programs.deadline_s(program, lim))
+        except BoxDied as e:
+            return programs.box_died(str(e), e.timed_out)
+        if "runner_error" in reply:
+            raise InfraError(f"in-box runner failed: {reply['runner_error']}")
+        return programs.from_reply(reply, lim)
 
     # ------------------------------------------------------------------ hooks
     def _limits_dict(self, lim: Limits) -> dict[str, Any]:

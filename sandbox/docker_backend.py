@@ -306,7 +306,7 @@ class DockerBackend(Backend):
             raise
 
     def _exchange_on_a_box(self, message: dict, limits: Limits, deadline_s: float) -> dict:
-        language = message["kind"]
+        language = message.get("language") or message["kind"]   # run jobs name it; scoring jobs' kind is it
         # Containers differ only by their container-level limits; time limits are per job.
         key = (language, limits.memory_mb, limits.pids, limits.tmpfs_mb, limits.cpus)
         for attempt in range(2):

@@ -2,11 +2,11 @@
 
 With bubblewrap, a few warm ``bwrap --unshare-all ... python_runner.py serve`` boxes run one job
 at a time each (no network, private PID/IPC namespaces, a size-capped tmpfs ``/tmp`` wiped and
-every other process killed between jobs, read-only binds of only /usr, /etc/alternatives, the runner and,
-the host Rust toolchain); as root with cgroup v1 each box also gets its own pids + memory
-cgroup. Without bubblewrap each job is one ``python_runner.py once`` process in its own session
-with rlimits (and cgroups as root), and the code sees the host filesystem and network: a loud
-warning is logged. The verdict protocol is the same as Docker's (outputs compared on the host).
+every other process killed between jobs, a read-only root holding read-only binds of only /usr,
+/etc/alternatives, the runner and the host Rust toolchain); as root with cgroup v1 each box also gets
+its own pids + memory cgroup. Without bubblewrap each job is one ``python_runner.py once`` process in
+its own session with rlimits (and cgroups as root), and the code sees the host filesystem and network:
+a loud warning is logged. The verdict protocol is the same as Docker's (outputs compared on the host).
 """
 from __future__ import annotations
 
@@ -189,7 +189,8 @@ class LocalBackend(Backend):
             a += ["--ro-bind", prefix, prefix]
         if self._toolchain:  # at a neutral path: the host's home layout stays invisible
             a += ["--ro-bind", self._toolchain["sysroot"], BOX_RUST]
-        a += ["--setenv", "SBX_ISOLATED", "1", self.python, "-I", "-S"] + runner
+        # the root bwrap builds is a tmpfs: read-only once everything is mounted, so no job leaves a file there
+        a += ["--remount-ro", "/", "--setenv", "SBX_ISOLATED", "1", self.python, "-I", "-S"] + runner
         return a
 
     def _cgroup_ok(self) -> bool:

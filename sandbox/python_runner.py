@@ -13,9 +13,12 @@ It never decides whether a test passed. It only runs things and reports *outputs
   each input, and writes strictly typed records ``{"i", "ok", "v"|"exc"}`` to a pipe. The host
   compares the values with the expected ones, which never enter the box.
 
-Rust jobs are built and tested with cargo by the supervisor; the test binary prints one
+Rust jobs are built and tested with rustc by the supervisor; the test binary prints one
 ``<run-nonce> <test> ok|FAILED`` line per test and the supervisor keeps only lines carrying the
 nonce it generated for that run (and passed to the binary on stdin).
+
+``run`` jobs (a tool call) run a whole program, Python as a script, Rust built as a binary first, in a
+fresh process group and directory with the same rlimits, and return what it printed (capped).
 """
 import base64
 import json
@@ -466,22 +469,13 @@ def run_rust(job):
     out_dir = os.path.join(work, "out")
     os.makedirs(out_dir)
     crate, lib_rs = _write_crate(work, job["lib_rs"])
-    env = _base_env(dict(cargo_env(crate, bindir), CARGO_CRATE_NAME=CRATE_NAME,
-                         PATH=bindir + ":" + _base_env()["PATH"]))
+    env = _rust_env(crate, bindir)
     stages = {}
-    rlim = dict(lim, cpu_s=1e6, rlimit_as=False)  # compilers map far more than they use
-    common = ["--edition", "2021", "-C", "debuginfo=0", "--color", "never"]
-    lib_args = common + ["--crate-type", "rlib", "--crate-name", CRATE_NAME, lib_rs]
+    lib_args = RUSTC_COMMON + ["--crate-type", "rlib", "--crate-name", CRATE_NAME, lib_rs]
 
     def stage(name, argv, timeout):
-        r = run_capped(argv, timeout=timeout, cap=cap, env=env, cwd=work, limits=rlim)
-        status = "timeout" if r["timed_out"] else ("pass" if r["rc"] == 0 else "fail")
-        detail = _text(r["err"] + r["out"], cap)
-        if r["rc"] in (-9, 137) and not r["killed_by_runner"]:
-            status = "error"  # killed from outside: most likely out of memory
-            detail = "killed by SIGKILL (out of memory?)\n" + detail
-        stages[name] = {"status": status, "dt": r["dt"], "rc": r["rc"], "detail": detail}
-        return status
+        stages[name] = _compile_stage(argv, timeout, cap, env, work, lim)
+        return stages[name]["status"]
 
     def done(**extra):
         return dict({"kind": "rust", "stages": stages, "results": [], "stdout": "", "stderr": ""}, **extra)
@@ -498,7 +492,7 @@ def run_rust(job):
     t0 = time.monotonic()
     exe = os.path.join(out_dir, "harness")
     env["CARGO_CRATE_NAME"] = "harness"
-    st = stage("test_build", [os.path.join(bindir, "rustc")] + common +
+    st = stage("test_build", [os.path.join(bindir, "rustc")] + RUSTC_COMMON +
                ["--crate-type", "bin", "--crate-name", "harness", main_rs, "--extern",
                 "solution=" + os.path.join(out_dir, "libsolution.rlib"), "-L", out_dir,
                 "-C", "prefer-dynamic", "-o", exe], lim["test_timeout_s"])
@@ -514,6 +508,26 @@ def run_rust(job):
     out_wo_nonce = r["out"].replace(nonce.encode(), b"<nonce>")
     return done(results=results, truncated=r["truncated"], stdout=_text(out_wo_nonce, cap),
                 stderr=_text(r["err"], cap))
+
+
+RUSTC_COMMON = ["--edition", "2021", "-C", "debuginfo=0", "--color", "never"]
+
+
+def _rust_env(crate, bindir):
+    return _base_env(dict(cargo_env(crate, bindir), CARGO_CRATE_NAME=CRATE_NAME,
+                          PATH=bindir + ":" + _base_env()["PATH"]))
+
+
+def _compile_stage(argv, timeout, cap, env, cwd, lim):
+    """Run one compiler (rustc, clippy-driver) -> {status: pass|fail|timeout|error, dt, rc, detail}."""
+    rlim = dict(lim, cpu_s=1e6, rlimit_as=False)  # compilers map far more than they use
+    r = run_capped(argv, timeout=timeout, cap=cap, env=env, cwd=cwd, limits=rlim)
+    status = "timeout" if r["timed_out"] else ("pass" if r["rc"] == 0 else "fail")
+    detail = _text(r["err"] + r["out"], cap)
+    if r["rc"] in (-9, 137) and not r["killed_by_runner"]:
+        status = "error"  # killed from outside: most likely out of memory
+        detail = "killed by SIGKILL (out of memory?)\n" + detail
+    return {"status": status, "dt": r["dt"], "rc": r["rc"], "detail": detail}
 
 
 def _run_harness(exe, work, job, left):
@@ -558,18 +572,20 @@ def cargo_env(manifest_dir, bindir):
     return env
 
 
-def _write_crate(work, lib_rs):
-    """``work/crate/{Cargo.toml,src/lib.rs}``, made read-only (``CARGO_MANIFEST_DIR``).
-    -> (crate dir, lib.rs path)."""
+def _write_crate(work, source, target="lib"):
+    """``work/crate/{Cargo.toml,src/lib.rs}`` (``src/main.rs`` for ``target="bin"``), made read-only
+    (``CARGO_MANIFEST_DIR``). -> (crate dir, source path)."""
     crate = os.path.join(work, "crate")
-    manifest, lib_path = os.path.join(crate, "Cargo.toml"), os.path.join(crate, "src", "lib.rs")
+    rel = "src/lib.rs" if target == "lib" else "src/main.rs"
+    manifest, src_path = os.path.join(crate, "Cargo.toml"), os.path.join(crate, rel)
+    section = '[lib]\n' if target == "lib" else '[[bin]]\nname = "%s"\n' % CRATE_NAME
     os.makedirs(os.path.join(crate, "src"))
-    _write(manifest, '[package]\nname = "%s"\nversion = "%s"\nedition = "2021"\n\n[lib]\n'
-           'path = "src/lib.rs"\n' % (CRATE_NAME, CRATE_VERSION))
-    _write(lib_path, lib_rs)
-    for path, mode in ((manifest, 0o444), (lib_path, 0o444), (os.path.dirname(lib_path), 0o555), (crate, 0o555)):
+    _write(manifest, '[package]\nname = "%s"\nversion = "%s"\nedition = "2021"\n\n%spath = "%s"\n'
+           % (CRATE_NAME, CRATE_VERSION, section, rel))
+    _write(src_path, source)
+    for path, mode in ((manifest, 0o444), (src_path, 0o444), (os.path.dirname(src_path), 0o555), (crate, 0o555)):
         os.chmod(path, mode)
-    return crate, lib_path
+    return crate, src_path
 
 
 def _rmtree(path):
@@ -586,6 +602,48 @@ def _rmtree(path):
 def _write(path, text):
     with open(path, "w", encoding="utf-8") as f:
         f.write(text)
+
+
+# --------------------------------------------------------------------------- programs (tool calls)
+def run_program(job):
+    """A whole program, as a tool call runs it: Python as a script (``__main__``), Rust first built as
+    the binary crate ``solution`` (std only, ``-F unsafe_code``). It reads the job's ``stdin``; what it
+    printed comes back, capped. Nothing here is judged: the reply is the program's own output."""
+    lim = job["limits"]
+    cap = int(lim.get("output_bytes", 16384))
+    work = _fresh_dir()
+    if job["language"] == "rust":
+        build = _build_program(job, work, cap)
+        if build["status"] != "pass":
+            return {"kind": "run", "build": build, "stdout": "", "stderr": build["detail"]}
+        argv = [os.path.join(work, CRATE_NAME)]
+    else:
+        build, argv = None, [sys.executable, "-I", os.path.join(work, "main.py")]
+        _write(argv[-1], job["code"])
+    timeout = float(lim.get("timeout_s", 10))
+    r = run_capped(argv, stdin_bytes=job.get("stdin", "").encode("utf-8", "replace"), timeout=timeout,
+                   cap=cap, env=_base_env(), cwd=work, limits=dict(lim, cpu_s=timeout))
+    return {"kind": "run", "build": build, "rc": r["rc"], "timed_out": r["timed_out"],
+            "killed_by_runner": r["killed_by_runner"], "truncated": r["truncated"], "dt": r["dt"],
+            "stdout": _cut_text(r["out"], cap, r["truncated"]), "stderr": _cut_text(r["err"], cap, r["truncated"])}
+
+
+def _cut_text(b, cap, truncated):
+    """A stream read up to its cap, marked as cut when it filled it."""
+    s = _text(b, cap)
+    return s + "\n...[truncated]" if truncated and len(b) >= cap and not s.endswith("...[truncated]") else s
+
+
+def _build_program(job, work, cap):
+    """rustc the program into ``work/solution``; run from the crate dir, so messages name ``src/main.rs``.
+    ``-F unsafe_code`` on the command line: the code cannot lift it, and its line numbers stay its own."""
+    bindir = job.get("toolchain_bin") or "/usr/bin"
+    crate, _ = _write_crate(work, job["code"], "bin")
+    argv = [os.path.join(bindir, "rustc")] + RUSTC_COMMON + [
+        "-F", "unsafe_code", "--crate-type", "bin", "--crate-name", CRATE_NAME, "src/main.rs",
+        "-o", os.path.join(work, CRATE_NAME)]
+    return _compile_stage(argv, job["limits"]["build_timeout_s"], cap, _rust_env(crate, bindir), crate,
+                          job["limits"])
 
 
 # --------------------------------------------------------------------------- zygote
@@ -645,7 +703,10 @@ class Zygote:
 def handle(job, isolated, zygote=None):
     t0 = time.monotonic()
     try:
-        reply = run_rust(job) if job["kind"] == "rust" else run_python(job, zygote)
+        if job["kind"] == "run":
+            reply = run_program(job)
+        else:
+            reply = run_rust(job) if job["kind"] == "rust" else run_python(job, zygote)
     except Exception as e:  # noqa: BLE001 - a runner bug is an infra problem, say so
         reply = {"runner_error": "%s: %s" % (type(e).__name__, e)}
     keep = {zygote.pid} if zygote is not None and zygote.pid else set()

@@ -6,7 +6,8 @@ whole build: there is no ``Cargo.toml`` the completion could influence, so no bu
 dependencies, no proc macros and no ``.cargo/config``; nothing is fetched (offline by
 construction). Calling rustc directly is also ~3x faster than three cargo runs.
 
-* ``lib.rs`` = ``#![forbid(unsafe_code)]`` + the completion. ``forbid`` cannot be lifted by
+* ``lib.rs`` = ``#![forbid(unsafe_code)]`` + the completion (on its first line, so the compiler's line
+  numbers are the completion's own). ``forbid`` cannot be lifted by
   the completion's own ``#![allow(unsafe_code)]``; clippy runs with ``-F clippy::all -F
   forbidden_lint_groups`` so ``#![allow(clippy::all)]`` cannot silence the lint gate either.
 * ``main.rs`` holds the hidden ``#[test]`` functions turned into plain ``pub fn``s, with std's
@@ -29,7 +30,7 @@ from typing import Any
 
 from sandbox.types import StageResult, TaskFormatError, TestResult
 
-LIB_HEADER = "#![forbid(unsafe_code)]\n"
+LIB_HEADER = "#![forbid(unsafe_code)] "   # on the code's first line: compiler line numbers stay the code's own
 
 STD_MACROS = ("assert", "assert_eq", "assert_ne", "debug_assert", "debug_assert_eq",
               "debug_assert_ne", "panic", "vec", "format", "print", "println", "eprint",
@@ -61,16 +62,8 @@ def _transform(src: str) -> tuple[str, list[tuple[str, bool]]]:
     mods: list[tuple[str, int]] = []          # (name, depth inside its braces)
     n = len(src)
     while i < n:
-        if src.startswith("//", i):
-            j = src.find("\n", i)
-            j = n if j < 0 else j
-            out.append(src[i:j]); i = j; continue
-        if src.startswith("/*", i):
-            j = src.find("*/", i + 2)
-            j = n if j < 0 else j + 2
-            out.append(src[i:j]); i = j; continue
-        if src[i] == '"':
-            j = _skip_string(src, i)
+        j = _skip_literal(src, i)
+        if j != i:
             out.append(src[i:j]); i = j; continue
         m = _TEST_ATTR.match(src, i)
         if m:
@@ -119,6 +112,126 @@ def _skip_string(src: str, i: int) -> int:
             return j + 1
         j += 1
     return j
+
+
+_RAW_STRING = re.compile(r'b?r(#*)"')
+_CHAR = re.compile(r"'(?:[^\\'\n]|\\(?:[nrt0\\'\"]|x[0-9a-fA-F]{2}|u\{[0-9a-fA-F]{1,6}\}))'")
+
+
+def _skip_literal(src: str, i: int) -> int:
+    """The index just after the comment, string or char literal that starts at ``i``; ``i`` if none does
+    (a lifetime ``'a`` is not a literal). Braces inside them do not count."""
+    if src.startswith("//", i):
+        j = src.find("\n", i)
+        return len(src) if j < 0 else j
+    if src.startswith("/*", i):
+        return _block_comment_end(src, i)
+    c = src[i]
+    if c == '"':
+        return _skip_string(src, i)
+    if c == "'":
+        m = _CHAR.match(src, i)
+        return m.end() if m else i
+    if c in "br" and (i == 0 or not (src[i - 1].isalnum() or src[i - 1] == "_")):
+        m = _RAW_STRING.match(src, i)
+        if m:
+            end = src.find('"' + m.group(1), m.end())
+            return len(src) if end < 0 else end + 1 + len(m.group(1))
+    return i
+
+
+def _block_comment_end(src: str, i: int) -> int:
+    """After the (nested) block comment that starts at ``i``."""
+    depth, j = 0, i
+    while j < len(src):
+        if src.startswith("/*", j):
+            depth, j = depth + 1, j + 2
+        elif src.startswith("*/", j):
+            depth, j = depth - 1, j + 2
+            if depth == 0:
+                return j
+        else:
+            j += 1
+    return len(src)
+
+
+# --------------------------------------------------------------------------- cutting a tests source
+def test_spans(src: str) -> list[tuple[str, int, int]]:
+    """``(path, start, end)`` of each ``#[test]`` fn of a tests source, in order (paths as verdicts name
+    them). ``src[start:end]`` is the whole item: the attributes and comment lines right above it, its
+    signature and its body."""
+    _, found = _transform(src)
+    spans, i = [], 0
+    while i < len(src):
+        j = _skip_literal(src, i)
+        if j != i:
+            i = j
+            continue
+        m = _TEST_ATTR.match(src, i)
+        if not m:
+            i += 1
+            continue
+        j = m.end()
+        while (a := _ATTR.match(src, j)) is not None:
+            j = a.end()
+        f = _FN.match(src, j)
+        if f is None:
+            raise TaskFormatError("tests['tests']: a #[test] must be followed by `fn name() {`")
+        end = _block_end(src, f.end() - 1)
+        spans.append((_item_start(src, i), end))
+        i = end
+    if len(spans) != len(found):
+        raise TaskFormatError("tests['tests']: could not delimit every #[test] fn (one inside another?)")
+    return [(path, start, end) for (path, _), (start, end) in zip(found, spans)]
+
+
+def select_tests(src: str, keep: set[str]) -> str:
+    """``src`` without the ``#[test]`` fns whose path is not in ``keep``; everything else stays."""
+    out, at = [], 0
+    for path, start, end in test_spans(src):
+        if path not in keep:
+            out.append(src[at:start])
+            at = end
+    out.append(src[at:])
+    return "".join(out)
+
+
+def _block_end(src: str, i: int) -> int:
+    """The index after the brace that closes the one at ``src[i]``."""
+    depth = 0
+    while i < len(src):
+        j = _skip_literal(src, i)
+        if j != i:
+            i = j
+            continue
+        if src[i] == "{":
+            depth += 1
+        elif src[i] == "}":
+            depth -= 1
+            if depth == 0:
+                return i + 1
+        i += 1
+    raise TaskFormatError("tests['tests']: a #[test] fn has no closing brace")
+
+
+_ATTRS_AT_END = re.compile(r"(?:#\s*\[[^\]]*\]\s*)*\Z")
+
+
+def _item_start(src: str, i: int) -> int:
+    """Where the test item whose ``#[test]`` is at ``i`` begins: the outer attributes before it on its
+    line and, when nothing else is, the lines of attributes and comments right above."""
+    line_start = src.rfind("\n", 0, i) + 1
+    before = src[line_start:i]
+    attrs = _ATTRS_AT_END.search(before)
+    if before[:attrs.start()].strip():
+        return line_start + attrs.start()
+    start = line_start
+    while start > 0:
+        above = src.rfind("\n", 0, start - 1) + 1
+        if not src[above:start].strip().startswith(("#[", "//")):
+            break
+        start = above
+    return start
 
 
 def build_job_fields(code: str, tests: dict) -> dict[str, Any]:

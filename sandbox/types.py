@@ -1,7 +1,8 @@
 """The sandbox's value types: a `Job` (code + hidden tests + `Limits`) goes in, a `Verdict` (with
-per-test `TestResult`s and per-stage `StageResult`s) comes out. Plain dataclasses, no behaviour
-beyond (de)serialising: every other sandbox module imports them, and they import nothing back.
-The meaning of each verdict status is documented in `sandbox.api`.
+per-test `TestResult`s and per-stage `StageResult`s) comes out; a `Program` (code + stdin) goes in, a
+`RunOutput` (what it printed) comes out. Plain dataclasses, no behaviour beyond (de)serialising: every
+other sandbox module imports them, and they import nothing back. The meaning of each status is
+documented in `sandbox.api`.
 """
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 STATUSES = ("pass", "fail", "timeout", "error", "infra_error")
+RUN_STATUSES = ("ok", "error", "timeout", "infra_error")
 LANGUAGES = ("python", "rust")
 
 
@@ -20,7 +22,8 @@ class TaskFormatError(ValueError):
 class Limits:
     """Resource limits for one job. Defaults fit small function-level tasks.
 
-    ``timeout_s`` bounds the Python run (all cases); Rust uses the three stage limits.
+    ``timeout_s`` bounds the Python run (all cases) and a program's run; Rust scoring uses the three
+    stage limits, a Rust program ``build_timeout_s`` to compile it.
     ``memory_mb`` is a hard cap with no swap; ``output_bytes`` caps captured stdout/stderr each.
     """
     timeout_s: float = 10.0
@@ -109,3 +112,37 @@ class Verdict:
 
 def infra_error(detail: str, job_id: str = "", backend: str = "") -> Verdict:
     return Verdict(status="infra_error", detail=detail, job_id=job_id, backend=backend)
+
+
+@dataclass
+class Program:
+    """A whole program to run (a tool call): Python runs as a script (``__main__``), Rust is compiled
+    as a binary crate (``fn main``, std only, ``unsafe`` forbidden) and then run. ``stdin``: its input."""
+    language: str
+    code: str
+    stdin: str = ""
+    limits: Limits | None = None
+    id: str = ""
+
+    def effective_limits(self) -> Limits:
+        return self.limits or Limits.for_language(self.language)
+
+
+@dataclass
+class RunOutput:
+    """What a program printed. ``status``: ``ok`` (exit status 0), ``error`` (non-zero exit, crash,
+    compile error, out of memory, output limit), ``timeout`` or ``infra_error`` (the sandbox failed, not
+    the program). ``stdout`` / ``stderr`` are capped at ``Limits.output_bytes`` each (a cut stream ends
+    with ``...[truncated]``); a Rust compile error's messages are in ``stderr``. ``exit_code`` is None
+    when the program did not run to its end (compile error, timeout, killed by the sandbox)."""
+    status: str
+    exit_code: int | None = None
+    stdout: str = ""
+    stderr: str = ""
+    detail: str = ""            # why, for every status but ok
+    duration_s: float = 0.0
+    backend: str = ""
+    program_id: str = ""
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)

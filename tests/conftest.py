@@ -103,3 +103,54 @@ def skip_unless_cpu(path: str, dtype=None) -> None:
     reason = cpu_declines(path, dtype)
     if reason is not None:
         pytest.skip(reason)
+
+
+TAUGHT_CALL = '<tool_call>{"name": "calculator", "arguments": {"expression": "6*7"}}</tool_call>'
+
+
+@pytest.fixture(scope="session")
+def tool_calling_model_dir(tmp_path_factory, tiny_model_dir) -> Path:
+    """The tiny model taught (a few seconds of plain fine-tuning) to call the calculator in its first turn
+    and to answer after the tool's response: a real model that acts, for the multi-turn pipeline tests (a
+    random model never writes a tool call). Taught on the default math prompts rendered with the calculator."""
+    import torch
+    from transformers import AutoModelForCausalLM
+    from grpo_core.config import DataConfig
+    from grpo_core.data.arithmetic import train_tasks
+    from grpo_core.models import load_tokenizer
+    from grpo_core.multiturn import tool_prompt_ids, tool_turn_ids
+    from grpo_core.tools import ToolResult, resolve_tools
+    tok = load_tokenizer(tiny_model_dir)
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    tools, fmt = resolve_tools(["calculator"]), DataConfig().prompt_format
+    call = tok(TAUGHT_CALL, add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
+    tool_turn = tool_turn_ids(tok, [ToolResult("calculator", "42", False, 0.0)])
+    answer = tok("<answer>42</answer>", add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
+    rows = []
+    for task in train_tasks(16, 1, 1, ["+", "-"], seed=5):
+        prompt = tool_prompt_ids(tok, task, fmt, 256, tools)
+        rows += [(prompt, call), (prompt + call + tool_turn, answer)]
+    opt = torch.optim.Adam(model.parameters(), lr=3e-3)
+    torch.manual_seed(0)
+    for step in range(300):
+        batch = [rows[i] for i in torch.randint(len(rows), (8,)).tolist()]
+        opt.zero_grad()
+        _target_loss(model, batch).backward()
+        opt.step()
+    out = tmp_path_factory.mktemp("models") / "tiny-tool-caller"
+    model.save_pretrained(out)
+    tok.save_pretrained(out)
+    return out
+
+
+def _target_loss(model, rows: list[tuple[list[int], list[int]]]):
+    """Cross-entropy of each row's target given its context, the rows right-padded into one batch."""
+    import torch
+    width = max(len(c) + len(t) for c, t in rows)
+    ids = torch.zeros((len(rows), width), dtype=torch.long)
+    labels = torch.full((len(rows), width), -100)
+    for r, (context, target) in enumerate(rows):
+        ids[r, :len(context) + len(target)] = torch.tensor(context + target)
+        labels[r, len(context):len(context) + len(target)] = torch.tensor(target)
+    logits = model(input_ids=ids).logits[:, :-1]
+    return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.size(-1)), labels[:, 1:].reshape(-1))

@@ -6,6 +6,8 @@ then a missing engine fails the test instead, so CI cannot pass by skipping.
 from __future__ import annotations
 
 import os
+import socket
+import threading
 
 import pytest
 
@@ -77,3 +79,20 @@ def humaneval_jobs(body: str | None = None) -> list[Job]:
     return [Job("python", r["prompt"] + (body or r["canonical_solution"]),
                 {"format": "assert", "check": r["test"], "setup": r["prompt"]}, r["entry_point"],
                 id=r["task_id"]) for r in rows]
+
+
+def listening_socket() -> tuple[socket.socket, list]:
+    """A TCP server on every host address (an ephemeral port) and the list of connections it accepted:
+    code in a box must not reach it. Close it at the end of the test."""
+    srv = socket.socket()
+    srv.bind(("0.0.0.0", 0))
+    srv.listen(5)
+    hits: list = []
+
+    def accept():
+        try:
+            hits.append(srv.accept())
+        except OSError:
+            pass    # closed at the end of the test: nobody connected
+    threading.Thread(target=accept, daemon=True).start()
+    return srv, hits

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -292,3 +293,36 @@ def test_a_rollout_with_nothing_to_call_is_the_one_turn_path_bit_for_bit(grpo_ho
     assert [strip(m) for m in ma] == [strip(m) for m in mb] and strip(ba) == strip(bb)
     assert all(torch.equal(x, y) for x, y in zip(pa, pb))
     assert not math.isnan(ma[0]["loss"])
+
+
+# -- a model that acts, through the whole pipeline ---------------------------------------------------------------
+
+@pytest.mark.slow            # the taught model is made once per session; with the flow, about a minute on 2 cores
+def test_grpo_train_with_a_model_that_calls_tools(tmp_path, grpo_home, mlflow_uri, prefect_engine,
+                                                  tool_calling_model_dir):
+    """2 iterations of the real flow (Prefect, MLflow) on a tiny model taught to call the calculator: the tool
+    runs, its turns are logged, the completion table shows the conversation, evaluation runs with and without
+    tools, and the update trains on the model's own tokens."""
+    from mlflow.tracking import MlflowClient
+    from flows.train import training_run
+    from tests.conftest import tiny_config
+    from grpo_core.io import read_jsonl
+    config = tiny_config(tmp_path, model=str(tool_calling_model_dir), tools=["calculator"],
+                         max_completion_length=160, max_tool_calling_iterations=2)
+    summary = training_run(config=config)
+    c = MlflowClient(mlflow_uri)
+    run_id = summary["mlflow_run_id"]
+    metrics = c.get_run(run_id).data.metrics
+    assert metrics["tools/calls_per_rollout"] > 0.5 and metrics["turns/mean"] > 1.5
+    assert metrics["tools/calculator/calls"] > 0 and 0 <= metrics["tools/error_rate"] <= 1
+    assert "turns/max_reached_frac" in metrics and "tools/calculator/seconds" in metrics
+    for key in ("eval/greedy/pass_at_1", "eval/without_tools/greedy/pass_at_1", "eval/sampled/format_rate",
+                "eval/without_tools/sampled/format_rate"):
+        assert key in metrics, key
+    run_dir = Path(summary["run_dir"])
+    rows = list(read_jsonl(run_dir / "iter-1" / "samples.jsonl"))
+    acted = [r for r in rows if r["extra"]["tool_calls"]]
+    assert acted and all(0 in r["completion_mask"] for r in acted)
+    table = json.loads(Path(c.download_artifacts(run_id, "completions/iter_0001.json", str(tmp_path))).read_text())
+    completions = [row[table["columns"].index("completion")] for row in table["data"]]
+    assert any("[tool calculator]" in text for text in completions)

@@ -19,13 +19,14 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import re
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
 from grpo_core.sampling import PromptFormat, Sample, SamplingParams, prompt_messages, prompt_text_ids, render_chat
 from grpo_core.task import Task
-from grpo_core.tools import (Tool, ToolResult, environment_tools, fallback_system_prompt, parse_tool_calls,
-                             resolve_environments, resolve_tools, run_tool_calls)
+from grpo_core.tools import (Tool, ToolResult, check_environment, environment_tools, fallback_system_prompt,
+                             parse_tool_calls, resolve_environments, resolve_tools, run_tool_calls)
 
 
 @dataclass
@@ -55,7 +56,9 @@ class Toolbox:
         if name not in self.environments:
             raise ValueError(f"task {task.id!r}: meta.environment is {name!r}, which names no environment; use one "
                              f"of {', '.join(map(repr, self.environments))} (config field environment)")
-        return self.environments[name]()
+        environment = self.environments[name]()
+        check_environment(environment, "environment" if name is None else f"environment.{name}")
+        return environment
 
     def toolset(self, environment: object | None) -> dict[str, Tool]:
         """The tools one rollout may call: the standalone ones and its environment's methods."""
@@ -153,7 +156,7 @@ class Episode:
     conversation: list[dict] = field(default_factory=list)  # assistant and tool messages, for reading
     calls: int = 0
     errors: int = 0
-    per_tool: dict[str, list[float]] = field(default_factory=dict)   # name -> [calls, seconds]
+    per_tool: dict[str, list[float]] = field(default_factory=dict)   # name (metric-safe) -> [calls, seconds]
     pending: list = field(default_factory=list)             # the tool calls of the last turn, not yet run
     truncated: bool = False
     capped: bool = False                                    # still calling tools when the rounds ran out
@@ -185,7 +188,7 @@ class Episode:
         for r in results:
             self.calls += 1
             self.errors += r.error
-            tally = self.per_tool.setdefault(r.name or "?", [0, 0.0])
+            tally = self.per_tool.setdefault(re.sub(r"[^\w.\-]", "_", r.name) or "_unreadable", [0, 0.0])
             tally[0] += 1
             tally[1] += r.seconds
             self.conversation.append({"role": "tool", "name": r.name, "content": r.content})

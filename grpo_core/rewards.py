@@ -288,14 +288,17 @@ def compute_rewards(completions: Sequence[str], tasks: Sequence[Task], funcs: Se
 
 def add_environment_rewards(scores: RewardScores, environment_rewards: Sequence[dict | None]) -> RewardScores:
     """The environments' own rewards (multi-turn rollouts: `get_reward()`, one {class name: value} per sample
-    or None) as extra reward sources with weight 1, as TRL adds them; a sample whose environment does not
-    own its reward gets None in that column and nothing added to its total."""
+    or None) as extra reward sources with weight 1, as TRL adds them. A sample of another environment gets
+    None in that column and nothing added; one whose own environment said None (it could not score, e.g.
+    the sandbox failed) gets a None total, and is left out of its group as any unscorable sample is."""
     names = list(dict.fromkeys(k for r in environment_rewards if r for k in r))
     for name in names:
-        values = [None if not r else r.get(name) for r in environment_rewards]
+        owns = [bool(r) and name in r for r in environment_rewards]
+        values = [r[name] if own else None for r, own in zip(environment_rewards, owns)]
         scores.per_func[name] = values
         scores.seconds.setdefault(name, 0.0)
-        scores.totals = [t if t is None or v is None else t + v for t, v in zip(scores.totals, values)]
+        scores.totals = [None if t is None or (own and v is None) else t + (v or 0.0)
+                         for t, v, own in zip(scores.totals, values, owns)]
     return scores
 
 

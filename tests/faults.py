@@ -147,3 +147,14 @@ def leftovers(root: Path) -> list[str]:
     """Temp files and half-built directories (io.atomic_write_text / io.atomic_dir) under `root`."""
     return sorted(str(p.relative_to(root)) for p in Path(root).rglob(".*")
                   if p.name.endswith(".tmp") or (p.is_dir() and not p.is_symlink()))
+
+
+def calculator(expression: str) -> str:
+    """Evaluate an arithmetic expression exactly (the built-in calculator, through the fault point `tool:call`).
+
+    Args:
+        expression: numbers with + - * / // % ** and parentheses, e.g. '12*(3+4)/5'.
+    """
+    fault_point("tool:call")
+    from grpo_core.tools import calculate
+    return calculate(expression)

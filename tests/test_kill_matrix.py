@@ -34,12 +34,20 @@ SIGNAL_OPTS = dict(reward_funcs=["accuracy", "format", "overlong"], max_completi
                    overlong_buffer_length=10)
 # With dynamic sampling no group is informative on raw correctness (the tiny model is never right): every
 # iteration runs its max_extra_rollouts refill rounds, then falls back to the first batch.
-CONFIGS = {"plain": {}, "dynamic": dict(dynamic_sampling=True, max_extra_rollouts=2)}
+# With tools: the tiny model taught to call the calculator (conftest.tool_calling_model_dir), whose calls pass
+# through a fault point; no evaluation, so the first call is in iteration 1's rollout.
+CONFIGS = {"plain": {}, "dynamic": dict(dynamic_sampling=True, max_extra_rollouts=2),
+           "tools": dict(tools=["tests.faults:calculator"], max_completion_length=160, max_tool_calling_iterations=1,
+                         eval=dict(enabled=False), cpu_onednn_linear=False)}
 
 
-def run_config(tmp: Path, kind: str) -> dict:
-    return tiny_config(tmp, run_name="k", output_dir=str(tmp / "runs"), pipeline_iterations=2, **SIGNAL_OPTS,
-                       **CONFIGS[kind])
+def run_config(tmp: Path, kind: str, model: str | None = None) -> dict:
+    opts = {**SIGNAL_OPTS, **CONFIGS[kind], **({"model": model} if model else {})}
+    return tiny_config(tmp, run_name="k", output_dir=str(tmp / "runs"), pipeline_iterations=2, **opts)
+
+
+def model_for(kind: str, request) -> str | None:
+    return str(request.getfixturevalue("tool_calling_model_dir")) if kind == "tools" else None
 
 
 @dataclass
@@ -69,6 +77,8 @@ CASES = {
     # the refill rounds merged: samples.dynamic.jsonl written, scores.dynamic.jsonl and its metrics not
     "dynamic-merge": Case({"point": "dynamic:merge"}, "iter-1/update.json", "dynamic",
                           must_exist=["iter-1/dynamic-2/iter-1/score.json", "iter-1/samples.dynamic.jsonl"]),
+    # inside a tool call of the rollout (multi-turn: the model called the calculator)
+    "tool-call": Case({"point": "tool:call"}, "iter-1/rollout.json", "tools", must_exist=["iter-1/curate.json"]),
 }
 FAST = {"score"}                # runs in `make test`; the rest are slow (CI)
 
@@ -80,7 +90,7 @@ class Reference:
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory, tiny_model_dir, prefect_engine):
+def reference(tmp_path_factory, tiny_model_dir, prefect_engine, request):
     """kind -> the uninterrupted run of run_config(kind), made on first use and shared by the module."""
     from flows.train import training_run
     done: dict[str, Reference] = {}
@@ -90,7 +100,7 @@ def reference(tmp_path_factory, tiny_model_dir, prefect_engine):
             tmp = tmp_path_factory.mktemp(f"reference-{kind}")
             with isolated_run_env(tmp, tiny_model_dir) as uri:
                 t0 = time.perf_counter()
-                done[kind] = Reference(training_run(run_config(tmp, kind)), uri)
+                done[kind] = Reference(training_run(run_config(tmp, kind, model_for(kind, request))), uri)
                 print(f"\nuninterrupted {kind} run: {time.perf_counter() - t0:.1f} s")
         return done[kind]
     return get
@@ -176,12 +186,13 @@ def kill_training(cfg: dict, case: Case, tmp: Path) -> Path:
 
 
 @pytest.mark.parametrize("name", [pytest.param(n, marks=() if n in FAST else SLOW) for n in CASES])
-def test_sigkill_then_resume_equals_uninterrupted(name, prefect_engine, grpo_home, mlflow_uri, tmp_path, reference):
+def test_sigkill_then_resume_equals_uninterrupted(name, prefect_engine, grpo_home, mlflow_uri, tmp_path, reference,
+                                                 request):
     from flows.train import training_run
     from grpo_core.io import read_json
     case = CASES[name]
     ref = reference(case.kind)
-    cfg = run_config(tmp_path, case.kind)
+    cfg = run_config(tmp_path, case.kind, model_for(case.kind, request))
     run_dir = kill_training(cfg, case, tmp_path)
     killed_leftovers = faults.leftovers(run_dir)
     before = done_files(run_dir)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from pathlib import Path
 
 import pytest
@@ -128,7 +129,9 @@ def test_a_bad_call_answers_with_an_error_text_and_the_rollout_goes_on(tok, bad,
         assert s.extra["tool_calls"] == 1 and s.extra["tool_errors"] == 1 and s.extra["turns"] == 2
         tool_msg = [m for m in s.extra["conversation"] if m["role"] == "tool"][0]["content"]
         assert expected in tool_msg
-    assert tool_metrics([s.to_dict() for s in samples])["tools/error_rate"] == 1.0
+    metrics = tool_metrics([s.to_dict() for s in samples])
+    assert metrics["tools/error_rate"] == 1.0
+    assert all(re.fullmatch(r"[\w./\-]+", k) for k in metrics), metrics          # valid MLflow names
 
 
 def test_rounds_stop_at_max_tool_calling_iterations_and_at_the_token_budget(tok):
@@ -326,3 +329,11 @@ def test_grpo_train_with_a_model_that_calls_tools(tmp_path, grpo_home, mlflow_ur
     table = json.loads(Path(c.download_artifacts(run_id, "completions/iter_0001.json", str(tmp_path))).read_text())
     completions = [row[table["columns"].index("completion")] for row in table["data"]]
     assert any("[tool calculator]" in text for text in completions)
+
+
+def test_an_environment_that_cannot_score_leaves_its_sample_out():
+    from grpo_core.rewards import RewardScores, add_environment_rewards
+    scores = RewardScores([1.0, 1.0, 1.0], {"format": [1.0, 1.0, 1.0]}, {"format": 0.1})
+    out = add_environment_rewards(scores, [{"RustFix": 0.5}, {"RustFix": None}, {"Other": 2.0}])
+    assert out.totals == [1.5, None, 3.0]
+    assert out.per_func["RustFix"] == [0.5, None, None] and out.per_func["Other"] == [None, None, 2.0]

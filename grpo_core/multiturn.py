@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import logging
 import re
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
@@ -27,6 +28,8 @@ from grpo_core.sampling import PromptFormat, Sample, SamplingParams, prompt_mess
 from grpo_core.task import Task
 from grpo_core.tools import (Tool, ToolResult, check_environment, environment_tools, fallback_system_prompt,
                              parse_tool_calls, resolve_environments, resolve_tools, run_tool_calls)
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -112,7 +115,15 @@ def tool_prompt_ids(tokenizer, task: Task, fmt: PromptFormat, max_prompt_length:
         text = render_chat(tokenizer, messages, tools=schemas)
     else:
         text = render_chat(tokenizer, _with_system(messages, fallback_system_prompt(schemas)))
-    return prompt_text_ids(tokenizer, text, task, fmt, max_prompt_length)
+    ids = prompt_text_ids(tokenizer, text, task, fmt, max_prompt_length + 1)
+    if len(ids) > max_prompt_length and not _warned_long:
+        _warned_long.append(task.id)
+        log.warning("task %s: its prompt with the tool list is longer than max_prompt_length (%d tokens) and loses "
+                    "its beginning, where the tools are listed; raise max_prompt_length", task.id, max_prompt_length)
+    return ids[-max_prompt_length:]
+
+
+_warned_long: list[str] = []          # the long-prompt warning is given once per process
 
 
 def _render_tool_turn(tokenizer, results: Sequence[ToolResult], native: bool) -> str:

@@ -85,3 +85,21 @@ def test_eval_command_on_the_arithmetic_set(tmp_path, grpo_home, capsys):
     metrics = json.loads(capsys.readouterr().out)
     assert metrics["eval/num_questions"] == 2
     assert {"eval/greedy/pass_at_1", "eval/sampled/pass_at_2", "eval/sampled/pass_at_1"} <= set(metrics)
+
+
+def test_eval_command_with_tools(tmp_path, grpo_home, capsys):
+    """--tools: each mode with the tools the model may call and again without; a bad name fails in seconds."""
+    from grpo_core.config import ConfigError
+    args = _parser().parse_args(["eval", "--model", "tiny-random", "--dataset", "arithmetic", "--limit", "2",
+                                 "--set", "max_completion_length=4", "--tools", "calculator", "--json"])
+    assert args.func(args) == 0
+    metrics = json.loads(capsys.readouterr().out)
+    assert {"eval/greedy/pass_at_1", "eval/without_tools/greedy/pass_at_1"} <= set(metrics)
+    args = _parser().parse_args(["eval", "--model", "tiny-random", "--dataset", "arithmetic", "--tools", "none",
+                                 "--limit", "2", "--set", "max_completion_length=4", "--json"])
+    assert args.func(args) == 0
+    assert not any("without_tools" in k for k in json.loads(capsys.readouterr().out))
+    with pytest.raises(ConfigError, match='tools\\[0\\] = "calculater": unknown name'):
+        args = _parser().parse_args(["eval", "--model", "tiny-random", "--dataset", "arithmetic", "--tools",
+                                     "calculater"])
+        args.func(args)

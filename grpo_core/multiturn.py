@@ -180,8 +180,9 @@ class Episode:
     def done(self) -> bool:
         return self.truncated or self.capped or not self.pending
 
-    def add_model_turn(self, ids: list[int], logprobs: list[float] | None, tokenizer) -> None:
-        text = tokenizer.decode(ids, skip_special_tokens=True)
+    def add_model_turn(self, ids: list[int], logprobs: list[float] | None, tokenizer, opening: str = "") -> None:
+        """`opening`: text the prompt put at the start of this turn (the first turn's response prefix)."""
+        text = opening + tokenizer.decode(ids, skip_special_tokens=True)
         self.ids += ids
         self.mask += [1] * len(ids)
         if logprobs is not None:
@@ -263,20 +264,21 @@ def tool_rollout(backend, tokenizer, tasks: Sequence[Task], n: int, params: Samp
                for t, ts, obs in zip(row_tasks, toolsets, observations)]
     session = backend.session(len(row_tasks)) if hasattr(backend, "session") else contextlib.nullcontext()
     with session:
-        episodes = _turns(backend, tokenizer, prompts, toolsets, n, params, toolbox)
+        episodes = _turns(backend, tokenizer, prompts, toolsets, n, params, toolbox,
+                          [fmt.for_task(t).response_prefix for t in row_tasks])
     # 5) the environments' own rewards, and the samples
     rewards = [_environment_reward(env) for env in environments]
-    return [[_sample(tasks[g], g, prompts[r], episodes[r], rewards[r], fmt) for r in range(g * n, (g + 1) * n)]
+    return [[_sample(tasks[g], g, prompts[r], episodes[r], rewards[r]) for r in range(g * n, (g + 1) * n)]
             for g in range(len(tasks))]
 
 
 def _turns(backend, tokenizer, prompts: list[list[int]], toolsets: list[dict[str, Tool]], n: int,
-           params: SamplingParams, toolbox: Toolbox) -> list[Episode]:
+           params: SamplingParams, toolbox: Toolbox, openings: list[str]) -> list[Episode]:
     """Every rollout's conversation: 3) the first turn, 4) rounds of tool calls (all of a round at once), each
     followed by the model's next turn."""
     episodes = [Episode() for _ in prompts]
-    for ep, completion in zip(episodes, _first_turn(backend, prompts, n, params)):
-        ep.add_model_turn(list(completion), getattr(completion, "logprobs", None), tokenizer)
+    for ep, completion, opening in zip(episodes, _first_turn(backend, prompts, n, params), openings):
+        ep.add_model_turn(list(completion), getattr(completion, "logprobs", None), tokenizer, opening)
     round_ = 0
     while calling := [i for i, ep in enumerate(episodes) if not ep.done]:
         if toolbox.max_iterations is not None and round_ >= toolbox.max_iterations:
@@ -292,14 +294,12 @@ def _turns(backend, tokenizer, prompts: list[list[int]], toolsets: list[dict[str
     return episodes
 
 
-def _sample(task: Task, group: int, prompt_ids: list[int], ep: Episode, reward: dict | None,
-            fmt: PromptFormat) -> Sample:
-    prefix = fmt.for_task(task).response_prefix if len(ep.turns) == 1 else ""
+def _sample(task: Task, group: int, prompt_ids: list[int], ep: Episode, reward: dict | None) -> Sample:
     extra = ep.record()
     if reward is not None:
         extra["environment_reward"] = reward
     return Sample(task_id=task.id, group=group, prompt_ids=prompt_ids, completion_ids=ep.ids,
-                  completion=prefix + ep.turns[-1], truncated=ep.truncated, extra=extra,
+                  completion=ep.turns[-1], truncated=ep.truncated, extra=extra,
                   sampler_logprobs=ep.logprobs, completion_mask=ep.mask)
 
 

@@ -337,3 +337,17 @@ def test_an_environment_that_cannot_score_leaves_its_sample_out():
     out = add_environment_rewards(scores, [{"RustFix": 0.5}, {"RustFix": None}, {"Other": 2.0}])
     assert out.totals == [1.5, None, 3.0]
     assert out.per_func["RustFix"] == [0.5, None, None] and out.per_func["Other"] == [None, None, 2.0]
+
+
+def test_a_response_prefix_opens_the_first_turn(tok):
+    """The prompt's response prefix is the start of the model's first turn: a call it opens is a call."""
+    from grpo_core.sampling import PromptFormat
+    opener = '<tool_call>{"name": "calculator", "arguments": {"expression": "'
+    fmt = PromptFormat(response_prefix=opener)
+
+    def reply(text, j):
+        return '6*7"}}</tool_call>' if not responses(text) else f"Answer: {responses(text)[-1]}"
+    [s] = rollout(ScriptedSampler(tok, reply), tok, [math_task()], 1, SamplingParams(max_new_tokens=200), fmt, 4096,
+                  toolbox=Toolbox(resolve_tools(["calculator"])))
+    assert s.extra["tool_calls"] == 1 and s.extra["tool_errors"] == 0 and s.completion == "Answer: 42"
+    assert s.extra["conversation"][0]["content"].startswith(opener)

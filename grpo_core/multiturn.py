@@ -157,6 +157,19 @@ def tool_turn_ids(tokenizer, results: Sequence[ToolResult]) -> list[int]:
 
 # -- one rollout's conversation --------------------------------------------------------------------------
 
+CALL_END = "</tool_call>"
+
+
+def call_end(ids: list[int], tokenizer, opening: str = "") -> int | None:
+    """How many of a turn's tokens it takes to close its first tool call (None: no call closes)."""
+    if CALL_END not in opening + tokenizer.decode(ids, skip_special_tokens=True):
+        return None
+    for k in range(1, len(ids) + 1):
+        if CALL_END in opening + tokenizer.decode(ids[:k], skip_special_tokens=True):
+            return k
+    return None
+
+
 @dataclass
 class Episode:
     """One rollout so far: every token after the prompt, which of them are the model's, and what happened."""
@@ -181,15 +194,24 @@ class Episode:
         return self.truncated or self.capped or not self.pending
 
     def add_model_turn(self, ids: list[int], logprobs: list[float] | None, tokenizer, opening: str = "") -> None:
-        """`opening`: text the prompt put at the start of this turn (the first turn's response prefix)."""
+        """Append one model turn. A turn ends at EOS, or where its first tool call closes (as an agent's stop
+        sequence would end it; what the sampler drew after that is dropped, and the end-of-turn token the
+        template needs is added as context, not trained). `opening`: text the prompt put at the start of
+        this turn (the first turn's response prefix)."""
+        eos = tokenizer.eos_token_id
+        stopped = bool(ids) and ids[-1] == eos
+        cut = None if stopped else call_end(ids, tokenizer, opening)
+        if cut is not None:
+            ids, logprobs = ids[:cut], (None if logprobs is None else logprobs[:cut])
         text = opening + tokenizer.decode(ids, skip_special_tokens=True)
-        self.ids += ids
-        self.mask += [1] * len(ids)
+        glue = [eos] if cut is not None else []
+        self.ids += ids + glue
+        self.mask += [1] * len(ids) + [0] * len(glue)
         if logprobs is not None:
-            self.logprobs = (self.logprobs or []) + list(logprobs)
+            self.logprobs = (self.logprobs or []) + list(logprobs) + [0.0] * len(glue)
         self.turns.append(text)
         self.conversation.append({"role": "assistant", "content": text})
-        self.truncated = not (ids and ids[-1] == tokenizer.eos_token_id)
+        self.truncated = not stopped and cut is None
         self.pending = parse_tool_calls(text)
 
     def add_tool_turn(self, results: Sequence[ToolResult], ids: list[int]) -> None:

@@ -351,3 +351,20 @@ def test_a_response_prefix_opens_the_first_turn(tok):
                   toolbox=Toolbox(resolve_tools(["calculator"])))
     assert s.extra["tool_calls"] == 1 and s.extra["tool_errors"] == 0 and s.completion == "Answer: 42"
     assert s.extra["conversation"][0]["content"].startswith(opener)
+
+
+def test_a_turn_ends_where_its_tool_call_closes(tok):
+    """A model that goes on writing after its call: the turn is cut there (a stop sequence), the template's
+    end-of-turn token is added as context (mask 0), and the call runs."""
+    def reply(text, j):
+        if not responses(text):
+            return call("calculator", expression="6*7") + " and then some babbling that never ends" * 5
+        return "Answer: " + responses(text)[-1]
+    [s] = rollout(ScriptedSampler(tok, reply), tok, [math_task()], 1, SamplingParams(max_new_tokens=120,
+                  logprobs=True), "", 4096, toolbox=Toolbox(resolve_tools(["calculator"])))
+    assert s.extra["tool_calls"] == 1 and s.completion == "Answer: 42" and not s.truncated
+    first = s.extra["conversation"][0]["content"]
+    assert first.endswith("</tool_call>") and "babbling" not in first
+    end = s.completion_mask.index(0)
+    assert s.completion_ids[end] == tok.eos_token_id and tok.decode(s.completion_ids[:end]).endswith("</tool_call>")
+    assert s.sampler_logprobs[end] == 0.0 and len(s.sampler_logprobs) == len(s.completion_ids)

@@ -194,24 +194,27 @@ class Episode:
         return self.truncated or self.capped or not self.pending
 
     def add_model_turn(self, ids: list[int], logprobs: list[float] | None, tokenizer, opening: str = "") -> None:
-        """Append one model turn. A turn ends at EOS, or where its first tool call closes (as an agent's stop
-        sequence would end it; what the sampler drew after that is dropped, and the end-of-turn token the
-        template needs is added as context, not trained). `opening`: text the prompt put at the start of
-        this turn (the first turn's response prefix)."""
+        """Append one model turn. A turn ends at EOS or where its first tool call closes, whichever comes
+        first (as an agent's stop sequence ends it: what the sampler drew after the call is dropped, and
+        the end-of-turn token the template needs is added as context, not trained, unless the model wrote
+        it there itself). `opening`: text the prompt put at the start of this turn (the first turn's
+        response prefix)."""
         eos = tokenizer.eos_token_id
-        stopped = bool(ids) and ids[-1] == eos
-        cut = None if stopped else call_end(ids, tokenizer, opening)
+        cut = call_end(ids, tokenizer, opening)
+        if cut is not None and cut < len(ids) and ids[cut] == eos:
+            cut += 1                                             # the model ended its turn right there itself
         if cut is not None:
             ids, logprobs = ids[:cut], (None if logprobs is None else logprobs[:cut])
+        stopped = bool(ids) and ids[-1] == eos
         text = opening + tokenizer.decode(ids, skip_special_tokens=True)
-        glue = [eos] if cut is not None else []
+        glue = [eos] if cut is not None and not stopped else []
         self.ids += ids + glue
         self.mask += [1] * len(ids) + [0] * len(glue)
         if logprobs is not None:
             self.logprobs = (self.logprobs or []) + list(logprobs) + [0.0] * len(glue)
         self.turns.append(text)
         self.conversation.append({"role": "assistant", "content": text})
-        self.truncated = not stopped and cut is None
+        self.truncated = not stopped and not glue
         self.pending = parse_tool_calls(text)
 
     def add_tool_turn(self, results: Sequence[ToolResult], ids: list[int]) -> None:

@@ -353,16 +353,17 @@ def test_a_response_prefix_opens_the_first_turn(tok):
     assert s.extra["conversation"][0]["content"].startswith(opener)
 
 
-def test_a_turn_ends_where_its_tool_call_closes(tok):
+@pytest.mark.parametrize("then_eos", [False, True])
+def test_a_turn_ends_where_its_tool_call_closes(tok, then_eos):
     """A model that goes on writing after its call: the turn is cut there (a stop sequence), the template's
     end-of-turn token is added as context (mask 0), and the call runs."""
     def reply(text, j):
         if not responses(text):
-            return call("calculator", expression="6*7") + " and then some babbling that never ends" * 5
+            return call("calculator", expression="6*7") + " and then some babbling" * (1 if then_eos else 9)
         return "Answer: " + responses(text)[-1]
     [s] = rollout(ScriptedSampler(tok, reply), tok, [math_task()], 1, SamplingParams(max_new_tokens=120,
                   logprobs=True), "", 4096, toolbox=Toolbox(resolve_tools(["calculator"])))
-    assert s.extra["tool_calls"] == 1 and s.completion == "Answer: 42" and not s.truncated
+    assert s.extra["tool_calls"] == 1 and s.completion == "Answer: 42" and not s.truncated   # with or without EOS
     first = s.extra["conversation"][0]["content"]
     assert first.endswith("</tool_call>") and "babbling" not in first
     end = s.completion_mask.index(0)

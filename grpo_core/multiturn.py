@@ -85,8 +85,8 @@ def renders_tools(tokenizer) -> bool:
             try:
                 listed = tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], tools=[_PROBE],
                                                        tokenize=False, add_generation_prompt=True)
-                answered = _render_tool_turn(tokenizer, [ToolResult("probe_tool_7f3a", "probe_result_9c2d", False, 0.0)],
-                                             native=True)
+                probe = ToolResult("probe_tool_7f3a", "probe_result_9c2d", False, 0.0)
+                answered = _render_tool_turn(tokenizer, [probe], native=True)
                 cached = "probe_tool_7f3a" in listed and "probe_result_9c2d" in answered
             except Exception:  # noqa: BLE001 - any template error means: render tools ourselves
                 cached = False

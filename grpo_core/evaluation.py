@@ -40,7 +40,7 @@ from grpo_core.multiturn import Toolbox
 from grpo_core.rewards import (add_environment_rewards, compute_rewards, correctness_scores, is_well_formatted,
                                reward_context)
 from grpo_core.overlap import Overlapped
-from grpo_core.sampling import Sample, SamplingParams, readable_conversation
+from grpo_core.sampling import Sample, SamplingParams, model_token_count, readable_conversation
 from grpo_core.rollout import make_backend, rollout
 
 MODES = ("greedy", "sampled")
@@ -104,7 +104,7 @@ def score_samples(samples, tasks_by_id: dict[str, Task], cfg: GRPOConfig, mode: 
                      "rewards": {f: values[i] for f, values in scores.per_func.items()},
                      "reward_total": scores.totals[i], "correct": None if acc is None else acc >= 1.0,
                      "formatted": is_well_formatted(s.completion, t.kind), "verdict": verdict, "flags": flags,
-                     "length": len(s.completion_ids) if mask is None else sum(mask),
+                     "length": model_token_count(s.completion_ids, mask),
                      "truncated": s.truncated, "tools": "turns" in extra,
                      **({"conversation": readable_conversation(extra)} if "turns" in extra else {})})
         seen[t.id] += 1

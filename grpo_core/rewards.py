@@ -27,6 +27,7 @@ from typing import Any, Callable, Sequence
 
 from grpo_core.answers import extract_answer, math_answers_match, reasoning_gym_score
 from grpo_core.plugins import REWARD_GROUP, check_reward_signature, load_plugin, metric_names
+from grpo_core.sampling import model_token_count
 from grpo_core.task import Task
 
 # The whole completion: optional reasoning, then exactly one non-empty answer block, nothing after it.
@@ -169,7 +170,7 @@ def reward_context(cfg, completion_ids: Sequence[Sequence[int]],
     multi-turn completion's mask sets tool turns apart), and settings from the run's GRPOConfig."""
     masks = completion_masks or [None] * len(completion_ids)
     return {"completion_ids": [list(ids) for ids in completion_ids],
-            "completion_lengths": [len(ids) if m is None else sum(m) for ids, m in zip(completion_ids, masks)],
+            "completion_lengths": [model_token_count(ids, m) for ids, m in zip(completion_ids, masks)],
             "max_completion_length": cfg.max_completion_length, "overlong_buffer_length": cfg.overlong_buffer_length,
             "sandbox_backend": cfg.sandbox.backend, "code_reward_mode": cfg.sandbox.reward_mode,
             "sandbox_images": dict(cfg.sandbox.images)}

@@ -45,8 +45,9 @@ class BatchedBackend:
 
     @contextlib.contextmanager
     def session(self, rows: int):
-        """Several `generate` calls in one sampling context (one weight snapshot, eval mode): the turns of a
-        multi-turn rollout. `rows`: the most rows a call will have."""
+        """The context `generate` samples in (eval mode, the sampler's `_sampling`: one weight snapshot), held
+        across several calls when entered around them: the turns of a multi-turn rollout. `rows`: the most
+        rows a call will have."""
         was_training = self.model.training
         self.model.eval()
         with self._sampling(min(rows, self.batch_size)):
@@ -74,10 +75,8 @@ class BatchedBackend:
         out: list[list[int] | None] = [None] * len(rows)
         missing = [n] * len(prompts)                                        # rows of each group still to sample
         generator = self._generator(params.seed)
-        was_training = self.model.training
-        self.model.eval()
         bar = tqdm(total=len(rows), desc="generate", unit="seq", disable=not self.progress, leave=False)
-        with contextlib.nullcontext() if self._in_session else self._sampling(min(len(rows), self.batch_size)):
+        with contextlib.nullcontext() if self._in_session else self.session(len(rows)):
             for start in range(0, len(rows), self.batch_size):
                 idx = order[start:start + self.batch_size]
                 for i, ids in zip(idx, self._generate_batch([rows[i] for i in idx], params, generator)):
@@ -87,7 +86,6 @@ class BatchedBackend:
                         on_group(i // n, out[i // n * n:(i // n + 1) * n])
                 bar.update(len(idx))
         bar.close()
-        self.model.train(was_training)
         return [out[k * n:(k + 1) * n] for k in range(len(prompts))]
 
 

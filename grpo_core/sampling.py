@@ -40,6 +40,12 @@ class Sample:
         return asdict(self)
 
 
+def model_token_count(completion_ids: Sequence[int], completion_mask: Sequence[int] | None) -> int:
+    """The completion tokens the model wrote: all of them, or those its multi-turn mask marks (a tool turn's
+    tokens are context, not the model's)."""
+    return len(completion_ids) if completion_mask is None else sum(completion_mask)
+
+
 def readable_conversation(extra: dict) -> str:
     """A multi-turn completion (`Sample.extra["conversation"]`) as text for the completion tables: each turn
     under its role."""

@@ -13,7 +13,8 @@ from statistics import mean
 from grpo_core.config import GRPOConfig
 from grpo_core.io import read_json, write_json
 from grpo_core.overlap import Overlapped
-from grpo_core.rewards import add_environment_rewards, compute_rewards, correctness_scores, resolve_reward_funcs, reward_context
+from grpo_core.rewards import (add_environment_rewards, compute_rewards, correctness_scores, resolve_reward_funcs,
+                               reward_context)
 from grpo_core.task import Task
 
 

@@ -21,6 +21,7 @@ from grpo_core.config import GRPOConfig
 from grpo_core.logprobs import completion_logprobs
 from grpo_core.loss import grpo_loss, group_advantages, zero_std_groups
 from grpo_core.policy import Policy
+from grpo_core.sampling import model_token_count
 
 T = TypeVar("T")
 
@@ -38,7 +39,7 @@ class ScoredSample:
     @property
     def model_tokens(self) -> int:
         """The completion tokens the model wrote (a tool turn's are context, not the model's)."""
-        return len(self.completion_ids) if self.completion_mask is None else sum(self.completion_mask)
+        return model_token_count(self.completion_ids, self.completion_mask)
 
 
 @dataclass

@@ -16,7 +16,7 @@ from typing import Any, Callable
 
 from grpo_core.config import ConfigError, GRPOConfig
 from grpo_core.io import read_json, read_jsonl, write_json
-from grpo_core.sampling import readable_conversation
+from grpo_core.sampling import model_token_count, readable_conversation
 from tasks.retry import CUT_OFF_MESSAGES
 
 
@@ -510,7 +510,7 @@ def completion_table(samples: list[dict], scores: list[dict], advantages: list[f
                "completion": readable_conversation(r["extra"]) if "turns" in (r.get("extra") or {})
                else r["completion"],
                "reward": sc["reward"], "advantage": adv, "correct": sc.get("correct"),
-               "length": sum(r["completion_mask"]) if r.get("completion_mask") else len(r["completion_ids"]),
+               "length": model_token_count(r["completion_ids"], r.get("completion_mask")),
                "truncated": r["truncated"],
                **{f"reward_{f}": sc["rewards"].get(f) for f in funcs}}
         for c in cols:

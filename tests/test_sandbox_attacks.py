@@ -6,14 +6,12 @@ answer), the host is unaffected, and nothing is left running or lying around aft
 from __future__ import annotations
 
 import os
-import socket
-import threading
 import time
 
 import pytest
 
 from sandbox.types import Job
-from sandbox_support import backend, py_job  # noqa: F401 - fixtures
+from sandbox_support import backend, listening_socket, py_job  # noqa: F401 - fixtures
 
 pytestmark = pytest.mark.docker
 
@@ -217,18 +215,8 @@ def f():
 
 
 def test_no_network_egress(backend):
-    srv = socket.socket()
-    srv.bind(("0.0.0.0", 0))
-    srv.listen(5)
+    srv, hits = listening_socket()
     port = srv.getsockname()[1]
-    hits = []
-
-    def accept():
-        try:
-            hits.append(srv.accept())
-        except OSError:
-            pass  # closed at the end of the test: nobody connected
-    threading.Thread(target=accept, daemon=True).start()
     code = f'''
 import socket
 def f():

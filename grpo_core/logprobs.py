@@ -475,6 +475,14 @@ def logprob_path(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, c
     return "shared-kv" if shared and not checkpointing else "rows"
 
 
+def _rows(hidden: torch.Tensor, src: torch.Tensor) -> torch.Tensor:
+    """hidden [.., H] flattened to token rows, the rows `src` picks -> [N, H]. A group's completions all read
+    their prompt's last token, so `src` repeats rows: index_select's backward adds the repeats in order,
+    where `[src]` backs into an index_put whose parallel CPU kernel adds them in whatever order its
+    threads finish (bits that change from run to run)."""
+    return hidden.reshape(-1, hidden.size(-1)).index_select(0, src)
+
+
 def completion_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, completion_len: int,
                         temperature: float = 1.0, with_entropy: bool = False, chunk_rows: int = 4,
                         group_size: int = 1, entropy_grad: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -503,13 +511,13 @@ def completion_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Te
         p_ids, p_pos, _, src = _packed_groups(input_ids, attention_mask, completion_len, group_size, None, flat=True)
         attend = _segment_attention(input_ids, attention_mask, completion_len, group_size)
         hidden = LeanDecoder.of(model).trunk(p_ids, p_pos, attend)             # [1, total, H]
-        hidden = hidden.reshape(-1, hidden.size(-1))[src]                     # [N, H]
+        hidden = _rows(hidden, src)                                            # [N, H]
     elif path == "packed-mask":
         p_ids, p_pos, p_mask, src = _packed_groups(input_ids, attention_mask, completion_len, group_size,
                                                    head.weight.dtype)
         hidden = decoder(input_ids=p_ids, attention_mask=p_mask, position_ids=p_pos,
                          use_cache=False).last_hidden_state                    # [n, S, H]
-        hidden = hidden.reshape(-1, hidden.size(-1))[src]                     # [N, H]
+        hidden = _rows(hidden, src)                                            # [N, H]
     elif path == "shared-kv":
         hidden = _shared_prompt_hidden(decoder, input_ids, attention_mask, completion_len, group_size)[rows, cols]
     else:

@@ -38,7 +38,7 @@ SIGNAL_OPTS = dict(reward_funcs=["accuracy", "format", "overlong"], max_completi
 # through a fault point; no evaluation, so the first call is in iteration 1's rollout.
 CONFIGS = {"plain": {}, "dynamic": dict(dynamic_sampling=True, max_extra_rollouts=2),
            "tools": dict(tools=["tests.faults:calculator"], max_completion_length=160, max_tool_calling_iterations=1,
-                         eval=dict(enabled=False), cpu_onednn_linear=False)}
+                         eval=dict(enabled=False))}
 
 
 def run_config(tmp: Path, kind: str, model: str | None = None) -> dict:

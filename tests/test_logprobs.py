@@ -140,6 +140,37 @@ def test_shared_prompt_path_equals_full_pass_value_and_gradient(tiny_model_dir, 
         assert torch.allclose(a, b, atol=1e-5)
 
 
+@pytest.mark.parametrize("layout", ["lean_segments", "packed_mask"])
+def test_packed_gradients_are_the_same_bits_on_every_run_and_thread_count(tiny_model_dir, monkeypatch, layout):
+    """A group's answers all read their prompt's last hidden state, so the packed paths pick some rows
+    several times. The backward of that pick must add the repeats in a fixed order: a kill-and-resume run
+    differed from the uninterrupted one in the 8th digit when a parallel kernel added them in whatever order
+    its threads finished (enough rows here, over 32k values, for that kernel to run in parallel)."""
+    import grpo_core.logprobs as alg
+    if layout == "packed_mask":
+        monkeypatch.setattr(alg.LeanDecoder, "of", classmethod(lambda cls, model: None))
+    monkeypatch.setattr(alg, "_pack_is_cheaper", lambda *a: True)
+    model = _lora_model(tiny_model_dir)
+    prompts = tuple(tuple(range(5 + k, 9 + k)) for k in range(8))
+    ids, attn, G, P, C = _grouped_batch(prompts, G=8, C=24)
+    assert int(attn[:, P:].sum()) * model.config.hidden_size > 2**15
+    params = [p for p in model.parameters() if p.requires_grad]
+
+    def grads():
+        lp, _ = completion_logprobs(model, ids, attn, C, group_size=G)
+        return torch.autograd.grad((lp * attn[:, P:]).sum(), params)
+
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = grads()
+        torch.set_num_threads(max(2, threads))
+        for _ in range(5):
+            assert all(torch.equal(a, b) for a, b in zip(grads(), one))
+    finally:
+        torch.set_num_threads(threads)
+
+
 def test_pack_is_chosen_only_when_it_saves_work(tiny_model_dir):
     from grpo_core.logprobs import _pack_is_cheaper
     from transformers import AutoConfig

@@ -33,7 +33,10 @@ from grpo_core.task import read_tasks  # noqa: E402
 
 KEYS = {"greedy": "eval/greedy/pass_at_1", "sampled": "eval/sampled/pass_at_1",
         "strict_greedy": "eval/greedy/strict_pass_at_1", "strict_sampled": "eval/sampled/strict_pass_at_1",
-        "format_greedy": "eval/greedy/format_rate", "format_sampled": "eval/sampled/format_rate"}
+        "format_greedy": "eval/greedy/format_rate", "format_sampled": "eval/sampled/format_rate",
+        # the held-out questions in wordings training never uses (eval.foreign_*), where the config has them
+        "foreign_greedy": "eval/greedy/foreign/pass_at_1", "foreign_strict_sampled":
+            "eval/sampled/foreign/strict_pass_at_1", "foreign_format_sampled": "eval/sampled/foreign/format_rate"}
 
 
 def machine() -> dict:
@@ -118,7 +121,8 @@ def summarise(run_dir: Path) -> dict:
 
 
 def table(runs: list[dict]) -> str:
-    cols = ["greedy", "sampled", "strict_sampled", "format_sampled"]
+    cols = [c for c in KEYS if c in ("greedy", "sampled", "strict_sampled", "format_sampled")
+            or any(r["before"].get(c) is not None for r in runs)]
     lines = [f"{'seed':>4} {'iters':>5} {'cpu min':>8} {'wall min':>8}  " +
              "  ".join(f"{c:>22}" for c in cols)]
     for r in runs:

@@ -9,10 +9,11 @@ from __future__ import annotations
 import hashlib
 import json
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, field_validator,
+                      model_validator)
 
 
 class ConfigError(ValueError):
@@ -21,6 +22,18 @@ class ConfigError(ValueError):
 
 class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+def _check_instructions(field: str, instructions: list[str]) -> None:
+    from grpo_core.sampling import QUESTION
+    for i, text in enumerate(instructions):
+        if text.count(QUESTION) != 1:
+            raise ValueError(f"{field}[{i}] ({text!r}) must contain {QUESTION} exactly once, where the question "
+                             f"goes, e.g. 'Answer in <answer></answer> tags. {QUESTION}'")
+
+
+def _normalised(text: str) -> str:
+    return " ".join(text.casefold().split())
 
 
 class DataConfig(_Section):
@@ -38,6 +51,15 @@ class DataConfig(_Section):
     few_shot: list[tuple[str, str]] = Field(
         default_factory=lambda: [("What is 12 + 5?", "<answer>17</answer>"), ("What is 6 - 14?", "<answer>-8</answer>")],
         description="worked (question, answer) exchanges before math questions")
+    system_prompts: list[str] = Field(default_factory=list, description="more system prompts for math "
+                                      "questions: each training question draws one of these or system_prompt")
+    instructions: list[str] = Field(default_factory=list, description="wordings of a math question's user turn, "
+                                    "each with {question} where the question goes and saying how to answer "
+                                    "(a bare prompt has nothing else); each training question draws one, or "
+                                    "the plain question")
+    bare_prompt_prob: float = Field(0.0, ge=0, le=1, description="chance that a training question comes as one "
+                                    "user turn worded by an instruction, with no system prompt and no examples; the same "
+                                    "chance drops the system prompt alone from the others (the examples kept)")
     response_prefix: str = Field("", description="text that opens the answer of math questions (part of the "
                                  "prompt, judged as the start of the completion); empty: the model writes the "
                                  "answer tags itself")
@@ -65,11 +87,20 @@ class DataConfig(_Section):
 
     def prompt_format_at(self, iteration: int):
         """The prompt format of training iteration `iteration` (1-based): with the response prefix during
-        the warm-up (`response_prefix_iterations`), the final format after it."""
+        the warm-up (`response_prefix_iterations`), the final format after it; with the wordings to draw
+        from (a fresh draw each iteration)."""
+        import dataclasses
         from grpo_core.sampling import PromptFormat
+        fmt = self.prompt_format
         if self.response_prefix and 0 < iteration <= self.response_prefix_iterations:
-            return PromptFormat(self.system_prompt, tuple(map(tuple, self.few_shot)), self.response_prefix)
-        return self.prompt_format
+            fmt = PromptFormat(self.system_prompt, tuple(map(tuple, self.few_shot)), self.response_prefix)
+        return dataclasses.replace(fmt, system_prompts=tuple(self.system_prompts), instructions=tuple(
+            self.instructions), bare_prob=self.bare_prompt_prob, salt=iteration)
+
+    @property
+    def wordings(self) -> dict[str, list[str]]:
+        """The system prompts and instructions training draws from."""
+        return {"system prompt": [self.system_prompt, *self.system_prompts], "instruction": list(self.instructions)}
 
     @model_validator(mode="after")
     def _digits_order(self):
@@ -83,6 +114,15 @@ class DataConfig(_Section):
         if self.response_prefix_iterations and not self.response_prefix:
             raise ValueError("data.response_prefix_iterations is set but data.response_prefix is empty; set the "
                              "prefix to warm up with (e.g. '<answer>') or set response_prefix_iterations: 0")
+        return self
+
+    @model_validator(mode="after")
+    def _instruction_wordings(self):
+        _check_instructions("data.instructions", self.instructions)
+        if self.bare_prompt_prob and not self.instructions:
+            raise ValueError("data.bare_prompt_prob is set but data.instructions is empty; add instructions that "
+                             "word a bare question (with {question} and the answer format) or set "
+                             "bare_prompt_prob: 0")
         return self
 
     @model_validator(mode="after")
@@ -120,6 +160,27 @@ class EvalConfig(_Section):
     table_rows: int = Field(200, ge=0, description="completions per iteration in the MLflow sample table (0: none)")
     plots: bool = Field(True, description="log PNG plots (accuracy/reward curves, length distribution) to MLflow")
     monitors: MonitorConfig = Field(default_factory=MonitorConfig)
+    foreign_system_prompts: list[str] = Field(default_factory=list, description="system prompts training never "
+                                              "uses: math questions are also evaluated under these (no examples), "
+                                              "as eval/<mode>/foreign/...")
+    foreign_instructions: list[str] = Field(default_factory=list, description="question wordings training never "
+                                            "uses (each with {question}): the foreign evaluation also puts "
+                                            "questions as one user turn worded by these, with no system prompt")
+
+    @model_validator(mode="after")
+    def _foreign_instructions(self):
+        _check_instructions("eval.foreign_instructions", self.foreign_instructions)
+        return self
+
+    @property
+    def foreign_format(self):
+        """The foreign wording, drawn per question (the same every evaluation), or None when none is set."""
+        from grpo_core.sampling import PromptFormat
+        systems, instructions = tuple(self.foreign_system_prompts), tuple(self.foreign_instructions)
+        if not systems and not instructions:
+            return None
+        return PromptFormat(system_prompts=systems, instructions=instructions,
+                            bare_prob=len(instructions) / (len(systems) + len(instructions)))
 
     @model_validator(mode="after")
     def _ks(self):
@@ -265,6 +326,12 @@ class GRPOConfig(_Section):
         True, description="fp32 on CPU: run frozen linear layers through oneDNN with pre-packed weights "
                           "instead of the default matmul (fp32 results, equal up to summation order; keeps one "
                           "extra copy of the frozen weights)")
+    disable_dropout: bool = Field(False, description="set every dropout of the policy and reference to 0 (TRL): "
+                                  "each torch.nn.Dropout, and the attention dropout of transformers' attention")
+    cast_lm_head_to_fp32: bool = Field(
+        False, description="the LM head's matmul in float32 (ScaleRL, TRL): in the update's log-probs and wherever "
+                           "the head module runs (hf and lean sampling, evaluation); the weights stay in `dtype`. "
+                           "A no-op in float32")
     # -- generation -------------------------------------------------------------------------
     num_generations: int = Field(8, ge=2, description="G: completions per prompt (a group)")
     max_prompt_length: int = Field(256, ge=8)
@@ -272,10 +339,37 @@ class GRPOConfig(_Section):
     temperature: float = Field(1.0, gt=0)
     top_p: float = Field(1.0, gt=0, le=1)
     top_k: int = Field(0, ge=0, description="0 disables top-k")
+    min_p: float | None = Field(None, ge=0, le=1, description="min-p sampling (TRL, transformers): keep the tokens "
+                                "whose probability is >= min_p x the top token's, after temperature, top_k and "
+                                "top_p; typical 0.01-0.2 (None: off)")
+    repetition_penalty: float = Field(1.0, gt=0, description="as TRL/transformers: the logit of every token already "
+                                      "in the row's prompt or completion is divided by it (if > 0) or multiplied "
+                                      "by it; > 1 discourages repeats, < 1 encourages them (1.0: off)")
+    generation_kwargs: dict[str, Any] | None = Field(
+        None, description="more generation options (TRL): top_p, top_k, min_p, repetition_penalty (these override "
+                          "the fields) with any rollout_backend; with hf also any transformers GenerationConfig "
+                          "field, with vllm any vLLM SamplingParams field. Checked when the config loads")
     generation_batch_size: int = Field(64, ge=1, description="sequences generated at once")
     rollout_backend: Literal["static", "hf", "vllm"] = Field(
         "static", description="sampler: 'static' (own static KV-cache loop), 'hf' (transformers "
                               "generate), 'vllm' (GPU, needs the vllm extra)")
+
+    @model_validator(mode="after")
+    def _generation_kwargs_apply(self):
+        # every key must be one the chosen backend takes; one naming a field of ours must be valid for that field
+        from grpo_core.sampling import OWN_OPTIONS, check_generation_kwargs
+        check_generation_kwargs(self.generation_kwargs or {}, self.rollout_backend)
+        for key in [k for k in OWN_OPTIONS if k in (self.generation_kwargs or {})]:
+            f, value = type(self).model_fields[key], self.generation_kwargs[key]
+            try:
+                TypeAdapter(Annotated[(f.annotation, *f.metadata)]).validate_python(value)
+            except ValidationError as e:
+                why = e.errors()[0]["msg"]
+                for a, b in _MSG_WORDS:
+                    why = why.replace(a, b)
+                raise ValueError(f"generation_kwargs: {key}={value!r} overrides the field {key} and {why}; fix the "
+                                 f"value or set the field {key} instead") from None
+        return self
     # -- optimisation -----------------------------------------------------------------------
     learning_rate: float = Field(2e-4, gt=0)
     weight_decay: float = Field(0.0, ge=0)
@@ -322,6 +416,17 @@ class GRPOConfig(_Section):
     entropy_coef: float = Field(0.0, ge=0, description="entropy bonus, as TRL: loss -= entropy_coef * the mean "
                                 "per-token entropy over the tokens the policy loss trains on, whatever the "
                                 "loss_type (0: off; > 0 backpropagates through the entropy)")
+    use_adaptive_entropy: bool = Field(False, description="adaptive entropy control (Skywork-OR1, TRL): entropy_coef "
+                                       "is the starting coefficient; after each optimizer step it rises by "
+                                       "entropy_coef_delta when the step's entropy is <= entropy_target, else falls "
+                                       "by it (within [entropy_coef_min, entropy_coef_max]), and a step applies it "
+                                       "only while the last measured entropy is <= entropy_target")
+    entropy_coef_min: float = Field(0.0, ge=0, description="use_adaptive_entropy: lowest coefficient")
+    entropy_coef_max: float = Field(1.0, ge=0, description="use_adaptive_entropy: highest coefficient")
+    entropy_coef_delta: float = Field(0.005, gt=0, description="use_adaptive_entropy: change per optimizer step")
+    entropy_target: float = Field(0.2, gt=0, description="use_adaptive_entropy: target mean token entropy (nats) "
+                                  "over the tokens the policy loss trains on; language models sit at 2-10, so "
+                                  "0.2 acts only on near-collapse: set it near the entropy of early training")
     off_policy_mask_threshold: float | None = Field(
         None, ge=0, description="off-policy sequence masking (DeepSeek-V3.2): a negative-advantage sequence whose "
                                 "mean KL(sampler || policy) exceeds this gets no policy loss (None: off)")
@@ -332,6 +437,9 @@ class GRPOConfig(_Section):
         Field("sequence_mask", description="IS correction: ratio per token or per sequence; above the cap, "
                                            "truncate to it or mask to 0")
     vllm_importance_sampling_cap: float = Field(3.0, ge=1, description="IS correction: the cap C of the ratio")
+    vllm_importance_sampling_clip_min: float | None = Field(
+        None, gt=0, description="IS correction: lower bound of the ratio (TRL): *_truncate raises a smaller ratio "
+                                "to it, *_mask zeroes it (None: no lower bound); < vllm_importance_sampling_cap")
     sync_ref_model: bool = Field(False, description="move the KL reference toward the policy every "
                                  "ref_model_sync_steps optimizer steps (LoRA: a second, frozen adapter)")
     ref_model_mixup_alpha: float = Field(0.6, gt=0, le=1, description="sync_ref_model: ref = alpha * policy + "
@@ -368,6 +476,36 @@ class GRPOConfig(_Section):
                              "sync_ref_model: false")
         return self
 
+    @model_validator(mode="after")
+    def _trl_option_combinations(self):
+        if self.use_adaptive_entropy and not self.entropy_coef_min <= self.entropy_coef <= self.entropy_coef_max:
+            raise ValueError(f"use_adaptive_entropy starts from entropy_coef ({self.entropy_coef}) and keeps it in "
+                             f"[entropy_coef_min, entropy_coef_max] = [{self.entropy_coef_min}, "
+                             f"{self.entropy_coef_max}]; set entropy_coef_min <= entropy_coef <= entropy_coef_max")
+        clip_min = self.vllm_importance_sampling_clip_min
+        if clip_min is not None and not self.vllm_importance_sampling_correction:
+            raise ValueError("vllm_importance_sampling_clip_min bounds the sampler correction, which is off; set "
+                             "vllm_importance_sampling_correction: true or unset vllm_importance_sampling_clip_min")
+        if clip_min is not None and clip_min >= self.vllm_importance_sampling_cap:
+            raise ValueError(f"vllm_importance_sampling_clip_min ({clip_min}) must be < vllm_importance_sampling_cap "
+                             f"({self.vllm_importance_sampling_cap}); lower it or raise the cap")
+        if self.multi_objective_aggregation == "normalize_then_sum" and self.scale_rewards != "group":
+            raise ValueError(f"multi_objective_aggregation: normalize_then_sum normalises each reward within its "
+                             f"group and the sum over the batch, so scale_rewards: {self.scale_rewards} would be "
+                             f"ignored (as TRL ignores it); set scale_rewards: group or multi_objective_aggregation: "
+                             f"sum_then_normalize")
+        if self.cast_lm_head_to_fp32 and self.use_peft and "lm_head" in self.lora_target_modules:
+            raise ValueError("cast_lm_head_to_fp32 runs the plain LM head in float32, but lora_target_modules puts an "
+                             "adapter on lm_head (TRL refuses this too); remove lm_head from lora_target_modules or "
+                             "set cast_lm_head_to_fp32: false")
+        if self.disable_dropout and self.lora_dropout > 0:
+            raise ValueError(f"disable_dropout sets every dropout to 0, LoRA's included, so lora_dropout "
+                             f"({self.lora_dropout}) would do nothing; set lora_dropout: 0 or disable_dropout: false")
+        if self.log_unique_prompts and not self.tracking.log_completions:
+            raise ValueError("log_unique_prompts shapes the completion table, but tracking.log_completions is false; "
+                             "set tracking.log_completions: true or log_unique_prompts: false")
+        return self
+
     @property
     def needs_sampler_logprobs(self) -> bool:
         """The rollout must record each token's log-prob under the sampler (SamplingParams.logprobs)."""
@@ -387,10 +525,21 @@ class GRPOConfig(_Section):
                                     "\"package.module:function\", or a name installed packages register under the "
                                     "entry-point group grpo_pipeline.rewards (README: Train on your own task)")
     reward_weights: list[float] | None = Field(None, description="one weight per reward_funcs entry; default: all 1")
+    multi_objective_aggregation: Literal["sum_then_normalize", "normalize_then_sum"] = Field(
+        "sum_then_normalize", description="how several rewards make one advantage (TRL): sum_then_normalize, the "
+                                          "weighted sum normalised as scale_rewards says; normalize_then_sum (GDPO), "
+                                          "each reward normalised within its group, then the weighted sum "
+                                          "normalised over the batch")
     correctness_func: str = Field("accuracy", description="the reward whose value is raw correctness (1.0 = "
                                   "correct): pass@k and strict accuracy in evaluation, dynamic sampling, "
                                   "difficulty calibration; a reward_funcs entry or any name reward_funcs accepts "
                                   "(weight 0 unless it is in reward_funcs)")
+    # -- completions in the logs (TRL names; the MLflow table itself: tracking.log_completions*) ----------
+    log_unique_prompts: bool = Field(False, description="the MLflow completion table keeps one row per prompt "
+                                     "(its first completion) instead of one per completion (TRL)")
+    num_completions_to_print: int | None = Field(
+        None, ge=1, description="after each update, print this many of its completions (prompt, completion, "
+                                "rewards, advantage), drawn at random, to the console log (None: none)")
 
     @field_validator("reward_funcs")
     @classmethod
@@ -456,6 +605,17 @@ class GRPOConfig(_Section):
         if len(self.reward_weights) != len(self.reward_funcs):
             raise ValueError(f"reward_weights has {len(self.reward_weights)} entries but reward_funcs has "
                              f"{len(self.reward_funcs)}; give one weight per reward function")
+        return self
+
+    @model_validator(mode="after")
+    def _foreign_wordings_unseen(self):
+        trained = {_normalised(t): (kind, t) for kind, texts in self.data.wordings.items() for t in texts if t}
+        for field in ("foreign_system_prompts", "foreign_instructions"):
+            for i, text in enumerate(getattr(self.eval, field)):
+                if _normalised(text) in trained:
+                    kind, same = trained[_normalised(text)]
+                    raise ValueError(f"eval.{field}[{i}] ({text!r}) is worded as training's {kind} {same!r}: a "
+                                     f"foreign wording must be one training never sees; reword it or drop it")
         return self
 
     # -- helpers ----------------------------------------------------------------------------

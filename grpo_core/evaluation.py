@@ -40,10 +40,11 @@ from grpo_core.multiturn import Toolbox
 from grpo_core.rewards import (add_environment_rewards, compute_rewards, correctness_scores, is_well_formatted,
                                reward_context)
 from grpo_core.overlap import Overlapped
-from grpo_core.sampling import Sample, SamplingParams, model_token_count, readable_conversation
+from grpo_core.sampling import Sample, SamplingParams, model_token_count, readable_conversation, sampling_options
 from grpo_core.rollout import make_backend, rollout
 
 MODES = ("greedy", "sampled")
+FOREIGN = "foreign"           # rows of the math questions put in the config's foreign wordings (eval.foreign_*)
 
 
 def eval_seed(cfg: GRPOConfig) -> int:
@@ -57,10 +58,13 @@ def metric_name(part: str) -> str:
     return f"src_{name}" if name in _RESERVED or name.startswith("kind_") else name
 
 
-_RESERVED = {*MODES, "monitor", "num_questions"}
+_RESERVED = {*MODES, FOREIGN, "monitor", "num_questions"}
 
 
 def eval_modes(cfg: GRPOConfig, seed: int) -> list[tuple[str, int, SamplingParams]]:
+    """(mode, answers per question, params): greedy is the model's plain argmax (no repetition penalty, no
+    generation_kwargs); sampled draws with the training rollout's options (top_p, top_k, min_p,
+    repetition_penalty, generation_kwargs), at eval.temperature or the training temperature."""
     e = cfg.eval
     max_new = e.max_completion_length or cfg.max_completion_length
     modes = []
@@ -68,8 +72,8 @@ def eval_modes(cfg: GRPOConfig, seed: int) -> list[tuple[str, int, SamplingParam
         modes.append(("greedy", 1, SamplingParams(max_new_tokens=max_new, greedy=True, seed=seed)))
     if e.num_samples > 0:
         modes.append(("sampled", e.num_samples, SamplingParams(
-            max_new_tokens=max_new, temperature=e.temperature or cfg.temperature, top_p=cfg.top_p,
-            top_k=cfg.top_k, seed=seed + 1)))
+            max_new_tokens=max_new, temperature=e.temperature or cfg.temperature, **sampling_options(cfg),
+            seed=seed + 1)))
     return modes
 
 
@@ -149,24 +153,29 @@ def summarize(rows: Sequence[dict], ks: Sequence[int]) -> dict[str, float]:
         return {}
     funcs = list(dict.fromkeys(f for r in rows for f in r["rewards"]))
     kinds = sorted({r["kind"] for r in rows})
-    groups: dict[str, list[dict]] = defaultdict(list)
+    groups: dict[tuple[str, str], list[dict]] = defaultdict(list)      # (prefix, infix) -> rows
     with_tools = any(r.get("tools") for r in rows)
     for r in rows:
-        if with_tools and not r.get("tools"):              # the same questions with no tool to call
-            groups["eval/without_tools"].append(r)
+        if r.get("wording") == FOREIGN:                    # the math questions in a wording training never used
+            groups[("eval", f"{FOREIGN}/")].append(r)
             continue
-        groups["eval"].append(r)
-        groups[f"eval/{metric_name(r['source'])}"].append(r)
+        if with_tools and not r.get("tools"):              # the same questions with no tool to call
+            groups[("eval/without_tools", "")].append(r)
+            continue
+        groups[("eval", "")].append(r)
+        groups[(f"eval/{metric_name(r['source'])}", "")].append(r)
         if len(kinds) > 1:
-            groups[f"eval/kind_{metric_name(r['kind'])}"].append(r)
+            groups[(f"eval/kind_{metric_name(r['kind'])}", "")].append(r)
     metrics: dict[str, float] = {}
-    for prefix, grows in groups.items():
-        metrics[f"{prefix}/num_questions"] = float(len({r["task_id"] for r in grows}))
+    for (prefix, infix), grows in groups.items():
+        metrics[f"{prefix}/{infix}num_questions"] = float(len({r["task_id"] for r in grows}))
         for mode in MODES:
             mrows = [r for r in grows if r["mode"] == mode]
             if mrows:
-                metrics.update({f"{prefix}/{mode}/{k}": v for k, v in _mode_metrics(mrows, mode, ks, funcs).items()})
-    metrics.update(text_monitor_metrics([r["completion"] for r in rows], [r["kind"] for r in rows]))
+                metrics.update({f"{prefix}/{mode}/{infix}{k}": v
+                                for k, v in _mode_metrics(mrows, mode, ks, funcs).items()})
+    in_wording = [r for r in rows if r.get("wording") != FOREIGN]
+    metrics.update(text_monitor_metrics([r["completion"] for r in in_wording], [r["kind"] for r in in_wording]))
     return metrics
 
 
@@ -192,29 +201,36 @@ def sample_rows(policy: Policy, tasks: Sequence[Task], cfg: GRPOConfig, seed: in
 
     scorer = Overlapped(score_chunk, "scoring the evaluation while sampling", "eval-scoring") \
         if cfg.stages.score.during_rollout else None
-    sampled: list[tuple[str, list[Sample]]] = []
+    sampled: list[tuple[tuple, int, list[Sample]]] = []
     with scorer or contextlib.nullcontext():
-        for mode, n, params, toolbox in _eval_runs(cfg, seed):
-            if tasks:
-                key = (mode, toolbox is not None)
+        for mode, n, params, toolbox, wording in _eval_runs(cfg, seed):
+            run_tasks = [t for t in tasks if t.kind == "math"] if wording else tasks
+            if run_tasks:
+                key = (mode, toolbox is not None, wording)
                 hand_over = (lambda group, key=key: scorer.add((*key, group[0].group), [(key[0], s) for s in group])) \
                     if scorer else None
-                samples = rollout(backend, policy.tokenizer, tasks, n, params, cfg.data.prompt_format,
-                                  cfg.max_prompt_length, on_group=hand_over, toolbox=toolbox)
-                sampled.append((key, samples))
+                fmt = cfg.eval.foreign_format if wording else cfg.data.prompt_format
+                samples = rollout(backend, policy.tokenizer, run_tasks, n, params, fmt, cfg.max_prompt_length,
+                                  on_group=hand_over, toolbox=toolbox)
+                sampled.append((key, len(run_tasks), samples))
     scored = scorer.finish() if scorer else None
     if scored is None:
-        return [row for key, samples in sampled for row in score_samples(samples, by_id, cfg, key[0])]
-    return [row for key, samples in sampled for g in range(len(tasks)) for row in scored[(*key, g)]]
+        parts = [(key, score_samples(samples, by_id, cfg, key[0])) for key, _, samples in sampled]
+    else:
+        parts = [(key, [row for g in range(n) for row in scored[(*key, g)]]) for key, n, _ in sampled]
+    return [{**row, "wording": key[2]} if key[2] else row for key, rows in parts for row in rows]
 
 
 def _eval_runs(cfg: GRPOConfig, seed: int) -> list[tuple]:
-    """(mode, n, params, toolbox) for every evaluation pass: each mode with the run's tools, and, when the run
-    has tools and eval.without_tools, each mode again with none (the same questions, one-turn answers)."""
+    """(mode, n, params, toolbox, wording) for every evaluation pass: each mode with the run's tools; when the
+    run has tools and eval.without_tools, each mode again with none (the same questions, one-turn answers);
+    when the config holds foreign wordings, each mode on the math questions put in those (wording FOREIGN)."""
     toolbox = Toolbox.from_config(cfg)
-    runs = [(*m, toolbox) for m in eval_modes(cfg, seed)]
+    runs = [(*m, toolbox, "") for m in eval_modes(cfg, seed)]
     if toolbox is not None and cfg.eval.without_tools:
-        runs += [(*m, None) for m in eval_modes(cfg, seed)]
+        runs += [(*m, None, "") for m in eval_modes(cfg, seed)]
+    if cfg.eval.foreign_format is not None:
+        runs += [(*m, toolbox, FOREIGN) for m in eval_modes(cfg, seed)]
     return runs
 
 
@@ -224,8 +240,8 @@ def merge_rows(tasks: Sequence[Task], parts: Sequence[Sequence[dict]]) -> list[d
     if len(position) != len(tasks):
         raise ValueError("held-out tasks must have unique ids")
     return sorted((r for part in parts for r in part),
-                  key=lambda r: (not r.get("tools", True), MODES.index(r["mode"]), position[r["task_id"]],
-                                 r["sample"]))
+                  key=lambda r: (r.get("wording") == FOREIGN, not r.get("tools", True), MODES.index(r["mode"]),
+                                 position[r["task_id"]], r["sample"]))
 
 
 def evaluate_policy(policy: Policy, tasks: Sequence[Task], cfg: GRPOConfig, seed: int | None = None,

@@ -1,7 +1,9 @@
 """Export a trained policy as a plain Hugging Face model directory that needs neither peft nor this
 project: the LoRA adapter merged into the base weights, the tokenizer with its chat template, a
 `generation_config.json` with the sampling settings used in training, and a model card (README.md)
-that states the prompt format the model was trained behind.
+that states the prompt format the model was trained behind. The chat template puts the training system
+prompt (and, if asked, the worked examples) before a conversation that brings no system message, so
+the exported model is prompted as in training by default.
 
 `--adapter-only` exports the adapter instead (adapter files + tokenizer + the same generation config
 and card); it needs the base model and peft to load.
@@ -31,6 +33,7 @@ class ModelCard:
     system_prompt: str = ""
     few_shot: list[tuple[str, str]] = field(default_factory=list)
     response_prefix: str = ""
+    default_turns: list[dict] = field(default_factory=list)   # what the chat template adds without a system turn
     eval_table: str = ""
     sampling: dict = field(default_factory=dict)
     merged: bool = True           # False: the directory holds the adapter, not merged weights
@@ -40,6 +43,12 @@ class ModelCard:
         prefix = (f"The assistant turn was opened with {self.response_prefix!r}: start the reply with it, as "
                   f"training did.\n" if self.response_prefix else
                   "None: the model writes its whole answer, tags included, itself.\n")
+        default = ("When the caller's messages bring no system message, the exported chat template puts "
+                   + ("the system prompt and the worked examples" if len(self.default_turns) > 1 else
+                      "the system prompt")
+                   + " before them, so `apply_chat_template([{'role': 'user', ...}])` prompts as training did; a "
+                     "system message of your own replaces them.\n" if self.default_turns else
+                   "The chat template is the base model's: give the system prompt yourself.\n")
         how = ("LoRA merged into the weights; load with `transformers.AutoModelForCausalLM.from_pretrained` "
                "(no peft needed)." if self.merged else
                f"LoRA adapter only; load with `peft.PeftModel.from_pretrained` on `{self.base_model}`.")
@@ -50,16 +59,36 @@ class ModelCard:
                 f"Math questions were put through the tokenizer's chat template as below; code tasks were "
                 f"given only their own prompt.\n\n"
                 f"System prompt: {self.system_prompt!r}\n\nFew-shot exchanges before the question:\n{shots}\n"
-                f"Response prefix: {prefix}\n"
+                f"Response prefix: {prefix}\n{default}\n"
                 f"## Sampling settings (generation_config.json)\n"
                 f"```json\n{json.dumps(self.sampling, indent=2)}\n```\n\n"
                 f"## Held-out evaluation\n```\n{self.eval_table or '(not evaluated)'}\n```\n")
 
 
-def generation_settings(temperature: float, top_p: float, top_k: int, max_new_tokens: int) -> dict:
-    """The training sampling settings as `generation_config.json` fields."""
-    return {"do_sample": temperature > 0, "temperature": temperature, "top_p": top_p, "top_k": top_k,
-            "max_new_tokens": max_new_tokens}
+def generation_settings(temperature: float, top_p: float, top_k: int, max_new_tokens: int,
+                        min_p: float | None = None, repetition_penalty: float = 1.0) -> dict:
+    """The training sampling settings as `generation_config.json` fields (min_p only where set)."""
+    settings = {"do_sample": temperature > 0, "temperature": temperature, "top_p": top_p, "top_k": top_k,
+                "max_new_tokens": max_new_tokens, "repetition_penalty": repetition_penalty}
+    return settings if min_p is None else {**settings, "min_p": min_p}
+
+
+def default_turns(system_prompt: str, few_shot=()) -> list[dict]:
+    """The turns the exported chat template puts before a conversation that brings no system message: the
+    training system prompt, then (optionally) its worked examples."""
+    turns = [{"role": "system", "content": system_prompt}] if system_prompt else []
+    for q, a in few_shot:
+        turns += [{"role": "user", "content": q}, {"role": "assistant", "content": a}]
+    return turns
+
+
+def with_default_turns(chat_template: str, turns: list[dict]) -> str:
+    """`chat_template` that renders `turns` before the caller's messages when these bring no system message of
+    their own (a caller's system message wins: the template is then unchanged). JSON is a valid Jinja literal."""
+    if not turns:
+        return chat_template
+    return ("{%- if not messages or messages[0]['role'] != 'system' %}{%- set messages = "
+            + json.dumps(turns) + " + messages %}{%- endif %}" + chat_template)
 
 
 def _write_generation_config(out: Path, tokenizer, settings: dict) -> None:
@@ -87,6 +116,10 @@ def export_model(base_dir: str | Path, adapter_dir: str | Path, out: str | Path,
     def build(tmp: Path) -> None:
         tokenizer = load_tokenizer(adapter_dir if (adapter_dir / "tokenizer_config.json").exists() else base_dir)
         tokenizer.padding_side = "left"
+        if card.default_turns and getattr(tokenizer, "chat_template", None):
+            tokenizer.chat_template = with_default_turns(tokenizer.chat_template, card.default_turns)
+        elif card.default_turns:
+            card.default_turns = []                 # no template to put them in: the card says so
         if adapter_only:
             for name in ADAPTER_FILES:
                 if (adapter_dir / name).exists():

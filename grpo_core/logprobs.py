@@ -104,10 +104,23 @@ _sweep_ops = native.ops_for
 _native_attention_ops = native.ops_for
 
 
+def fp32_head_logits(head: torch.nn.Linear, hidden: torch.Tensor) -> torch.Tensor:
+    """The LM head's matmul in float32 (TRL's `cast_lm_head_to_fp32`, ScaleRL): the hidden states, weight and
+    bias cast up, autocast off; differentiable in all three. hidden [..., H] -> logits [..., V] float32."""
+    with torch.autocast(hidden.device.type, enabled=False):
+        bias = None if head.bias is None else head.bias.float()
+        return F.linear(hidden.float(), head.weight.float(), bias)
+
+
 def _head_chunk(hidden: torch.Tensor, head: torch.nn.Module, ids: torch.Tensor, temperature: float,
-                with_entropy: bool, entropy_grad: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    """One chunk: hidden [n, ..., H] -> (logp [n, ...], entropy [n, ...] or empty) via the LM head."""
-    logits = linear(head, hidden)                                         # [n, ..., V]
+                with_entropy: bool, entropy_grad: bool = False, fp32_head: bool = False,
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """One chunk: hidden [n, ..., H] -> (logp [n, ...], entropy [n, ...] or empty) via the LM head (in float32
+    with `fp32_head`; a head already in float32 takes its usual path)."""
+    if fp32_head and not hidden.dtype == head.weight.dtype == torch.float32:
+        logits = fp32_head_logits(head, hidden)                           # [n, ..., V] float32
+    else:
+        logits = linear(head, hidden)                                     # [n, ..., V]
     logits = logits.reshape(-1, logits.size(-1))
     ops = None if entropy_grad else _sweep_ops(logits)
     if ops is not None:
@@ -127,21 +140,22 @@ KEEP_LOGITS_BYTES = 512 * 2**20
 
 def head_logprobs(hidden: torch.Tensor, head: torch.nn.Linear, ids: torch.Tensor, temperature: float = 1.0,
                   chunk: int = 256, with_entropy: bool = False, keep_logits_bytes: int | None = None,
-                  entropy_grad: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+                  entropy_grad: bool = False, fp32_head: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Per-token log-probs (and entropy) from final hidden states, `chunk` entries of dim 0 at a time.
 
     Only a chunk's logits exist at once in the forward pass. With autograd on and full logits larger
     than `keep_logits_bytes`, each chunk is checkpointed: the backward pass recomputes that chunk's
     logits instead of keeping all of them alive.
     hidden: [N, ..., H], head: the LM head (weight [V, H]), ids: [N, ...] -> logp [N, ...], entropy
-    [N, ...] (detached unless `entropy_grad`) or None.
+    [N, ...] (detached unless `entropy_grad`) or None. `fp32_head`: the head's matmul in float32
+    (`fp32_head_logits`; cast_lm_head_to_fp32).
     """
     from torch.utils.checkpoint import checkpoint
     limit = KEEP_LOGITS_BYTES if keep_logits_bytes is None else keep_logits_bytes
     big = hidden.numel() // hidden.size(-1) * head.weight.size(0) * 4 > limit
     lps, ents = [], []
     for s in range(0, hidden.size(0), chunk):
-        args = (hidden[s:s + chunk], head, ids[s:s + chunk], temperature, with_entropy, entropy_grad)
+        args = (hidden[s:s + chunk], head, ids[s:s + chunk], temperature, with_entropy, entropy_grad, fp32_head)
         if big and torch.is_grad_enabled() and (hidden.requires_grad or head.weight.requires_grad):
             lp, ent = checkpoint(_head_chunk, *args, use_reentrant=False)
         else:
@@ -485,7 +499,8 @@ def _rows(hidden: torch.Tensor, src: torch.Tensor) -> torch.Tensor:
 
 def completion_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, completion_len: int,
                         temperature: float = 1.0, with_entropy: bool = False, chunk_rows: int = 4,
-                        group_size: int = 1, entropy_grad: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+                        group_size: int = 1, entropy_grad: bool = False,
+                        fp32_head: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-probs of the last `completion_len` tokens of each row (and their entropy). -> [B, Lc] each.
 
     Rows are [left-padded prompt | right-padded completion]; padding positions get 0. When rows come
@@ -495,6 +510,8 @@ def completion_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Te
     prompt's KV cache is repeated to the rows. The LM head then runs only on real completion tokens,
     `chunk_rows * completion_len` at a time (`head_logprobs`). Models without a trunk/head split fall
     back to full logits. The entropy is detached unless `entropy_grad` (an entropy bonus in the loss).
+    `fp32_head` (cast_lm_head_to_fp32): the LM head's matmul in float32 (on the full-logits path the model's
+    own head module runs, in float32 where `grpo_core.policy` set that up).
     """
     ids = input_ids[:, -completion_len:]                                  # [B, Lc]
     decoder, head = _decoder_and_head(model)
@@ -529,7 +546,7 @@ def completion_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Te
     if scale:                                                             # e.g. Granite divides logits
         temperature = temperature * scale
     lp, ent = head_logprobs(hidden, head, ids[rows, cols], temperature, chunk_rows * completion_len, with_entropy,
-                            entropy_grad=entropy_grad)
+                            entropy_grad=entropy_grad, fp32_head=fp32_head)
     logp = lp.new_zeros(B, completion_len).index_put((rows, cols), lp)       # [B, Lc]
     entropy = ent.new_zeros(B, completion_len).index_put((rows, cols), ent) if with_entropy else None
     return logp, entropy

@@ -33,7 +33,7 @@ SAMPLER_CORRECTION_MODES = ("token_truncate", "token_mask", "sequence_truncate",
 
 def _group_sizes(rewards: torch.Tensor, group_size: int | Sequence[int]) -> list[int]:
     if isinstance(group_size, int):
-        return [group_size] * (rewards.numel() // group_size)
+        return [group_size] * (rewards.size(0) // group_size)
     return list(group_size)
 
 
@@ -54,6 +54,36 @@ def group_advantages(rewards: torch.Tensor, group_size: int | Sequence[int], sca
         std = torch.cat([g.std().expand(len(g)) for g in groups])         # [B] unbiased std, as TRL
         return centred / (std + eps)
     return centred / (rewards.std() + eps) if scale_rewards == "batch" else centred
+
+
+def _nanstd(x: torch.Tensor, dim: int = 0) -> torch.Tensor:
+    """Unbiased (n - 1) standard deviation along `dim`, skipping NaNs; NaN where fewer than 2 values remain.
+    [..., n, ...] -> [..., 1, ...] (dim kept)."""
+    n = (~x.isnan()).sum(dim, keepdim=True)
+    sq = (x - x.nanmean(dim, keepdim=True)) ** 2
+    var = sq.nansum(dim, keepdim=True) / (n - 1).clamp(min=1)
+    return torch.where(n > 1, var.sqrt(), torch.full_like(var, float("nan")))
+
+
+def decoupled_advantages(rewards: torch.Tensor, weights: torch.Tensor, group_size: int | Sequence[int],
+                         eps: float = 1e-4) -> torch.Tensor:
+    """GDPO (TRL's `multi_objective_aggregation: normalize_then_sum`): each reward function's scores are
+    normalised within their group first, then weighted and summed, then the sum is normalised over the batch:
+
+        z_ik = (r_ik - mean_g(r_k)) / (std_g(r_k) + eps)       group g of i, function k (unbiased std)
+        s_i  = sum_k w_k z_ik
+        A_i  = (s_i - mean_i(s)) / (std_i(s) + eps)             over the whole batch
+
+    NaN is a score a function did not give: means and stds skip it, a function with fewer than two scores in a
+    group adds nothing to that group's sums, and a row with no score at all gets advantage 0 (as TRL).
+    rewards: [B, K] in contiguous groups (`group_size` as in `group_advantages`); weights: [K]. -> [B]"""
+    groups = torch.split(rewards, _group_sizes(rewards, group_size))      # each [G_i, K]
+    if not groups:
+        return rewards.new_zeros(0)
+    z = torch.cat([(g - g.nanmean(0, keepdim=True)) / (_nanstd(g, 0) + eps) for g in groups])      # [B, K]
+    summed = (z * weights.to(z.dtype)).nansum(-1)                         # [B]
+    summed = summed.masked_fill(rewards.isnan().all(-1), float("nan"))    # unscorable rows: no part in the stats
+    return ((summed - summed.nanmean()) / (_nanstd(summed, 0) + eps)).nan_to_num(nan=0.0)
 
 
 def zero_std_groups(rewards: torch.Tensor, group_size: int | Sequence[int]) -> torch.Tensor:
@@ -88,6 +118,23 @@ def entropy_bonus(entropy: torch.Tensor, mask: torch.Tensor, top_entropy_quantil
     if top_entropy_quantile < 1.0:
         mask = mask * high_entropy_mask(entropy, mask, top_entropy_quantile)             # [B, L]
     return (entropy * mask).sum() / mask.sum().clamp(min=1)
+
+
+def applied_entropy_coef(coef: float, last_entropy: float, target: float) -> float:
+    """Adaptive entropy control (Skywork-OR1, as TRL's `use_adaptive_entropy`): the bonus of a step uses the
+    coefficient only while the entropy measured at the previous step is at or below the target (the first
+    step has no measurement, last_entropy = inf, so no bonus); else 0."""
+    return coef if last_entropy <= target else 0.0
+
+
+def next_entropy_coef(coef: float, entropy: float, target: float, delta: float, coef_min: float,
+                      coef_max: float) -> float:
+    """The coefficient after a step whose measured entropy (the token mean over the tokens the policy loss
+    trained on, the whole step across processes) is `entropy`:
+
+        c <- min(c + delta, c_max)  if entropy <= target     (entropy too low: push it up)
+        c <- max(c - delta, c_min)  otherwise"""
+    return min(coef + delta, coef_max) if entropy <= target else max(coef - delta, coef_min)
 
 
 # -- the importance ratio to the rollout policy -----------------------------------------------------
@@ -218,18 +265,18 @@ def high_entropy_mask(entropy: torch.Tensor, mask: torch.Tensor, top_quantile: f
 
 @torch.no_grad()
 def sampler_correction_weight(old_logp: torch.Tensor, sampler_logp: torch.Tensor, mask: torch.Tensor,
-                              mode: str, cap: float) -> torch.Tensor:
+                              mode: str, cap: float, clip_min: float | None = None) -> torch.Tensor:
     """Importance weight from the sampler to the trainer (TRL's `vllm_importance_sampling_*`): the
     rollout engine samples from pi_sampler, not exactly from the trainer's pi_old (other kernels,
     precision, top-k/top-p), so each token's loss is reweighted by pi_old / pi_sampler:
 
         token_*:    w_t = exp(old_logp_t - sampler_logp_t)                        [B, L]
         sequence_*: w_i = exp(sum_t (old_logp_t - sampler_logp_t))                [B, 1]
-        *_truncate: w <- min(w, cap)        (truncated IS)
-        *_mask:     w <- 0 where w > cap    (masked IS)
+        *_truncate: w <- clip(w, clip_min, cap)             (truncated IS)
+        *_mask:     w <- 0 where w > cap or w < clip_min    (masked IS)
 
-    old_logp/sampler_logp/mask: [B, L]; a NaN sampler log-prob (a token the sampler gave none for)
-    counts as ratio 1."""
+    (`clip_min` None: no lower bound.) old_logp/sampler_logp/mask: [B, L]; a NaN sampler log-prob (a token
+    the sampler gave none for) counts as ratio 1."""
     if mode not in SAMPLER_CORRECTION_MODES:
         raise ValueError(f"vllm_importance_sampling_mode must be one of {', '.join(SAMPLER_CORRECTION_MODES)}, "
                          f"not {mode!r}")
@@ -238,8 +285,9 @@ def sampler_correction_weight(old_logp: torch.Tensor, sampler_logp: torch.Tensor
         diff = diff.sum(-1, keepdim=True)                                 # [B, 1]
     weight = torch.exp(diff)
     if mode.endswith("truncate"):
-        return torch.clamp(weight, max=cap)
-    return weight.masked_fill(weight > cap, 0.0)
+        return torch.clamp(weight, min=clip_min, max=cap)
+    outside = weight > cap if clip_min is None else (weight > cap) | (weight < clip_min)
+    return weight.masked_fill(outside, 0.0)
 
 
 # -- reduction ----------------------------------------------------------------------------------------
@@ -300,7 +348,8 @@ def policy_loss(ratio: torch.Tensor, advantages: torch.Tensor, logp: torch.Tenso
 def token_weights(advantages: torch.Tensor, logp: torch.Tensor, old_logp: torch.Tensor, mask: torch.Tensor, *,
                   entropy: torch.Tensor | None, top_entropy_quantile: float, sampler_logp: torch.Tensor | None,
                   off_policy_mask_threshold: float | None, sampler_correction: str | None,
-                  sampler_correction_cap: float) -> tuple[torch.Tensor | None, dict[str, torch.Tensor]]:
+                  sampler_correction_cap: float, sampler_correction_clip_min: float | None = None,
+                  ) -> tuple[torch.Tensor | None, dict[str, torch.Tensor]]:
     """What multiplies each token's policy loss (no gradient), in TRL's order: `off_policy_sequence_mask`
     (against `sampler_logp`, or old_logp without one), `high_entropy_mask`, then
     `sampler_correction_weight`. Returns it ([B, L]; None when nothing is enabled) and, per enabled
@@ -321,7 +370,8 @@ def token_weights(advantages: torch.Tensor, logp: torch.Tensor, old_logp: torch.
         keep_tokens = high_entropy_mask(entropy, mask, top_entropy_quantile)      # [B, L]
         weight = times(keep_tokens)
         touched["entropy_mask/kept_frac"] = keep_tokens
-    is_weight, is_stats = _sampler_weight(old_logp, sampler_logp, mask, sampler_correction, sampler_correction_cap)
+    is_weight, is_stats = _sampler_weight(old_logp, sampler_logp, mask, sampler_correction, sampler_correction_cap,
+                                          sampler_correction_clip_min)
     if is_weight is not None:
         weight = times(is_weight.expand_as(mask))
         touched.update(is_stats)
@@ -329,13 +379,14 @@ def token_weights(advantages: torch.Tensor, logp: torch.Tensor, old_logp: torch.
 
 
 def _sampler_weight(old_logp: torch.Tensor, sampler_logp: torch.Tensor | None, mask: torch.Tensor,
-                    mode: str | None, cap: float) -> tuple[torch.Tensor | None, dict[str, torch.Tensor]]:
+                    mode: str | None, cap: float,
+                    clip_min: float | None = None) -> tuple[torch.Tensor | None, dict[str, torch.Tensor]]:
     """`sampler_correction_weight` when `mode` names one ([B, L] or [B, 1]; else None) and its statistics."""
     if mode is None:
         return None, {}
     if sampler_logp is None:
         raise ValueError("vllm_importance_sampling_correction needs the sampler's log-probs (sampler_logp)")
-    w = sampler_correction_weight(old_logp, sampler_logp, mask, mode, cap)
+    w = sampler_correction_weight(old_logp, sampler_logp, mask, mode, cap, clip_min)
     return w, {"sampler_is/weight_mean": w.expand_as(mask), "sampler_is/zeroed_frac": (w == 0).expand_as(mask)}
 
 
@@ -347,8 +398,9 @@ def grpo_loss(logp: torch.Tensor, old_logp: torch.Tensor, ref_logp: torch.Tensor
               entropy: torch.Tensor | None = None, top_entropy_quantile: float = 1.0, entropy_coef: float = 0.0,
               sampler_logp: torch.Tensor | None = None, off_policy_mask_threshold: float | None = None,
               sampler_correction: str | None = None, sampler_correction_cap: float = 3.0,
-              use_bias_correction_kl: bool = True, vespo_k_pos: float = 2.0, vespo_lambda_pos: float = 3.0,
-              vespo_k_neg: float = 3.0, vespo_lambda_neg: float = 2.0) -> tuple[torch.Tensor, dict[str, float]]:
+              sampler_correction_clip_min: float | None = None, use_bias_correction_kl: bool = True,
+              vespo_k_pos: float = 2.0, vespo_lambda_pos: float = 3.0, vespo_k_neg: float = 3.0,
+              vespo_lambda_neg: float = 2.0) -> tuple[torch.Tensor, dict[str, float]]:
     """The loss of one micro-batch. logp/old_logp/ref_logp/mask/entropy/sampler_logp: [B, L];
     advantages: [B]. In order (TRL's order):
 
@@ -357,7 +409,7 @@ def grpo_loss(logp: torch.Tensor, old_logp: torch.Tensor, ref_logp: torch.Tensor
        the sampler correction's weights go instead of 3))
     3) times `token_weights`: the off-policy sequence mask (`off_policy_mask_threshold`), the
        high-entropy mask (`top_entropy_quantile` < 1), the sampler correction (`sampler_correction`
-       names a vllm_importance_sampling_mode; needs sampler_logp)
+       names a vllm_importance_sampling_mode; bounds: _clip_min, _cap; needs sampler_logp)
     4) + beta * KL_k3(pi || ref), times the ratio of 1) (before `delta` caps it) with
        `use_bias_correction_kl`
     5) `aggregate` as loss_type says
@@ -365,14 +417,13 @@ def grpo_loss(logp: torch.Tensor, old_logp: torch.Tensor, ref_logp: torch.Tensor
 
     Returns this micro-batch's share of the step's loss (call backward on it, and sum it over the
     step's micro-batches for the step's loss) and detached statistics of this micro-batch (masked token
-    means).
-    """
+    means)."""
     advantages = advantages.unsqueeze(1)                                  # [B, 1]
     ratio = importance_ratio(logp, old_logp, mask, importance_sampling_level)       # [B, L] or [B, 1]
     phi, folded = None, {}
     if loss_type == "vespo":                        # the sampler correction goes into phi, not per token
         sampler_weight, folded = _sampler_weight(old_logp, sampler_logp, mask, sampler_correction,
-                                                 sampler_correction_cap)
+                                                 sampler_correction_cap, sampler_correction_clip_min)
         phi = vespo_weight(advantages, logp, old_logp, mask, vespo_k_pos, vespo_lambda_pos, vespo_k_neg,
                            vespo_lambda_neg, sampler_weight)                                   # [B, 1]
         sampler_correction = None
@@ -381,7 +432,8 @@ def grpo_loss(logp: torch.Tensor, old_logp: torch.Tensor, ref_logp: torch.Tensor
     weight, touched = token_weights(
         advantages, logp, old_logp, mask, entropy=entropy, top_entropy_quantile=top_entropy_quantile,
         sampler_logp=sampler_logp, off_policy_mask_threshold=off_policy_mask_threshold,
-        sampler_correction=sampler_correction, sampler_correction_cap=sampler_correction_cap)
+        sampler_correction=sampler_correction, sampler_correction_cap=sampler_correction_cap,
+        sampler_correction_clip_min=sampler_correction_clip_min)
     touched.update(folded)
     if phi is not None:
         touched["vespo/phi_seq_mean"] = phi                           # [B, 1]: a mean over sequences

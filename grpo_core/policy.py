@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 import os
 import threading
 import weakref
@@ -27,6 +28,7 @@ import torch
 
 from grpo_core.config import GRPOConfig
 from grpo_core.kernels.cpu_linear import use_onednn_linears
+from grpo_core.logprobs import fp32_head_logits
 from grpo_core.models import (ModelError, attach_lora, file_versions, load_base_model, load_tokenizer,
                               resolve_model, select_device, select_dtype, tokenizer_version)
 
@@ -135,6 +137,40 @@ def _active_adapter(model, name: str):
             p.requires_grad_(flag)
 
 
+def disable_dropout(model: torch.nn.Module) -> None:
+    """TRL's `disable_dropout`: p = 0 in every torch.nn.Dropout of the model (LoRA's included), and the attention
+    dropout transformers' attention modules apply as a float (`attention_dropout`), which no module holds."""
+    for module in model.modules():
+        if isinstance(module, torch.nn.Dropout):
+            module.p = 0.0
+        if isinstance(getattr(module, "attention_dropout", None), float):
+            module.attention_dropout = 0.0
+
+
+def lm_head_in_fp32(model: torch.nn.Module, enabled: bool) -> None:
+    """TRL's `cast_lm_head_to_fp32` for everything that calls the LM head module (transformers' forward, so the
+    hf sampler and evaluation, and the lean sampler): its forward multiplies in float32 (`fp32_head_logits`)
+    and returns float32 logits; its weights stay in the model's dtype (checkpoints and the sampler's weight
+    snapshot keep their format). Nothing to do for a head already in float32. `enabled` False restores the
+    module's own forward (a pooled model may come from a run that had it on)."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    head = base.get_output_embeddings() if hasattr(base, "get_output_embeddings") else None
+    if not isinstance(head, torch.nn.Linear):
+        return
+    head.__dict__.pop("forward", None)
+    if enabled and head.weight.dtype != torch.float32:
+        head.forward = functools.partial(fp32_head_logits, head)
+
+
+def _prepare(cfg: GRPOConfig, *models: torch.nn.Module | None) -> None:
+    """The config's switches that act on the modules: disable_dropout, cast_lm_head_to_fp32."""
+    for model in models:
+        if model is not None:
+            if cfg.disable_dropout:
+                disable_dropout(model)
+            lm_head_in_fp32(model, cfg.cast_lm_head_to_fp32)
+
+
 def _saved_reference(checkpoint: str | Path | None) -> Path | None:
     """The moving reference an earlier update saved next to its checkpoint, if any."""
     if checkpoint is None:
@@ -218,7 +254,8 @@ def _pool_key(cfg: GRPOConfig, base_dir: Path, device: torch.device, dtype: torc
     LoRA and layer settings that change the modules."""
     files = file_versions(base_dir, lambda f: f.suffix == ".safetensors")
     return (str(Path(base_dir).resolve()), files, str(device), str(dtype), cfg.lora_r, cfg.lora_alpha,
-            cfg.lora_dropout, tuple(cfg.lora_target_modules), cfg.cpu_onednn_linear, cfg.gradient_checkpointing)
+            cfg.lora_dropout, tuple(cfg.lora_target_modules), cfg.cpu_onednn_linear, cfg.gradient_checkpointing,
+            cfg.disable_dropout)
 
 
 def _same_lora(model, checkpoint: Path) -> bool:
@@ -307,11 +344,13 @@ def load_policy(cfg: GRPOConfig, checkpoint: str | Path | None = None, need_refe
                 use_onednn_linears(m)
         if cfg.gradient_checkpointing:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        _prepare(cfg, model, ref)
         return Policy(model=model, tokenizer=tokenizer, device=device, use_peft=False, ref_model=ref,
                       save_reference=with_reference and cfg.sync_ref_model)
     pooled, key = _lora_model(cfg, base_dir, device, dtype, checkpoint)
     tokenizer = pooled.tokenizer_of(base_dir)
     reference_adapter = _lora_reference(cfg, pooled.model, checkpoint, init_adapter) if with_reference else None
+    _prepare(cfg, pooled.model)
     policy = Policy(model=pooled.model, tokenizer=tokenizer, device=device, use_peft=True,
                     reference_adapter=reference_adapter, save_reference=with_reference and cfg.sync_ref_model)
     if reference_adapter is None and _reuse_enabled():      # a model with a second adapter is not pooled

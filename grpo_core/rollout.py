@@ -15,7 +15,8 @@ import torch.nn.functional as F
 from tqdm.auto import tqdm
 
 from grpo_core.kernels.cpu_linear import PackedLinear, sampling_weights
-from grpo_core.sampling import Completion, PromptFormat, RolloutBackend, Sample, SamplingParams, chat_prompt_ids
+from grpo_core.sampling import (Completion, PromptFormat, RolloutBackend, Sample, SamplingParams, chat_prompt_ids,
+                                check_generation_kwargs)
 from grpo_core.task import Task
 from grpo_core.kernels.fused_decode import FusedDecoder
 from grpo_core.kernels.lean_decode import LeanDecoder, positions
@@ -101,11 +102,14 @@ class HFGenerateSampler(BatchedBackend):
         input_ids, attn = left_pad(rows, pad, self.device)
         kwargs = dict(max_new_tokens=params.max_new_tokens, pad_token_id=pad, eos_token_id=eos)
         if params.greedy:
-            kwargs.update(do_sample=False, temperature=None, top_p=None, top_k=None)
+            kwargs.update(do_sample=False, temperature=None, top_p=None, top_k=None, min_p=None)
         else:
             kwargs.update(do_sample=True, temperature=params.temperature, top_p=params.top_p,
-                          top_k=params.top_k or None)
-        if params.logprobs:           # the scores generate samples from: after temperature, top-k, top-p
+                          top_k=params.top_k or None, min_p=params.min_p)
+        # the penalty applies to greedy decoding too (a processor, not a warper); the other options go to
+        # GenerationConfig as they are (checked when the config loads: sampling.check_generation_kwargs)
+        kwargs.update(repetition_penalty=params.repetition_penalty, **params.generation_kwargs)
+        if params.logprobs:           # the scores generate samples from: every processor and warper applied
             kwargs.update(output_scores=True, return_dict_in_generate=True)
         out = self.model.generate(input_ids=input_ids, attention_mask=attn, **kwargs)
         sequences = out.sequences if params.logprobs else out
@@ -126,22 +130,44 @@ class HFGenerateSampler(BatchedBackend):
 
 
 def sample_next(logits: torch.Tensor, temperature: float, top_k: int, top_p: float, greedy: bool,
-                generator: torch.Generator | None, with_logprobs: bool = False):
-    """One token per row from the last-position logits [B, V] -> [B] (temperature, top-k, then top-p).
+                generator: torch.Generator | None, with_logprobs: bool = False, min_p: float | None = None,
+                repetition_penalty: float = 1.0, seen: torch.Tensor | None = None):
+    """One token per row from the last-position logits [B, V] -> [B], in transformers' order: the repetition
+    penalty (over `seen` [B, V], the tokens in each row's prompt and completion so far; greedy decoding too),
+    then temperature, top-k, top-p and min-p (`filter_logits`).
 
-    With `with_logprobs`, also the log-prob of each drawn token under the distribution it was drawn
-    from (greedy: the plain softmax) -> ([B], [B])."""
+    With `with_logprobs`, also the log-prob of each drawn token under the distribution it was drawn from,
+    every processor applied (greedy: the softmax of the penalised logits) -> ([B], [B]). That is what TRL's
+    importance correction divides by: it asks vLLM for `processed_logprobs` (after penalties, temperature,
+    min-p, top-k and top-p), and generate's output_scores (our hf backend) are the processed scores too; the
+    trainer's own log-probs see the temperature only, so the correction accounts for the filters as well."""
+    if repetition_penalty != 1.0:
+        logits = penalize_repeats(logits, seen, repetition_penalty)
     if greedy:
         tok = logits.argmax(-1)
         if not with_logprobs:
             return tok
         return tok, torch.log_softmax(logits.float(), -1).gather(-1, tok[:, None]).squeeze(-1)
-    if (not top_k or top_k >= logits.size(-1)) and top_p >= 1.0:
+    if (not top_k or top_k >= logits.size(-1)) and top_p >= 1.0 and not min_p:
         ops = _sample_ops(logits)
         if ops is not None:                   # the same inverse-CDF draw as `draw`, in one compiled pass
             u = torch.rand(logits.size(0), 1, generator=generator, dtype=torch.float64)
             tok, logp = ops.sample_rows(logits, u[:, 0], temperature)
             return (tok, logp) if with_logprobs else tok
+    logits = filter_logits(logits, temperature, top_k, top_p, min_p)
+    tok = draw(logits.softmax(-1), generator)
+    if not with_logprobs:
+        return tok
+    return tok, torch.log_softmax(logits, -1).gather(-1, tok[:, None]).squeeze(-1)
+
+
+def filter_logits(logits: torch.Tensor, temperature: float, top_k: int, top_p: float,
+                  min_p: float | None = None) -> torch.Tensor:
+    """The one place next-token probabilities are filtered: logits [B, V] -> float32 logits [B, V] of the
+    distribution a token is drawn from (-inf: never drawn). Divided by the temperature, then top-k, top-p
+    (the smallest set of tokens whose mass reaches top_p), then min-p (transformers' MinPLogitsWarper: drop
+    tokens whose probability is below min_p x the top token's; min_p None or 0: off). A step that is off costs
+    nothing."""
     logits = logits.float() if temperature == 1.0 else logits.float() / temperature
     if top_k and top_k < logits.size(-1):
         kth = torch.topk(logits, top_k, dim=-1).values[:, -1:]                # [B, 1]
@@ -152,10 +178,27 @@ def sample_next(logits: torch.Tensor, temperature: float, top_k: int, top_p: flo
         drop = cum - sorted_logits.softmax(-1) >= top_p                        # keep the smallest set reaching top_p
         sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
         logits = torch.full_like(logits, float("-inf")).scatter(-1, order, sorted_logits)
-    tok = draw(logits.softmax(-1), generator)
-    if not with_logprobs:
-        return tok
-    return tok, torch.log_softmax(logits, -1).gather(-1, tok[:, None]).squeeze(-1)
+    if min_p:
+        probs = logits.softmax(-1)                                             # [B, V]
+        logits = logits.masked_fill(probs < min_p * probs.amax(-1, keepdim=True), float("-inf"))
+    return logits
+
+
+def penalize_repeats(logits: torch.Tensor, seen: torch.Tensor, penalty: float) -> torch.Tensor:
+    """transformers' RepetitionPenaltyLogitsProcessor: logits [B, V] -> float32 [B, V], where seen [B, V] (bool:
+    the token is in the row's prompt or completion so far) a positive logit divided by `penalty`, any other
+    multiplied by it."""
+    logits = logits.float()
+    return torch.where(seen, torch.where(logits < 0, logits * penalty, logits / penalty), logits)
+
+
+def seen_tokens(rows: Sequence[list[int]], vocab: int, device: torch.device) -> torch.Tensor:
+    """The tokens of each row (ids below `vocab`: the LM head's output size, as transformers clamps) as a bool
+    mask [B, vocab], for `penalize_repeats`."""
+    seen = torch.zeros(len(rows), vocab, dtype=torch.bool, device=device)
+    for r, ids in enumerate(rows):
+        seen[r, torch.tensor([t for t in ids if t < vocab], dtype=torch.long, device=device)] = True
+    return seen
 
 
 def _sample_ops(logits: torch.Tensor):
@@ -277,6 +320,8 @@ class KVCacheSampler(BatchedBackend):
     @torch.inference_mode()
     def _generate_batch(self, rows: list[list[int]], params: SamplingParams, generator) -> list[list[int]]:
         pad, eos = self.tokenizer.pad_token_id, self.tokenizer.eos_token_id
+        if params.generation_kwargs:
+            check_generation_kwargs(params.generation_kwargs, "static")
         B = len(rows)
         forward = self._active
         # A group's rows share one prompt: prefill each distinct prompt once, then copy its KV cache.
@@ -288,17 +333,22 @@ class KVCacheSampler(BatchedBackend):
             forward.select(which)
         logits = logits[which]                                                     # [B, V]
         alive = torch.arange(B, device=self.device)                                # original row of each live row
+        # the repetition penalty's tokens: each row's prompt, then what it samples ([B, V]; only when on)
+        seen = seen_tokens(rows, logits.size(-1), self.device) if params.repetition_penalty != 1.0 else None
         produced: list[list[int]] = [[] for _ in range(B)]
         produced_logprobs: list[list[float]] = [[] for _ in range(B)]
         for t in range(params.max_new_tokens):
             tok = sample_next(logits, params.temperature, params.top_k, params.top_p, params.greedy, generator,
-                              with_logprobs=params.logprobs)
+                              with_logprobs=params.logprobs, min_p=params.min_p,
+                              repetition_penalty=params.repetition_penalty, seen=None if seen is None else seen[alive])
             if params.logprobs:
                 tok, tok_logp = tok
                 for r, lp in zip(alive.tolist(), tok_logp.tolist()):
                     produced_logprobs[r].append(lp)
             for r, tk in zip(alive.tolist(), tok.tolist()):
                 produced[r].append(tk)
+            if seen is not None:
+                seen[alive, tok] = True
             done = tok == eos                                                      # [b]
             if t == params.max_new_tokens - 1:
                 break

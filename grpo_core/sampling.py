@@ -6,6 +6,8 @@ nothing here imports them back.
 """
 from __future__ import annotations
 
+import hashlib
+import random
 from dataclasses import asdict, dataclass, field
 from typing import Protocol, Sequence
 
@@ -21,6 +23,85 @@ class SamplingParams:
     greedy: bool = False
     seed: int = 0
     logprobs: bool = False      # also return each sampled token's log-prob under the sampler (`Completion`)
+    min_p: float | None = None  # keep tokens with p >= min_p * (the top token's p), after top-k/top-p (transformers)
+    repetition_penalty: float = 1.0     # tokens in the row's prompt or completion so far: logit / it if > 0, else * it
+    generation_kwargs: dict = field(default_factory=dict)   # backend-only options (hf: GenerationConfig, vllm:
+                                                            # its SamplingParams); `check_generation_kwargs`
+
+
+# generation_kwargs keys that name one of our sampling fields: every backend takes them, and they override the field
+# (as TRL's generation_kwargs override its fields)
+OWN_OPTIONS = ("top_p", "top_k", "min_p", "repetition_penalty")
+# keys the pipeline sets itself, whatever the backend -> the fix
+_PIPELINE_KEYS = {
+    **dict.fromkeys(("temperature",), "set the field temperature instead: the update divides its logits by it too, "
+                                      "so a sampling-only temperature would skew the loss"),
+    **dict.fromkeys(("max_new_tokens", "max_length", "max_tokens"), "set max_completion_length instead"),
+    **dict.fromkeys(("num_return_sequences", "n", "best_of"), "set num_generations instead"),
+    **dict.fromkeys(("seed",), "set seed instead"),
+    **dict.fromkeys(("do_sample", "num_beams", "num_beam_groups"),
+                    "training samples every completion independently (evaluation's greedy answers: eval.greedy)"),
+    **dict.fromkeys(("logprobs", "output_scores", "output_logits", "return_dict_in_generate"),
+                    "the rollout asks for sampler log-probs itself when vllm_importance_sampling_correction or "
+                    "off_policy_mask_threshold needs them"),
+    **dict.fromkeys(("pad_token_id", "eos_token_id", "stop_strings"),
+                    "a completion ends at the tokenizer's EOS token here (the rollout takes the ids from the "
+                    "tokenizer)"),
+}
+# vLLM SamplingParams fields, for the check when vllm is not installed (where it is, its own fields are used)
+_VLLM_FIELDS = ("presence_penalty", "frequency_penalty", "stop", "stop_token_ids", "ignore_eos", "min_tokens",
+                "bad_words", "logit_bias", "allowed_token_ids", "structured_outputs", "guided_decoding",
+                "include_stop_str_in_output", "skip_special_tokens", "spaces_between_special_tokens",
+                "truncate_prompt_tokens", "extra_args", "detokenize", "prompt_logprobs")
+
+
+def backend_options(backend: str) -> set[str]:
+    """The generation_kwargs keys beyond OWN_OPTIONS that rollout backend `backend` passes on (hf: transformers'
+    GenerationConfig fields, vllm: vLLM's SamplingParams fields), less the pipeline's own; static: none."""
+    if backend == "hf":
+        from transformers import GenerationConfig
+        names = {k for k in vars(GenerationConfig()) if not k.startswith("_")}
+    elif backend == "vllm":
+        try:
+            from vllm import SamplingParams as VSP
+            names = {k for k in getattr(VSP, "__struct_fields__", ()) if not k.startswith("_")} or set(_VLLM_FIELDS)
+        except ImportError:
+            names = set(_VLLM_FIELDS)
+    else:
+        names = set()
+    return names - set(_PIPELINE_KEYS) - set(OWN_OPTIONS)
+
+
+_TAKES = {"static": f"{', '.join(OWN_OPTIONS)} only", "hf": "transformers GenerationConfig fields",
+          "vllm": "vLLM SamplingParams fields"}
+
+
+def check_generation_kwargs(kwargs: dict, backend: str) -> None:
+    """ValueError naming the first key of `kwargs` (config generation_kwargs) that rollout backend `backend`
+    does not take, the backends that do, and the fix; the OWN_OPTIONS keys are checked by the caller, as the
+    fields they override."""
+    for key in kwargs:
+        if key in OWN_OPTIONS or key in backend_options(backend):
+            continue
+        if key in _PIPELINE_KEYS:
+            raise ValueError(f"generation_kwargs: {key!r} is set by the pipeline; {_PIPELINE_KEYS[key]}")
+        others = [b for b in ("hf", "vllm") if b != backend and key in backend_options(b)]
+        if others:
+            raise ValueError(f"generation_kwargs: {key!r} is not an option of rollout_backend: {backend} (it takes "
+                             f"{_TAKES[backend]}); rollout_backend {' or '.join(others)} accepts it: set that "
+                             f"rollout_backend or remove the key")
+        raise ValueError(f"generation_kwargs: {key!r} is an option of no rollout backend (static takes "
+                         f"{_TAKES['static']}; hf: {_TAKES['hf']}; vllm: {_TAKES['vllm']}); check the spelling "
+                         f"or remove it")
+
+
+def sampling_options(cfg) -> dict:
+    """The SamplingParams options a run's config sets (`cfg`: a GRPOConfig): top_p, top_k, min_p,
+    repetition_penalty, each overridden by generation_kwargs where it names them (TRL), and the rest of
+    generation_kwargs for the backend."""
+    extra = dict(cfg.generation_kwargs or {})
+    options = {k: extra.pop(k) if k in extra else getattr(cfg, k) for k in OWN_OPTIONS}
+    return {**options, "generation_kwargs": extra}
 
 
 @dataclass
@@ -73,31 +154,66 @@ class RolloutBackend(Protocol):
         params.logprobs each is a `Completion` carrying its sampler log-probs."""
 
 
+QUESTION = "{question}"                  # where an instruction template puts the question
+
+
 @dataclass(frozen=True)
 class PromptFormat:
-    """How a math question is put to the model: system prompt, worked examples, and a response prefix
-    (e.g. "<answer>") that opens the assistant turn. Code tasks carry their own instructions and get
-    only their prompt."""
+    """How a math question is put to the model: system prompt, worked examples, an instruction template
+    around the question (`QUESTION` marks where it goes; empty: the question as is) and a response prefix
+    (e.g. "<answer>") that opens the assistant turn. Code tasks carry their own instructions and get only
+    their prompt.
+
+    A format with alternatives (`system_prompts`, `instructions`, `bare_prob`) draws one wording per
+    question (`for_task`): with probability `bare_prob` a user turn alone, worded by one of the instructions
+    (no system prompt, no examples); otherwise the examples, one of the system prompts (dropped, again with
+    probability `bare_prob`, where there are examples) and the question plain or worded by one of the
+    instructions. The draw depends only on (`salt`, task id): the G answers of a
+    group share it, a resumed run draws the same, and another salt (iteration) draws afresh."""
     system_prompt: str = ""
     few_shot: tuple[tuple[str, str], ...] = ()      # (question, answer) exchanges shown before the question
     response_prefix: str = ""                       # part of the prompt; counted as the completion's start
+    instruction: str = ""                           # the user turn, QUESTION replaced by the question
+    system_prompts: tuple[str, ...] = ()            # alternatives to system_prompt
+    instructions: tuple[str, ...] = ()              # alternatives to the plain question
+    bare_prob: float = 0.0                          # chance of a user turn alone (needs instructions)
+    salt: int = 0
 
     @classmethod
     def of(cls, fmt: "PromptFormat | str") -> "PromptFormat":
         return fmt if isinstance(fmt, PromptFormat) else cls(system_prompt=fmt)
 
+    @property
+    def varies(self) -> bool:
+        return bool(self.system_prompts or self.instructions or self.bare_prob)
+
     def for_task(self, task: Task) -> "PromptFormat":
-        return self if task.kind == "math" else PromptFormat()
+        """The one wording `task` is put in (code tasks: their prompt alone)."""
+        if task.kind != "math":
+            return PromptFormat()
+        if not self.varies:
+            return self
+        draw = random.Random(hashlib.sha256(f"{self.salt}\0{task.id}".encode()).digest())
+        systems = [s for s in (self.system_prompt, *self.system_prompts) if s]
+        if self.instructions and (not systems or draw.random() < self.bare_prob):
+            return PromptFormat(response_prefix=self.response_prefix, instruction=draw.choice(self.instructions))
+        system = draw.choice(systems) if systems else ""
+        if self.few_shot and draw.random() < self.bare_prob:
+            system = ""         # the examples alone: a step between the full prompt and the bare one
+        return PromptFormat(system, self.few_shot, self.response_prefix, draw.choice(["", *self.instructions]))
+
+    def question(self, text: str) -> str:
+        return self.instruction.replace(QUESTION, text) if self.instruction else text
 
 
 def prompt_messages(task: Task, fmt: PromptFormat | str, observation: str | None = None) -> list[dict]:
-    """The chat messages that put `task` to the model: system prompt, worked examples, the question (with an
-    environment's `observation` appended to it, as TRL's `reset()` text is)."""
+    """The chat messages that put `task` to the model: system prompt, worked examples, the question in its
+    wording (with an environment's `observation` appended to it, as TRL's `reset()` text is)."""
     fmt = PromptFormat.of(fmt).for_task(task)
     messages = [{"role": "system", "content": fmt.system_prompt}] if fmt.system_prompt else []
     for q, a in fmt.few_shot:
         messages += [{"role": "user", "content": q}, {"role": "assistant", "content": a}]
-    messages.append({"role": "user", "content": task.prompt + (observation or "")})
+    messages.append({"role": "user", "content": fmt.question(task.prompt) + (observation or "")})
     return messages
 
 

@@ -19,7 +19,9 @@ import torch
 
 from grpo_core.config import GRPOConfig
 from grpo_core.logprobs import completion_logprobs
-from grpo_core.loss import grpo_loss, group_advantages, zero_std_groups
+from grpo_core.loss import (applied_entropy_coef, decoupled_advantages, entropy_bonus, grpo_loss, group_advantages,
+                            high_entropy_mask, next_entropy_coef, zero_std_groups)
+from grpo_core.plugins import metric_names
 from grpo_core.policy import Policy
 from grpo_core.sampling import model_token_count
 
@@ -35,6 +37,7 @@ class ScoredSample:
     truncated: bool
     sampler_logprobs: list[float] | None = None  # log-prob of each completion token under the sampler
     completion_mask: list[int] | None = None    # multi-turn: 1 on the model's tokens, 0 on tool turns (no loss)
+    rewards_per_func: dict[str, float | None] | None = None   # each reward function's score (metric name -> score)
 
     @property
     def model_tokens(self) -> int:
@@ -54,6 +57,7 @@ class MicroBatch:
     old_logp: torch.Tensor | None = None       # [b, Lc] when the policy moves before the batch is used
     ref_logp: torch.Tensor | None = None       # [b, Lc] when beta > 0
     loss_weight: float = 1.0                   # this process's part of the whole micro-batch's loss (data parallel)
+    entropy_weight: float = 1.0                # ... of its loss tokens: the part of the entropy bonus (a token mean)
     stand_in: bool = False                     # rows run only so that every process runs the same steps
 
 
@@ -112,7 +116,60 @@ def total_optimizer_steps(cfg: GRPOConfig) -> int:
     return cfg.pipeline_iterations * cfg.steps_per_iteration * cfg.num_iterations
 
 
-def make_scheduler(optimizer: torch.optim.Optimizer, cfg: GRPOConfig) -> torch.optim.lr_scheduler.LambdaLR:
+@dataclass
+class EntropyControl:
+    """The entropy bonus's coefficient from step to step: `entropy_coef` throughout, or with
+    `use_adaptive_entropy` (Skywork-OR1, as TRL) the coefficient `coef`, moved by `entropy_coef_delta` after
+    every optimizer step (`next_entropy_coef`) and applied while the entropy the last step measured is at
+    or below `entropy_target` (`applied_entropy_coef`). Its state (coef, last_entropy) goes into
+    checkpoints with the scheduler's (`Schedule`), so a resumed run continues where it stopped."""
+    coef: float
+    adaptive: bool = False
+    last_entropy: float = math.inf             # none measured yet: the first step applies no bonus
+
+    @classmethod
+    def of(cls, cfg: GRPOConfig) -> "EntropyControl":
+        return cls(cfg.entropy_coef, cfg.use_adaptive_entropy)
+
+    def applied(self, cfg: GRPOConfig) -> float:
+        """The coefficient this step's loss uses."""
+        return applied_entropy_coef(self.coef, self.last_entropy, cfg.entropy_target) if self.adaptive else self.coef
+
+    def observe(self, entropy: float, cfg: GRPOConfig) -> None:
+        """After a step that measured `entropy` (adaptive only)."""
+        if self.adaptive:
+            self.coef = next_entropy_coef(self.coef, entropy, cfg.entropy_target, cfg.entropy_coef_delta,
+                                          cfg.entropy_coef_min, cfg.entropy_coef_max)
+            self.last_entropy = entropy
+
+    def state_dict(self) -> dict[str, float]:
+        return {"coef": self.coef, "last_entropy": self.last_entropy}
+
+    def load_state_dict(self, state: dict[str, float]) -> None:
+        if self.adaptive:                      # a fixed coefficient is the config's, whatever a checkpoint says
+            self.coef, self.last_entropy = float(state["coef"]), float(state["last_entropy"])
+
+
+class Schedule(torch.optim.lr_scheduler.LambdaLR):
+    """What changes from optimizer step to optimizer step: the learning rate (a LambdaLR) and the entropy
+    coefficient (`entropy`, an EntropyControl). Both are in its state_dict, which checkpoints save."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, factor: Callable[[int], float], entropy: EntropyControl):
+        super().__init__(optimizer, factor)
+        self.entropy = entropy
+
+    def state_dict(self) -> dict:
+        return {**super().state_dict(), "entropy": self.entropy.state_dict()}
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        state = dict(state_dict)
+        entropy = state.pop("entropy", None)       # absent from checkpoints written before adaptive entropy
+        super().load_state_dict(state)
+        if entropy is not None:
+            self.entropy.load_state_dict(entropy)
+
+
+def make_scheduler(optimizer: torch.optim.Optimizer, cfg: GRPOConfig) -> Schedule:
     total = total_optimizer_steps(cfg)
     warmup = int(round(cfg.warmup_ratio * total))
 
@@ -126,7 +183,7 @@ def make_scheduler(optimizer: torch.optim.Optimizer, cfg: GRPOConfig) -> torch.o
             return 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
         return 1.0
 
-    return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+    return Schedule(optimizer, factor, EntropyControl.of(cfg))
 
 
 def surviving_groups(samples: Sequence[ScoredSample | None]) -> tuple[list[ScoredSample], list[int]]:
@@ -142,6 +199,25 @@ def surviving_groups(samples: Sequence[ScoredSample | None]) -> tuple[list[Score
             by_group.setdefault(s.group, []).append(s)
     kept = [members for members in by_group.values() if len(members) >= 2]
     return [s for members in kept for s in members], [len(members) for members in kept]
+
+
+def batch_advantages(kept: Sequence[ScoredSample], group_sizes: Sequence[int], cfg: GRPOConfig) -> torch.Tensor:
+    """Each kept sample's advantage within its surviving group, aggregated as `multi_objective_aggregation`
+    says: sum_then_normalize, `group_advantages` of the weighted total (as scale_rewards says);
+    normalize_then_sum, `decoupled_advantages` (GDPO) of the scores per reward function, weighted by
+    reward_weights (1 for a reward an environment adds, as TRL). -> [N]"""
+    if cfg.multi_objective_aggregation == "sum_then_normalize":
+        rewards = torch.tensor([s.reward for s in kept], dtype=torch.float32)                 # [N]
+        return group_advantages(rewards, group_sizes, cfg.scale_rewards)
+    if any(s.rewards_per_func is None for s in kept):
+        raise ValueError("multi_objective_aggregation: normalize_then_sum needs each sample's score per reward "
+                         "function (ScoredSample.rewards_per_func: the score stage's 'rewards')")
+    weight_of = dict(zip(metric_names(cfg.reward_funcs), cfg.reward_weights))
+    names = list(dict.fromkeys(k for s in kept for k in s.rewards_per_func))
+    table = torch.tensor([[math.nan if s.rewards_per_func.get(k) is None else float(s.rewards_per_func[k])
+                           for k in names] for s in kept], dtype=torch.float32)            # [N, K] NaN: no score
+    weights = torch.tensor([weight_of.get(k, 1.0) for k in names], dtype=torch.float32)   # [K]
+    return decoupled_advantages(table, weights, group_sizes)
 
 
 def pad_batch(samples: Sequence[ScoredSample], pad_id: int, device: torch.device):
@@ -280,16 +356,24 @@ def shard_loss_weight(share: Sequence[ScoredSample], whole: Sequence[ScoredSampl
         return 1.0
     if by == "sequences":
         return len(share) / len(whole)
-    if by == "tokens":
-        tokens = lambda rows: sum(loss_tokens(s, cfg.mask_truncated_completions) for s in rows)  # noqa: E731
-        return tokens(share) / max(tokens(whole), 1)
-    return 1.0
+    return shard_token_weight(share, whole, cfg) if by == "tokens" else 1.0
+
+
+def shard_token_weight(share: Sequence[ScoredSample], whole: Sequence[ScoredSample], cfg: GRPOConfig) -> float:
+    """`share`'s fraction of the loss tokens of the micro-batch `whole` (1 for the whole): what a token mean
+    over `share` is multiplied by to be its part of the token mean over `whole` (bnpo's loss, and the entropy
+    bonus whatever the loss type)."""
+    if len(share) == len(whole):
+        return 1.0
+    tokens = lambda rows: sum(loss_tokens(s, cfg.mask_truncated_completions) for s in rows)  # noqa: E731
+    return tokens(share) / max(tokens(whole), 1)
 
 
 @torch.no_grad()
 def _logprobs_no_grad(model, mb: MicroBatch, cfg: GRPOConfig) -> torch.Tensor:
     return completion_logprobs(model, mb.input_ids, mb.attention_mask, mb.completion_mask.size(1), cfg.temperature,
-                               chunk_rows=cfg.logit_chunk_rows, group_size=mb.group_size)[0]
+                               chunk_rows=cfg.logit_chunk_rows, group_size=mb.group_size,
+                               fp32_head=cfg.cast_lm_head_to_fp32)[0]
 
 
 def attach_frozen_logprobs(policy: Policy, micro_batches: Sequence[MicroBatch], cfg: GRPOConfig,
@@ -312,8 +396,27 @@ def attach_frozen_logprobs(policy: Policy, micro_batches: Sequence[MicroBatch], 
 
 
 def micro_batch_loss(logp: torch.Tensor, entropy: torch.Tensor, mb: MicroBatch, cfg: GRPOConfig, n_mb: int,
-                     tokens_per_step: float) -> tuple[torch.Tensor, dict[str, float]]:
-    """`grpo_loss` of one micro-batch with the objective the config describes."""
+                     tokens_per_step: float,
+                     entropy_coef: float | None = None) -> tuple[torch.Tensor, dict[str, float]]:
+    """This process's part of one micro-batch's loss with the objective the config describes: `grpo_loss`
+    times `mb.loss_weight`, less the entropy bonus (TRL's token mean, `entropy_bonus`) times
+    `mb.entropy_weight`, so that the processes' parts add up to the whole micro-batch's loss whatever the
+    loss type. `entropy_coef`: this step's coefficient (`EntropyControl.applied`; default the config's)."""
+    coef = cfg.entropy_coef if entropy_coef is None else entropy_coef
+    loss, stats = _policy_loss(logp, entropy, mb, cfg, n_mb, tokens_per_step)
+    if mb.loss_weight != 1.0:
+        loss = loss * mb.loss_weight
+    if coef != 0.0:
+        if not entropy.requires_grad:
+            raise ValueError("entropy_coef > 0 needs the per-token entropy with its gradient")
+        bonus = entropy_bonus(entropy, mb.completion_mask, cfg.top_entropy_quantile) / n_mb
+        loss = loss - coef * bonus * mb.entropy_weight
+    return loss, stats
+
+
+def _policy_loss(logp: torch.Tensor, entropy: torch.Tensor, mb: MicroBatch, cfg: GRPOConfig, n_mb: int,
+                 tokens_per_step: float) -> tuple[torch.Tensor, dict[str, float]]:
+    """`grpo_loss` of one micro-batch without the entropy bonus."""
     old_logp = logp.detach() if mb.old_logp is None else mb.old_logp     # on-policy: ratio exactly 1
     return grpo_loss(
         logp, old_logp, mb.ref_logp, mb.advantages, mb.completion_mask, beta=cfg.beta,
@@ -321,12 +424,13 @@ def micro_batch_loss(logp: torch.Tensor, entropy: torch.Tensor, mb: MicroBatch, 
         max_completion_length=cfg.max_completion_length, num_micro_batches=n_mb,
         num_tokens_in_batch=tokens_per_step, importance_sampling_level=cfg.importance_sampling_level,
         delta=cfg.delta, sapo_temperature_pos=cfg.sapo_temperature_pos, sapo_temperature_neg=cfg.sapo_temperature_neg,
-        entropy=entropy, top_entropy_quantile=cfg.top_entropy_quantile, entropy_coef=cfg.entropy_coef,
+        entropy=entropy, top_entropy_quantile=cfg.top_entropy_quantile, entropy_coef=0.0,
         use_bias_correction_kl=cfg.use_bias_correction_kl, vespo_k_pos=cfg.vespo_k_pos,
         vespo_lambda_pos=cfg.vespo_lambda_pos, vespo_k_neg=cfg.vespo_k_neg, vespo_lambda_neg=cfg.vespo_lambda_neg,
         sampler_logp=mb.sampler_logp, off_policy_mask_threshold=cfg.off_policy_mask_threshold,
         sampler_correction=cfg.vllm_importance_sampling_mode if cfg.vllm_importance_sampling_correction else None,
-        sampler_correction_cap=cfg.vllm_importance_sampling_cap)
+        sampler_correction_cap=cfg.vllm_importance_sampling_cap,
+        sampler_correction_clip_min=cfg.vllm_importance_sampling_clip_min)
 
 
 def step_statistics(per_micro_batch: Sequence[tuple[dict[str, float], float]], step_loss: float,
@@ -344,31 +448,61 @@ def step_statistics(per_micro_batch: Sequence[tuple[dict[str, float], float]], s
     return {**dict(zip(names, means.tolist())), "loss": loss.item(), "step_tokens": tokens.sum().item()}
 
 
+def entropy_control(scheduler, cfg: GRPOConfig) -> EntropyControl:
+    """The run's EntropyControl: the one the scheduler carries (`make_scheduler`'s Schedule), or, for another
+    scheduler, a fixed entropy_coef (adaptive control needs a Schedule to keep its coefficient in)."""
+    control = getattr(scheduler, "entropy", None)
+    if isinstance(control, EntropyControl):
+        return control
+    if cfg.use_adaptive_entropy:
+        raise ValueError("use_adaptive_entropy keeps its coefficient in the scheduler: build it with "
+                         "grpo_core.update.make_scheduler")
+    return EntropyControl.of(cfg)
+
+
+def controlled_entropy(entropy: torch.Tensor, mask: torch.Tensor, top_entropy_quantile: float) -> torch.Tensor:
+    """[sum of the entropy, count] over the tokens the policy loss trains on (the high-entropy mask applied
+    when top_entropy_quantile < 1), what adaptive entropy control measures (as TRL). entropy/mask: [b, Lc]
+    -> [2] float64."""
+    if top_entropy_quantile < 1.0:
+        mask = mask * high_entropy_mask(entropy, mask, top_entropy_quantile)            # [b, Lc]
+    return torch.stack([(entropy * mask).sum(), mask.sum()]).double().cpu()
+
+
 def optimizer_step(policy: Policy, optimizer, scheduler, micro_batches: Sequence[MicroBatch], cfg: GRPOConfig,
                    tokens_per_step: float, data_parallel: DataParallel = DataParallel()) -> dict[str, float]:
     """One optimizer step: accumulate the gradients of its micro-batches (summed over the processes),
-    clip, step; return its metrics (`step_statistics`)."""
+    clip, step, and move the adaptive entropy coefficient (`EntropyControl`) by the entropy it measured;
+    return its metrics (`step_statistics`; entropy_coef: the coefficient after the step, as TRL logs it,
+    entropy_coef_applied: the one this step's loss used)."""
     t0 = time.perf_counter()
     optimizer.zero_grad(set_to_none=True)
     n_mb = len(micro_batches)
     per_micro_batch, step_loss = [], 0.0
+    control = entropy_control(scheduler, cfg)
+    entropy_coef, measured = control.applied(cfg), torch.zeros(2, dtype=torch.float64)   # [entropy sum, tokens]
     for mb in micro_batches:
         logp, entropy = completion_logprobs(
             policy.model, mb.input_ids, mb.attention_mask, mb.completion_mask.size(1), cfg.temperature,
             with_entropy=True, chunk_rows=cfg.logit_chunk_rows, group_size=mb.group_size,
-            entropy_grad=cfg.entropy_coef > 0)                                               # [b, Lc]
-        loss, stats = micro_batch_loss(logp, entropy, mb, cfg, n_mb, tokens_per_step)
-        if mb.loss_weight != 1.0:
-            loss = loss * mb.loss_weight
+            entropy_grad=entropy_coef > 0, fp32_head=cfg.cast_lm_head_to_fp32)               # [b, Lc]
+        loss, stats = micro_batch_loss(logp, entropy, mb, cfg, n_mb, tokens_per_step, entropy_coef)
         loss.backward()
         step_loss += loss.item()
         mask = mb.completion_mask
         stats["entropy"] = ((entropy.detach() * mask).sum() / mask.sum().clamp(min=1)).item()
         per_micro_batch.append((stats, 0.0 if mb.stand_in else mask.sum().item()))
+        if control.adaptive and not mb.stand_in:
+            measured += controlled_entropy(entropy.detach(), mask, cfg.top_entropy_quantile)
         del logp, entropy, loss
     params = policy.trainable_parameters()
     data_parallel.sum_across([p.grad for p in params if p.grad is not None])
     metrics = step_statistics(per_micro_batch, step_loss, data_parallel)
+    if control.adaptive:                   # the step's token mean over every process, then the next coefficient
+        data_parallel.sum_across([measured])
+        control.observe((measured[0] / measured[1].clamp(min=1)).item(), cfg)
+    if control.adaptive or cfg.entropy_coef != 0.0:
+        metrics.update({"entropy_coef": control.coef, "entropy_coef_applied": entropy_coef})
     grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm if cfg.max_grad_norm > 0 else float("inf")).item()
     optimizer.step()
     scheduler.step()
@@ -400,8 +534,9 @@ def plan_micro_batches(policy: Policy, kept: Sequence[ScoredSample], group_sizes
                                   policy.device, cfg.mask_truncated_completions,
                                   sizes.pop() if len(sizes) == 1 else 1, with_sampler_logprobs)
             mb.stand_in = stand_in
-            mb.loss_weight = 0.0 if stand_in else shard_loss_weight([kept[i] for i in mine],
-                                                                    [kept[i] for i in idx], cfg)
+            share, whole = [kept[i] for i in mine], [kept[i] for i in idx]
+            mb.loss_weight = 0.0 if stand_in else shard_loss_weight(share, whole, cfg)
+            mb.entropy_weight = 0.0 if stand_in else shard_token_weight(share, whole, cfg)
             plan[-1].append(mb)
     return plan
 
@@ -431,8 +566,7 @@ def grpo_update(policy: Policy, optimizer, scheduler, samples: Sequence[ScoredSa
     batch_stats = batch_statistics(samples, kept, group_sizes, G)
     if not kept:
         return [], batch_stats
-    rewards = torch.tensor([s.reward for s in kept], dtype=torch.float32)             # [N]
-    advantages = group_advantages(rewards, group_sizes, cfg.scale_rewards)             # [N]
+    advantages = batch_advantages(kept, group_sizes, cfg)                              # [N]
 
     # 2) plan optimizer steps and micro-batches (this process's share of each)
     plan = plan_micro_batches(policy, kept, group_sizes, advantages, cfg, seed, data_parallel)

@@ -6,8 +6,8 @@ trainer via gpu_memory_utilization); the current LoRA adapter is saved to a temp
 passed with each generate call as a LoRARequest, so the policy that samples is the policy being trained.
 Full fine-tuning pushes the trainer's weights into the engine before each rollout. With
 SamplingParams.logprobs each completion carries the engine's log-prob of every sampled token, taken
-after temperature and top-k/top-p (`logprobs_mode="processed_logprobs"`, vLLM >= 0.10.2, as TRL asks
-for): the trainer's importance correction compares them with its own.
+after the repetition penalty, temperature, min-p and top-k/top-p (`logprobs_mode="processed_logprobs"`,
+vLLM >= 0.10.2, as TRL asks for): the trainer's importance correction compares them with its own.
 
 Not testable without a GPU: bench/gpu_checks.sh exercises it on a GPU machine.
 """
@@ -19,6 +19,20 @@ from pathlib import Path
 
 from grpo_core.models import resolve_model
 from grpo_core.sampling import Completion, SamplingParams
+
+
+def vllm_sampling_kwargs(params: SamplingParams, n: int) -> dict:
+    """vLLM SamplingParams keywords for `params`, as TRL's colocated generation builds them: min_p None is vLLM's
+    0.0 (off), top_k 0 its -1 (all), the repetition penalty over the prompt and the output as transformers',
+    then generation_kwargs (already checked against vLLM's fields when the config loaded). One difference from
+    our samplers and generate: vLLM applies min_p before top-k/top-p, so with both min_p and top_p < 1 top-p
+    sees the min-p-filtered distribution. With logprobs, 0: the sampled token's own log-prob only, processed
+    (`logprobs_mode="processed_logprobs"`: after penalty, temperature, min-p, top-k and top-p)."""
+    kwargs = dict(n=n, temperature=0.0 if params.greedy else params.temperature, top_p=params.top_p,
+                  top_k=params.top_k if params.top_k else -1, min_p=params.min_p or 0.0,
+                  repetition_penalty=params.repetition_penalty, max_tokens=params.max_new_tokens, seed=params.seed,
+                  logprobs=0 if params.logprobs else None)
+    return {**kwargs, **params.generation_kwargs}
 
 
 class VLLMBackend:
@@ -70,9 +84,11 @@ class VLLMBackend:
     def generate(self, prompts, n, params: SamplingParams):
         from vllm import SamplingParams as VSP
         from vllm.inputs import TokensPrompt
-        sp = VSP(n=n, temperature=0.0 if params.greedy else params.temperature, top_p=params.top_p,
-                 top_k=params.top_k if params.top_k else -1, max_tokens=params.max_new_tokens, seed=params.seed,
-                 logprobs=0 if params.logprobs else None)        # 0: the sampled token's only
+        kwargs = vllm_sampling_kwargs(params, n)
+        if isinstance(kwargs.get("structured_outputs"), dict):             # as TRL: a dict from the YAML
+            from vllm.sampling_params import StructuredOutputsParams
+            kwargs["structured_outputs"] = StructuredOutputsParams(**kwargs["structured_outputs"])
+        sp = VSP(**kwargs)
         lora = self._sync()
         outs = self.llm.generate([TokensPrompt(prompt_token_ids=list(p)) for p in prompts], sp, lora_request=lora,
                                  use_tqdm=False)

@@ -49,9 +49,10 @@ def sample_table(rows: list[dict], iteration: int, max_rows: int) -> dict[str, l
                                              "answer", "completion", *[f"reward_{f}" for f in funcs],
                                              "reward_total", "verdict", "length", "truncated")}
     for r in rows:
-        for c in ("mode", "source", "task_id", "sample", "prompt", "completion", "reward_total", "verdict",
-                  "length", "truncated"):
+        for c in ("source", "task_id", "sample", "prompt", "completion", "reward_total", "verdict", "length",
+                  "truncated"):
             cols[c].append(r[c])
+        cols["mode"].append(r["mode"] + (f"/{r['wording']}" if r.get("wording") else ""))   # greedy/foreign
         cols["answer"].append(r.get("answer"))
         cols["iteration"].append(iteration)
         for f in funcs:

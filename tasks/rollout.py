@@ -9,7 +9,7 @@ from grpo_core.io import write_jsonl
 from grpo_core.multiturn import Toolbox
 from grpo_core.policy import load_policy
 from grpo_core.rollout import make_backend, rollout as sample_groups
-from grpo_core.sampling import SamplingParams
+from grpo_core.sampling import SamplingParams, sampling_options
 from grpo_core.scoring import GroupScorer, early_scores_path, scores_during_rollout, write_early_scores
 from grpo_core.task import read_tasks
 from grpo_core.update import DataParallel, interleave
@@ -29,7 +29,7 @@ def sample_share(data_parallel: DataParallel, config: dict, run_dir: str, iterat
     first = data_parallel.rank == 0
     backend = make_backend(cfg, policy, progress=first)       # cfg.rollout_backend: static (default) | hf | vllm
     params = SamplingParams(max_new_tokens=cfg.max_completion_length, temperature=cfg.temperature,
-                            top_p=cfg.top_p, top_k=cfg.top_k,
+                            **sampling_options(cfg),          # top_p, top_k, min_p, ... and generation_kwargs
                             seed=data_parallel.shard_seed(cfg.seed * 7919 + iteration),
                             logprobs=cfg.needs_sampler_logprobs)
     scorer = GroupScorer(cfg, tasks) if scores_during_rollout(cfg) else None

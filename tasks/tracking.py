@@ -475,26 +475,24 @@ def list_artifact_paths(cfg: GRPOConfig, run_id: str, path: str | None = None) -
 COMPLETIONS_DIR = "completions"
 
 
-def completion_advantages(batch: list, scale_rewards: str) -> list[float | None]:
+def completion_advantages(batch: list, cfg: GRPOConfig) -> list[float | None]:
     """Each sample's advantage as the update computed it (grpo_core.update.surviving_groups, then
-    grpo_core.loss.group_advantages); None where a sample did not train (unscorable, or its group kept
-    fewer than 2 members). `batch`: tasks.update.scored_batch's list."""
-    import torch
-    from grpo_core.loss import group_advantages
-    from grpo_core.update import surviving_groups
+    grpo_core.update.batch_advantages: scale_rewards, multi_objective_aggregation); None where a sample did not
+    train (unscorable, or its group kept fewer than 2 members). `batch`: tasks.update.scored_batch's list."""
+    from grpo_core.update import batch_advantages, surviving_groups
     kept, group_sizes = surviving_groups(batch)
     if not kept:
         return [None] * len(batch)
-    advantages = group_advantages(torch.tensor([s.reward for s in kept], dtype=torch.float32), group_sizes,
-                                  scale_rewards)                                           # [N]
+    advantages = batch_advantages(kept, group_sizes, cfg)                                  # [N]
     by_sample = {id(s): float(a) for s, a in zip(kept, advantages)}
     return [None if s is None else by_sample.get(id(s)) for s in batch]
 
 
 def completion_table(samples: list[dict], scores: list[dict], advantages: list[float | None], iteration: int,
-                     max_prompts: int, decode) -> dict[str, list]:
+                     max_prompts: int, decode, unique_prompts: bool = False) -> dict[str, list]:
     """Columns for log_table: the first `max_prompts` prompts (as the model saw them, `decode`d), each with
-    all its completions, the reward of each reward function, the total and the advantage."""
+    all its completions, the reward of each reward function, the total and the advantage. `unique_prompts`
+    (TRL's log_unique_prompts): one row per prompt text, its first completion's."""
     groups = set(list(dict.fromkeys(r["group"] for r in samples))[:max_prompts])
     funcs = list(dict.fromkeys(f for sc in scores for f in sc.get("rewards", {})))
     cols: dict[str, list] = {c: [] for c in ("iteration", "group", "task_id", "prompt", "completion",
@@ -506,6 +504,11 @@ def completion_table(samples: list[dict], scores: list[dict], advantages: list[f
             continue
         if r["group"] not in prompts:
             prompts[r["group"]] = decode(r["prompt_ids"])
+            if unique_prompts and prompts[r["group"]] in cols["prompt"]:
+                groups.discard(r["group"])          # the same text as an earlier prompt: its row is there
+                continue
+        elif unique_prompts:
+            continue
         row = {"iteration": iteration, "group": r["group"], "task_id": r["task_id"], "prompt": prompts[r["group"]],
                "completion": readable_conversation(r["extra"]) if "turns" in (r.get("extra") or {})
                else r["completion"],
@@ -518,14 +521,55 @@ def completion_table(samples: list[dict], scores: list[dict], advantages: list[f
     return cols
 
 
+def printed_completions(samples: list[dict], scores: list[dict], advantages: list[float | None], iteration: int,
+                        n: int, decode, seed: int, prompt_chars: int = 300) -> str:
+    """TRL's num_completions_to_print as console text: `n` of the iteration's completions drawn at random (a
+    stream of its own, seeded by `seed` and the iteration: the run's random streams are untouched), each
+    with the end of its prompt (`decode`d; at most `prompt_chars` characters), the completion, the total
+    reward and each function's, and the advantage (None: did not train)."""
+    import random
+    picked = sorted(random.Random(f"{seed}:{iteration}").sample(range(len(samples)), min(n, len(samples))))
+    lines = [f"completions of iteration {iteration} ({len(picked)} of {len(samples)}, drawn at random):"]
+    for k, i in enumerate(picked, 1):
+        r, sc, adv = samples[i], scores[i], advantages[i]
+        prompt = decode(r["prompt_ids"])
+        prompt = prompt if len(prompt) <= prompt_chars else "..." + prompt[-prompt_chars:]
+        per_func = ", ".join(f"{f}={v}" for f, v in (sc.get("rewards") or {}).items())
+        completion = readable_conversation(r["extra"]) if "turns" in (r.get("extra") or {}) else r["completion"]
+        lines += [f"[{k}] group {r['group']}, task {r['task_id']}: reward {sc['reward']} ({per_func}), advantage "
+                  f"{'None' if adv is None else f'{adv:.4f}'}",
+                  "  prompt: " + prompt.replace("\n", "\n    "), "  completion: " + completion.replace("\n", "\n    ")]
+    return "\n".join(lines)
+
+
+def console(message: str) -> None:
+    """To the Prefect run log inside a flow (the CLI shows it on stdout), else to stdout; never stderr."""
+    try:
+        from prefect import get_run_logger
+        get_run_logger().info(message)
+    except Exception:  # noqa: BLE001 - outside a flow/task run there is no run logger
+        print(message, file=sys.stdout, flush=True)
+
+
 def log_completions(cfg: GRPOConfig, run_id: str | None, iteration: int, batch: list, samples: str | Path,
                     scores: str | Path, tokenizer) -> bool:
     """Every tracking.log_completions_steps iterations, the completion table of this iteration's update as
-    completions/iter_<kkkk>.json (once: a re-run stage finds it and skips). True if logged."""
+    completions/iter_<kkkk>.json (once: a re-run stage finds it and skips; log_unique_prompts: one row per
+    prompt). With num_completions_to_print, after every update, that many completions to the console log
+    (`printed_completions`). True if the table was logged."""
     t = cfg.tracking
-    if not (t.log_completions and run_id and iteration % t.log_completions_steps == 0):
+    table_due = bool(t.log_completions and run_id and iteration % t.log_completions_steps == 0)
+    if not (table_due or cfg.num_completions_to_print):
         return False
-    table = completion_table(list(read_jsonl(samples)), list(read_jsonl(scores)),
-                             completion_advantages(batch, cfg.scale_rewards), iteration, t.log_completions_prompts,
-                             lambda ids: tokenizer.decode(ids, skip_special_tokens=True))
+    rows, scored, advantages = list(read_jsonl(samples)), list(read_jsonl(scores)), completion_advantages(batch, cfg)
+
+    def decode(ids):
+        return tokenizer.decode(ids, skip_special_tokens=True)
+    if cfg.num_completions_to_print:
+        console(printed_completions(rows, scored, advantages, iteration, cfg.num_completions_to_print, decode,
+                                    cfg.seed))
+    if not table_due:
+        return False
+    table = completion_table(rows, scored, advantages, iteration, t.log_completions_prompts, decode,
+                             cfg.log_unique_prompts)
     return log_table(cfg, run_id, table, f"{COMPLETIONS_DIR}/iter_{iteration:04d}.json")

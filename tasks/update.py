@@ -23,7 +23,7 @@ def scored_batch(samples: str, scores: str) -> list[ScoredSample | None]:
     return [None if sc["reward"] is None else
             ScoredSample(group=r["group"], prompt_ids=r["prompt_ids"], completion_ids=r["completion_ids"],
                          reward=sc["reward"], truncated=r["truncated"], sampler_logprobs=r.get("sampler_logprobs"),
-                         completion_mask=r.get("completion_mask"))
+                         completion_mask=r.get("completion_mask"), rewards_per_func=sc.get("rewards"))
             for r, sc in zip(read_jsonl(samples), read_jsonl(scores))]
 
 

@@ -16,7 +16,8 @@ One micro-batch is a list of sequences; each sequence gives, for its completion 
                      phi(w) = w^k exp(-lambda (w - 1)), (k, lambda) = (k_pos, lambda_pos) if A >= 0
     off-policy mask  J_t = 0 for the whole sequence when A < 0 and mean_t(log mu - log pi) > threshold
     entropy mask     J_t = 0 unless H_t >= quantile(H of all the micro-batch's tokens, 1 - q)
-    sampler weight   J_t *= w (pi_old / mu per token or per sequence; truncated to C or zeroed above C)
+    sampler weight   J_t *= w (pi_old / mu per token or per sequence; truncated to [C_min, C] or zeroed outside
+                     it; no C_min: no lower bound)
     per token        L_t = -J_t + beta * r * (ref/pi - log(ref/pi) - 1)
                      (r: the ratio J_t uses, before delta; DeepSeek-V3.2's bias-corrected KL; without it r = 1)
     entropy bonus    loss -= entropy_coef * (mean of H_t over the tokens the entropy mask keeps) / micro-batches
@@ -45,6 +46,7 @@ class Options:
     off_policy_threshold: float | None = None
     sampler_mode: str | None = None
     sampler_cap: float = 3.0
+    sampler_min: float | None = None
     vespo: tuple[float, float, float, float] = (2.0, 3.0, 3.0, 2.0)     # k_pos, lambda_pos, k_neg, lambda_neg
 
 
@@ -79,10 +81,11 @@ def sequence_terms(seq: Sequence, o: Options, entropy_threshold: float | None) -
     if o.sampler_mode is not None:
         diffs = [seq.old[t] - seq.sampler[t] for t in range(n)]
         raw = [math.exp(sum(diffs))] * n if o.sampler_mode.startswith("sequence") else [math.exp(d) for d in diffs]
+        low = -math.inf if o.sampler_min is None else o.sampler_min
         if o.sampler_mode.endswith("truncate"):
-            weights = [min(w, o.sampler_cap) for w in raw]
+            weights = [min(max(w, low), o.sampler_cap) for w in raw]
         else:
-            weights = [0.0 if w > o.sampler_cap else w for w in raw]
+            weights = [0.0 if w > o.sampler_cap or w < low else w for w in raw]
     else:
         weights = [1.0] * n
     if o.loss_type == "vespo":                   # the sampler weights go into the sequence's w, not per token

@@ -18,11 +18,11 @@ from grpo_core.update import ScoredSample, grpo_update, make_optimizer, make_sch
 G = 4
 
 
-def tiny_run(checkpoint=None):
+def tiny_run(checkpoint=None, **over):
     """Policy, AdamW and a warmup + linear schedule on the tiny model (fresh, or the adapter in `checkpoint`)."""
-    cfg = GRPOConfig(model="tiny-random", device="cpu", dtype="float32", num_generations=G, max_completion_length=6,
-                     lora_r=4, lora_alpha=8, learning_rate=1e-2, pipeline_iterations=4, warmup_ratio=0.25,
-                     lr_scheduler_type="linear")
+    cfg = GRPOConfig(**{**dict(model="tiny-random", device="cpu", dtype="float32", num_generations=G,
+                               max_completion_length=6, lora_r=4, lora_alpha=8, learning_rate=1e-2,
+                               pipeline_iterations=4, warmup_ratio=0.25, lr_scheduler_type="linear"), **over})
     torch.manual_seed(0)
     policy = load_policy(cfg, checkpoint)
     if checkpoint is None:
@@ -66,6 +66,29 @@ def test_resumed_run_continues_like_the_uninterrupted_one(grpo_home, tmp_path):
     assert resumed_metrics[0]["loss"] == next_metrics[0]["loss"]
     for a, b in zip(kept_going, policy.trainable_parameters()):
         assert torch.equal(a, b)
+
+
+def test_adaptive_entropy_coefficient_survives_a_resume(grpo_home, tmp_path):
+    """use_adaptive_entropy: the coefficient and the entropy last measured are in trainer_state.pt (with the
+    scheduler's state) and come back with it, so the resumed step applies what the uninterrupted one does."""
+    over = dict(use_adaptive_entropy=True, entropy_coef=0.0, entropy_coef_delta=0.01, entropy_target=100.0)
+    cfg, policy, optimizer, scheduler = tiny_run(**over)
+    for k in range(2):                                        # two steps below the target: 0 -> .01 -> .02
+        grpo_update(policy, optimizer, scheduler, samples(k), cfg, seed=k)
+    out = save_checkpoint(policy, optimizer, scheduler, global_step=2, out=tmp_path / "update")
+    saved = torch.load(out / STATE_FILE, weights_only=False)["scheduler"]["entropy"]
+    assert saved["coef"] == pytest.approx(0.02) and saved["last_entropy"] < 100.0
+    next_metrics, _ = grpo_update(policy, optimizer, scheduler, samples(2), cfg, seed=2)
+    assert next_metrics[0]["entropy_coef_applied"] == pytest.approx(0.02)
+    assert next_metrics[0]["entropy_coef"] == pytest.approx(0.03)
+
+    cfg, policy, optimizer, scheduler = tiny_run(out / ADAPTER_DIR, **over)
+    assert scheduler.entropy.coef == 0.0                      # a fresh schedule starts from entropy_coef
+    load_trainer_state(out / STATE_FILE, optimizer, scheduler)
+    assert scheduler.entropy.state_dict() == saved
+    resumed_metrics, _ = grpo_update(policy, optimizer, scheduler, samples(2), cfg, seed=2)
+    for key in ("entropy_coef_applied", "entropy_coef", "loss"):
+        assert resumed_metrics[0][key] == next_metrics[0][key], key
 
 
 def test_no_state_means_step_zero():

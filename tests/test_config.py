@@ -107,6 +107,25 @@ def test_help_renders_and_states_no_speed_figures():
     (["ref_model_mixup_alpha=1.5"], ["ref_model_mixup_alpha"]),
     (["ref_model_sync_steps=0"], ["ref_model_sync_steps"]),
     (["reference=previous"], ["reference"]),
+    (["multi_objective_aggregation=gdpo"], ["multi_objective_aggregation"]),
+    (["multi_objective_aggregation=normalize_then_sum", "scale_rewards=none"],
+     ["multi_objective_aggregation", "scale_rewards: group"]),
+    (["use_adaptive_entropy=true", "entropy_coef_min=0.2", "entropy_coef_max=0.1"],
+     ["entropy_coef_min", "entropy_coef_max"]),
+    (["use_adaptive_entropy=true", "entropy_coef=0.5", "entropy_coef_max=0.1"], ["entropy_coef", "entropy_coef_max"]),
+    (["entropy_coef_delta=0"], ["entropy_coef_delta"]),
+    (["entropy_target=-1"], ["entropy_target"]),
+    (["entropy_coef_min=-0.1"], ["entropy_coef_min"]),
+    (["vllm_importance_sampling_clip_min=0.5"], ["vllm_importance_sampling_clip_min",
+                                                 "vllm_importance_sampling_correction: true"]),
+    (["vllm_importance_sampling_correction=true", "vllm_importance_sampling_clip_min=4"],
+     ["vllm_importance_sampling_clip_min", "vllm_importance_sampling_cap"]),
+    (["vllm_importance_sampling_clip_min=0"], ["vllm_importance_sampling_clip_min"]),
+    (["disable_dropout=true", "lora_dropout=0.1"], ["disable_dropout", "lora_dropout"]),
+    (["cast_lm_head_to_fp32=true", "lora_target_modules=[q_proj, lm_head]"],
+     ["cast_lm_head_to_fp32", "lora_target_modules"]),
+    (["num_completions_to_print=0"], ["num_completions_to_print"]),
+    (["log_unique_prompts=true", "tracking.log_completions=false"], ["log_unique_prompts", "tracking.log_completions"]),
 ])
 def test_variant_options_bad_values_name_the_fields(overrides, fields):
     with pytest.raises(ConfigError) as e:
@@ -135,6 +154,17 @@ def test_variant_options_defaults_are_plain_grpo_and_good_values_load():
     assert (vespo.vespo_k_pos, vespo.vespo_lambda_pos, vespo.use_bias_correction_kl) == (1.0, 3.0, False)
     # reference: init without an init adapter is fine (it means the base)
     assert load_config(None, ["reference=init"]).init_adapter is None
+    # the TRL options added for TRL 1.16 parity: TRL's defaults, and good values load
+    assert (cfg.multi_objective_aggregation, cfg.use_adaptive_entropy, cfg.entropy_coef_min, cfg.entropy_coef_max,
+            cfg.entropy_coef_delta, cfg.entropy_target, cfg.vllm_importance_sampling_clip_min, cfg.disable_dropout,
+            cfg.cast_lm_head_to_fp32, cfg.log_unique_prompts, cfg.num_completions_to_print) == \
+        ("sum_then_normalize", False, 0.0, 1.0, 0.005, 0.2, None, False, False, False, None)
+    trl = load_config(None, ["multi_objective_aggregation=normalize_then_sum", "use_adaptive_entropy=true",
+                             "entropy_coef=0.01", "entropy_coef_max=0.05", "entropy_target=1.5",
+                             "vllm_importance_sampling_correction=true", "vllm_importance_sampling_clip_min=0.5",
+                             "disable_dropout=true", "cast_lm_head_to_fp32=true", "log_unique_prompts=true",
+                             "num_completions_to_print=4"])
+    assert (trl.entropy_target, trl.vllm_importance_sampling_clip_min, trl.num_completions_to_print) == (1.5, 0.5, 4)
 
 
 def test_variant_options_are_logged_and_shown_in_help():
@@ -143,7 +173,10 @@ def test_variant_options_are_logged_and_shown_in_help():
              "top_entropy_quantile", "entropy_coef", "off_policy_mask_threshold", "use_bias_correction_kl",
              "vespo_k_pos", "vespo_lambda_pos", "vespo_k_neg", "vespo_lambda_neg",
              "vllm_importance_sampling_correction", "vllm_importance_sampling_mode", "vllm_importance_sampling_cap",
-             "sync_ref_model", "ref_model_mixup_alpha", "ref_model_sync_steps", "reference"]
+             "sync_ref_model", "ref_model_mixup_alpha", "ref_model_sync_steps", "reference",
+             "multi_objective_aggregation", "use_adaptive_entropy", "entropy_coef_min", "entropy_coef_max",
+             "entropy_coef_delta", "entropy_target", "vllm_importance_sampling_clip_min", "disable_dropout",
+             "cast_lm_head_to_fp32", "log_unique_prompts", "num_completions_to_print"]
     flat, text = GRPOConfig().flat(), field_help()
     for name in names:
         assert name in flat, name                                  # MLflow params (tasks/tracking logs cfg.flat())

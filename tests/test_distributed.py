@@ -23,7 +23,7 @@ from grpo_core.data import arithmetic
 from grpo_core.evaluation import MODES, merge_rows
 from grpo_core.task import Task, read_tasks, write_tasks
 from grpo_core.update import (MICRO_BATCH_NORMALISER, DataParallel, ScoredSample, interleave, shard_loss_weight,
-                              shard_rows)
+                              shard_rows, shard_token_weight)
 from tasks import distributed, tracking
 from tasks.layout import cfg_of
 from tasks.evaluate import evaluate
@@ -190,6 +190,38 @@ def test_the_update_stage_starts_its_processes_with_accelerate(batch_env, one_pr
     assert faults.leftovers(run_dir) == []
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(SLOW_TIMEOUT)
+def test_adaptive_entropy_is_measured_over_every_process(batch_env):
+    """use_adaptive_entropy on 2 launched processes: the controller measures the step's token-mean entropy over
+    both processes' tokens (summed across them), and each process's part of the entropy bonus (a token mean
+    whatever the loss type) is its share of the tokens, so the coefficients, the state the checkpoint keeps and
+    the weights (the second step applies the bonus) are those of one process on the whole batch."""
+    tmp, batch = batch_env
+    config = case_config(tmp, "grpo", "token", use_adaptive_entropy=True, entropy_coef=0.01, entropy_target=50.0)
+
+    def kwargs(name: str) -> dict:
+        return dict(config=config, run_dir=str(tmp / name), iteration=1, samples=batch[0], scores=batch[1],
+                    checkpoint=None, state=None)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)                      # as each launched process
+    try:
+        one = train_on_batch(DataParallel(), **kwargs("adaptive-one"))
+    finally:
+        torch.set_num_threads(threads)
+    write_json(tmp / "adaptive.json", [{"kwargs": kwargs("adaptive-two"), "result": str(tmp / "adaptive-two.json")}])
+    run_launched(["tests.distributed_parity", str(tmp / "adaptive.json")], tmp / "adaptive.log")
+    two = read_json(tmp / "adaptive-two.json")
+    assert [s["entropy_coef_applied"] for s in two["steps"]] == [s["entropy_coef_applied"] for s in one["steps"]]
+    assert [s["entropy_coef_applied"] for s in one["steps"]] == pytest.approx([0.0, 0.015])
+
+    def saved(out_dir: str) -> dict:
+        return torch.load(Path(out_dir) / "trainer_state.pt", weights_only=False)["scheduler"]["entropy"]
+    assert saved(two["out_dir"])["coef"] == pytest.approx(saved(one["out_dir"])["coef"])
+    assert saved(two["out_dir"])["last_entropy"] == pytest.approx(saved(one["out_dir"])["last_entropy"], rel=1e-6)
+    assert max_weight_difference(one["out_dir"], two["out_dir"]) <= WEIGHT_TOLERANCE
+
+
 def sampling_run(tmp: Path, name: str, processes: int) -> tuple[dict, Path]:
     """A run whose rollout and evaluate stages run on `processes` processes: (config, run directory)."""
     stages = {stage: {"retries": 0, "num_processes": processes} for stage in ("rollout", "evaluate")}
@@ -333,6 +365,8 @@ def test_groups_are_dealt_round_robin_and_a_process_without_one_stands_in():
         cfg = cfg_of(tiny_config(Path("."), loss_type=loss_type, epsilon_high=5.0, mask_truncated_completions=True))
         assert shard_loss_weight(share, whole, cfg) == pytest.approx(weight), loss_type
         assert shard_loss_weight(whole, whole, cfg) == 1.0
+        # the entropy bonus is a token mean whatever the loss type: its part is the share's loss tokens
+        assert shard_token_weight(share, whole, cfg) == pytest.approx(5 / 9)
 
 
 def test_prompts_are_dealt_round_robin_and_merged_back_in_order():

@@ -33,7 +33,8 @@ def _greedy(model, tok, prompts):
     out = []
     for p in prompts:
         ids = tok(p, return_tensors="pt")
-        gen = model.generate(**ids, max_new_tokens=8, do_sample=False, pad_token_id=tok.pad_token_id)
+        gen = model.generate(**ids, max_new_tokens=8, do_sample=False, pad_token_id=tok.pad_token_id,
+                             repetition_penalty=1.0)      # the same decoding whatever generation_config.json says
         out.append(tok.decode(gen[0, ids["input_ids"].shape[1]:]))
     return out
 
@@ -43,7 +44,7 @@ def test_merged_export_answers_like_the_adapter(trained_adapter, tmp_path):
     from transformers import AutoModelForCausalLM
     cfg, adapter = trained_adapter
     base_dir = resolve_model(cfg.model)
-    settings = generation_settings(1.0, 0.9, 0, 48)
+    settings = generation_settings(1.0, 0.9, 0, 48, min_p=0.05, repetition_penalty=1.1)
     out = export_model(base_dir, adapter, tmp_path / "export",
                        ModelCard(base_model=cfg.model, run_name="r", mlflow_run_id="abc", iteration=3,
                                  system_prompt="Answer in <answer> tags."), settings)
@@ -58,6 +59,7 @@ def test_merged_export_answers_like_the_adapter(trained_adapter, tmp_path):
     assert merged_answers != _greedy(AutoModelForCausalLM.from_pretrained(base_dir).eval(), tok, prompts)  # it trained
     gen = json.loads((out / "generation_config.json").read_text())
     assert gen["temperature"] == 1.0 and gen["top_p"] == 0.9 and gen["max_new_tokens"] == 48
+    assert gen["min_p"] == 0.05 and gen["repetition_penalty"] == 1.1
     assert tok.chat_template and "quantization_config" not in json.loads((out / "config.json").read_text())
     card = (out / "README.md").read_text()
     assert "abc" in card and "Answer in <answer> tags." in card and "iteration 3" in card
@@ -181,3 +183,45 @@ def test_grpo_export_best_adapter_only_and_errors(tiny_run, tmp_path, capsys):
     assert main(["export", "no-such-run", "--out", str(tmp_path / "y")]) == 2
     assert "no run 'no-such-run'" in capsys.readouterr().err
     assert not (tmp_path / "x").exists() and not (tmp_path / "y").exists()
+
+
+def test_exported_chat_template_prompts_as_training_did(tiny_run, tmp_path):
+    """A user message alone, through the exported model's own chat template with plain transformers, gets
+    the training prompt (system prompt, with --with-examples the worked examples too) and so the evaluation's
+    greedy answers; a caller's own system message replaces those turns; --no-default-system keeps the base
+    template."""
+    from transformers import AutoModelForCausalLM
+    from flows.cli.main import main
+    from grpo_core.evaluation import evaluate_checkpoint
+    from grpo_core.io import read_jsonl
+    from grpo_core.sampling import PromptFormat, prompt_messages, render_chat
+    from grpo_core.task import Task
+    run_dir, _, _ = tiny_run
+    cfg = _run_config(run_dir).model_copy(update={"eval": _run_config(run_dir).eval.model_copy(
+        update={"num_samples": 0})})
+    tasks = [Task(**r) for r in read_jsonl(run_dir / "data" / "eval.jsonl")][:6]
+    _, rows = evaluate_checkpoint(cfg, tasks, str(run_dir / "iter-2" / "update" / "checkpoint"), progress=False)
+    for flag, fmt in (("--with-examples", cfg.data.prompt_format),
+                      (None, PromptFormat(cfg.data.system_prompt, (), cfg.data.response_prefix))):
+        out = tmp_path / f"export{flag}"
+        assert main(["export", str(run_dir), "--out", str(out), "--registered-name", "none",
+                     *([flag] if flag else [])]) == 0
+        tok = load_tokenizer(out)
+        user_only = [tok.apply_chat_template([{"role": "user", "content": t.prompt}], add_generation_prompt=True,
+                                             tokenize=False) for t in tasks]
+        base_tok = load_tokenizer(resolve_model("tiny-random"))
+        assert user_only == [render_chat(base_tok, prompt_messages(t, fmt)) for t in tasks]
+        own = [{"role": "system", "content": "Be terse."}, {"role": "user", "content": "2 + 2?"}]
+        assert tok.apply_chat_template(own, tokenize=False) == base_tok.apply_chat_template(own, tokenize=False)
+        if flag:                                      # exactly the evaluation's prompt: its greedy answers
+            model = AutoModelForCausalLM.from_pretrained(out).eval()
+            answers = []
+            for text in user_only:
+                ids = tok(text, return_tensors="pt", add_special_tokens=False)
+                gen = model.generate(**ids, max_new_tokens=cfg.max_completion_length, do_sample=False,
+                                     pad_token_id=tok.pad_token_id)
+                answers.append(tok.decode(gen[0, ids["input_ids"].shape[1]:], skip_special_tokens=True))
+            assert answers == [r["completion"] for r in rows]
+    out = tmp_path / "plain-template"
+    assert main(["export", str(run_dir), "--out", str(out), "--registered-name", "none", "--no-default-system"]) == 0
+    assert load_tokenizer(out).chat_template == load_tokenizer(resolve_model("tiny-random")).chat_template

@@ -52,6 +52,49 @@ def test_chunked_head_logprobs_value_and_gradient(compiled, monkeypatch):
         assert torch.allclose(gh, gh2, atol=1e-5) and torch.allclose(gw, gw2, atol=1e-5)
 
 
+def test_fp32_head_is_the_float32_matmul_of_the_bf16_weights():
+    """cast_lm_head_to_fp32 (ScaleRL, TRL): with a bf16 head and bf16 hidden states, head_logprobs(fp32_head=True)
+    is the log-softmax of float32 logits (hidden.float() @ W.float().T), value and gradient, where the plain
+    head rounds its logits to bf16 first."""
+    g = torch.Generator().manual_seed(3)
+    hidden0 = (torch.randn(6, 32, generator=g) * 4).bfloat16()
+    head = torch.nn.Linear(32, 500, bias=True).bfloat16()
+    with torch.no_grad():
+        head.weight.copy_(torch.randn(500, 32, generator=g))
+        head.bias.copy_(torch.randn(500, generator=g))
+    ids = torch.randint(0, 500, (6,), generator=g)
+    hidden = hidden0.clone().requires_grad_()
+    lp, ent = head_logprobs(hidden, head, ids, temperature=0.8, with_entropy=True, fp32_head=True)
+    exact = hidden.float() @ head.weight.float().T + head.bias.float()
+    want = token_logprobs(exact, ids, 0.8)
+    assert lp.dtype == torch.float32 and torch.allclose(lp, want, atol=1e-5)
+    assert torch.allclose(ent, token_entropy(exact, 0.8), atol=1e-4)
+    got = torch.autograd.grad(lp.sum(), (hidden, head.weight, head.bias))
+    expect = torch.autograd.grad(want.sum(), (hidden, head.weight, head.bias))
+    for a, b in zip(got, expect):
+        assert a.dtype == b.dtype and torch.allclose(a.float(), b.float(), atol=1e-2, rtol=1e-2)
+    plain, _ = head_logprobs(hidden0, head, ids, temperature=0.8)              # bf16 logits: off by their rounding
+    assert (plain - want.detach()).abs().max() > 10 * (lp - want).detach().abs().max()
+
+
+def test_completion_logprobs_with_the_fp32_head_on_a_bf16_model(tiny_model_dir):
+    """The update's log-probs on a bf16 model with fp32_head: the trunk's (bf16) hidden states through the LM
+    head in float32."""
+    from transformers import AutoModelForCausalLM
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.bfloat16).eval()
+    ids = torch.tensor([[5, 6, 7, 8, 9, 10, 11], [0, 12, 13, 14, 15, 16, 0]])
+    attn = torch.tensor([[1] * 7, [0, 1, 1, 1, 1, 1, 0]])
+    with torch.no_grad():
+        lp, _ = completion_logprobs(model, ids, attn, 3, fp32_head=True)
+        plain, _ = completion_logprobs(model, ids, attn, 3)
+        from grpo_core.kernels.lean_decode import positions
+        hidden = model.model(input_ids=ids, attention_mask=attn, position_ids=positions(attn)).last_hidden_state
+        logits = hidden[:, 3:6].float() @ model.lm_head.weight.float().T                 # predicts tokens 4..6
+    want = token_logprobs(logits, ids[:, 4:]) * torch.tensor([[1.0] * 3, [1.0, 1.0, 0.0]])
+    assert torch.allclose(lp, want, atol=1e-4)
+    assert (plain - want).abs().max() > 10 * (lp - want).abs().max()
+
+
 def test_completion_logprobs_match_unpadded_forward(tiny_model_dir):
     """Left-padded prompts + right-padded completions give each sequence's own unpadded log-probs."""
     from transformers import AutoModelForCausalLM

@@ -11,8 +11,9 @@ import pytest
 import torch
 
 from grpo_core.logprobs import token_entropy, token_logprobs
-from grpo_core.loss import (LOSS_TYPES, aggregate, clipped_surrogate, grpo_loss, group_advantages, high_entropy_mask,
-                            importance_ratio, kl_k3, off_policy_sequence_mask, sampler_correction_weight, sapo_loss,
+from grpo_core.loss import (LOSS_TYPES, aggregate, applied_entropy_coef, clipped_surrogate, decoupled_advantages,
+                            grpo_loss, group_advantages, high_entropy_mask, importance_ratio, kl_k3,
+                            next_entropy_coef, off_policy_sequence_mask, sampler_correction_weight, sapo_loss,
                             zero_std_groups)
 from published_objective import Options, Sequence, micro_batch_loss
 
@@ -36,6 +37,57 @@ def test_group_advantages_by_hand():
     assert torch.allclose(n, torch.tensor([.75, -.25, -.25, -.25, .5, .5, -.5, -.5]))
     with pytest.raises(ValueError):
         group_advantages(r, 4, "zscore")
+
+
+def test_decoupled_advantages_gdpo_by_hand():
+    """normalize_then_sum (GDPO, TRL): each function normalised within its group, the weighted sum, then the sum
+    normalised over the batch. Two groups of 3, two functions, weights 1 and 0.5."""
+    r = torch.tensor([[1., 0.], [0., 0.], [0., 3.],           # group 1
+                      [2., 1.], [2., 1.], [5., 4.]], dtype=torch.float64)          # group 2
+    w = torch.tensor([1.0, 0.5])
+    e = 1e-4
+    # group 1: col 0 mean 1/3, std sqrt(1/3); col 1 mean 1, std sqrt(3). group 2: col 0 mean 3, std sqrt(3); col 1
+    # mean 2, std sqrt(3)
+    s3, s13 = math.sqrt(3), math.sqrt(1 / 3)
+    z = [[(2 / 3) / (s13 + e), -1 / (s3 + e)], [(-1 / 3) / (s13 + e), -1 / (s3 + e)],
+         [(-1 / 3) / (s13 + e), 2 / (s3 + e)], [-1 / (s3 + e), -1 / (s3 + e)], [-1 / (s3 + e), -1 / (s3 + e)],
+         [2 / (s3 + e), 2 / (s3 + e)]]
+    summed = [a + 0.5 * b for a, b in z]
+    m = sum(summed) / 6
+    sd = math.sqrt(sum((x - m) ** 2 for x in summed) / 5)
+    expect = [(x - m) / (sd + e) for x in summed]
+    got = decoupled_advantages(r, w, 3)
+    assert got.tolist() == pytest.approx(expect, rel=1e-9, abs=1e-12)
+    # not what summing first gives (sum_then_normalize): a reward on a big scale no longer drowns the other
+    assert not torch.allclose(got, group_advantages((r * w).sum(-1), 3), atol=1e-2)
+    # ragged groups (group 1 lost its first member): [0, 0], [0, 3] -> column 0 all equal (z = 0), column 1
+    # mean 1.5, std sqrt(4.5); group 2 as above
+    s45 = math.sqrt(4.5)
+    summed = [0.5 * -1.5 / (s45 + e), 0.5 * 1.5 / (s45 + e)] + summed[3:]
+    m = sum(summed) / 5
+    sd = math.sqrt(sum((x - m) ** 2 for x in summed) / 4)
+    assert decoupled_advantages(r[1:], w, [2, 3]).tolist() == pytest.approx([(x - m) / (sd + e) for x in summed],
+                                                                             rel=1e-9, abs=1e-12)
+
+
+def test_decoupled_advantages_skip_missing_scores_as_trl():
+    """NaN = a function gave no score: skipped by the group stats; a function with < 2 scores in a group adds
+    nothing there; a row with no score at all gets 0 and takes no part in the batch stats."""
+    nan, e = float("nan"), 1e-4
+    r = torch.tensor([[1., nan], [0., nan], [nan, nan], [0., 2.],   # group 1: column 1 has one score only
+                      [1., 1.], [0., 3.], [1., 2.], [0., 2.]], dtype=torch.float64)      # group 2: complete
+    w = torch.tensor([1.0, 1.0])
+    got = decoupled_advantages(r, w, 4)
+    sd_g1 = math.sqrt(1 / 3)        # column 0 of group 1: 1, 0, 0 -> mean 1/3
+    sd_c0, sd_c1 = math.sqrt(1 / 3), math.sqrt(2 / 3)   # group 2: column 0 mean .5, column 1 mean 2
+    summed = [(2 / 3) / (sd_g1 + e), (-1 / 3) / (sd_g1 + e), (-1 / 3) / (sd_g1 + e),
+              .5 / (sd_c0 + e) - 1 / (sd_c1 + e), -.5 / (sd_c0 + e) + 1 / (sd_c1 + e), .5 / (sd_c0 + e),
+              -.5 / (sd_c0 + e)]
+    m = sum(summed) / 7
+    sd = math.sqrt(sum((x - m) ** 2 for x in summed) / 6)
+    expect = [(x - m) / (sd + e) for x in summed]
+    assert got[2].item() == 0.0                                     # no score at all: no advantage
+    assert torch.cat([got[:2], got[3:]]).tolist() == pytest.approx(expect, rel=1e-9, abs=1e-12)
 
 
 def test_zero_std_groups_and_zero_advantage():
@@ -347,6 +399,37 @@ def test_sampler_correction_weight_by_hand(mode, expect):
     assert torch.allclose(w, torch.tensor(expect), atol=1e-6), w
 
 
+@pytest.mark.parametrize("mode, expect", [
+    ("token_truncate", [[2.0, 0.8, 1.0], [3.0, 1.0, 1.0]]),          # .5 raised to C_min = .8
+    ("token_mask", [[2.0, 0.0, 1.0], [0.0, 1.0, 1.0]]),              # .5 < C_min: zeroed; 8 > C: zeroed
+    ("sequence_truncate", [[1.0], [3.0]]),
+    ("sequence_mask", [[1.0], [0.0]]),
+])
+def test_sampler_correction_clip_min_by_hand(mode, expect):
+    """TRL's vllm_importance_sampling_clip_min: the lower bound C_min, truncated up to or masked below."""
+    old = torch.log(torch.tensor([[0.4, 0.1, 0.3], [0.8, 0.3, 0.3]]))
+    sampler = torch.log(torch.tensor([[0.2, 0.2, 0.9], [0.1, 0.3, float("nan")]]))
+    mask = torch.tensor([[1., 1., 0.], [1., 1., 1.]])
+    w = sampler_correction_weight(old, sampler, mask, mode, cap=3.0, clip_min=0.8)
+    assert torch.allclose(w, torch.tensor(expect), atol=1e-6), w
+    # sequence ratios 1 and 8: a C_min above 1 bites the first
+    seq = sampler_correction_weight(old, sampler, mask, mode.replace("token", "sequence"), cap=3.0, clip_min=1.5)
+    assert seq[0].item() == (1.5 if mode.endswith("truncate") else 0.0)
+
+
+def test_adaptive_entropy_coefficient_by_hand():
+    """Skywork-OR1 as TRL: +delta when the step's entropy <= target, -delta otherwise, within [min, max]; a step
+    applies the coefficient only when the previous step's entropy was <= target (none measured: never)."""
+    c, last, applied = 0.0, math.inf, []
+    for h in [0.1, 0.1, 0.1, 0.5, 0.5, 0.05]:                 # target 0.2, delta 0.03, [0, 0.05]
+        applied.append(applied_entropy_coef(c, last, 0.2))
+        c, last = next_entropy_coef(c, h, 0.2, 0.03, 0.0, 0.05), h
+    assert applied == pytest.approx([0.0, 0.03, 0.05, 0.05, 0.0, 0.0])
+    assert c == pytest.approx(0.03)                             # .05 -> .02 -> 0 (floor) -> .03
+    assert applied_entropy_coef(0.3, 0.2, 0.2) == 0.3           # at the target counts as below
+    assert next_entropy_coef(0.3, 0.2, 0.2, 0.1, 0.0, 1.0) == pytest.approx(0.4)
+
+
 @pytest.mark.parametrize("loss_type", LOSS_TYPES)
 def test_entropy_bonus_is_the_mean_token_entropy_whatever_the_loss_type(loss_type):
     """TRL's bonus: entropy_coef times the token mean of the entropy (over the tokens the entropy mask keeps),
@@ -417,6 +500,11 @@ VARIANTS = {
     "token_mask": Options(sampler_mode="token_mask", sampler_cap=1.5, loss_type="bnpo"),
     "sequence_truncate": Options(sampler_mode="sequence_truncate", sampler_cap=1.5),
     "sequence_mask": Options(sampler_mode="sequence_mask", sampler_cap=1.5, off_policy_threshold=0.05),
+    "token_truncate_min": Options(sampler_mode="token_truncate", sampler_cap=1.5, sampler_min=0.8),
+    "token_mask_min": Options(sampler_mode="token_mask", sampler_cap=1.5, sampler_min=0.8, loss_type="dapo"),
+    "sequence_truncate_min": Options(sampler_mode="sequence_truncate", sampler_cap=1.5, sampler_min=0.7),
+    "sequence_mask_min": Options(sampler_mode="sequence_mask", sampler_cap=3.0, sampler_min=0.7, beta=0.04),
+    "vespo_sampler_min": Options(loss_type="vespo", sampler_mode="token_mask", sampler_cap=1.5, sampler_min=0.8),
     "everything": Options(level="sequence_token", delta=1.7, top_entropy_quantile=0.6, entropy_coef=0.02,
                           off_policy_threshold=0.02, sampler_mode="token_truncate", sampler_cap=1.3, beta=0.04),
 }
@@ -430,7 +518,8 @@ def loss_kwargs(o: Options) -> dict:
                 vespo_k_pos=o.vespo[0], vespo_lambda_pos=o.vespo[1], vespo_k_neg=o.vespo[2],
                 vespo_lambda_neg=o.vespo[3],
                 off_policy_mask_threshold=o.off_policy_threshold,
-                sampler_correction=o.sampler_mode, sampler_correction_cap=o.sampler_cap)
+                sampler_correction=o.sampler_mode, sampler_correction_cap=o.sampler_cap,
+                sampler_correction_clip_min=o.sampler_min)
 
 
 def as_sequences(logp, old, ref, sampler, entropy, adv, mask) -> list[Sequence]:
@@ -473,6 +562,10 @@ def test_variant_gradient_matches_published_objective(name):
         assert 0 < stats["entropy_mask/kept_frac"] < 1
     if o.sampler_mode is not None:
         assert stats["sampler_is/weight_mean"] != pytest.approx(1.0)
+    if o.sampler_min is not None:                                         # the lower bound really bit
+        raw = torch.exp((old - sampler) * mask)
+        raw = raw if o.sampler_mode.startswith("token") else raw.prod(-1, keepdim=True)
+        assert ((raw < o.sampler_min) & (mask.bool() if o.sampler_mode.startswith("token") else True)).any()
 
 
 @pytest.mark.parametrize("loss_type", LOSS_TYPES)

@@ -191,3 +191,58 @@ def test_a_released_model_is_reused_with_the_checkpoint_loaded_into_it(grpo_home
     del with_reference
     gc.collect()
     assert all(m is not kept for m in pooled())
+
+
+# -- disable_dropout, cast_lm_head_to_fp32 (TRL options that act on the modules) -------------------------------
+
+def _train_logits(model, ids=torch.tensor([[10, 11, 12, 20, 21, 22]])):
+    model.train()
+    with torch.no_grad():
+        return model(input_ids=ids).logits
+
+
+def test_disable_dropout_zeroes_every_dropout_of_policy_and_reference(grpo_home, tmp_path):
+    """TRL's disable_dropout: p = 0 in every nn.Dropout, and transformers' attention dropout (a float on the
+    attention modules) 0, in the policy and a separate reference; a pooled model keeps its own setting."""
+    import gc
+    import json
+    from grpo_core.policy import disable_dropout
+    net = torch.nn.Sequential(torch.nn.Linear(3, 3), torch.nn.Dropout(0.3), torch.nn.Sequential(torch.nn.Dropout(0.1)))
+    disable_dropout(net)
+    assert [m.p for m in net.modules() if isinstance(m, torch.nn.Dropout)] == [0.0, 0.0]
+    config = resolve_model("tiny-random") / "config.json"             # a model with attention dropout
+    config.write_text(json.dumps({**json.loads(config.read_text()), "attention_dropout": 0.5}))
+    plain = load_policy(cfg_of(use_peft=False, beta=0.04))
+    assert not torch.equal(_train_logits(plain.model), _train_logits(plain.model))    # dropout on in training
+    for use_peft in (False, True):
+        pol = load_policy(cfg_of(use_peft=use_peft, beta=0.04, disable_dropout=True))
+        for model in filter(None, (pol.model, pol.ref_model)):
+            assert all(m.p == 0 for m in model.modules() if isinstance(m, torch.nn.Dropout))
+            assert {m.attention_dropout for m in model.modules() if hasattr(m, "attention_dropout")} == {0.0}
+        assert torch.equal(_train_logits(pol.model), _train_logits(pol.model))
+    pol.save(tmp_path / "a")
+    del pol
+    gc.collect()
+    again = load_policy(cfg_of(beta=0.0), tmp_path / "a", need_reference=False)   # not the pooled, dropout-free one
+    assert {m.attention_dropout for m in again.model.modules() if hasattr(m, "attention_dropout")} == {0.5}
+
+
+def test_cast_lm_head_to_fp32_runs_the_head_module_in_float32(grpo_home):
+    """cast_lm_head_to_fp32 on a bf16 policy: the LM head module (what transformers' forward, hence the hf
+    sampler and evaluation, and the lean sampler call) returns float32 logits of the bf16 weights; the
+    weights stay bf16; switched off, the module's own forward is back."""
+    from grpo_core.kernels.lean_decode import LeanDecoder
+    from grpo_core.policy import lm_head_in_fp32
+    pol = load_policy(cfg_of(dtype="bfloat16", beta=0.0, cast_lm_head_to_fp32=True))
+    base = pol.model.get_base_model()
+    ids = torch.tensor([[10, 11, 12, 20]])
+    with torch.no_grad():
+        logits = pol.model(input_ids=ids).logits
+        hidden = base.model(input_ids=ids).last_hidden_state
+        lean = LeanDecoder.of(pol.model).prefill(ids, torch.ones_like(ids), 2)
+    assert base.lm_head.weight.dtype == torch.bfloat16 and logits.dtype == lean.dtype == torch.float32
+    assert torch.allclose(logits, hidden.float() @ base.lm_head.weight.float().T, atol=1e-5)
+    assert torch.allclose(lean, logits[:, -1], atol=1e-2)                  # its own bf16 trunk
+    lm_head_in_fp32(pol.model, False)
+    with torch.no_grad():
+        assert pol.model(input_ids=ids).logits.dtype == torch.bfloat16

@@ -31,7 +31,7 @@ def test_completion_advantages_are_the_update_s(scale_rewards):
     """Group 0 trains on all four, group 1 on its three scored members, group 2 (one survivor) not at all."""
     rewards = [1.0, 0.0, 0.5, 0.0, None, 1.0, 0.0, 0.25, None, None, None, 1.0]
     batch = [_sample(i // G, r) for i, r in enumerate(rewards)]
-    got = tracking.completion_advantages(batch, scale_rewards)
+    got = tracking.completion_advantages(batch, GRPOConfig(scale_rewards=scale_rewards))
     want = group_advantages(torch.tensor([1.0, 0.0, 0.5, 0.0, 1.0, 0.0, 0.25]), [4, 3], scale_rewards).tolist()
     assert [a for a in got if a is not None] == pytest.approx(want)
     assert [i for i, a in enumerate(got) if a is None] == [4, 8, 9, 10, 11]
@@ -50,6 +50,50 @@ def test_completion_table_keeps_whole_groups_of_the_first_prompts():
     assert table["reward_correctness"] == [0.0, 1.0] * G and table["reward_format"] == [0.5] * (2 * G)
     assert table["iteration"] == [7] * (2 * G) and table["truncated"][3] is True and table["length"][:2] == [1, 2]
     assert {len(v) for v in table.values()} == {2 * G}
+
+
+def test_completion_table_with_log_unique_prompts_keeps_one_row_per_prompt():
+    """TRL's log_unique_prompts: the first completion of each prompt text (a prompt drawn twice counts once)."""
+    samples = [{"group": i // G, "task_id": f"t{i // G}", "prompt_ids": [min(i // G, 1)], "completion": f"c{i}",
+                "completion_ids": [0], "truncated": False} for i in range(3 * G)]     # groups 1 and 2: one prompt
+    scores = [{"reward": float(i), "rewards": {"format": 0.5}, "correct": False} for i in range(3 * G)]
+    table = tracking.completion_table(samples, scores, [0.1] * (3 * G), iteration=1, max_prompts=3,
+                                      decode=lambda ids: f"prompt {ids[0]}", unique_prompts=True)
+    assert table["prompt"] == ["prompt 0", "prompt 1"] and table["completion"] == ["c0", f"c{G}"]
+    assert table["reward"] == [0.0, float(G)] and {len(v) for v in table.values()} == {2}
+    everything = tracking.completion_table(samples, scores, [0.1] * (3 * G), iteration=1, max_prompts=3,
+                                           decode=lambda ids: f"prompt {ids[0]}")
+    assert len(everything["prompt"]) == 3 * G
+
+
+def test_num_completions_to_print_prints_to_stdout(tmp_path, capsys):
+    """num_completions_to_print: that many completions of the update, drawn at random (the same draw for the same
+    seed and iteration, the run's random streams untouched), with prompt, completion, rewards and advantage,
+    on stdout (stderr carries only progress bars and errors); with no MLflow run there is no table."""
+    import random
+    from grpo_core.io import write_jsonl
+    samples = [{"group": i // G, "task_id": f"t{i // G}", "prompt_ids": [i // G], "completion": f"answer {i}",
+                "completion_ids": [0, 1], "truncated": False} for i in range(2 * G)]
+    scores = [{"task_id": f"t{i // G}", "reward": float(i % 2), "rewards": {"accuracy": float(i % 2)},
+               "correct": bool(i % 2)} for i in range(2 * G)]
+    write_jsonl(tmp_path / "samples.jsonl", samples)
+    write_jsonl(tmp_path / "scores.jsonl", scores)
+    batch = [_sample(i // G, sc["reward"]) for i, sc in enumerate(scores)]
+    tok = type("Tok", (), {"decode": lambda self, ids, skip_special_tokens=True: f"question {ids[0]}"})()
+    cfg = GRPOConfig(num_completions_to_print=3, num_generations=G)
+    import prefect  # noqa: F401 - its first import draws from `random`; in a run it is long imported
+    state = random.getstate()
+    logged = tracking.log_completions(cfg, None, 5, batch, tmp_path / "samples.jsonl", tmp_path / "scores.jsonl", tok)
+    out, err = capsys.readouterr()
+    assert logged is False and err == "" and random.getstate() == state
+    assert out.count("completion: answer ") == 3 and "completions of iteration 5 (3 of 8" in out
+    assert "prompt: question " in out and "accuracy=" in out and "advantage " in out
+    advantages = tracking.completion_advantages(batch, cfg)
+    again = tracking.printed_completions(samples, scores, advantages, 5, 3, lambda ids: f"question {ids[0]}", cfg.seed)
+    assert again + "\n" == out                                                   # the same draw
+    picked = [int(line.rsplit(" ", 1)[1]) for line in out.splitlines() if "completion: answer" in line]
+    assert all(f"advantage {advantages[i]:.4f}" in out for i in picked)
+    assert tracking.printed_completions(samples, scores, advantages, 6, 3, str, cfg.seed) != again   # per iteration
 
 
 def test_log_completions_respects_the_config(tmp_path):
@@ -92,7 +136,7 @@ def test_completion_tables_are_logged_per_iteration_with_training_advantages(tin
     assert {"prompt", "completion", "reward", "advantage", *[f"reward_{f}" for f in cfg.reward_funcs]} <= \
         set(table.columns)
     samples, scores = f"{run_dir}/iter-2/samples.jsonl", f"{run_dir}/iter-2/scores.jsonl"
-    want = tracking.completion_advantages(scored_batch(samples, scores), cfg.scale_rewards)[:len(table)]
+    want = tracking.completion_advantages(scored_batch(samples, scores), cfg)[:len(table)]
     assert table["advantage"].tolist() == pytest.approx([float("nan") if a is None else a for a in want],
                                                         nan_ok=True)
     assert table["reward"].tolist() == [s["reward"] for s in list(read_jsonl(scores))[:len(table)]]

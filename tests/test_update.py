@@ -175,6 +175,24 @@ def test_beta0_never_runs_reference(grpo_home):
     assert len(calls) == 1                                   # one no-grad pass per micro-batch
 
 
+def test_cast_lm_head_to_fp32_reaches_every_log_prob_pass_of_the_update(grpo_home, monkeypatch):
+    """cast_lm_head_to_fp32: the old and reference log-probs and the trained ones all take the float32 head
+    (tests/test_logprobs.py checks what fp32_head computes); off, none does."""
+    import grpo_core.update as update_module
+    for flag in (True, False):
+        cfg, policy = tiny_policy(beta=0.04, num_iterations=2, cast_lm_head_to_fp32=flag)
+        seen = []
+
+        def spy(*args, real=update_module.completion_logprobs, **kwargs):
+            seen.append(kwargs.get("fp32_head", False))
+            return real(*args, **kwargs)
+        monkeypatch.setattr(update_module, "completion_logprobs", spy)
+        opt = make_optimizer(policy, cfg)
+        grpo_update(policy, opt, make_scheduler(opt, cfg), make_samples(2, 1), cfg, seed=0)
+        monkeypatch.undo()
+        assert len(seen) == 4 and set(seen) == {flag}         # old, reference, then one per optimizer step
+
+
 def test_metrics_clipping_and_masking(grpo_home):
     cfg, policy = tiny_policy(max_grad_norm=1e-3, mask_truncated_completions=True)
     samples = make_samples(2, 3, truncated_frac=0.5)

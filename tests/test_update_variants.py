@@ -60,7 +60,7 @@ def options_of(cfg: GRPOConfig) -> Options:
                    entropy_coef=cfg.entropy_coef, bias_correction_kl=cfg.use_bias_correction_kl,
                    off_policy_threshold=cfg.off_policy_mask_threshold,
                    sampler_mode=cfg.vllm_importance_sampling_mode if cfg.vllm_importance_sampling_correction else None,
-                   sampler_cap=cfg.vllm_importance_sampling_cap,
+                   sampler_cap=cfg.vllm_importance_sampling_cap, sampler_min=cfg.vllm_importance_sampling_clip_min,
                    vespo=(cfg.vespo_k_pos, cfg.vespo_lambda_pos, cfg.vespo_k_neg, cfg.vespo_lambda_neg))
 
 
@@ -95,8 +95,9 @@ def assert_entropy_threshold_clear(entropies: list[float], top_quantile: float, 
     assert distances[0] > margin, f"an entropy {distances[0]:.1e} from the threshold: pick a quantile clear of ties"
 
 
-def check_steps_match_published_objective(policy, cfg, samples, kept, group_sizes, adv, seed=5):
-    """Run grpo_update with recording SGD; every step's gradient == the published objective's."""
+def check_steps_match_published_objective(policy, cfg, samples, kept, group_sizes, adv, seed=5, entropy_coefs=None):
+    """Run grpo_update with recording SGD; every step's gradient == the published objective's (with the
+    entropy coefficient `entropy_coefs[k]` at step k, when given: adaptive entropy control)."""
     with torch.no_grad():
         old_lp = [seq_forward(policy.model, s)[0] for s in kept]            # the rollout policy
     opt = RecordingSGD(policy.trainable_parameters(), lr=2.0)                # big steps: ratios leave the clip range
@@ -108,7 +109,8 @@ def check_steps_match_published_objective(policy, cfg, samples, kept, group_size
         with torch.no_grad():
             for p, v in zip(opt.plist, opt.before[k]):
                 p.copy_(v)
-        loss = reference_step_loss(policy, cfg, kept, plan[k % len(plan)], adv, old_lp, counted / len(plan))
+        step_cfg = cfg if entropy_coefs is None else cfg.model_copy(update={"entropy_coef": entropy_coefs[k]})
+        loss = reference_step_loss(policy, step_cfg, kept, plan[k % len(plan)], adv, old_lp, counted / len(plan))
         grads = torch.autograd.grad(loss, opt.plist)
         for g_ref, g in zip(grads, opt.grads[k]):
             assert torch.allclose(g, g_ref, atol=2e-5, rtol=1e-3), (k, (g - g_ref).abs().max())
@@ -199,6 +201,71 @@ def test_variant_steps_match_published_objective(grpo_home, name):
         assert 0 < metrics[0]["entropy_mask/kept_frac"] < 1
 
 
+def gdpo_advantages(per_func: list[list[float]], weights: list[float], G: int) -> list[float]:
+    """GDPO by hand (Python floats): each function's scores normalised within the group, the weighted sum,
+    then normalised over the batch (every score present)."""
+    def normalised(xs):
+        m = sum(xs) / len(xs)
+        sd = math.sqrt(sum((x - m) ** 2 for x in xs) / (len(xs) - 1))
+        return [(x - m) / (sd + 1e-4) for x in xs]
+    summed = [0.0] * len(per_func)
+    for k, w in enumerate(weights):
+        for start in range(0, len(per_func), G):
+            for i, z in enumerate(normalised([row[k] for row in per_func[start:start + G]])):
+                summed[start + i] += w * z
+    return normalised(summed)
+
+
+def test_normalize_then_sum_trains_on_gdpo_advantages(grpo_home):
+    """multi_objective_aggregation: normalize_then_sum: the update's steps are the published objective's with
+    GDPO's advantages, from the scores per reward function the score stage recorded."""
+    G = 4
+    cfg, policy = tiny_policy(G, beta=0.04, reward_funcs=["accuracy", "format"], reward_weights=[1.0, 0.25],
+                              multi_objective_aggregation="normalize_then_sum", steps_per_iteration=2)
+    rng = random.Random(9)
+    samples = []
+    for s in make_samples(4, G, seed=9):
+        scores = {"accuracy": float(rng.randint(0, 1)), "format": float(rng.randint(0, 4))}
+        total = scores["accuracy"] + 0.25 * scores["format"]
+        samples.append(ScoredSample(s.group, s.prompt_ids, s.completion_ids, total, s.truncated, rewards_per_func=scores))
+    kept, sizes = surviving_groups(samples)
+    adv = gdpo_advantages([[s.rewards_per_func["accuracy"], s.rewards_per_func["format"]] for s in kept],
+                          [1.0, 0.25], G)
+    assert adv != pytest.approx(hand_advantages([[s.reward for s in kept[g * G:(g + 1) * G]] for g in range(4)]))
+    check_steps_match_published_objective(policy, cfg, samples, kept, sizes, adv)
+
+
+def test_adaptive_entropy_in_the_update(grpo_home):
+    """use_adaptive_entropy through grpo_update: each step's gradient is the published objective's with the
+    coefficient the controller applied (none at the first step, then entropy_coef_delta more per step below
+    the target, up to entropy_coef_max), and the coefficient is logged per step."""
+    G = 4
+    cfg, policy = tiny_policy(G, beta=0.04, use_adaptive_entropy=True, entropy_coef=0.0, entropy_coef_delta=0.02,
+                              entropy_coef_max=0.03, entropy_target=50.0, steps_per_iteration=4)
+    samples = make_samples(4, G, seed=4)
+    kept, sizes = surviving_groups(samples)
+    adv = hand_advantages([[s.reward for s in kept[g * G:(g + 1) * G]] for g in range(4)])
+    applied = [0.0, 0.02, 0.03, 0.03]
+    norm = policy.model.get_base_model().model.norm.weight
+    with torch.no_grad():
+        norm.mul_(8.0)                             # sharper logits: the entropy has a gradient worth checking
+    try:
+        metrics, _ = check_steps_match_published_objective(policy, cfg, samples, kept, sizes, adv,
+                                                           entropy_coefs=applied)
+    finally:
+        with torch.no_grad():
+            norm.div_(8.0)                         # the base model is pooled: later tests get it back as it was
+    assert [m["entropy_coef_applied"] for m in metrics] == pytest.approx(applied)
+    assert [m["entropy_coef"] for m in metrics] == pytest.approx([0.02, 0.03, 0.03, 0.03])
+    # above the target the coefficient falls to entropy_coef_min and is never applied
+    cfg, policy = tiny_policy(G, use_adaptive_entropy=True, entropy_coef=0.05, entropy_coef_min=0.01,
+                              entropy_coef_delta=0.03, entropy_target=1e-3, steps_per_iteration=3)
+    opt = make_optimizer(policy, cfg)
+    metrics, _ = grpo_update(policy, opt, make_scheduler(opt, cfg), samples, cfg, seed=0)
+    assert [m["entropy_coef"] for m in metrics] == pytest.approx([0.02, 0.01, 0.01])
+    assert [m["entropy_coef_applied"] for m in metrics] == [0.0, 0.0, 0.0]
+
+
 # -- the sampler/trainer importance correction --------------------------------------------------------------
 
 def perturbed_sampler(policy, std: float = 0.15):
@@ -222,12 +289,14 @@ def sampled_batch(policy, sampler_model, G: int, n_groups: int = 3, seed: int = 
             for g, grp in enumerate(groups) for c in grp]
 
 
-@pytest.mark.parametrize("mode", ["token_truncate", pytest.param("sequence_mask", marks=pytest.mark.slow)])
-def test_sampler_correction_from_a_perturbed_sampler(grpo_home, mode):
+@pytest.mark.parametrize("mode, clip_min", [("token_truncate", None), ("token_mask", 0.99),
+                                            pytest.param("sequence_mask", None, marks=pytest.mark.slow)])
+def test_sampler_correction_from_a_perturbed_sampler(grpo_home, mode, clip_min):
     G = 4
     cfg, policy = tiny_policy(G, beta=0.04, vllm_importance_sampling_correction=True,
                               vllm_importance_sampling_mode=mode, vllm_importance_sampling_cap=1.02,
-                              off_policy_mask_threshold=0.01, num_iterations=2)
+                              vllm_importance_sampling_clip_min=clip_min, off_policy_mask_threshold=0.01,
+                              num_iterations=2)
     sampler_model = perturbed_sampler(policy)
     samples = sampled_batch(policy, sampler_model, G)
     # 1) the sampler recorded its own log-probs: log softmax of the perturbed model, token by token
@@ -235,7 +304,8 @@ def test_sampler_correction_from_a_perturbed_sampler(grpo_home, mode):
         for s in samples:
             sampler_lp = seq_forward(sampler_model, s)[0]
             assert torch.allclose(torch.tensor(s.sampler_logprobs), sampler_lp, atol=1e-4)
-    # 2) the correction weights by hand: pi_trainer / pi_sampler per token (or per sequence), then capped
+    # 2) the correction weights by hand: pi_trainer / pi_sampler per token (or per sequence), then capped (and
+    # bounded below by clip_min)
     with torch.no_grad():
         trainer_lp = [seq_forward(policy.model, s)[0] for s in samples]
     hand = []
@@ -243,18 +313,23 @@ def test_sampler_correction_from_a_perturbed_sampler(grpo_home, mode):
         diffs = [a - b for a, b in zip(lp.tolist(), s.sampler_logprobs)]
         if mode == "token_truncate":
             hand.append([min(math.exp(d), 1.02) for d in diffs])
+        elif mode == "token_mask":
+            hand.append([0.0 if not clip_min <= math.exp(d) <= 1.02 else math.exp(d) for d in diffs])
         else:
             w = math.exp(sum(diffs))
             hand.append([0.0 if w > 1.02 else w] * len(diffs))
     mb = make_micro_batch(samples, torch.zeros(len(samples)), policy.tokenizer.pad_token_id, policy.device, False,
                           group_size=G, with_sampler_logprobs=True)
     old = torch.nn.utils.rnn.pad_sequence(trainer_lp, batch_first=True)
-    weights = sampler_correction_weight(old, mb.sampler_logp, mb.completion_mask, mode, 1.02)
+    weights = sampler_correction_weight(old, mb.sampler_logp, mb.completion_mask, mode, 1.02, clip_min)
     for r, w in enumerate(hand):
         got = weights[r, :len(w)] if mode.startswith("token") else weights[r].expand(len(w))
         assert got.tolist() == pytest.approx(w, rel=1e-4, abs=1e-6)
     flat = [w for ws in hand for w in ws]
     assert min(flat) < max(flat) and (max(flat) == pytest.approx(1.02) or min(flat) == 0.0)   # non-trivial
+    if clip_min is not None:                   # the lower bound zeroed some tokens the cap alone would keep
+        assert any(math.exp(a - b) < clip_min for s, lp in zip(samples, trainer_lp)
+                   for a, b in zip(lp.tolist(), s.sampler_logprobs))
     # 3) the update's gradients use exactly these weights (and the off-policy mask against the sampler)
     kept, sizes = surviving_groups(samples)
     adv = hand_advantages([[s.reward for s in kept[g * G:(g + 1) * G]] for g in range(len(sizes))])

@@ -21,7 +21,9 @@ examples:
   grpo export nightly-1 --out exported/nightly-1              # the last completed iteration, merged
   grpo export runs/nightly-1 --best --out exported/best       # the best held-out iteration
   grpo export nightly-1 --iteration 3 --adapter-only --out exported/adapter-3
-Load a merged export with plain transformers: AutoModelForCausalLM.from_pretrained(DIR).
+  grpo export nightly-1 --with-examples --out exported/nightly-1  # default turns: system prompt + examples
+Load a merged export with plain transformers: AutoModelForCausalLM.from_pretrained(DIR). Its chat template
+prompts as training did when your messages bring no system message of their own.
 """
 
 
@@ -48,11 +50,15 @@ def pick_iteration(cfg: GRPOConfig, run_dir: Path, evals: dict, iteration: int |
 
 def export_run(run: str, out: str | Path, iteration: int | None = None, best: bool = False,
                adapter_only: bool = False, overwrite: bool = False, output_dir: str | None = None,
-               registered_name: str | None = "grpo-model") -> dict:
+               registered_name: str | None = "grpo-model", default_system: bool = True,
+               with_examples: bool = False) -> dict:
     """Export one iteration of a run to `out` and log it to the run's MLflow run. Returns the run name,
-    the iteration, the export path and, when the run is tracked, its artifact and registered model URIs."""
-    from grpo_core.export import ModelCard, export_model, generation_settings
+    the iteration, the export path and, when the run is tracked, its artifact and registered model URIs.
+    `default_system`: the chat template puts the training system prompt (`with_examples`: and the worked
+    examples) before a conversation that has no system message."""
+    from grpo_core.export import ModelCard, default_turns, export_model, generation_settings
     from grpo_core.models import resolve_model
+    from grpo_core.sampling import sampling_options
     from tasks import tracking
     from tasks.evaluate import eval_history
     from tasks.run_state import mlflow_run_id
@@ -66,8 +72,12 @@ def export_run(run: str, out: str | Path, iteration: int | None = None, best: bo
     # 2) the model directory, with the card and sampling settings of training
     card = ModelCard(base_model=cfg.model, run_name=run_dir.name, mlflow_run_id=run_id, iteration=k,
                      system_prompt=cfg.data.system_prompt, few_shot=[tuple(x) for x in cfg.data.few_shot],
-                     response_prefix=cfg.data.prompt_format.response_prefix, eval_table=format_eval_table(evals))
-    sampling = generation_settings(cfg.temperature, cfg.top_p, cfg.top_k, cfg.max_completion_length)
+                     response_prefix=cfg.data.prompt_format.response_prefix, eval_table=format_eval_table(evals),
+                     default_turns=default_turns(cfg.data.system_prompt, cfg.data.few_shot if with_examples else ())
+                     if default_system else [])
+    options = sampling_options(cfg)             # generation_kwargs override top_p ... as in training
+    sampling = generation_settings(cfg.temperature, options["top_p"], options["top_k"], cfg.max_completion_length,
+                                   options["min_p"], options["repetition_penalty"])
     try:
         path = export_model(resolve_model(cfg.model), checkpoint_of(run_dir, k), out, card, sampling,
                             adapter_only=adapter_only, overwrite=overwrite)
@@ -85,7 +95,8 @@ def export_run(run: str, out: str | Path, iteration: int | None = None, best: bo
 def cmd_export(args) -> int:
     name = None if args.registered_name.lower() == "none" else args.registered_name
     res = export_run(args.run, args.out, args.iteration, args.best, args.adapter_only, args.overwrite,
-                     args.output_dir, name)
+                     args.output_dir, name, default_system=not args.no_default_system,
+                     with_examples=args.with_examples)
     kind = "adapter" if args.adapter_only else "merged model"
     score = f", held-out {res['eval']:.3f}" if res["eval"] is not None else ""
     print(f"Exported {res['run']} iteration {res['iteration']} ({kind}{score}) to {res['out']}")
@@ -115,6 +126,12 @@ def register(sub) -> None:
     e.add_argument("--out", required=True, metavar="DIR", help="directory to write (must not exist unless --overwrite)")
     e.add_argument("--adapter-only", action="store_true", help="export the LoRA adapter instead of merged weights")
     e.add_argument("--overwrite", action="store_true", help="replace an existing --out directory")
+    turns = e.add_mutually_exclusive_group()
+    turns.add_argument("--with-examples", action="store_true",
+                       help="the chat template's default turns also hold the training's worked examples (by default "
+                            "only its system prompt, put before any conversation that brings no system message)")
+    turns.add_argument("--no-default-system", action="store_true",
+                       help="keep the base model's chat template: callers give the system prompt themselves")
     e.add_argument("--output-dir", default="runs", help="where the run directories live (default: runs)")
     e.add_argument("--registered-name", default="grpo-model",
                    help="MLflow registered model for merged exports (default: grpo-model; 'none': do not register)")

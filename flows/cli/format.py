@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 
 EVAL_MODES = ("greedy", "sampled")
+FOREIGN_ROWS = ("pass_at_1", "strict_pass_at_1", "format_rate")
 RUN_COLUMNS = ("run", "status", "iterations", "last_completed", "mlflow_run_id", "updated")
 
 
@@ -18,6 +19,8 @@ def _eval_row_rank(key: str):
         metric = "/".join(parts[2:])
         if metric == "accuracy":                    # grpo_core.evaluation's older alias of greedy pass_at_1
             return None
+        if metric.startswith("foreign/"):           # the questions in wordings training never used
+            return (0, EVAL_MODES.index(parts[1]), (3, 0), metric) if metric[8:] in FOREIGN_ROWS else None
         order = ((0, int(metric[8:])) if metric.startswith("pass_at_") and metric[8:].isdigit() else
                  (1, 0) if metric.startswith("reward/") else (2, 0))
         return (0, EVAL_MODES.index(parts[1]), order, metric)

@@ -1,0 +1,130 @@
+"""Prompt wordings: training draws a system prompt / instruction / bare user turn per question
+(data.system_prompts, data.instructions, data.bare_prompt_prob), evaluation also puts the math questions in
+wordings training never used (eval.foreign_*), and the config keeps the two apart."""
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+
+from grpo_core.config import GRPOConfig, load_config
+from grpo_core.sampling import PromptFormat, prompt_messages
+from grpo_core.task import Task
+from conftest import tiny_config
+
+INSTRUCTIONS = ["Put the answer in <answer></answer> tags. {question}", "{question} Answer as <answer>N</answer>."]
+SYSTEMS = ["Answer math questions with <answer>N</answer>."]
+
+
+def _math(i: int) -> Task:
+    return Task(id=f"q{i}", kind="math", source="arithmetic", prompt=f"What is {i} + 1?", answer=str(i + 1))
+
+
+def _varied(bare_prob=0.3, salt=1) -> PromptFormat:
+    return PromptFormat("Solve it. Reply in <answer></answer> tags.", (("What is 2 + 2?", "<answer>4</answer>"),),
+                        system_prompts=tuple(SYSTEMS), instructions=tuple(INSTRUCTIONS), bare_prob=bare_prob,
+                        salt=salt)
+
+
+def test_each_question_draws_one_wording_from_its_id_and_salt_alone():
+    fmt = _varied()
+    tasks = [_math(i) for i in range(3000)]
+    drawn = [fmt.for_task(t) for t in tasks]
+    assert drawn == [fmt.for_task(t) for t in tasks]                          # a resumed run draws the same
+    assert [fmt.for_task(t) for t in tasks[:50]] != [_varied(salt=2).for_task(t) for t in tasks[:50]]
+    bare = [d for d in drawn if not d.few_shot]
+    assert abs(len(bare) / len(drawn) - 0.3) < 0.04
+    assert all(d.instruction in INSTRUCTIONS and not d.system_prompt for d in bare)     # no system, no examples
+    examples_alone = [d for d in drawn if d.few_shot and not d.system_prompt]           # the step between
+    assert abs(len(examples_alone) / len(drawn) - 0.7 * 0.3) < 0.04
+    assert Counter(d.instruction for d in examples_alone).keys() == {"", *INSTRUCTIONS}
+    with_system = [d for d in drawn if d.system_prompt]
+    assert Counter(d.system_prompt for d in with_system).keys() == {fmt.system_prompt, *SYSTEMS}
+    assert Counter(d.instruction for d in with_system).keys() == {"", *INSTRUCTIONS}
+    assert all(d.few_shot == fmt.few_shot for d in with_system)
+    code = Task(id="c", kind="python", source="x", prompt="def f(): ...", tests={"x": 1}, entry_point="f")
+    assert fmt.for_task(code) == PromptFormat()                                         # code: its own prompt
+    fixed = PromptFormat("S", (("a", "b"),))
+    assert fixed.for_task(tasks[0]) is fixed                                           # no alternatives: as before
+
+
+def test_a_bare_wording_is_one_user_turn_with_the_question_in_place():
+    fmt = _varied(bare_prob=1.0)
+    t = _math(7)
+    messages = prompt_messages(t, fmt)
+    assert len(messages) == 1 and messages[0]["role"] == "user"
+    assert messages[0]["content"] in [i.replace("{question}", t.prompt) for i in INSTRUCTIONS]
+    braces = Task(id="b", kind="math", source="s", prompt="Is {x} = {question}?", answer="1")
+    assert "Is {x} = {question}?" in prompt_messages(braces, fmt)[0]["content"]        # no str.format on questions
+
+
+def test_training_draws_afresh_each_iteration_and_evaluation_keeps_one_wording():
+    cfg = GRPOConfig(data=dict(system_prompts=SYSTEMS, instructions=INSTRUCTIONS, bare_prompt_prob=0.5))
+    tasks = [_math(i) for i in range(40)]
+    it1, it2 = cfg.data.prompt_format_at(1), cfg.data.prompt_format_at(2)
+    assert [prompt_messages(t, it1) for t in tasks] != [prompt_messages(t, it2) for t in tasks]
+    assert len({str(prompt_messages(t, it1)[0]) for t in tasks}) > 2
+    assert all(prompt_messages(t, cfg.data.prompt_format)[0]["content"] == cfg.data.system_prompt for t in tasks)
+    warm = GRPOConfig(data=dict(instructions=INSTRUCTIONS, bare_prompt_prob=0.5, response_prefix="<answer>",
+                                response_prefix_iterations=2))
+    assert warm.data.prompt_format_at(1).response_prefix == "<answer>" and warm.data.prompt_format_at(1).varies
+    assert warm.data.prompt_format_at(3).response_prefix == "" and warm.data.prompt_format_at(3).varies
+
+
+@pytest.mark.parametrize("over,field,says", [
+    (dict(data=dict(instructions=["Answer: question"])), "data.instructions[0]", "{question} exactly once"),
+    (dict(data=dict(bare_prompt_prob=0.2)), "data.bare_prompt_prob", "data.instructions is empty"),
+    (dict(eval=dict(foreign_instructions=["{question} and {question}"])), "eval.foreign_instructions[0]",
+     "exactly once"),
+    (dict(data=dict(instructions=INSTRUCTIONS), eval=dict(foreign_instructions=["  put the ANSWER in "
+                                                                                "<answer></answer> tags. {question}"])),
+     "eval.foreign_instructions[0]", "training never sees"),
+    (dict(data=dict(system_prompts=SYSTEMS), eval=dict(foreign_system_prompts=[SYSTEMS[0]])),
+     "eval.foreign_system_prompts[0]", "training never sees"),
+])
+def test_bad_wordings_are_refused_naming_the_field(tmp_path, over, field, says):
+    import yaml
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml.safe_dump(over))
+    with pytest.raises(ValueError) as e:
+        load_config(path)
+    assert field in str(e.value) and says in str(e.value)
+
+
+def test_the_shipped_configs_train_on_varied_wordings_and_evaluate_foreign_ones():
+    from pathlib import Path
+    root = Path(__file__).resolve().parents[1]
+    for name in ("default.yaml", "math.yaml"):
+        cfg = load_config(root / "configs" / name)
+        assert cfg.data.prompt_format_at(1).varies and cfg.data.bare_prompt_prob > 0, name
+        assert cfg.eval.foreign_format is not None and cfg.eval.foreign_instructions, name
+
+
+def test_foreign_evaluation_logs_its_own_metrics_on_the_math_questions(tmp_path, grpo_home):
+    """The math questions again, in the foreign wordings: eval/<mode>/foreign/..., rows marked, the same
+    numbers from overlapped and after-the-fact scoring, in-wording metrics unchanged by it."""
+    from grpo_core.data import arithmetic
+    from grpo_core.evaluation import evaluate_policy, merge_rows, sample_rows
+    from grpo_core.policy import load_policy
+    from flows.cli.format import format_eval_table
+    foreign = dict(foreign_system_prompts=["Compute. Final number in <answer></answer>."],
+                   foreign_instructions=["Tell me: {question} (answer in <answer></answer> tags)"])
+    plain = GRPOConfig.model_validate(tiny_config(tmp_path, eval=dict(num_samples=2)))
+    cfg = GRPOConfig.model_validate(tiny_config(tmp_path, eval=dict(num_samples=2, **foreign)))
+    tasks = arithmetic.eval_tasks(6, 1, 1, ["+"])
+    policy = load_policy(cfg, None, need_reference=False)
+    metrics, rows = evaluate_policy(policy, tasks, cfg, seed=5, progress=False)
+    base_metrics, base_rows = evaluate_policy(policy, tasks, plain, seed=5, progress=False)
+    foreign_rows = [r for r in rows if r.get("wording") == "foreign"]
+    assert [r for r in rows if "wording" not in r] == base_rows and len(foreign_rows) == 6 * 3
+    for mode in ("greedy", "sampled"):
+        for k in ("strict_pass_at_1", "format_rate", "pass_at_1"):
+            assert f"eval/{mode}/foreign/{k}" in metrics
+    assert metrics["eval/foreign/num_questions"] == 6.0
+    assert {k: v for k, v in metrics.items() if "foreign" not in k} == base_metrics
+    assert merge_rows(tasks, [rows[1::2], rows[::2]]) == rows
+    off = cfg.model_copy(update={"stages": cfg.stages.model_copy(update={
+        "score": cfg.stages.score.model_copy(update={"during_rollout": False})})})
+    assert sample_rows(policy, tasks, off, seed=5, progress=False) == rows
+    table = format_eval_table({0: metrics})
+    assert "eval/greedy/foreign/strict_pass_at_1" in table and "eval/sampled/foreign/reward/total" not in table

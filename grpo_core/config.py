@@ -60,6 +60,15 @@ class DataConfig(_Section):
     bare_prompt_prob: float = Field(0.0, ge=0, le=1, description="chance that a training question comes as one "
                                     "user turn worded by an instruction, with no system prompt and no examples; the same "
                                     "chance drops the system prompt alone from the others (the examples kept)")
+    chat_template_kwargs: dict[str, Any] = Field(default_factory=dict, description="more keywords for the "
+                                                 "model's chat template, in every prompt training, evaluation "
+                                                 "and export render (TRL's chat_template_kwargs), e.g. "
+                                                 "{enable_thinking: false} for Qwen3")
+    guided_completions: int = Field(0, ge=0, description="of the group of a training question drawn without the "
+                                    "system prompt or the examples, this many answers are sampled with them (the "
+                                    "full prompt around the drawn instruction) and trained as answers to the "
+                                    "drawn wording: off-policy guidance that shows a small model the asked "
+                                    "format where it would almost never write it; 0: none")
     response_prefix: str = Field("", description="text that opens the answer of math questions (part of the "
                                  "prompt, judged as the start of the completion); empty: the model writes the "
                                  "answer tags itself")
@@ -83,7 +92,12 @@ class DataConfig(_Section):
         """The final prompt format: what evaluation uses, and training after any prefix warm-up."""
         from grpo_core.sampling import PromptFormat
         prefix = self.response_prefix if self.response_prefix_iterations == 0 else ""
-        return PromptFormat(self.system_prompt, tuple(map(tuple, self.few_shot)), prefix)
+        return PromptFormat(self.system_prompt, tuple(map(tuple, self.few_shot)), prefix,
+                            template_kwargs=self.template_kwargs)
+
+    @property
+    def template_kwargs(self) -> tuple[tuple[str, Any], ...]:
+        return tuple(sorted(self.chat_template_kwargs.items()))
 
     def prompt_format_at(self, iteration: int):
         """The prompt format of training iteration `iteration` (1-based): with the response prefix during
@@ -93,9 +107,10 @@ class DataConfig(_Section):
         from grpo_core.sampling import PromptFormat
         fmt = self.prompt_format
         if self.response_prefix and 0 < iteration <= self.response_prefix_iterations:
-            fmt = PromptFormat(self.system_prompt, tuple(map(tuple, self.few_shot)), self.response_prefix)
+            fmt = PromptFormat(self.system_prompt, tuple(map(tuple, self.few_shot)), self.response_prefix,
+                               template_kwargs=self.template_kwargs)
         return dataclasses.replace(fmt, system_prompts=tuple(self.system_prompts), instructions=tuple(
-            self.instructions), bare_prob=self.bare_prompt_prob, salt=iteration)
+            self.instructions), bare_prob=self.bare_prompt_prob, salt=iteration, guided=self.guided_completions)
 
     @property
     def wordings(self) -> dict[str, list[str]]:
@@ -124,6 +139,21 @@ class DataConfig(_Section):
                              "word a bare question (with {question} and the answer format) or set "
                              "bare_prompt_prob: 0")
         return self
+
+    @field_validator("chat_template_kwargs")
+    @classmethod
+    def _template_keywords(cls, kwargs: dict[str, Any]) -> dict[str, Any]:
+        own = {"messages", "conversation", "tools", "documents", "add_generation_prompt", "continue_final_message",
+               "tokenize", "return_tensors", "return_dict", "chat_template", "padding", "truncation", "max_length"}
+        for key in kwargs:
+            if key in own:
+                raise ValueError(f"data.chat_template_kwargs: {key!r} is an argument the pipeline gives "
+                                 f"apply_chat_template itself; remove it (these keywords are for the template's "
+                                 f"own variables, e.g. enable_thinking)")
+            if not key.isidentifier():
+                raise ValueError(f"data.chat_template_kwargs: {key!r} is not a template variable name; use a "
+                                 f"name such as enable_thinking")
+        return kwargs
 
     @model_validator(mode="after")
     def _band_order(self):
@@ -353,6 +383,12 @@ class GRPOConfig(_Section):
     rollout_backend: Literal["static", "hf", "vllm"] = Field(
         "static", description="sampler: 'static' (own static KV-cache loop), 'hf' (transformers "
                               "generate), 'vllm' (GPU, needs the vllm extra)")
+    vllm_gpu_memory_utilization: float = Field(0.3, gt=0, le=1, description="rollout_backend vllm: the share of "
+                                               "GPU memory the colocated engine takes (weights and KV cache); "
+                                               "the rest is the update's")
+    vllm_model_impl: Literal["vllm", "transformers"] = Field("vllm", description="rollout_backend vllm: the model "
+                                                             "code vLLM runs (its own, or the transformers one "
+                                                             "for an architecture vLLM lacks)")
 
     @model_validator(mode="after")
     def _generation_kwargs_apply(self):
@@ -616,6 +652,26 @@ class GRPOConfig(_Section):
                     kind, same = trained[_normalised(text)]
                     raise ValueError(f"eval.{field}[{i}] ({text!r}) is worded as training's {kind} {same!r}: a "
                                      f"foreign wording must be one training never sees; reword it or drop it")
+        return self
+
+    @model_validator(mode="after")
+    def _guidance(self):
+        k, d = self.data.guided_completions, self.data
+        if not k:
+            return self
+        why = ("data.guided_completions must be below num_generations (the group keeps answers sampled in its own "
+               "wording); lower it" if k >= self.num_generations else
+               "data.guided_completions needs data.bare_prompt_prob > 0 (only a wording without the system prompt "
+               "or the examples is guided); set it or guided_completions: 0" if not d.bare_prompt_prob else
+               "data.guided_completions needs data.system_prompt and data.few_shot (the guide is that full "
+               "prompt); set both or guided_completions: 0" if not (d.system_prompt and d.few_shot) else
+               "data.guided_completions is not supported with tools (a multi-turn rollout continues in its own "
+               "wording); set guided_completions: 0" if self.tools or self.environment else
+               "data.guided_completions cannot go with vllm_importance_sampling_correction or "
+               "off_policy_mask_threshold: a guided answer's sampler log-probs are under another prompt; turn "
+               "those off or set guided_completions: 0" if self.needs_sampler_logprobs else None)
+        if why:
+            raise ValueError(why)
         return self
 
     # -- helpers ----------------------------------------------------------------------------

@@ -26,6 +26,7 @@ Deterministic given the seed: generation is seeded per mode, tasks keep their fi
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import re
 from collections import defaultdict
 from statistics import mean
@@ -209,7 +210,8 @@ def sample_rows(policy: Policy, tasks: Sequence[Task], cfg: GRPOConfig, seed: in
                 key = (mode, toolbox is not None, wording)
                 hand_over = (lambda group, key=key: scorer.add((*key, group[0].group), [(key[0], s) for s in group])) \
                     if scorer else None
-                fmt = cfg.eval.foreign_format if wording else cfg.data.prompt_format
+                fmt = dataclasses.replace(cfg.eval.foreign_format, template_kwargs=cfg.data.template_kwargs) \
+                    if wording else cfg.data.prompt_format
                 samples = rollout(backend, policy.tokenizer, run_tasks, n, params, fmt, cfg.max_prompt_length,
                                   on_group=hand_over, toolbox=toolbox)
                 sampled.append((key, len(run_tasks), samples))

@@ -34,6 +34,7 @@ class ModelCard:
     few_shot: list[tuple[str, str]] = field(default_factory=list)
     response_prefix: str = ""
     default_turns: list[dict] = field(default_factory=list)   # what the chat template adds without a system turn
+    template_defaults: dict = field(default_factory=dict)     # the chat_template_kwargs training rendered with
     eval_table: str = ""
     sampling: dict = field(default_factory=dict)
     merged: bool = True           # False: the directory holds the adapter, not merged weights
@@ -49,6 +50,9 @@ class ModelCard:
                    + " before them, so `apply_chat_template([{'role': 'user', ...}])` prompts as training did; a "
                      "system message of your own replaces them.\n" if self.default_turns else
                    "The chat template is the base model's: give the system prompt yourself.\n")
+        if self.template_defaults:
+            default += (f"Training rendered prompts with the template variables {self.template_defaults!r}; the "
+                        f"exported template uses them unless `apply_chat_template` is given others.\n")
         how = ("LoRA merged into the weights; load with `transformers.AutoModelForCausalLM.from_pretrained` "
                "(no peft needed)." if self.merged else
                f"LoRA adapter only; load with `peft.PeftModel.from_pretrained` on `{self.base_model}`.")
@@ -82,13 +86,22 @@ def default_turns(system_prompt: str, few_shot=()) -> list[dict]:
     return turns
 
 
-def with_default_turns(chat_template: str, turns: list[dict]) -> str:
+def with_default_turns(chat_template: str, turns: list[dict], variables: dict | None = None) -> str:
     """`chat_template` that renders `turns` before the caller's messages when these bring no system message of
-    their own (a caller's system message wins: the template is then unchanged). JSON is a valid Jinja literal."""
-    if not turns:
-        return chat_template
-    return ("{%- if not messages or messages[0]['role'] != 'system' %}{%- set messages = "
-            + json.dumps(turns) + " + messages %}{%- endif %}" + chat_template)
+    their own (a caller's system message wins: the template is then unchanged there), and that gives each of
+    `variables` (training's chat_template_kwargs) its training value unless the caller passes it."""
+    prefix = "".join("{%- if " + name + " is not defined %}{%- set " + name + " = " + _jinja_literal(value)
+                     + " %}{%- endif %}" for name, value in (variables or {}).items())
+    if turns:               # JSON is a valid Jinja literal for lists of string dicts
+        prefix += ("{%- if not messages or messages[0]['role'] != 'system' %}{%- set messages = "
+                   + json.dumps(turns) + " + messages %}{%- endif %}")
+    return prefix + chat_template
+
+
+def _jinja_literal(value) -> str:
+    if value is None or isinstance(value, bool):
+        return {None: "none", True: "true", False: "false"}[value]
+    return json.dumps(value)
 
 
 def _write_generation_config(out: Path, tokenizer, settings: dict) -> None:
@@ -116,10 +129,11 @@ def export_model(base_dir: str | Path, adapter_dir: str | Path, out: str | Path,
     def build(tmp: Path) -> None:
         tokenizer = load_tokenizer(adapter_dir if (adapter_dir / "tokenizer_config.json").exists() else base_dir)
         tokenizer.padding_side = "left"
-        if card.default_turns and getattr(tokenizer, "chat_template", None):
-            tokenizer.chat_template = with_default_turns(tokenizer.chat_template, card.default_turns)
-        elif card.default_turns:
-            card.default_turns = []                 # no template to put them in: the card says so
+        if (card.default_turns or card.template_defaults) and getattr(tokenizer, "chat_template", None):
+            tokenizer.chat_template = with_default_turns(tokenizer.chat_template, card.default_turns,
+                                                         card.template_defaults)
+        else:
+            card.default_turns, card.template_defaults = [], {}     # no template to put them in: the card says so
         if adapter_only:
             for name in ADAPTER_FILES:
                 if (adapter_dir / name).exists():

@@ -109,12 +109,13 @@ def tool_prompt_ids(tokenizer, task: Task, fmt: PromptFormat, max_prompt_length:
     prompt) and an environment's `reset()` text appended to the question."""
     messages = prompt_messages(task, fmt, observation)
     schemas = [t.schema for t in tools]
+    kwargs = dict(fmt.for_task(task).template_kwargs)
     if not schemas:
-        text = render_chat(tokenizer, messages)
+        text = render_chat(tokenizer, messages, **kwargs)
     elif renders_tools(tokenizer):
-        text = render_chat(tokenizer, messages, tools=schemas)
+        text = render_chat(tokenizer, messages, tools=schemas, **kwargs)
     else:
-        text = render_chat(tokenizer, _with_system(messages, fallback_system_prompt(schemas)))
+        text = render_chat(tokenizer, _with_system(messages, fallback_system_prompt(schemas)), **kwargs)
     ids = prompt_text_ids(tokenizer, text, task, fmt, max_prompt_length + 1)
     if len(ids) > max_prompt_length and not _warned_long:
         _warned_long.append(task.id)
@@ -126,9 +127,10 @@ def tool_prompt_ids(tokenizer, task: Task, fmt: PromptFormat, max_prompt_length:
 _warned_long: list[str] = []          # the long-prompt warning is given once per process
 
 
-def _render_tool_turn(tokenizer, results: Sequence[ToolResult], native: bool) -> str:
+def _render_tool_turn(tokenizer, results: Sequence[ToolResult], native: bool, **template_kwargs) -> str:
     """The text between the model's end-of-turn token and its next turn: the tool results, then the
-    opening of the model's turn (the template's rendering of one conversation with and without them)."""
+    opening of the model's turn (the template's rendering of one conversation with and without them;
+    `template_kwargs`: the run's chat_template_kwargs)."""
     if native:
         call = {"type": "function", "function": {"name": results[0].name, "arguments": {}}}
         before = [{"role": "user", "content": "q"}, {"role": "assistant", "content": "", "tool_calls": [call]}]
@@ -139,8 +141,8 @@ def _render_tool_turn(tokenizer, results: Sequence[ToolResult], native: bool) ->
                                                       for r in results)}]
     if not getattr(tokenizer, "chat_template", None):             # plain text prompts: paragraphs
         return f"\n\n{turn[0]['content']}\n\n"
-    prefix = tokenizer.apply_chat_template(before, tokenize=False)
-    full = tokenizer.apply_chat_template(before + turn, tokenize=False, add_generation_prompt=True)
+    prefix = tokenizer.apply_chat_template(before, tokenize=False, **template_kwargs)
+    full = tokenizer.apply_chat_template(before + turn, tokenize=False, add_generation_prompt=True, **template_kwargs)
     eos = tokenizer.eos_token or ""
     cut = prefix.rfind(eos) + len(eos) if eos and eos in prefix else len(prefix)   # the model emits EOS itself
     if full[:cut] != prefix[:cut]:
@@ -149,9 +151,9 @@ def _render_tool_turn(tokenizer, results: Sequence[ToolResult], native: bool) ->
     return full[cut:]
 
 
-def tool_turn_ids(tokenizer, results: Sequence[ToolResult]) -> list[int]:
+def tool_turn_ids(tokenizer, results: Sequence[ToolResult], template_kwargs: dict | None = None) -> list[int]:
     """The tool turn's token ids (context for the model, never trained on)."""
-    text = _render_tool_turn(tokenizer, results, native=renders_tools(tokenizer))
+    text = _render_tool_turn(tokenizer, results, native=renders_tools(tokenizer), **(template_kwargs or {}))
     return list(tokenizer(text, add_special_tokens=False)["input_ids"])
 
 
@@ -314,7 +316,7 @@ def _turns(backend, tokenizer, prompts: list[list[int]], toolsets: list[dict[str
         results = run_tool_calls([episodes[i].pending for i in calling], [toolsets[i] for i in calling],
                                  toolbox.timeout)
         for i, res in zip(calling, results):
-            episodes[i].add_tool_turn(res, tool_turn_ids(tokenizer, res))
+            episodes[i].add_tool_turn(res, tool_turn_ids(tokenizer, res, dict(fmt.template_kwargs)))
         _continue(backend, prompts, episodes, calling, params.max_new_tokens, params, round_, tokenizer)
     return episodes
 

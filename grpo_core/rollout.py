@@ -391,14 +391,15 @@ def rollout(backend: RolloutBackend, tokenizer, tasks: Sequence[Task], n: int, p
             on_group(group)
         return [s for group in groups for s in group]
     prompt_ids = [chat_prompt_ids(tokenizer, t, fmt, max_prompt_length) for t in tasks]
-    eos = tokenizer.eos_token_id
+    guides = [fmt.guide(t) for t in tasks]
+    if any(guides):
+        samples = guided_rollout(backend, tokenizer, tasks, n, params, fmt, max_prompt_length, prompt_ids, guides)
+        for g in range(len(tasks)) if on_group is not None else ():
+            on_group(samples[g * n:(g + 1) * n])
+        return samples
 
     def as_samples(g: int, group) -> list[Sample]:
-        prefix = fmt.for_task(tasks[g]).response_prefix
-        return [Sample(task_id=tasks[g].id, group=g, prompt_ids=prompt_ids[g], completion_ids=list(c_ids),
-                       completion=prefix + tokenizer.decode(c_ids, skip_special_tokens=True),
-                       truncated=not (c_ids and c_ids[-1] == eos), sampler_logprobs=getattr(c_ids, "logprobs", None))
-                for c_ids in group]
+        return [as_sample(tokenizer, tasks[g], g, prompt_ids[g], c_ids, fmt) for c_ids in group]
 
     ready: dict[int, list[Sample]] = {}
 
@@ -414,3 +415,33 @@ def rollout(backend: RolloutBackend, tokenizer, tasks: Sequence[Task], n: int, p
             for g, group in enumerate(completions):
                 finished(g, group)
     return [s for g, group in enumerate(completions) for s in (ready.get(g) or as_samples(g, group))]
+
+
+def guided_rollout(backend: RolloutBackend, tokenizer, tasks: Sequence[Task], n: int, params: SamplingParams,
+                   fmt: PromptFormat, max_prompt_length: int, prompt_ids: list[list[int]],
+                   guides: list[PromptFormat | None]) -> list[Sample]:
+    """`rollout` where some tasks' groups are guided (`PromptFormat.guide`): the first `fmt.guided` answers of
+    such a group are sampled after the guide's prompt, the others after the task's own; every Sample carries the
+    task's own prompt (what the update trains on), a guided one `extra["guided"]` and no sampler log-probs (they
+    are under another prompt). One batch of single answers, groups contiguous, in task order."""
+    rows, guided = [], []
+    for t, task in enumerate(tasks):
+        own = prompt_ids[t]
+        guide = chat_prompt_ids(tokenizer, task, guides[t], max_prompt_length) if guides[t] else own
+        k = fmt.guided if guides[t] else 0
+        rows += [guide] * k + [own] * (n - k)
+        guided += [True] * k + [False] * (n - k)
+    completions = backend.generate(rows, 1, params)
+    return [as_sample(tokenizer, tasks[i // n], i // n, prompt_ids[i // n], c_ids, fmt, was_guided)
+            for i, ((c_ids,), was_guided) in enumerate(zip(completions, guided))]
+
+
+def as_sample(tokenizer, task: Task, group: int, prompt_ids: list[int], c_ids, fmt: PromptFormat,
+              guided: bool = False) -> Sample:
+    """One sampled completion `c_ids` (with its sampler log-probs where the backend gave them) as a Sample: the
+    completion text is the response prefix + the decoded tokens (what rewards judge)."""
+    return Sample(task_id=task.id, group=group, prompt_ids=prompt_ids, completion_ids=list(c_ids),
+                  completion=fmt.for_task(task).response_prefix + tokenizer.decode(c_ids, skip_special_tokens=True),
+                  truncated=not (c_ids and c_ids[-1] == tokenizer.eos_token_id),
+                  extra={"guided": True} if guided else {},
+                  sampler_logprobs=None if guided else getattr(c_ids, "logprobs", None))

@@ -178,6 +178,8 @@ class PromptFormat:
     instructions: tuple[str, ...] = ()              # alternatives to the plain question
     bare_prob: float = 0.0                          # chance of a user turn alone (needs instructions)
     salt: int = 0
+    guided: int = 0                                 # of a group in a partial wording: answers sampled by `guide`
+    template_kwargs: tuple[tuple[str, object], ...] = ()    # more apply_chat_template keywords (name, value)
 
     @classmethod
     def of(cls, fmt: "PromptFormat | str") -> "PromptFormat":
@@ -190,17 +192,34 @@ class PromptFormat:
     def for_task(self, task: Task) -> "PromptFormat":
         """The one wording `task` is put in (code tasks: their prompt alone)."""
         if task.kind != "math":
-            return PromptFormat()
+            return PromptFormat(template_kwargs=self.template_kwargs)
         if not self.varies:
             return self
         draw = random.Random(hashlib.sha256(f"{self.salt}\0{task.id}".encode()).digest())
         systems = [s for s in (self.system_prompt, *self.system_prompts) if s]
         if self.instructions and (not systems or draw.random() < self.bare_prob):
-            return PromptFormat(response_prefix=self.response_prefix, instruction=draw.choice(self.instructions))
+            return PromptFormat(response_prefix=self.response_prefix, instruction=draw.choice(self.instructions),
+                                template_kwargs=self.template_kwargs)
         system = draw.choice(systems) if systems else ""
         if self.few_shot and draw.random() < self.bare_prob:
             system = ""         # the examples alone: a step between the full prompt and the bare one
-        return PromptFormat(system, self.few_shot, self.response_prefix, draw.choice(["", *self.instructions]))
+        return PromptFormat(system, self.few_shot, self.response_prefix, draw.choice(["", *self.instructions]),
+                            template_kwargs=self.template_kwargs)
+
+    def guide(self, task: Task) -> "PromptFormat | None":
+        """The wording `guided` answers of `task`'s group are sampled in, to be trained as answers to the wording
+        it drew (`for_task`), where that one lacks the system prompt or the examples: the full prompt
+        (system_prompt, the examples) around the drawn instruction. None: no guidance (none asked, a code task,
+        or a full wording drawn). A bare wording alone almost never gets an answer in the asked format from a
+        small model, so its group would carry no signal; guided answers in the group show it one, off-policy
+        (as LUFFY's and Guide-GRPO's guidance)."""
+        drawn = self.for_task(task)
+        if not self.guided or task.kind != "math" or not (self.system_prompt and self.few_shot):
+            return None
+        if drawn.system_prompt and drawn.few_shot:
+            return None
+        return PromptFormat(self.system_prompt, self.few_shot, self.response_prefix, drawn.instruction,
+                            template_kwargs=self.template_kwargs)
 
     def question(self, text: str) -> str:
         return self.instruction.replace(QUESTION, text) if self.instruction else text
@@ -226,8 +245,9 @@ def render_chat(tokenizer, messages: list[dict], **template_kwargs) -> str:
 
 def chat_prompt_ids(tokenizer, task: Task, fmt: PromptFormat | str, max_prompt_length: int) -> list[int]:
     """The task's prompt in the model's chat format (+ response prefix), as token ids (left-truncated)."""
-    return prompt_text_ids(tokenizer, render_chat(tokenizer, prompt_messages(task, fmt)), task, fmt,
-                           max_prompt_length)
+    drawn = PromptFormat.of(fmt).for_task(task)
+    return prompt_text_ids(tokenizer, render_chat(tokenizer, prompt_messages(task, drawn),
+                                                  **dict(drawn.template_kwargs)), task, drawn, max_prompt_length)
 
 
 def prompt_text_ids(tokenizer, text: str, task: Task, fmt: PromptFormat | str, max_prompt_length: int) -> list[int]:

@@ -39,7 +39,8 @@ class VLLMBackend:
     _ids = itertools.count(1)
 
     def __init__(self, model_dir: str, policy, dtype: str = "bfloat16", gpu_memory_utilization: float = 0.3,
-                 max_lora_rank: int = 16, max_model_len: int = 2048, sampler_logprobs: bool = False):
+                 max_lora_rank: int = 16, max_model_len: int = 2048, sampler_logprobs: bool = False,
+                 model_impl: str = "vllm"):
         try:
             from vllm import LLM
         except ImportError as e:      # the extra is not installed
@@ -52,7 +53,7 @@ class VLLMBackend:
         try:
             self.llm = LLM(model=str(model_dir), dtype=dtype, gpu_memory_utilization=gpu_memory_utilization,
                            enable_lora=self.use_lora, max_lora_rank=max_lora_rank, max_model_len=max_model_len,
-                           enable_prefix_caching=True, **extra)
+                           enable_prefix_caching=True, model_impl=model_impl, **extra)
         except TypeError as e:
             if not extra:
                 raise
@@ -66,7 +67,8 @@ class VLLMBackend:
         dtype = "bfloat16" if cfg.dtype in ("auto", "bfloat16") else "float32"
         return cls(resolve_model(cfg.model), policy, dtype=dtype, max_lora_rank=max(16, cfg.lora_r),
                    max_model_len=cfg.max_prompt_length + cfg.max_completion_length,
-                   sampler_logprobs=cfg.needs_sampler_logprobs)
+                   sampler_logprobs=cfg.needs_sampler_logprobs,
+                   gpu_memory_utilization=cfg.vllm_gpu_memory_utilization, model_impl=cfg.vllm_model_impl)
 
     def _sync(self):
         """The adapter (LoRA) to pass along, or the full weights pushed into the engine."""

@@ -491,13 +491,14 @@ def completion_advantages(batch: list, cfg: GRPOConfig) -> list[float | None]:
 def completion_table(samples: list[dict], scores: list[dict], advantages: list[float | None], iteration: int,
                      max_prompts: int, decode, unique_prompts: bool = False) -> dict[str, list]:
     """Columns for log_table: the first `max_prompts` prompts (as the model saw them, `decode`d), each with
-    all its completions, the reward of each reward function, the total and the advantage. `unique_prompts`
+    all its completions, the reward of each reward function, the total, the advantage and whether it was
+    sampled after the guide's prompt (data.guided_completions) rather than the one shown. `unique_prompts`
     (TRL's log_unique_prompts): one row per prompt text, its first completion's."""
     groups = set(list(dict.fromkeys(r["group"] for r in samples))[:max_prompts])
     funcs = list(dict.fromkeys(f for sc in scores for f in sc.get("rewards", {})))
     cols: dict[str, list] = {c: [] for c in ("iteration", "group", "task_id", "prompt", "completion",
                                              *[f"reward_{f}" for f in funcs], "reward", "advantage", "correct",
-                                             "length", "truncated")}
+                                             "length", "truncated", "guided")}
     prompts: dict[int, str] = {}
     for r, sc, adv in zip(samples, scores, advantages):
         if r["group"] not in groups:
@@ -514,7 +515,7 @@ def completion_table(samples: list[dict], scores: list[dict], advantages: list[f
                else r["completion"],
                "reward": sc["reward"], "advantage": adv, "correct": sc.get("correct"),
                "length": model_token_count(r["completion_ids"], r.get("completion_mask")),
-               "truncated": r["truncated"],
+               "truncated": r["truncated"], "guided": bool((r.get("extra") or {}).get("guided")),
                **{f"reward_{f}": sc["rewards"].get(f) for f in funcs}}
         for c in cols:
             cols[c].append(row[c])

@@ -225,3 +225,17 @@ def test_exported_chat_template_prompts_as_training_did(tiny_run, tmp_path):
     out = tmp_path / "plain-template"
     assert main(["export", str(run_dir), "--out", str(out), "--registered-name", "none", "--no-default-system"]) == 0
     assert load_tokenizer(out).chat_template == load_tokenizer(resolve_model("tiny-random")).chat_template
+
+
+def test_the_exported_template_defaults_training_s_template_variables(tiny_model_dir):
+    """chat_template_kwargs training rendered with become the exported template's defaults; a caller's own
+    value still wins, and the default turns go in as well."""
+    from grpo_core.export import with_default_turns
+    tok = load_tokenizer(tiny_model_dir)
+    tok.chat_template = with_default_turns(
+        "{% if enable_thinking %}T{% else %}F{% endif %}{{ depth }}/{% for m in messages %}{{ m['role'] }} "
+        "{% endfor %}", [{"role": "system", "content": "S"}], {"enable_thinking": False, "depth": 2})
+    user = [{"role": "user", "content": "q"}]
+    assert tok.apply_chat_template(user, tokenize=False) == "F2/system user "
+    assert tok.apply_chat_template(user, tokenize=False, enable_thinking=True) == "T2/system user "
+    assert tok.apply_chat_template([{"role": "system", "content": "mine"}, *user], tokenize=False) == "F2/system user "

@@ -128,3 +128,92 @@ def test_foreign_evaluation_logs_its_own_metrics_on_the_math_questions(tmp_path,
     assert sample_rows(policy, tasks, off, seed=5, progress=False) == rows
     table = format_eval_table({0: metrics})
     assert "eval/greedy/foreign/strict_pass_at_1" in table and "eval/sampled/foreign/reward/total" not in table
+
+
+def test_a_wording_without_system_prompt_or_examples_is_guided_by_the_full_prompt():
+    fmt = PromptFormat("Solve it. Reply in <answer></answer> tags.", (("What is 2 + 2?", "<answer>4</answer>"),),
+                       system_prompts=tuple(SYSTEMS), instructions=tuple(INSTRUCTIONS), bare_prob=0.4, salt=3,
+                       guided=2)
+    tasks = [_math(i) for i in range(400)]
+    for t in tasks:
+        drawn, guide = fmt.for_task(t), fmt.guide(t)
+        if drawn.system_prompt and drawn.few_shot:
+            assert guide is None                                            # a full wording needs no guide
+        else:
+            assert guide == PromptFormat(fmt.system_prompt, fmt.few_shot, "", drawn.instruction)
+    assert sum(fmt.guide(t) is not None for t in tasks) > 100
+    import dataclasses
+    assert all(dataclasses.replace(fmt, guided=0).guide(t) is None for t in tasks)
+
+
+def test_guided_answers_are_sampled_after_the_guide_and_trained_on_the_drawn_wording(tmp_path, grpo_home):
+    """The first `guided` answers of a guided group come from the full prompt (the sampler saw it), carry the
+    drawn wording's prompt ids (what the update trains), are marked and have no sampler log-probs; the other
+    groups are sampled as without guidance."""
+    from grpo_core.policy import load_policy
+    from grpo_core.rollout import make_backend, rollout
+    from grpo_core.sampling import SamplingParams, chat_prompt_ids
+    cfg = GRPOConfig.model_validate(tiny_config(tmp_path, num_generations=4, data=dict(
+        instructions=INSTRUCTIONS, bare_prompt_prob=0.3, guided_completions=2)))
+    fmt = cfg.data.prompt_format_at(1)
+    policy = load_policy(cfg, None, need_reference=False)
+    tok, backend = policy.tokenizer, make_backend(cfg, policy, progress=False)
+    seen = []
+    generate = backend.generate
+    backend.generate = lambda rows, n, params, **kw: seen.extend(rows) or generate(rows, n, params, **kw)
+    tasks = [_math(i) for i in range(8)]
+    params = SamplingParams(max_new_tokens=4, temperature=1.0, seed=1, logprobs=True)
+    groups = []
+    samples = rollout(backend, tok, tasks, 4, params, fmt, 512, on_group=groups.append)
+    guided = [t for t in tasks if fmt.guide(t)]
+    assert 0 < len(guided) < len(tasks)
+    assert [s.task_id for s in samples] == [t.id for t in tasks for _ in range(4)] and len(groups) == len(tasks)
+    for g, t in enumerate(tasks):
+        own = chat_prompt_ids(tok, t, fmt, 512)
+        group = samples[4 * g:4 * g + 4]
+        assert all(s.prompt_ids == own and s.group == g for s in group)
+        marks = [s.extra.get("guided", False) for s in group]
+        assert marks == ([True, True, False, False] if fmt.guide(t) else [False] * 4)
+        assert [s.sampler_logprobs is None for s in group] == marks
+        want = [chat_prompt_ids(tok, t, fmt.guide(t), 512)] * 2 + [own] * 2 if fmt.guide(t) else [own] * 4
+        assert seen[4 * g:4 * g + 4] == want
+
+
+@pytest.mark.parametrize("over,says", [
+    (dict(num_generations=2, data=dict(instructions=INSTRUCTIONS, bare_prompt_prob=0.5, guided_completions=2)),
+     "below num_generations"),
+    (dict(data=dict(guided_completions=1)), "bare_prompt_prob > 0"),
+    (dict(data=dict(instructions=INSTRUCTIONS, bare_prompt_prob=0.5, guided_completions=1, few_shot=[])),
+     "data.few_shot"),
+    (dict(off_policy_mask_threshold=0.5, data=dict(instructions=INSTRUCTIONS, bare_prompt_prob=0.5,
+                                                   guided_completions=1)), "off_policy_mask_threshold"),
+])
+def test_guidance_that_cannot_work_is_refused(over, says):
+    with pytest.raises(ValueError) as e:
+        GRPOConfig.model_validate(over)
+    assert "data.guided_completions" in str(e.value) and says in str(e.value)
+
+
+def test_chat_template_kwargs_reach_every_rendered_prompt(tiny_model_dir):
+    """data.chat_template_kwargs (TRL's chat_template_kwargs) go to apply_chat_template for training's drawn
+    wordings, guides, code tasks and evaluation's formats; the pipeline's own arguments are refused."""
+    from grpo_core.models import load_tokenizer
+    from grpo_core.sampling import chat_prompt_ids
+    tok = load_tokenizer(tiny_model_dir)
+    tok.chat_template = ("{% if enable_thinking is defined and not enable_thinking %}NOTHINK {% endif %}"
+                         "{% for m in messages %}{{ m['content'] }} {% endfor %}")
+    cfg = GRPOConfig(data=dict(instructions=INSTRUCTIONS, bare_prompt_prob=0.5, guided_completions=1,
+                               chat_template_kwargs={"enable_thinking": False}))
+    plain = GRPOConfig(data=dict(instructions=INSTRUCTIONS, bare_prompt_prob=0.5, guided_completions=1))
+    code = Task(id="c", kind="python", source="x", prompt="def f(): ...", tests={"x": 1}, entry_point="f")
+    tasks = [_math(i) for i in range(12)] + [code]
+    for fmt, plain_fmt in ((cfg.data.prompt_format_at(1), plain.data.prompt_format_at(1)),
+                           (cfg.data.prompt_format, plain.data.prompt_format)):
+        for t in tasks:
+            text = tok.decode(chat_prompt_ids(tok, t, fmt, 4096))
+            assert text.startswith("NOTHINK ") and text[len("NOTHINK "):] == tok.decode(
+                chat_prompt_ids(tok, t, plain_fmt, 4096))
+            if fmt.guide(t):
+                assert tok.decode(chat_prompt_ids(tok, t, fmt.guide(t), 4096)).startswith("NOTHINK ")
+    with pytest.raises(ValueError, match="data.chat_template_kwargs: 'tools'"):
+        GRPOConfig(data=dict(chat_template_kwargs={"tools": []}))

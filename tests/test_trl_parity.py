@@ -147,11 +147,7 @@ def test_loss_gradient_and_metrics_equal_trls_compute_loss(o):
     theirs, metrics = trl_compute_loss(logp, entropy, old, ref, adv, mask, dict(o, max_completion_length=9), n_mb,
                                        n_tokens, is_ratio)
     trl_grads = torch.autograd.grad(theirs, (logp, entropy), allow_unused=True)
-    assert ours.item() == pytest.approx(theirs.item(), rel=1e-10, abs=1e-12)
-    for a, b in zip(our_grads, trl_grads):
-        a = torch.zeros_like(logp0) if a is None else a
-        b = torch.zeros_like(logp0) if b is None else b
-        assert torch.allclose(a, b, rtol=1e-9, atol=1e-12), (a - b).abs().max()
+    _same_loss_and_gradients(ours, theirs, our_grads, trl_grads, logp0)
     if o["beta"]:
         assert stats["kl"] == pytest.approx(metrics["kl"], rel=1e-6)          # ours in float32
     if o["loss_type"] == "vespo":
@@ -160,6 +156,15 @@ def test_loss_gradient_and_metrics_equal_trls_compute_loss(o):
     if o["loss_type"] not in ("cispo", "sapo", "vespo") and o["importance_sampling_level"] == "token":
         for key in ("clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean"):
             assert stats[key] == pytest.approx(metrics[key], rel=1e-6, abs=1e-9), key
+
+
+def _same_loss_and_gradients(ours, theirs, our_grads, trl_grads, like):
+    """Our loss and gradients equal TRL's to float64 precision (a gradient one side does not have: zeros)."""
+    assert ours.item() == pytest.approx(theirs.item(), rel=1e-10, abs=1e-12)
+    for a, b in zip(our_grads, trl_grads):
+        a = torch.zeros_like(like) if a is None else a
+        b = torch.zeros_like(like) if b is None else b
+        assert torch.allclose(a, b, rtol=1e-9, atol=1e-12), (a - b).abs().max()
 
 
 # -- adaptive entropy control: TRL's controller, step after step -----------------------------------------------
@@ -201,11 +206,7 @@ def test_adaptive_entropy_equals_trls_controller(top_entropy_quantile):
             trainer.accelerator.sync_gradients = k == n_mb - 1          # the step's last micro-batch
             theirs = trl_micro_batch(trainer, logp, entropy, old, ref, adv, mask, n_tokens)
             trl_grads = torch.autograd.grad(theirs, (logp, entropy), allow_unused=True)
-            assert ours.item() == pytest.approx(theirs.item(), rel=1e-10, abs=1e-12)
-            for a, b in zip(our_grads, trl_grads):
-                a = torch.zeros_like(logp0) if a is None else a
-                b = torch.zeros_like(logp0) if b is None else b
-                assert torch.allclose(a, b, rtol=1e-9, atol=1e-12), (a - b).abs().max()
+            _same_loss_and_gradients(ours, theirs, our_grads, trl_grads, logp0)
         control.observe((measured[0] / measured[1]).item(), cfg)
         assert control.coef == pytest.approx(trainer.entropy_coef, abs=1e-12)
         assert control.last_entropy == pytest.approx(trainer._last_world_entropy, rel=1e-12)

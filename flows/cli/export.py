@@ -74,7 +74,7 @@ def export_run(run: str, out: str | Path, iteration: int | None = None, best: bo
                      system_prompt=cfg.data.system_prompt, few_shot=[tuple(x) for x in cfg.data.few_shot],
                      response_prefix=cfg.data.prompt_format.response_prefix, eval_table=format_eval_table(evals),
                      default_turns=default_turns(cfg.data.system_prompt, cfg.data.few_shot if with_examples else ())
-                     if default_system else [])
+                     if default_system else [], template_defaults=dict(cfg.data.chat_template_kwargs))
     options = sampling_options(cfg)             # generation_kwargs override top_p ... as in training
     sampling = generation_settings(cfg.temperature, options["top_p"], options["top_k"], cfg.max_completion_length,
                                    options["min_p"], options["repetition_penalty"])

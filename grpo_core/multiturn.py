@@ -292,7 +292,7 @@ def tool_rollout(backend, tokenizer, tasks: Sequence[Task], n: int, params: Samp
     session = backend.session(len(row_tasks)) if hasattr(backend, "session") else contextlib.nullcontext()
     with session:
         episodes = _turns(backend, tokenizer, prompts, toolsets, n, params, toolbox,
-                          [fmt.for_task(t).response_prefix for t in row_tasks])
+                          [fmt.for_task(t).response_prefix for t in row_tasks], dict(fmt.template_kwargs))
     # 5) the environments' own rewards, and the samples
     rewards = [_environment_reward(env) for env in environments]
     return [[_sample(tasks[g], g, prompts[r], episodes[r], rewards[r]) for r in range(g * n, (g + 1) * n)]
@@ -300,9 +300,9 @@ def tool_rollout(backend, tokenizer, tasks: Sequence[Task], n: int, params: Samp
 
 
 def _turns(backend, tokenizer, prompts: list[list[int]], toolsets: list[dict[str, Tool]], n: int,
-           params: SamplingParams, toolbox: Toolbox, openings: list[str]) -> list[Episode]:
+           params: SamplingParams, toolbox: Toolbox, openings: list[str], template_kwargs: dict) -> list[Episode]:
     """Every rollout's conversation: 3) the first turn, 4) rounds of tool calls (all of a round at once), each
-    followed by the model's next turn."""
+    followed by the model's next turn (tool turns rendered with the run's chat_template_kwargs)."""
     episodes = [Episode() for _ in prompts]
     for ep, completion, opening in zip(episodes, _first_turn(backend, prompts, n, params), openings):
         ep.add_model_turn(list(completion), getattr(completion, "logprobs", None), tokenizer, opening)
@@ -316,7 +316,7 @@ def _turns(backend, tokenizer, prompts: list[list[int]], toolsets: list[dict[str
         results = run_tool_calls([episodes[i].pending for i in calling], [toolsets[i] for i in calling],
                                  toolbox.timeout)
         for i, res in zip(calling, results):
-            episodes[i].add_tool_turn(res, tool_turn_ids(tokenizer, res, dict(fmt.template_kwargs)))
+            episodes[i].add_tool_turn(res, tool_turn_ids(tokenizer, res, template_kwargs))
         _continue(backend, prompts, episodes, calling, params.max_new_tokens, params, round_, tokenizer)
     return episodes
 

@@ -369,3 +369,22 @@ def test_a_turn_ends_where_its_tool_call_closes(tok, then_eos):
     end = s.completion_mask.index(0)
     assert s.completion_ids[end] == tok.eos_token_id and tok.decode(s.completion_ids[:end]).endswith("</tool_call>")
     assert s.sampler_logprobs[end] == 0.0 and len(s.sampler_logprobs) == len(s.completion_ids)
+
+
+def test_chat_template_kwargs_reach_the_prompt_and_every_tool_turn(tiny_model_dir):
+    """data.chat_template_kwargs render the tool rollout's prompt and each tool turn appended after it."""
+    from grpo_core.sampling import PromptFormat
+    tok = load_tokenizer(tiny_model_dir)
+    tok.chat_template = ("{% for m in messages %}<|{{ m['role'] }}|>"
+                         "{% if enable_thinking is defined and not enable_thinking %}NOTHINK {% endif %}"
+                         "{{ m['content'] }}\n{% endfor %}{% if add_generation_prompt %}<|assistant|>{% endif %}")
+    box = Toolbox(resolve_tools(["calculator"]))
+    for kwargs, marked in (((("enable_thinking", False),), True), ((), False)):
+        samples = rollout(ScriptedSampler(tok, calculator_then_answer), tok, [math_task(0)], 1,
+                          SamplingParams(max_new_tokens=200), PromptFormat(template_kwargs=kwargs), 4096,
+                          toolbox=box)
+        mask = samples[0].completion_mask
+        first, last = mask.index(0), len(mask) - mask[::-1].index(0)
+        assert ("NOTHINK" in tok.decode(samples[0].prompt_ids)) == marked
+        assert ("NOTHINK <tool_response>" in tok.decode(samples[0].completion_ids[first:last])) == marked
+        assert samples[0].completion == "Answer: 84"

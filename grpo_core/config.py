@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -329,6 +330,21 @@ class TrackingConfig(_Section):
                                          "num_generations completions")
 
 
+def _check_structured_regex(regex: str, backend: str, generation_kwargs: dict) -> None:
+    """ValueError naming vllm_structured_outputs_regex and the fix when it cannot apply."""
+    if backend != "vllm":
+        raise ValueError(f"vllm_structured_outputs_regex constrains vLLM's sampling only; set rollout_backend: vllm "
+                         f"(not {backend}) or remove vllm_structured_outputs_regex")
+    if "structured_outputs" in generation_kwargs or "guided_decoding" in generation_kwargs:
+        raise ValueError("vllm_structured_outputs_regex and generation_kwargs structured_outputs/guided_decoding "
+                         "both constrain the output; keep one of them")
+    try:
+        re.compile(regex)
+    except re.error as e:
+        raise ValueError(f"vllm_structured_outputs_regex {regex!r} is not a regular expression ({e}); fix the "
+                         f"pattern") from None
+
+
 class GRPOConfig(_Section):
     # -- run --------------------------------------------------------------------------------
     run_name: str | None = Field(None, pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$",
@@ -389,12 +405,19 @@ class GRPOConfig(_Section):
     vllm_model_impl: Literal["vllm", "transformers"] = Field("vllm", description="rollout_backend vllm: the model "
                                                              "code vLLM runs (its own, or the transformers one "
                                                              "for an architecture vLLM lacks)")
+    vllm_structured_outputs_regex: str | None = Field(
+        None, description="rollout_backend vllm: every completion is constrained to match this regular expression "
+                          "(vLLM structured outputs, as TRL; same as generation_kwargs structured_outputs: "
+                          "{regex: ...}). The engine's grammar backend takes a subset of Python's syntax")
 
     @model_validator(mode="after")
     def _generation_kwargs_apply(self):
         # every key must be one the chosen backend takes; one naming a field of ours must be valid for that field
         from grpo_core.sampling import OWN_OPTIONS, check_generation_kwargs
         check_generation_kwargs(self.generation_kwargs or {}, self.rollout_backend)
+        if self.vllm_structured_outputs_regex is not None:
+            _check_structured_regex(self.vllm_structured_outputs_regex, self.rollout_backend,
+                                    self.generation_kwargs or {})
         for key in [k for k in OWN_OPTIONS if k in (self.generation_kwargs or {})]:
             f, value = type(self).model_fields[key], self.generation_kwargs[key]
             try:

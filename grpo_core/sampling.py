@@ -98,9 +98,11 @@ def check_generation_kwargs(kwargs: dict, backend: str) -> None:
 def sampling_options(cfg) -> dict:
     """The SamplingParams options a run's config sets (`cfg`: a GRPOConfig): top_p, top_k, min_p,
     repetition_penalty, each overridden by generation_kwargs where it names them (TRL), and the rest of
-    generation_kwargs for the backend."""
+    generation_kwargs for the backend (with vllm_structured_outputs_regex as its structured_outputs)."""
     extra = dict(cfg.generation_kwargs or {})
     options = {k: extra.pop(k) if k in extra else getattr(cfg, k) for k in OWN_OPTIONS}
+    if getattr(cfg, "vllm_structured_outputs_regex", None) is not None:
+        extra["structured_outputs"] = {"regex": cfg.vllm_structured_outputs_regex}   # as vLLM's backend takes it
     return {**options, "generation_kwargs": extra}
 
 

@@ -91,13 +91,24 @@ def test_bad_wordings_are_refused_naming_the_field(tmp_path, over, field, says):
     assert field in str(e.value) and says in str(e.value)
 
 
-def test_the_shipped_configs_train_on_varied_wordings_and_evaluate_foreign_ones():
+def test_the_shipped_configs_evaluate_foreign_wordings_and_math_trains_on_varied_ones(tmp_path):
+    """math.yaml trains on varied wordings with guidance; default.yaml evaluates in foreign wordings and its
+    commented-out wording block (README: off in 20 iterations) is a valid config once uncommented."""
     from pathlib import Path
     root = Path(__file__).resolve().parents[1]
-    for name in ("default.yaml", "math.yaml"):
-        cfg = load_config(root / "configs" / name)
-        assert cfg.data.prompt_format_at(1).varies and cfg.data.bare_prompt_prob > 0, name
-        assert cfg.eval.foreign_format is not None and cfg.eval.foreign_instructions, name
+    math = load_config(root / "configs" / "math.yaml")
+    assert math.data.prompt_format_at(1).varies and math.data.bare_prompt_prob > 0 and math.data.guided_completions
+    default_text = (root / "configs" / "default.yaml").read_text()
+    for cfg in (math, load_config(root / "configs" / "default.yaml")):
+        assert cfg.eval.foreign_format is not None and cfg.eval.foreign_instructions
+    lines = default_text.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.strip() == "# system_prompts:")
+    uncommented = [line.replace("# ", "", 1) if i >= start and line.startswith("  # ") and i < start + 12 else line
+                   for i, line in enumerate(lines)]
+    (tmp_path / "on.yaml").write_text("\n".join(uncommented) + "\n")
+    on = load_config(tmp_path / "on.yaml")
+    assert on.data.prompt_format_at(1).varies and on.data.bare_prompt_prob == 0.2 and on.data.guided_completions == 4
+    assert len(on.data.system_prompts) == 2 and len(on.data.instructions) == 4
 
 
 def test_foreign_evaluation_logs_its_own_metrics_on_the_math_questions(tmp_path, grpo_home):

@@ -314,6 +314,27 @@ def test_hf_and_vllm_take_their_own_generation_kwargs():
         check_generation_kwargs({"suppress_tokens": [1]}, "static")
 
 
+def test_vllm_structured_outputs_regex_becomes_the_engines_structured_outputs():
+    """TRL's vllm_structured_outputs_regex: vLLM's structured_outputs={regex: ...} in every vLLM sampling call (the
+    backend turns the dict into vLLM's StructuredOutputsParams); refused with another backend, beside
+    generation_kwargs' own constraint, or when it is no regular expression."""
+    from grpo_core.vllm_backend import vllm_sampling_kwargs
+    regex = r"<answer>-?\d+</answer>"
+    cfg = load_config(None, ["rollout_backend=vllm", f"vllm_structured_outputs_regex={regex}"])
+    assert cfg.flat()["vllm_structured_outputs_regex"] == regex
+    params = SamplingParams(max_new_tokens=8, **sampling_options(cfg))
+    assert vllm_sampling_kwargs(params, 4)["structured_outputs"] == {"regex": regex}
+    assert "structured_outputs" not in sampling_options(load_config(None, ["rollout_backend=vllm"]))["generation_kwargs"]
+    for overrides, says in ((["rollout_backend=static"], "set rollout_backend: vllm (not static)"),
+                            (["rollout_backend=vllm", "generation_kwargs.structured_outputs={json: {}}"],
+                             "keep one of them"),
+                            (["rollout_backend=vllm"], "is not a regular expression")):
+        bad = "(unclosed" if says.startswith("is not") else regex
+        with pytest.raises(ConfigError, match="vllm_structured_outputs_regex") as e:
+            load_config(None, [*overrides, f"vllm_structured_outputs_regex={bad}"])
+        assert says in str(e.value)
+
+
 def test_options_are_logged_and_generation_kwargs_override_the_fields():
     """The three fields are MLflow params (cfg.flat(), what tracking logs); a generation_kwargs key naming one
     of our options overrides the field in every backend (TRL), the rest goes to the backend."""

@@ -101,7 +101,7 @@ def sampling_options(cfg) -> dict:
     generation_kwargs for the backend (with vllm_structured_outputs_regex as its structured_outputs)."""
     extra = dict(cfg.generation_kwargs or {})
     options = {k: extra.pop(k) if k in extra else getattr(cfg, k) for k in OWN_OPTIONS}
-    if getattr(cfg, "vllm_structured_outputs_regex", None) is not None:
+    if cfg.vllm_structured_outputs_regex is not None:
         extra["structured_outputs"] = {"regex": cfg.vllm_structured_outputs_regex}   # as vLLM's backend takes it
     return {**options, "generation_kwargs": extra}
 

@@ -102,9 +102,9 @@ def test_the_shipped_configs_evaluate_foreign_wordings_and_math_trains_on_varied
     for cfg in (math, load_config(root / "configs" / "default.yaml")):
         assert cfg.eval.foreign_format is not None and cfg.eval.foreign_instructions
     lines = default_text.splitlines()
-    start = next(i for i, line in enumerate(lines) if line.strip() == "# system_prompts:")
-    uncommented = [line.replace("# ", "", 1) if i >= start and line.startswith("  # ") and i < start + 12 else line
-                   for i, line in enumerate(lines)]
+    start = lines.index("  # system_prompts:")
+    end = next(i for i in range(start, len(lines)) if not lines[i].startswith("  # "))   # the block's last line + 1
+    uncommented = lines[:start] + [line.replace("# ", "", 1) for line in lines[start:end]] + lines[end:]
     (tmp_path / "on.yaml").write_text("\n".join(uncommented) + "\n")
     on = load_config(tmp_path / "on.yaml")
     assert on.data.prompt_format_at(1).varies and on.data.bare_prompt_prob == 0.2 and on.data.guided_completions == 4

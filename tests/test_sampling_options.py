@@ -325,13 +325,12 @@ def test_vllm_structured_outputs_regex_becomes_the_engines_structured_outputs():
     params = SamplingParams(max_new_tokens=8, **sampling_options(cfg))
     assert vllm_sampling_kwargs(params, 4)["structured_outputs"] == {"regex": regex}
     assert "structured_outputs" not in sampling_options(load_config(None, ["rollout_backend=vllm"]))["generation_kwargs"]
-    for overrides, says in ((["rollout_backend=static"], "set rollout_backend: vllm (not static)"),
-                            (["rollout_backend=vllm", "generation_kwargs.structured_outputs={json: {}}"],
-                             "keep one of them"),
-                            (["rollout_backend=vllm"], "is not a regular expression")):
-        bad = "(unclosed" if says.startswith("is not") else regex
+    for overrides, pattern, says in (
+            (["rollout_backend=static"], regex, "set rollout_backend: vllm (not static)"),
+            (["rollout_backend=vllm", "generation_kwargs.structured_outputs={json: {}}"], regex, "keep one of them"),
+            (["rollout_backend=vllm"], "(unclosed", "is not a regular expression")):
         with pytest.raises(ConfigError, match="vllm_structured_outputs_regex") as e:
-            load_config(None, [*overrides, f"vllm_structured_outputs_regex={bad}"])
+            load_config(None, [*overrides, f"vllm_structured_outputs_regex={pattern}"])
         assert says in str(e.value)
 
 

@@ -326,7 +326,10 @@ else:
     total = distributed.run_on_processes(__import__("tests.test_distributed").test_distributed.ranks_summed, {}, 2,
                                          "cpu", ".")
     distributed._release_waiting_processes()                       # what atexit runs, here to count after it
-print("PROBE", json.dumps(dict(rank=rank, before=before, joined=joined, left=threads())), flush=True)
+# a file per process: their prints share one pipe, and unbuffered (PYTHONUNBUFFERED, as in CI) each print is
+# several writes that the other process's can split
+with open(os.path.join(sys.argv[1], f"probe{rank}.json"), "w") as f:
+    json.dump(dict(rank=rank, before=before, joined=joined, left=threads()), f)
 """
 
 
@@ -338,11 +341,10 @@ def test_a_launch_joins_its_gloo_threads_before_the_interpreter_exits(tmp_path):
     script = tmp_path / "probe.py"
     script.write_text(EXIT_PROBE)
     env = {**os.environ, **CPU_ONLY, "PYTHONPATH": str(distributed.REPO_ROOT)}
-    proc = subprocess.run([*distributed.accelerate_launch(N), str(script)], env=env, capture_output=True, text=True,
-                          timeout=LAUNCH_TIMEOUT)
+    proc = subprocess.run([*distributed.accelerate_launch(N), str(script), str(tmp_path)], env=env,
+                          capture_output=True, text=True, timeout=LAUNCH_TIMEOUT)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    probes = sorted((json.loads(line.split("PROBE ", 1)[1]) for line in proc.stdout.splitlines() if "PROBE " in line),
-                    key=lambda p: p["rank"])
+    probes = sorted((json.loads(f.read_text()) for f in tmp_path.glob("probe*.json")), key=lambda p: p["rank"])
     assert [p["rank"] for p in probes] == [0, 1]
     for p in probes:
         assert p["joined"] > p["before"] + 1, p                   # the group's threads ran ...

@@ -111,7 +111,8 @@ def score_samples(samples, tasks_by_id: dict[str, Task], cfg: GRPOConfig, mode: 
                      "formatted": is_well_formatted(s.completion, t.kind), "verdict": verdict, "flags": flags,
                      "length": model_token_count(s.completion_ids, mask),
                      "truncated": s.truncated, "tools": "turns" in extra,
-                     **({"conversation": readable_conversation(extra)} if "turns" in extra else {})})
+                     **({"conversation": readable_conversation(extra), "tool_calls": extra.get("tool_calls", 0)}
+                        if "turns" in extra else {})})
         seen[t.id] += 1
     return rows
 
@@ -143,6 +144,8 @@ def _mode_metrics(rows: list[dict], mode: str, ks: Sequence[int], funcs: Sequenc
     # fraction of completions fully correct (kept for dashboards that predate pass@k; = greedy pass@1)
     m["accuracy"] = _mean([None if r["correct"] is None else float(r["correct"]) for r in rows])
     m["format_rate"] = mean(float(_formatted(r)) for r in rows)
+    if any("tool_calls" in r for r in rows):            # answers given with tools: how many called one
+        m["tool_call_rate"] = mean(float(r.get("tool_calls", 0) > 0) for r in rows)
     m["strict_pass_at_1"] = _mean([None if r["correct"] is None else float(r["correct"] and _formatted(r))
                                    for r in rows])
     return {k: v for k, v in m.items() if v is not None}

@@ -7,7 +7,7 @@ import time
 from pathlib import Path
 
 from prefect import flow
-from prefect.runtime import flow_run
+from prefect.runtime import deployment, flow_run
 
 from grpo_core import models
 from grpo_core.config import GRPOConfig
@@ -158,6 +158,8 @@ def training_run(config: dict) -> dict:
     run_dir.mkdir(parents=True, exist_ok=True)
     atomic_write_text(run_dir / "config.yaml", cfg.to_yaml())
     mark_running(run_dir, flow_run.get_id())
+    if (schedule := deployment.get_name()):            # started by a schedule (grpo schedule): `grpo runs` shows it
+        update_run_state(run_dir, schedule=schedule)
     try:
         run_id = tracking.start_or_resume_run(cfg, run_dir, flow_run.get_id())
     except BaseException as e:      # e.g. the tracking server is down: say so in `grpo runs`

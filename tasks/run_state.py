@@ -119,5 +119,6 @@ def run_status(run_dir: str | Path) -> dict:
     return {"run": run_dir.name, "status": status,
             "last_completed": f"iter-{last[0]}/{last[1]}" if last else "-",
             "iterations": f"{iterations_done(run_dir)}/{total if total is not None else '?'}",
+            "schedule": state.get("schedule") or "-",
             "mlflow_run_id": state.get("mlflow_run_id", "-"), "updated": state.get("updated", "-"),
             "error": state.get("error")}

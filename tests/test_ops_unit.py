@@ -173,7 +173,16 @@ def test_ops_parser():
     from flows.cli.main import build_parser
     p = build_parser()
     a = p.parse_args(["schedule", "--cron", "0 3 * * *", "--config", "x.yaml", "--init-from-previous"])
-    assert a.cron == "0 3 * * *" and a.init_from_previous and a.work_pool is None
+    assert a.cron == "0 3 * * *" and a.init_from_previous and a.work_pool is None and a.action == "start"
+    a = p.parse_args(["schedule", "--interval", "90s", "--config", "x.yaml"])
+    assert a.interval == "90s" and a.cron is None
+    a = p.parse_args(["schedule", "pause", "every-6h"])
+    assert (a.action, a.target) == ("pause", "every-6h")
+    assert p.parse_args(["schedule", "list", "--json"]).json
+    with pytest.raises(SystemExit):                                   # one of --cron / --interval, not both
+        p.parse_args(["schedule", "--cron", "0 3 * * *", "--interval", "1h", "--config", "x.yaml"])
+    a = p.parse_args(["compare", "r1", "r2", "--csv"])
+    assert a.csv and not a.json
     a = p.parse_args(["compare", "r1", "r2", "--png", "o.png"])
     assert a.runs == ["r1", "r2"] and a.png == "o.png"
     a = p.parse_args(["resume", "r1", "--set", "stages.update.retries=3"])
@@ -182,15 +191,75 @@ def test_ops_parser():
 
 
 def test_schedule_deployment_object(tmp_path):
-    """The scheduled deployment: cron schedule, no run name (each run its own), absolute output dir."""
-    from flows.schedule import to_deployment
+    """The scheduled deployment: cron or interval schedule, at most one run at a time, no run name (each run
+    its own), absolute output dir."""
+    from datetime import timedelta
+    from flows.schedule import make_schedule, to_deployment
     cfg = GRPOConfig(model="tiny-random", run_name="fixed", output_dir="rel/runs")
-    dep = to_deployment(cfg, "0 3 * * *", name="nightly", init_from_previous=True)
+    dep = to_deployment(cfg, make_schedule(cron="0 3 * * *"), name="nightly", init_from_previous=True)
     assert dep.name == "nightly"
     assert dep.schedules[0].schedule.cron == "0 3 * * *"
+    assert dep.concurrency_limit == 1
     conf = dep.parameters["config"]
     assert conf["run_name"] is None and Path(conf["output_dir"]).is_absolute()
     assert conf["init_adapter"] == "previous"
+    dep = to_deployment(cfg, make_schedule(interval="1h30m"), name="often")
+    assert dep.schedules[0].schedule.interval == timedelta(hours=1, minutes=30)
+
+
+@pytest.mark.parametrize("text, seconds", [("90s", 90), ("15m", 900), ("6h", 21600), ("1d", 86400),
+                                           ("1h30m", 5400), (" 2M ", 120)])
+def test_interval_durations(text, seconds):
+    from flows.schedule import parse_interval
+    assert parse_interval(text).total_seconds() == seconds
+
+
+@pytest.mark.parametrize("text", ["", "90", "1.5h", "h", "0s", "1w", "every hour"])
+def test_a_bad_interval_names_the_option_and_the_form(text):
+    from flows.schedule import parse_interval
+    with pytest.raises(ConfigError, match=r"--interval .* e\.g\. 90s"):
+        parse_interval(text)
+
+
+def test_a_schedule_needs_exactly_one_of_cron_and_interval():
+    from flows.schedule import make_schedule
+    for kwargs in ({}, {"cron": "0 3 * * *", "interval": "1h"}):
+        with pytest.raises(ConfigError, match="exactly one of --cron"):
+            make_schedule(**kwargs)
+
+
+def test_compare_prints_the_differences_of_two_runs_as_table_csv_and_json(tmp_path, capsys):
+    """Two MLflow runs (SQLite) with different configs and metrics: the config difference and the metrics side
+    by side, in each output form, read back."""
+    import csv
+    import io
+    import mlflow
+    from flows.cli.main import main
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    mlflow.set_tracking_uri(uri)
+    mlflow.set_experiment("cmp")
+    ids = []
+    for name, lr, acc in (("lr-low", "1e-05", 0.25), ("lr-high", "0.0002", 0.5)):
+        with mlflow.start_run(run_name=name) as run:
+            mlflow.log_params({"learning_rate": lr, "beta": "0.04", "run_name": name})
+            mlflow.log_metric("eval/greedy/pass_at_1", 0.1, step=0)
+            mlflow.log_metric("eval/greedy/pass_at_1", acc, step=2)
+            ids.append(run.info.run_id)
+    mlflow.set_tracking_uri(None)
+    base = ["compare", *ids, "--tracking-uri", uri, "--metrics", "eval/"]
+    assert main(base) == 0
+    table = capsys.readouterr().out
+    assert "learning_rate" in table and "beta" not in table and "0.25" in table and "0.5" in table
+    assert main([*base, "--json"]) == 0
+    got = json.loads(capsys.readouterr().out)
+    assert got["labels"] == ["lr-low", "lr-high"] and got["statuses"] == ["FINISHED", "FINISHED"]
+    assert got["config_diff"] == {"learning_rate": ["1e-05", "0.0002"]}      # run_name is not a difference
+    assert got["final_metrics"] == {"eval/greedy/pass_at_1": [0.25, 0.5]}
+    assert main([*base, "--csv"]) == 0
+    rows = list(csv.reader(io.StringIO(capsys.readouterr().out)))
+    assert rows[0] == ["section", "name", "lr-low", "lr-high"]
+    assert ["config", "learning_rate", "1e-05", "0.0002"] in rows
+    assert ["metric", "eval/greedy/pass_at_1", "0.25", "0.5"] in rows
 
 
 def test_schedule_refuses_without_server(monkeypatch):

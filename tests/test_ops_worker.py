@@ -44,10 +44,10 @@ from prefect.client.orchestration import get_client
 from prefect.client.schemas.actions import WorkPoolCreate
 from prefect.deployments import run_deployment
 from grpo_core.config import load_config
-from flows.schedule import deploy
+from flows.schedule import deploy, make_schedule
 with get_client(sync_client=True) as c:
     c.create_work_pool(WorkPoolCreate(name="test-pool", type="process"), overwrite=True)
-deploy(load_config(sys.argv[1]), "test-pool", cron="0 3 * * *", name="worker-test")
+deploy(load_config(sys.argv[1]), "test-pool", make_schedule(cron="0 3 * * *"), name="worker-test")
 fr = run_deployment("grpo-training-run/worker-test", timeout=0)
 print("FLOW_RUN", fr.id)
 """

@@ -7,7 +7,8 @@ import math
 
 EVAL_MODES = ("greedy", "sampled")
 FOREIGN_ROWS = ("pass_at_1", "strict_pass_at_1", "format_rate")
-RUN_COLUMNS = ("run", "status", "iterations", "last_completed", "mlflow_run_id", "updated")
+RUN_COLUMNS = ("run", "status", "iterations", "last_completed", "schedule", "mlflow_run_id", "updated")
+SCHEDULE_COLUMNS = ("name", "schedule", "paused", "work_pool", "completed", "running", "failed", "last_run")
 
 
 # -- held-out metrics -----------------------------------------------------------------------------------
@@ -65,13 +66,25 @@ def format_eval_table(evals: dict) -> str:
 def format_runs_table(rows: list[dict]) -> str:
     """One line per run (tasks.run_state.run_status), and the error under a failed, killed or interrupted one."""
     from tasks.run_state import RESUMABLE
-    widths = {c: max(len(c), *(len(str(r[c])) for r in rows)) for c in RUN_COLUMNS}
-    lines = ["  ".join(c.upper().ljust(widths[c]) for c in RUN_COLUMNS)]
-    for r in rows:
-        lines.append("  ".join(str(r[c]).ljust(widths[c]) for c in RUN_COLUMNS))
+    head, *lines = _columns(rows, RUN_COLUMNS)
+    out = [head]
+    for r, line in zip(rows, lines):
+        out.append(line)
         if r["status"] in RESUMABLE and r.get("error"):
-            lines.append(f"    error: {r['error']}")
-    return "\n".join(lines)
+            out.append(f"    error: {r['error']}")
+    return "\n".join(out)
+
+
+def _columns(rows: list[dict], columns: tuple[str, ...]) -> list[str]:
+    """A header line and one line per row, each column as wide as its widest cell."""
+    widths = {c: max(len(c), *(len(str(r[c])) for r in rows)) for c in columns}
+    return ["  ".join(c.upper().ljust(widths[c]) for c in columns)] + \
+        ["  ".join(str(r[c]).ljust(widths[c]) for c in columns) for r in rows]
+
+
+def format_schedules(rows: list[dict]) -> str:
+    """One line per schedule on the server (flows.schedule.list_schedules)."""
+    return "\n".join(_columns(rows, SCHEDULE_COLUMNS))
 
 
 def _cell(value) -> str:

@@ -11,7 +11,8 @@ import math
 import sys
 from pathlib import Path
 
-from flows.cli.format import format_comparison, format_eval_table, format_registered, format_runs_table
+from flows.cli.format import (format_comparison, format_eval_table, format_registered, format_runs_table,
+                              format_schedules)
 from grpo_core.config import ConfigError, GRPOConfig, load_config
 
 DEFAULT_METRIC_PREFIXES = ("eval/greedy/", "eval/sampled/", "reward/", "train/loss", "train/kl", "train/reward",
@@ -92,19 +93,46 @@ def cmd_runs(args) -> int:
 
 def cmd_schedule(args) -> int:
     from flows import schedule
+    if args.action == "list":
+        return _print_schedules(schedule.list_schedules(), args.json)
+    if args.action in ("pause", "resume", "delete"):
+        if not args.target:
+            raise ConfigError(f"grpo schedule {args.action} needs the schedule's name (`grpo schedule list` shows "
+                              f"them), e.g. grpo schedule {args.action} nightly")
+        if args.action == "delete":
+            schedule.delete(args.target)
+        else:
+            schedule.set_paused(args.target, args.action == "pause")
+        print(f"schedule {args.target!r}: {args.action}d" if args.action != "pause" else
+              f"schedule {args.target!r}: paused (a run in progress finishes; resume with grpo schedule resume "
+              f"{args.target})")
+        return 0
+    if not args.config:
+        raise ConfigError("grpo schedule needs --config YAML (the training config each run uses)")
     cfg = load_config(args.config, list(args.set or []))
+    when = schedule.make_schedule(args.cron, args.interval, args.timezone)
+    name = args.target or args.name
     if cfg.run_name:
         print(f"note: run_name {cfg.run_name!r} is ignored; each scheduled run gets its own name", file=sys.stderr)
     schedule.check_server()
     if args.work_pool:
-        dep_id = schedule.deploy(cfg, args.work_pool, args.cron, args.name, args.init_from_previous, args.timezone,
-                                 image=args.image)
-        print(f"deployment grpo-training-run/{args.name} ({dep_id}) on pool {args.work_pool!r}, cron {args.cron!r}.\n"
+        dep_id = schedule.deploy(cfg, args.work_pool, when, name, args.init_from_previous, image=args.image)
+        print(f"deployment grpo-training-run/{name} ({dep_id}) on pool {args.work_pool!r}, {schedule.describe(when)}.\n"
               f"Start a worker: prefect worker start --pool {args.work_pool}\n"
-              f"Run it now:     prefect deployment run grpo-training-run/{args.name}")
+              f"Run it now:     prefect deployment run grpo-training-run/{name}")
         return 0
-    print(f"serving grpo-training-run/{args.name} on cron {args.cron!r} (Ctrl-C stops; runs happen in this process)")
-    schedule.serve(cfg, args.cron, args.name, args.init_from_previous, args.timezone)
+    print(f"serving grpo-training-run/{name}, {schedule.describe(when)} (Ctrl-C stops; runs happen in this process)")
+    schedule.serve(cfg, when, name, args.init_from_previous)
+    return 0
+
+
+def _print_schedules(rows: list[dict], as_json: bool) -> int:
+    if as_json:
+        print(json.dumps(rows, indent=2))
+    elif not rows:
+        print("no schedules on the server; start one with grpo schedule --interval 6h --config X.yaml")
+    else:
+        print(format_schedules(rows))
     return 0
 
 
@@ -160,8 +188,9 @@ def compare_runs(runs: list[str], output_dir: str | None = None, tracking_uri: s
     metrics = [f[2].data.metrics for f in fetched]
     keys = sorted(k for k in set().union(*metrics) if k.startswith(tuple(prefixes)))
     final = {k: [m.get(k) for m in metrics] for k in keys}
-    table = format_comparison(labels, diff, final, [f[2].info.status for f in fetched])
-    result = {"labels": labels, "config_diff": diff, "final_metrics": final, "table": table}
+    statuses = [f[2].info.status for f in fetched]
+    table = format_comparison(labels, diff, final, statuses)
+    result = {"labels": labels, "statuses": statuses, "config_diff": diff, "final_metrics": final, "table": table}
     if png:
         result["png"] = _plot(fetched, png)
     return result
@@ -199,10 +228,26 @@ def _plot(fetched, png: str) -> str:
 def cmd_compare(args) -> int:
     res = compare_runs(args.runs, args.output_dir, args.tracking_uri, args.png,
                        tuple(args.metrics) if args.metrics else DEFAULT_METRIC_PREFIXES)
-    print(res["table"])
+    if args.json:
+        print(json.dumps({k: res[k] for k in ("labels", "statuses", "config_diff", "final_metrics")}, indent=2))
+    elif args.csv:
+        comparison_csv(res, sys.stdout)
+    else:
+        print(res["table"])
     if res.get("png"):
-        print(f"\ncurves written to {res['png']}")
+        print(f"\ncurves written to {res['png']}", file=sys.stderr if args.json or args.csv else sys.stdout)
     return 0
+
+
+def comparison_csv(res: dict, out) -> None:
+    """The comparison as CSV: a row per config difference and per metric (section, name, one column per run)."""
+    import csv
+    w = csv.writer(out)
+    w.writerow(["section", "name", *res["labels"]])
+    w.writerow(["status", "status", *res["statuses"]])
+    for section, table in (("config", res["config_diff"]), ("metric", res["final_metrics"])):
+        for name, values in table.items():
+            w.writerow([section, name, *("" if v is None else v for v in values)])
 
 
 # -- grpo adapter ---------------------------------------------------------------------------------------
@@ -236,20 +281,33 @@ def register(sub) -> None:
     ls.add_argument("--json", action="store_true", help="machine-readable output")
     ls.set_defaults(func=cmd_runs)
 
-    s = sub.add_parser("schedule", formatter_class=fmt, help="run training on a cron schedule (needs a Prefect server)",
-                       description="Serve (or, with --work-pool, deploy) training_run on a cron schedule. Needs a "
-                                   "Prefect server: `prefect server start` or infra/docker-compose.yml, and "
-                                   "PREFECT_API_URL pointing at it. Each run is a new run directory and MLflow run.",
-                       epilog='example: grpo schedule --cron "0 3 * * *" --config configs/default.yaml --init-from-previous')
-    s.add_argument("--cron", required=True, help='cron expression, e.g. "0 3 * * *" (03:00 every day)')
-    s.add_argument("--config", "-c", required=True, metavar="YAML")
+    s = sub.add_parser("schedule", formatter_class=fmt, help="recurring training runs: start, list, pause, resume, "
+                       "delete schedules (needs a Prefect server)",
+                       description="Serve (or, with --work-pool, deploy) training_run on a cron or interval schedule, "
+                                   "or manage the schedules on the server. Needs a Prefect server: `prefect server "
+                                   "start` or `grpo infra up`, and PREFECT_API_URL pointing at it. Each run is a new "
+                                   "run directory and MLflow run; `grpo runs` shows which schedule started it. A run "
+                                   "still going when the next is due is not started twice (the next waits).",
+                       epilog="examples:\n"
+                              '  grpo schedule --cron "0 3 * * *" --config configs/default.yaml --init-from-previous\n'
+                              "  grpo schedule --interval 6h --config configs/default.yaml --name every-6h\n"
+                              "  grpo schedule list\n  grpo schedule pause every-6h\n  grpo schedule resume every-6h\n"
+                              "  grpo schedule delete every-6h")
+    s.add_argument("action", nargs="?", default="start", choices=["start", "list", "pause", "resume", "delete"],
+                   help="start (default) serves or deploys a schedule; list/pause/resume/delete manage them")
+    s.add_argument("target", nargs="?", metavar="NAME", help="the schedule to pause, resume or delete")
+    when = s.add_mutually_exclusive_group()
+    when.add_argument("--cron", help='cron expression, e.g. "0 3 * * *" (03:00 every day)')
+    when.add_argument("--interval", help="a run every so long: 90s, 15m, 6h, 1d, 1h30m")
+    s.add_argument("--config", "-c", metavar="YAML", help="the training config of each run (start)")
     set_opt(s)
-    s.add_argument("--name", default="nightly", help="deployment name (default: nightly)")
+    s.add_argument("--name", default="nightly", help="schedule (deployment) name (default: nightly)")
     s.add_argument("--timezone", default="UTC")
     s.add_argument("--init-from-previous", action="store_true",
                    help="start each run from the best adapter of the last finished run in the experiment")
     s.add_argument("--work-pool", help="deploy to this work pool instead of serving from this process")
     s.add_argument("--image", help="worker image for docker/kubernetes pools")
+    s.add_argument("--json", action="store_true", help="list: machine-readable output")
     s.set_defaults(func=cmd_schedule)
 
     c = sub.add_parser("compare", help="side-by-side config differences and final metrics of runs; PNG of curves")
@@ -258,6 +316,9 @@ def register(sub) -> None:
     c.add_argument("--tracking-uri", help="MLflow URI (default: the runs' own)")
     c.add_argument("--png", help="write the main curves to this PNG")
     c.add_argument("--metrics", nargs="*", help="metric name prefixes to show (default: main eval/reward/train)")
+    out = c.add_mutually_exclusive_group()
+    out.add_argument("--csv", action="store_true", help="print CSV: section, name, one column per run")
+    out.add_argument("--json", action="store_true", help="print JSON: labels, statuses, config_diff, final_metrics")
     c.set_defaults(func=cmd_compare)
 
     a = sub.add_parser("adapter", help="trained adapters in MLflow")

@@ -60,7 +60,7 @@ def _log(msg: str) -> None:
 # -- the env file: settings and secrets ---------------------------------------------------------------------
 
 def env_path(project: str) -> Path:
-    from grpo_core.models import grpo_home
+    from grpo_core.io import grpo_home
     return grpo_home() / "stack" / f"{project}.env"
 
 

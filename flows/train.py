@@ -19,10 +19,8 @@ from tasks.curate import curate, curated_cache
 from tasks.evaluate import evaluate
 from tasks.rollout import rollout
 from tasks.score import score
-from tasks.stage import with_policy
 from tasks.update import update
 
-_with_retries = with_policy      # the in-process task with its retry policy (the name tests use)
 
 
 # The temporary Prefect server a run starts when no PREFECT_API_URL is set records task runs from their events one

@@ -180,3 +180,8 @@ def stop_process_group(proc: subprocess.Popen, grace: float = 20.0, kill_wait: f
             return
         except (ProcessLookupError, subprocess.TimeoutExpired):
             continue
+
+
+def grpo_home() -> Path:
+    """$GRPO_HOME (models, data caches); unset or empty: ~/.cache/grpo-pipeline (never the working directory)."""
+    return Path(os.environ.get("GRPO_HOME") or Path.home() / ".cache" / "grpo-pipeline").expanduser()

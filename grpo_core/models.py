@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from grpo_core.io import atomic_dir
+from grpo_core.io import atomic_dir, grpo_home
 from grpo_core.kernels import cpu_features
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
@@ -35,11 +35,6 @@ CHAT_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n
 
 class ModelError(ValueError):
     """The model could not be resolved or loaded; the message says how to fix it."""
-
-
-def grpo_home() -> Path:
-    """$GRPO_HOME (models, data caches); unset or empty: ~/.cache/grpo-pipeline (never the working directory)."""
-    return Path(os.environ.get("GRPO_HOME") or Path.home() / ".cache" / "grpo-pipeline").expanduser()
 
 
 def select_device(device: str = "auto") -> torch.device:

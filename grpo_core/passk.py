@@ -7,7 +7,7 @@ The mean over questions estimates the probability that k fresh samples contain a
 """
 from __future__ import annotations
 
-from typing import Iterable, Sequence
+from typing import Iterable
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:
@@ -43,7 +43,3 @@ def default_ks(num_samples: int) -> list[int]:
     return sorted(ks)
 
 
-def check_ks(ks: Sequence[int], num_samples: int) -> None:
-    bad = [k for k in ks if k < 1 or k > num_samples]
-    if bad:
-        raise ValueError(f"pass@k needs 1 <= k <= num_samples ({num_samples}); got k={bad}")

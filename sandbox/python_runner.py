@@ -239,16 +239,6 @@ def _sysvipc_in_use():
             yield False
 
 
-def _reap():
-    while True:
-        try:
-            pid, _ = os.waitpid(-1, os.WNOHANG)
-        except ChildProcessError:
-            return
-        if pid == 0:
-            return
-
-
 def _wipe(d):
     try:
         entries = os.listdir(d)

@@ -6,7 +6,7 @@ from pathlib import Path
 from grpo_core.config import GRPOConfig
 from grpo_core.data import arithmetic
 from grpo_core.data import iteration as data_iteration
-from grpo_core.models import grpo_home
+from grpo_core.io import grpo_home
 from grpo_core.task import read_tasks, write_tasks
 from tasks.data_logging import log_curation
 from tasks.layout import cfg_of, eval_split_path, iter_dir

@@ -446,7 +446,7 @@ def load_adapter(model_uri: str, tracking: str | None = None, base_model: str | 
     return model, load_tokenizer(local if (local / "tokenizer_config.json").exists() else base_dir)
 
 
-# -- evaluation helpers (issue 7) ---------------------------------------------------------------
+# -- evaluation helpers -----------------------------------------------------------------------------
 def log_table(cfg: GRPOConfig, run_id: str, data: dict[str, list], artifact_file: str) -> bool:
     """`MlflowClient.log_table` (a JSON table the UI shows in its evaluation view). MLflow appends to an
     existing table file, so a retried stage skips a file that is already there. True if logged."""
@@ -471,7 +471,7 @@ def list_artifact_paths(cfg: GRPOConfig, run_id: str, path: str | None = None) -
     return [f.path for f in client(cfg).list_artifacts(run_id, path)]
 
 
-# -- completion tables during training (issue 14) -----------------------------------------------------
+# -- completion tables during training -------------------------------------------------------------
 COMPLETIONS_DIR = "completions"
 
 

@@ -80,7 +80,7 @@ class Case:
 
 
 def _model_copy(w: Work, corrupt: bool) -> str:
-    from grpo_core.models import grpo_home
+    from grpo_core.io import grpo_home
     d = w.tmp / "mymodel"
     shutil.copytree(grpo_home() / "models" / "tiny-random", d)
     if corrupt:

@@ -233,7 +233,7 @@ def test_score_stage_is_retried_until_the_engine_is_back(tmp_path, grpo_home, pr
     need_engine_control()
     from prefect import flow
     import sandbox.api
-    from flows.train import _with_retries
+    from tasks.stage import with_policy
     from grpo_core import code_rewards
     from grpo_core.io import read_jsonl
     from sandbox.backends import EngineUnavailable
@@ -263,7 +263,7 @@ def test_score_stage_is_retried_until_the_engine_is_back(tmp_path, grpo_home, pr
 
     @flow(name="score-only")
     def score_only() -> dict:
-        stage = _with_retries(score, cfg_of(config), "score")      # the flow's retry policy: transient errors only
+        stage = with_policy(score, cfg_of(config), "score")      # the flow's retry policy: transient errors only
         return stage(config, str(tmp_path / "runs" / "t"), 1, str(prompts), str(samples))
 
     me = f"grpo.sandbox.owner={socket.gethostname()}:{os.getpid()}"

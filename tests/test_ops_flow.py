@@ -89,7 +89,7 @@ def test_bad_input_is_not_retried(prefect_engine, grpo_home, mlflow_uri, tmp_pat
 def test_malformed_data_fails_fast_nothing_written(prefect_engine, grpo_home, mlflow_uri, tmp_path):
     """A malformed prompts file: the rollout stage fails on its first attempt (no retry), writes nothing."""
     from prefect import flow
-    from flows.train import _with_retries
+    from tasks.stage import with_policy
     from grpo_core.config import GRPOConfig
     from tasks.rollout import rollout
     cfg = tiny_config(tmp_path, stages={"rollout": {"retries": 3, "retry_delay_seconds": 5}})
@@ -100,7 +100,7 @@ def test_malformed_data_fails_fast_nothing_written(prefect_engine, grpo_home, ml
 
     @flow
     def one_stage():
-        return {"state": _with_retries(rollout, GRPOConfig.model_validate(cfg), "rollout")(
+        return {"state": with_policy(rollout, GRPOConfig.model_validate(cfg), "rollout")(
             cfg, str(run_dir), 1, str(bad), None, return_state=True)}     # in a dict: the flow itself succeeds
 
     t0 = time.perf_counter()

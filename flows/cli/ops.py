@@ -281,6 +281,32 @@ def register(sub) -> None:
     ls.add_argument("--json", action="store_true", help="machine-readable output")
     ls.set_defaults(func=cmd_runs)
 
+    _register_schedule(sub, set_opt)
+
+    c = sub.add_parser("compare", help="side-by-side config differences and final metrics of runs; PNG of curves")
+    c.add_argument("runs", nargs="+", metavar="RUN", help="run names, run directories or MLflow run ids")
+    c.add_argument("--output-dir", default="runs")
+    c.add_argument("--tracking-uri", help="MLflow URI (default: the runs' own)")
+    c.add_argument("--png", help="write the main curves to this PNG")
+    c.add_argument("--metrics", nargs="*", help="metric name prefixes to show (default: main eval/reward/train)")
+    out = c.add_mutually_exclusive_group()
+    out.add_argument("--csv", action="store_true", help="print CSV: section, name, one column per run")
+    out.add_argument("--json", action="store_true", help="print JSON: labels, statuses, config_diff, final_metrics")
+    c.set_defaults(func=cmd_compare)
+
+    a = sub.add_parser("adapter", help="trained adapters in MLflow")
+    asub = a.add_subparsers(dest="adapter_command", metavar="<action>", required=True)
+    f = asub.add_parser("fetch", help="download an adapter (models:/NAME@ALIAS, e.g. models:/grpo-adapter@champion "
+                        "or @run-<run name>; models:/NAME/VERSION; runs:/ID/PATH) to a directory")
+    f.add_argument("uri")
+    f.add_argument("--dest", default=".")
+    f.add_argument("--tracking-uri")
+    f.set_defaults(func=cmd_adapter_fetch)
+
+
+def _register_schedule(sub, set_opt) -> None:
+    """`grpo schedule`: start one (serve or deploy), or list, pause, resume, delete them."""
+    fmt = argparse.RawDescriptionHelpFormatter
     s = sub.add_parser("schedule", formatter_class=fmt, help="recurring training runs: start, list, pause, resume, "
                        "delete schedules (needs a Prefect server)",
                        description="Serve (or, with --work-pool, deploy) training_run on a cron or interval schedule, "
@@ -309,24 +335,3 @@ def register(sub) -> None:
     s.add_argument("--image", help="worker image for docker/kubernetes pools")
     s.add_argument("--json", action="store_true", help="list: machine-readable output")
     s.set_defaults(func=cmd_schedule)
-
-    c = sub.add_parser("compare", help="side-by-side config differences and final metrics of runs; PNG of curves")
-    c.add_argument("runs", nargs="+", metavar="RUN", help="run names, run directories or MLflow run ids")
-    c.add_argument("--output-dir", default="runs")
-    c.add_argument("--tracking-uri", help="MLflow URI (default: the runs' own)")
-    c.add_argument("--png", help="write the main curves to this PNG")
-    c.add_argument("--metrics", nargs="*", help="metric name prefixes to show (default: main eval/reward/train)")
-    out = c.add_mutually_exclusive_group()
-    out.add_argument("--csv", action="store_true", help="print CSV: section, name, one column per run")
-    out.add_argument("--json", action="store_true", help="print JSON: labels, statuses, config_diff, final_metrics")
-    c.set_defaults(func=cmd_compare)
-
-    a = sub.add_parser("adapter", help="trained adapters in MLflow")
-    asub = a.add_subparsers(dest="adapter_command", metavar="<action>", required=True)
-    f = asub.add_parser("fetch", help="download an adapter (models:/NAME@ALIAS, e.g. models:/grpo-adapter@champion "
-                        "or @run-<run name>; models:/NAME/VERSION; runs:/ID/PATH) to a directory")
-    f.add_argument("uri")
-    f.add_argument("--dest", default=".")
-    f.add_argument("--tracking-uri")
-    f.set_defaults(func=cmd_adapter_fetch)
-

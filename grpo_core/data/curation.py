@@ -6,7 +6,6 @@ dropped item, so the report can say what happened to each task and why.
 from __future__ import annotations
 
 import hashlib
-import json
 import re
 import unicodedata
 from collections import defaultdict
@@ -381,6 +380,3 @@ def _quotas(weights: dict[str, float], sizes: dict[str, int], total: int) -> dic
             break
     return quota
 
-
-def task_json(t: Task) -> str:
-    return json.dumps(t.to_dict(), sort_keys=True, ensure_ascii=False)

@@ -90,7 +90,7 @@ def _compiler() -> str:
 
 def library_path(cache_dir: Path | None = None) -> Path:
     """Where the build for this source, compiler and CPU lives (built if missing)."""
-    from grpo_core.models import grpo_home
+    from grpo_core.io import grpo_home
     cxx, features = _compiler(), cpu_features.detect()
     flags = [*FLAGS, *features.compiler_flags()]            # within $GRPO_MAX_CPU_ISA's cap, if set
     version = subprocess.run([cxx, "--version"], capture_output=True, text=True).stdout

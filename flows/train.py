@@ -133,6 +133,7 @@ def preflight(cfg: GRPOConfig) -> None:
     models.select_device(cfg.device)
     tracking.check_reachable(cfg)
     model_dir = models.check_model(cfg.model, cfg.lora_target_modules if cfg.use_peft else [])
+    models.check_router_aux(cfg.router_aux_loss_coef, model_dir)
     if cfg.init_adapter and cfg.init_adapter != "previous" and ":/" not in cfg.init_adapter:
         models.check_adapter(cfg.init_adapter, model_dir)         # MLflow URIs: checked once downloaded
     kinds = {"math"}                                              # the built-in arithmetic task

@@ -378,6 +378,10 @@ class GRPOConfig(_Section):
         False, description="the LM head's matmul in float32 (ScaleRL, TRL): in the update's log-probs and wherever "
                            "the head module runs (hf and lean sampling, evaluation); the weights stay in `dtype`. "
                            "A no-op in float32")
+    router_aux_loss_coef: float | None = Field(
+        None, ge=0, description="Mixture-of-Experts models: the weight of the router's load-balancing loss added to "
+                                "the update's loss (TRL); None: the model config's own coefficient, 0: off. An "
+                                "error for a model that returns no router logits")
     # -- generation -------------------------------------------------------------------------
     num_generations: int = Field(8, ge=2, description="G: completions per prompt (a group)")
     max_prompt_length: int = Field(256, ge=8)

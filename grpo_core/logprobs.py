@@ -174,10 +174,27 @@ def completion_logits(model, input_ids: torch.Tensor, attention_mask: torch.Tens
     Rows are [left-padded prompt | right-padded completion]; position ids follow the attention
     mask so the forward pass sees the same positions as generation did.
     """
+    return _completion_forward(model, input_ids, attention_mask, completion_len).logits[:, :-1, :]   # [B, Lc, V]
+
+
+def _completion_forward(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, completion_len: int, **kwargs):
     position_ids = positions(attention_mask)     # [B, T]
-    out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                logits_to_keep=completion_len + 1, use_cache=False)
-    return out.logits[:, :-1, :]                                          # [B, Lc, V]
+    return model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                 logits_to_keep=completion_len + 1, use_cache=False, **kwargs)
+
+
+def router_loss_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, completion_len: int,
+                         temperature: float = 1.0, with_entropy: bool = False, entropy_grad: bool = False
+                         ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    """A Mixture-of-Experts model's log-probs and entropy of the last `completion_len` tokens of each row ([B, Lc]
+    each, as `completion_logprobs`) and its router's load-balancing loss (a scalar), from one forward of the
+    model's own with its router logits: the loss over every real token of the rows, prompts included, as
+    TRL computes it."""
+    out = _completion_forward(model, input_ids, attention_mask, completion_len, output_router_logits=True)
+    logits = out.logits[:, :-1, :]                                        # [B, Lc, V]
+    ids = input_ids[:, -completion_len:]                                  # [B, Lc]
+    ent = token_entropy(logits if entropy_grad else logits.detach(), temperature) if with_entropy else None
+    return token_logprobs(logits, ids, temperature), ent, out.aux_loss
 
 
 def _decoder_and_head(model):

@@ -240,6 +240,28 @@ def check_model(model: str, target_modules: list[str]) -> Path:
     return path
 
 
+def router_aux_coef(coef: float | None, model_config) -> float:
+    """The load-balancing loss weight to train with (TRL's router_aux_loss_coef): `coef`, or when None the model
+    config's own (0 where it declares none); 0 for a model without router logits (dense). ModelError when
+    `coef` is set above 0 for such a model. `model_config`: a transformers config."""
+    text = model_config.get_text_config() if hasattr(model_config, "get_text_config") else model_config
+    moe = hasattr(text, "output_router_logits")
+    if coef is None:
+        return float(getattr(text, "router_aux_loss_coef", 0.0) or 0.0) if moe else 0.0
+    if coef and not moe:
+        raise ModelError(f"router_aux_loss_coef is {coef}, but the model ({getattr(text, 'model_type', '?')}) is not "
+                         "a Mixture-of-Experts model that returns router logits, so there is no load-balancing loss "
+                         "to weight. Fix: remove router_aux_loss_coef (or set it to 0)")
+    return float(coef)
+
+
+def check_router_aux(coef: float | None, path: Path) -> None:
+    """router_aux_loss_coef fits the model directory `path` (read from its config.json). Raises ModelError."""
+    if coef:
+        from transformers import AutoConfig
+        router_aux_coef(coef, AutoConfig.from_pretrained(path))
+
+
 def _lora_base_key(key: str) -> tuple[str, str] | None:
     """'base_model.model.X.lora_A.weight' -> ('X.weight', 'A'); None for a non-LoRA tensor."""
     for side in ("A", "B"):

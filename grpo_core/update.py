@@ -18,10 +18,11 @@ from typing import Callable, Sequence, TypeVar
 import torch
 
 from grpo_core.config import GRPOConfig
-from grpo_core.logprobs import completion_logprobs
+from grpo_core.logprobs import completion_logprobs, router_loss_logprobs
 from grpo_core.loss import (applied_entropy_coef, decoupled_advantages, entropy_bonus, grpo_loss, group_advantages,
                             high_entropy_mask, next_entropy_coef, zero_std_groups)
 from grpo_core.plugins import metric_names
+from grpo_core.models import router_aux_coef
 from grpo_core.policy import Policy
 from grpo_core.sampling import model_token_count
 
@@ -481,12 +482,15 @@ def optimizer_step(policy: Policy, optimizer, scheduler, micro_batches: Sequence
     per_micro_batch, step_loss = [], 0.0
     control = entropy_control(scheduler, cfg)
     entropy_coef, measured = control.applied(cfg), torch.zeros(2, dtype=torch.float64)   # [entropy sum, tokens]
+    aux_coef = router_aux_coef(cfg.router_aux_loss_coef, policy.model.config)
     for mb in micro_batches:
-        logp, entropy = completion_logprobs(
-            policy.model, mb.input_ids, mb.attention_mask, mb.completion_mask.size(1), cfg.temperature,
-            with_entropy=True, chunk_rows=cfg.logit_chunk_rows, group_size=mb.group_size,
-            entropy_grad=entropy_coef > 0, fp32_head=cfg.cast_lm_head_to_fp32)               # [b, Lc]
+        logp, entropy, aux = _policy_logprobs(policy.model, mb, cfg, entropy_coef > 0, aux_coef > 0)  # [b, Lc]
         loss, stats = micro_batch_loss(logp, entropy, mb, cfg, n_mb, tokens_per_step, entropy_coef)
+        if aux is not None:
+            # TRL: + coef * aux per accumulation step, the processes' gradients averaged (ours are summed)
+            if not mb.stand_in:
+                loss = loss + aux_coef * aux / (n_mb * data_parallel.world_size)
+            stats["aux_loss"] = aux.item()
         loss.backward()
         step_loss += loss.item()
         mask = mb.completion_mask
@@ -509,6 +513,20 @@ def optimizer_step(policy: Policy, optimizer, scheduler, micro_batches: Sequence
     metrics.update({"grad_norm": grad_norm, "learning_rate": scheduler.get_last_lr()[0],
                     "step_seconds": time.perf_counter() - t0, "peak_memory_gib": peak_memory_gib(policy.device)})
     return metrics
+
+
+def _policy_logprobs(model, mb: MicroBatch, cfg: GRPOConfig, entropy_grad: bool, router_loss: bool
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """The micro-batch's log-probs and entropy under the policy ([b, Lc] each), and, with `router_loss` (an MoE
+    model and router_aux_loss_coef), the router's load-balancing loss from the same forward (else None)."""
+    lc = mb.completion_mask.size(1)
+    if router_loss:
+        return router_loss_logprobs(model, mb.input_ids, mb.attention_mask, lc, cfg.temperature, with_entropy=True,
+                                    entropy_grad=entropy_grad)
+    logp, entropy = completion_logprobs(model, mb.input_ids, mb.attention_mask, lc, cfg.temperature,
+                                        with_entropy=True, chunk_rows=cfg.logit_chunk_rows, group_size=mb.group_size,
+                                        entropy_grad=entropy_grad, fp32_head=cfg.cast_lm_head_to_fp32)
+    return logp, entropy, None
 
 
 def plan_micro_batches(policy: Policy, kept: Sequence[ScoredSample], group_sizes: Sequence[int],

@@ -58,3 +58,23 @@ def test_auto_precision_is_bf16_for_lora_on_cpus_with_native_bf16_matmul(monkeyp
     if features.cap is None:                                  # the CPU's flags agree with torch's own probes
         assert bool(features.bf16_matmul) == (torch.cpu._is_amx_tile_supported()
                                               or torch.cpu._is_avx512_bf16_supported())
+
+
+def test_router_aux_coef_follows_trl_for_moe_and_dense_models():
+    """None: the MoE model config's own coefficient, 0 for a dense model; a value is kept for an MoE model and
+    refused for a dense one, naming the field and the fix."""
+    from transformers import LlamaConfig, Qwen2MoeConfig
+    from grpo_core.models import ModelError, router_aux_coef
+    moe, dense = Qwen2MoeConfig(router_aux_loss_coef=0.003), LlamaConfig()
+    assert router_aux_coef(None, moe) == 0.003 and router_aux_coef(0.5, moe) == 0.5 and router_aux_coef(0.0, moe) == 0
+    assert router_aux_coef(None, dense) == 0.0 and router_aux_coef(0.0, dense) == 0.0
+    with pytest.raises(ModelError, match="router_aux_loss_coef is 0.1.*not a Mixture-of-Experts.*Fix: remove"):
+        router_aux_coef(0.1, dense)
+
+
+def test_preflight_refuses_a_router_loss_for_a_dense_model(grpo_home):
+    from flows.train import preflight
+    from grpo_core.config import GRPOConfig
+    from grpo_core.models import ModelError
+    with pytest.raises(ModelError, match="router_aux_loss_coef"):
+        preflight(GRPOConfig(model="tiny-random", device="cpu", router_aux_loss_coef=0.01))

@@ -64,11 +64,26 @@ def options_of(cfg: GRPOConfig) -> Options:
                    vespo=(cfg.vespo_k_pos, cfg.vespo_lambda_pos, cfg.vespo_k_neg, cfg.vespo_lambda_neg))
 
 
-def reference_step_loss(policy, cfg, kept, idx_mbs, adv, old_lp, dapo_norm):
-    """The published objective of one optimizer step over its micro-batches, sequence by sequence."""
+def router_balance_loss(model, seqs: list[ScoredSample]) -> torch.Tensor:
+    """Switch Transformer's load-balancing loss, as TRL takes it from the model: E * sum_e f_e * P_e over every
+    token of the sequences and every layer (f_e: the share of top-k choices that go to expert e, P_e: its mean
+    router probability), each sequence run unpadded."""
+    E, k = model.config.num_experts, model.config.num_experts_per_tok
+    logits = torch.cat([torch.cat(model(input_ids=torch.tensor([s.prompt_ids + s.completion_ids]),
+                                        output_router_logits=True).router_logits) for s in seqs])   # [layers*T, E]
+    probs = torch.softmax(logits.float(), -1)
+    chosen = torch.nn.functional.one_hot(probs.topk(k, -1).indices, E).float()                     # [N, k, E]
+    return E * (chosen.mean(0) * probs.mean(0)).sum()
+
+
+def reference_step_loss(policy, cfg, kept, idx_mbs, adv, old_lp, dapo_norm, router_coef: float = 0.0):
+    """The published objective of one optimizer step over its micro-batches, sequence by sequence (plus, with
+    `router_coef`, that times each micro-batch's load-balancing loss over the number of micro-batches)."""
     o = options_of(cfg)
     total = 0.0
     for idx in idx_mbs:
+        if router_coef:
+            total = total + router_coef * router_balance_loss(policy.model, [kept[i] for i in idx]) / len(idx_mbs)
         seqs = []
         for i in idx:
             s = kept[i]
@@ -95,9 +110,11 @@ def assert_entropy_threshold_clear(entropies: list[float], top_quantile: float, 
     assert distances[0] > margin, f"an entropy {distances[0]:.1e} from the threshold: pick a quantile clear of ties"
 
 
-def check_steps_match_published_objective(policy, cfg, samples, kept, group_sizes, adv, seed=5, entropy_coefs=None):
+def check_steps_match_published_objective(policy, cfg, samples, kept, group_sizes, adv, seed=5, entropy_coefs=None,
+                                          router_coef: float = 0.0):
     """Run grpo_update with recording SGD; every step's gradient == the published objective's (with the
-    entropy coefficient `entropy_coefs[k]` at step k, when given: adaptive entropy control)."""
+    entropy coefficient `entropy_coefs[k]` at step k, when given: adaptive entropy control; with the router's
+    load-balancing loss weighted `router_coef`)."""
     with torch.no_grad():
         old_lp = [seq_forward(policy.model, s)[0] for s in kept]            # the rollout policy
     opt = RecordingSGD(policy.trainable_parameters(), lr=2.0)                # big steps: ratios leave the clip range
@@ -110,7 +127,8 @@ def check_steps_match_published_objective(policy, cfg, samples, kept, group_size
             for p, v in zip(opt.plist, opt.before[k]):
                 p.copy_(v)
         step_cfg = cfg if entropy_coefs is None else cfg.model_copy(update={"entropy_coef": entropy_coefs[k]})
-        loss = reference_step_loss(policy, step_cfg, kept, plan[k % len(plan)], adv, old_lp, counted / len(plan))
+        loss = reference_step_loss(policy, step_cfg, kept, plan[k % len(plan)], adv, old_lp, counted / len(plan),
+                                   router_coef)
         grads = torch.autograd.grad(loss, opt.plist)
         for g_ref, g in zip(grads, opt.grads[k]):
             assert torch.allclose(g, g_ref, atol=2e-5, rtol=1e-3), (k, (g - g_ref).abs().max())
@@ -410,3 +428,37 @@ def test_entropy_gradient_of_the_fused_head_matches_autograd():
                 assert torch.allclose(a, b, atol=1e-5)
     _, detached = head_logprobs(hidden, head, ids, with_entropy=True)
     assert not detached.requires_grad
+
+
+# -- Mixture-of-Experts: the router's load-balancing loss -----------------------------------------------------
+
+def tiny_moe_model(out, tokenizer_dir) -> str:
+    """A tiny random Qwen2-MoE (4 experts, 2 per token) with the tiny model's tokenizer."""
+    from transformers import AutoTokenizer, Qwen2MoeConfig, Qwen2MoeForCausalLM
+    tok = AutoTokenizer.from_pretrained(tokenizer_dir)
+    torch.manual_seed(0)
+    config = Qwen2MoeConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=32, moe_intermediate_size=16,
+                            shared_expert_intermediate_size=16, num_hidden_layers=2, num_attention_heads=4,
+                            num_key_value_heads=2, num_experts=4, num_experts_per_tok=2, router_aux_loss_coef=0.02,
+                            pad_token_id=0, eos_token_id=1, bos_token_id=None, tie_word_embeddings=True)
+    Qwen2MoeForCausalLM(config).save_pretrained(out)
+    tok.save_pretrained(out)
+    return str(out)
+
+
+@pytest.mark.parametrize("coef", [None, 0.5, 0.0])
+def test_a_moe_model_trains_with_its_router_load_balancing_loss(grpo_home, tmp_path, coef):
+    """router_aux_loss_coef (TRL): each step's gradient is the published objective's plus the coefficient times
+    each micro-batch's load-balancing loss over the number of micro-batches; None takes the model config's own
+    coefficient, 0 turns it off; the loss is logged as train/aux_loss."""
+    G = 4
+    model = tiny_moe_model(tmp_path / "moe", grpo_home / "models" / "tiny-random")
+    cfg, policy = tiny_policy(G, model=model, beta=0.04, gradient_accumulation_steps=2, router_aux_loss_coef=coef)
+    samples = make_samples(4, G, seed=3)
+    kept, sizes = surviving_groups(samples)
+    adv = hand_advantages([[s.reward for s in kept[g * G:(g + 1) * G]] for g in range(4)])
+    weight = {None: 0.02, 0.5: 0.5, 0.0: 0.0}[coef]
+    metrics, _ = check_steps_match_published_objective(policy, cfg, samples, kept, sizes, adv, router_coef=weight)
+    assert ("aux_loss" in metrics[0]) == (weight > 0)
+    if weight:
+        assert metrics[0]["aux_loss"] > 0

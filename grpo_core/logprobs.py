@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from grpo_core.kernels import native
+from grpo_core.kernels.cpu_features import note_declined
 from grpo_core.kernels.fused_decode import use_packed_linears
 from grpo_core.kernels.lean_decode import LeanDecoder, causal_pad_mask, positions
 from grpo_core.kernels.lora_linear import linear
@@ -191,10 +192,18 @@ def router_loss_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.T
     model's own with its router logits: the loss over every real token of the rows, prompts included, as
     TRL computes it."""
     out = _completion_forward(model, input_ids, attention_mask, completion_len, output_router_logits=True)
-    logits = out.logits[:, :-1, :]                                        # [B, Lc, V]
-    ids = input_ids[:, -completion_len:]                                  # [B, Lc]
+    logp, ent = _full_logits_logprobs(out.logits[:, :-1, :], input_ids[:, -completion_len:], attention_mask,
+                                      temperature, with_entropy, entropy_grad)
+    return logp, ent, out.aux_loss
+
+
+def _full_logits_logprobs(logits: torch.Tensor, ids: torch.Tensor, attention_mask: torch.Tensor, temperature: float,
+                          with_entropy: bool, entropy_grad: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Log-probs of `ids` [B, Lc] under `logits` [B, Lc, V] (and the entropy), 0 at padding."""
+    pad = attention_mask[:, -ids.size(1):] == 0                          # [B, Lc]
     ent = token_entropy(logits if entropy_grad else logits.detach(), temperature) if with_entropy else None
-    return token_logprobs(logits, ids, temperature), ent, out.aux_loss
+    return token_logprobs(logits, ids, temperature).masked_fill(pad, 0.0), \
+        (ent.masked_fill(pad, 0.0) if ent is not None else None)
 
 
 def _decoder_and_head(model):
@@ -474,6 +483,10 @@ def _pack_is_cheaper(config, input_ids: torch.Tensor, attention_mask: torch.Tens
     costs = _layer_costs(config)
     if costs is None or getattr(config, "_attn_implementation", "sdpa") not in ("sdpa", "eager"):
         return False                                     # e.g. flash-attention kernels ignore custom masks
+    if sliding_window(config):
+        note_declined("packed log-prob rows", f"{config.model_type} attends within a sliding window, which a "
+                                              "block mask of our own would replace")
+        return False
     per_token, per_pair = costs
     B, T = input_ids.shape
     P, n = T - completion_len, B // group_size
@@ -483,6 +496,14 @@ def _pack_is_cheaper(config, input_ids: torch.Tensor, attention_mask: torch.Tens
     packed = n * S * per_token + n * S * S * per_pair
     padded = (n * P + B * completion_len) * per_token + (n * P * P + B * completion_len * T) * per_pair
     return packed < padded
+
+
+def sliding_window(config) -> int | None:
+    """The sliding window some layer of the model attends within (Mistral, Qwen2 with use_sliding_window, Gemma 3's
+    sliding layers), or None."""
+    if getattr(config, "use_sliding_window", True) is False:
+        return None
+    return getattr(config, "sliding_window", None) or None
 
 
 def logprob_path(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, completion_len: int,
@@ -534,8 +555,7 @@ def completion_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Te
     decoder, head = _decoder_and_head(model)
     if decoder is None or getattr(getattr(model, "config", None), "final_logit_softcapping", None):
         logits = completion_logits(model, input_ids, attention_mask, completion_len)
-        ent = token_entropy(logits if entropy_grad else logits.detach(), temperature) if with_entropy else None
-        return token_logprobs(logits, ids, temperature), ent
+        return _full_logits_logprobs(logits, ids, attention_mask, temperature, with_entropy, entropy_grad)
     B, T = input_ids.shape
     P = T - completion_len
     rows, cols = attention_mask[:, P:].bool().nonzero(as_tuple=True)          # [N] real completion tokens

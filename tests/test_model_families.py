@@ -1,0 +1,131 @@
+"""The popular small-model families through the sampler and the update's log-probs: for a tiny random model of
+each `transformers` config class (LoRA on), every sampler's log-probs of what it sampled and the update's
+log-probs on every path it takes (rows, grouped prompts, full logits) equal the plain transformers forward of
+the same sequences, unpadded. A path that does not reproduce an architecture must decline it; a wrong
+log-prob does not crash, it trains on the wrong objective."""
+from __future__ import annotations
+
+import pytest
+import torch
+import transformers
+from peft import LoraConfig, get_peft_model
+
+from grpo_core.logprobs import completion_logprobs, logprob_path
+from grpo_core.kernels.lean_decode import LeanDecoder
+from grpo_core.rollout import HFGenerateSampler, KVCacheSampler, left_pad
+from grpo_core.sampling import SamplingParams
+
+V = 96                                                           # vocabulary of the tiny models
+COMMON = dict(vocab_size=V, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+              num_key_value_heads=2, max_position_embeddings=256, pad_token_id=0, eos_token_id=1, bos_token_id=None)
+FAMILIES = {
+    "llama_tied": ("LlamaConfig", dict(tie_word_embeddings=True)),
+    "llama_untied": ("LlamaConfig", dict(tie_word_embeddings=False)),
+    "qwen2_biases": ("Qwen2Config", dict()),                                    # q/k/v biases
+    "qwen3_qk_norm": ("Qwen3Config", dict(head_dim=16)),
+    "gemma3_text": ("Gemma3TextConfig", dict(head_dim=16, sliding_window=4, final_logit_softcapping=30.0,
+                                             query_pre_attn_scalar=16, layer_types=["sliding_attention",
+                                                                                   "full_attention"])),
+    "mistral_window": ("MistralConfig", dict(sliding_window=4)),
+    "phi3_fused": ("Phi3Config", dict()),                                       # qkv_proj, gate_up_proj
+    "smollm3_nope": ("SmolLM3Config", dict(no_rope_layers=[1, 0])),            # a layer without RoPE
+    "olmo2": ("Olmo2Config", dict()),
+    "granite": ("GraniteConfig", dict(logits_scaling=4.0, residual_multiplier=0.5, embedding_multiplier=2.0,
+                                      attention_multiplier=0.3)),
+}
+TARGETS = {"phi3_fused": ["qkv_proj", "o_proj"]}
+TOL = 2e-4                                                       # fp32, summation order only
+
+
+def tiny_family_model(name: str):
+    """A tiny random model of the family, LoRA on its attention projections with a non-zero adapter."""
+    cls_name, extra = FAMILIES[name]
+    cfg_cls = getattr(transformers, cls_name, None)
+    if cfg_cls is None:
+        pytest.skip(f"transformers {transformers.__version__} has no {cls_name}")
+    torch.manual_seed(0)
+    config = cfg_cls(**{**COMMON, **extra})
+    model = transformers.AutoModelForCausalLM.from_config(config, torch_dtype=torch.float32).eval()
+    with torch.no_grad():
+        for p in model.parameters():                 # sharper than the default init: log-probs spread out
+            p.mul_(3.0) if p.dim() > 1 else None
+    lora = LoraConfig(r=4, lora_alpha=8, target_modules=TARGETS.get(name, ["q_proj", "v_proj"]), lora_dropout=0.0)
+    model = get_peft_model(model, lora)
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if "lora_B" in n:
+                p.normal_(std=0.2)
+    return model.eval()
+
+
+class CharTokenizer:
+    """What the samplers read from a tokenizer: pad and eos ids."""
+    pad_token_id, eos_token_id = 0, 1
+
+
+def plain_logprobs(model, prompt: list[int], completion: list[int]) -> torch.Tensor:
+    """log pi(completion | prompt) by the plain transformers forward of the one unpadded sequence. -> [Lc]"""
+    ids = torch.tensor([prompt + completion])
+    with torch.no_grad():
+        logits = model(input_ids=ids).logits[0, len(prompt) - 1:-1].float()
+    return torch.log_softmax(logits, -1).gather(-1, torch.tensor(completion)[:, None])[:, 0]
+
+
+PROMPTS = [[5, 17, 33, 9, 41], [7, 60, 12]]
+
+
+@pytest.mark.parametrize("name", list(FAMILIES))
+@pytest.mark.parametrize("sampler", ["hf", "static"])
+def test_each_sampler_logprobs_equal_the_plain_forward(name, sampler):
+    model = tiny_family_model(name)
+    backend = (HFGenerateSampler if sampler == "hf" else KVCacheSampler)(model, CharTokenizer(), torch.device("cpu"),
+                                                                         batch_size=8, progress=False)
+    params = SamplingParams(max_new_tokens=6, temperature=1.0, seed=3, logprobs=True)
+    groups = backend.generate(PROMPTS, 3, params)
+    checked = 0
+    for prompt, group in zip(PROMPTS, groups):
+        for c in group:
+            ids, lps = list(c), c.logprobs
+            assert len(ids) == len(lps) and ids
+            want = plain_logprobs(model, prompt, ids)
+            assert torch.allclose(torch.tensor(lps), want, atol=TOL), (name, sampler, getattr(backend, "path", "-"))
+            checked += 1
+    assert checked == 6
+
+
+def padded_batch(rows: list[tuple[list[int], list[int]]]):
+    """[left-padded prompt | right-padded completion] rows, as the update builds them."""
+    P = max(len(p) for p, _ in rows)
+    C = max(len(c) for _, c in rows)
+    ids = torch.zeros(len(rows), P + C, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, (p, c) in enumerate(rows):
+        ids[i, P - len(p):P], mask[i, P - len(p):P] = torch.tensor(p), 1
+        ids[i, P:P + len(c)], mask[i, P:P + len(c)] = torch.tensor(c), 1
+    return ids, mask, C
+
+
+@pytest.mark.parametrize("name", list(FAMILIES))
+def test_the_update_logprobs_equal_the_plain_forward_on_every_path(name):
+    model = tiny_family_model(name)
+    g = torch.Generator().manual_seed(1)
+    rows = [(p, torch.randint(2, V, (int(n),), generator=g).tolist())
+            for p in PROMPTS for n in torch.randint(1, 7, (3,), generator=g)]
+    ids, mask, C = padded_batch(rows)
+    paths = set()
+    for group_size in (1, 3):                      # rows on their own; groups sharing their prompt
+        paths.add(logprob_path(model, ids, mask, C, group_size))
+        with torch.no_grad():
+            logp, _ = completion_logprobs(model, ids, mask, C, group_size=group_size)
+        for i, (p, c) in enumerate(rows):
+            want = plain_logprobs(model, p, c)
+            assert torch.allclose(logp[i, :len(c)], want, atol=TOL), (name, group_size, logp[i, :len(c)] - want)
+            assert (logp[i, len(c):] == 0).all()
+    assert paths, name
+
+
+def test_the_fast_paths_decline_what_they_do_not_reproduce():
+    """The lean and fused decoders take the families they were written for and decline the others (the model's
+    own forward runs them)."""
+    takes = {name for name in FAMILIES if LeanDecoder.of(tiny_family_model(name)) is not None}
+    assert takes == {"llama_tied", "llama_untied", "qwen2_biases"}

@@ -366,7 +366,11 @@ class GRPOConfig(_Section):
     lora_r: int = Field(16, ge=1)
     lora_alpha: int = Field(32, ge=1)
     lora_dropout: float = Field(0.0, ge=0, lt=1)
-    lora_target_modules: list[str] = Field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"])
+    lora_target_modules: list[str] = Field(
+        default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"],
+        description="module names to put the LoRA adapter on; `auto`: the model's attention projections whatever "
+                    "the family calls them (q/k/v/o_proj, Phi-3's fused qkv_proj, ...), `auto-mlp` its MLP "
+                    "projections (e.g. [auto, auto-mlp])")
     gradient_checkpointing: bool = False
     cpu_onednn_linear: bool = Field(
         True, description="fp32 on CPU: run frozen linear layers through oneDNN with pre-packed weights "
@@ -603,6 +607,11 @@ class GRPOConfig(_Section):
     num_completions_to_print: int | None = Field(
         None, ge=1, description="after each update, print this many of its completions (prompt, completion, "
                                 "rewards, advantage), drawn at random, to the console log (None: none)")
+
+    @field_validator("lora_target_modules", mode="before")
+    @classmethod
+    def _one_target_is_a_list(cls, value):
+        return [value] if isinstance(value, str) else value           # `lora_target_modules: auto`
 
     @field_validator("reward_funcs")
     @classmethod

@@ -232,12 +232,40 @@ def check_model(model: str, target_modules: list[str]) -> Path:
         raise ModelError(f"model: {str(path)!r} has no tokenizer (tokenizer.json or tokenizer_config.json). Fix: "
                          f"save the tokenizer into the model directory (tokenizer.save_pretrained(DIR))")
     shapes = weight_shapes(path)
-    names = {part for k in (shapes or {}) for part in k.split(".")}
-    missing = [m for m in target_modules if shapes is not None and m not in names]
-    if missing:
-        raise ModelError(f"lora_target_modules {missing} are not modules of the model {model!r}; set "
-                         f"lora_target_modules to some of {sorted(n for n in names if 'proj' in n)}")
+    if shapes is not None:
+        names = {part for k in shapes for part in k.split(".")}
+        missing = [m for m in resolve_lora_targets(target_modules, names) if m not in names]
+        if missing:
+            raise ModelError(f"lora_target_modules {missing} are not modules of the model {model!r}; set "
+                             f"lora_target_modules to some of {_candidates(names)}, or auto")
     return path
+
+
+# What `lora_target_modules: auto` / `auto-mlp` take, by the names the families give them (Phi-3 fuses q|k|v and
+# gate|up into one linear each; GPT-NeoX-style models call theirs query_key_value and dense_*).
+AUTO_TARGETS = {"auto": ("q_proj", "k_proj", "v_proj", "o_proj", "qkv_proj", "query_key_value", "c_attn"),
+                "auto-mlp": ("gate_proj", "up_proj", "down_proj", "gate_up_proj", "fc1", "fc2", "c_fc",
+                             "dense_h_to_4h", "dense_4h_to_h")}
+
+
+def _candidates(names: set[str]) -> list[str]:
+    return sorted(n for n in names if "proj" in n or n in AUTO_TARGETS["auto"] + AUTO_TARGETS["auto-mlp"])
+
+
+def resolve_lora_targets(targets: list[str], names: set[str]) -> list[str]:
+    """The module names `lora_target_modules` means for a model whose modules (last name parts) are `names`:
+    `auto` and `auto-mlp` become the attention and MLP projections it has, other entries stay as given."""
+    out = []
+    for t in targets:
+        if t in AUTO_TARGETS:
+            found = [n for n in AUTO_TARGETS[t] if n in names]
+            if not found:
+                raise ModelError(f"lora_target_modules: {t} finds none of {list(AUTO_TARGETS[t])} in this model; "
+                                 f"name its modules instead, some of {_candidates(names)}")
+            out += found
+        else:
+            out.append(t)
+    return list(dict.fromkeys(out))
 
 
 def router_aux_coef(coef: float | None, model_config) -> float:
@@ -350,10 +378,11 @@ def load_base_model(path: Path, device: torch.device, dtype: torch.dtype):
 def attach_lora(model, r: int, alpha: int, dropout: float, target_modules: list[str]):
     from peft import LoraConfig, get_peft_model
     names = {n.split(".")[-1] for n, _ in model.named_modules()}
+    target_modules = resolve_lora_targets(target_modules, names)
     missing = [m for m in target_modules if m not in names]
     if missing:
         raise ModelError(f"lora_target_modules {missing} are not modules of this model; "
-                         f"candidates include {sorted(n for n in names if 'proj' in n)}")
+                         f"candidates include {_candidates(names)}, or auto")
     cfg = LoraConfig(r=r, lora_alpha=alpha, lora_dropout=dropout, target_modules=target_modules,
                      task_type="CAUSAL_LM")
     return get_peft_model(model, cfg)

@@ -8,10 +8,10 @@ from __future__ import annotations
 import pytest
 import torch
 import transformers
-from peft import LoraConfig, get_peft_model
 
 from grpo_core.logprobs import completion_logprobs, logprob_path
 from grpo_core.kernels.lean_decode import LeanDecoder
+from grpo_core.models import ModelError, attach_lora, resolve_lora_targets
 from grpo_core.rollout import HFGenerateSampler, KVCacheSampler, left_pad
 from grpo_core.sampling import SamplingParams
 
@@ -33,12 +33,14 @@ FAMILIES = {
     "granite": ("GraniteConfig", dict(logits_scaling=4.0, residual_multiplier=0.5, embedding_multiplier=2.0,
                                       attention_multiplier=0.3)),
 }
-TARGETS = {"phi3_fused": ["qkv_proj", "o_proj"]}
+ATTENTION = {"phi3_fused": ["qkv_proj", "o_proj"]}                 # the others: q_proj, k_proj, v_proj, o_proj
+MLP = {"phi3_fused": ["gate_up_proj", "down_proj"]}                   # the others: gate_proj, up_proj, down_proj
 TOL = 2e-4                                                       # fp32, summation order only
 
 
-def tiny_family_model(name: str):
-    """A tiny random model of the family, LoRA on its attention projections with a non-zero adapter."""
+def tiny_family_model(name: str, targets: tuple[str, ...] = ("auto",)):
+    """A tiny random model of the family, LoRA on `targets` (default its attention projections, `auto`) with a
+    non-zero adapter."""
     cls_name, extra = FAMILIES[name]
     cfg_cls = getattr(transformers, cls_name, None)
     if cfg_cls is None:
@@ -49,8 +51,7 @@ def tiny_family_model(name: str):
     with torch.no_grad():
         for p in model.parameters():                 # sharper than the default init: log-probs spread out
             p.mul_(3.0) if p.dim() > 1 else None
-    lora = LoraConfig(r=4, lora_alpha=8, target_modules=TARGETS.get(name, ["q_proj", "v_proj"]), lora_dropout=0.0)
-    model = get_peft_model(model, lora)
+    model = attach_lora(model, 4, 8, 0.0, list(targets))
     with torch.no_grad():
         for n, p in model.named_parameters():
             if "lora_B" in n:
@@ -129,3 +130,30 @@ def test_the_fast_paths_decline_what_they_do_not_reproduce():
     own forward runs them)."""
     takes = {name for name in FAMILIES if LeanDecoder.of(tiny_family_model(name)) is not None}
     assert takes == {"llama_tied", "llama_untied", "qwen2_biases"}
+
+
+@pytest.mark.parametrize("name", list(FAMILIES))
+def test_auto_lora_targets_are_the_familys_projections(name):
+    """`lora_target_modules: auto` (and `auto-mlp`) name each family's attention (MLP) projections, fused ones
+    included; the adapter goes on exactly those."""
+    model = tiny_family_model(name, ("auto", "auto-mlp"))
+    adapted = {n.split(".")[-2] for n, _ in model.named_modules() if n.endswith(".lora_A")}
+    want = ATTENTION.get(name, ["q_proj", "k_proj", "v_proj", "o_proj"]) + MLP.get(name, ["gate_proj", "up_proj",
+                                                                                          "down_proj"])
+    assert adapted == set(want)
+
+
+def test_auto_lora_targets_name_the_candidates_when_a_model_has_none():
+    with pytest.raises(ModelError, match=r"lora_target_modules: auto finds none .* some of \['in_proj', 'out_proj'\]"):
+        resolve_lora_targets(["auto"], {"embed", "in_proj", "out_proj", "norm"})
+    assert resolve_lora_targets(["auto", "q_proj", "lm_head"], {"q_proj", "v_proj", "lm_head"}) == \
+        ["q_proj", "v_proj", "lm_head"]
+
+
+def test_auto_is_a_config_value_checked_against_the_model_before_the_run(grpo_home):
+    from grpo_core.config import GRPOConfig
+    from grpo_core.models import check_model
+    assert GRPOConfig(lora_target_modules="auto").lora_target_modules == ["auto"]
+    check_model("tiny-random", ["auto", "auto-mlp"])
+    with pytest.raises(ModelError, match=r"\['wq'\] are not modules .* or auto"):
+        check_model("tiny-random", ["auto", "wq"])

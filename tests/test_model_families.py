@@ -38,25 +38,33 @@ MLP = {"phi3_fused": ["gate_up_proj", "down_proj"]}                   # the othe
 TOL = 2e-4                                                       # fp32, summation order only
 
 
-def tiny_family_model(name: str, targets: tuple[str, ...] = ("auto",)):
-    """A tiny random model of the family, LoRA on `targets` (default its attention projections, `auto`) with a
-    non-zero adapter."""
+def tiny_base(name: str):
+    """A tiny random model of the family (fp32, eval mode)."""
     cls_name, extra = FAMILIES[name]
     cfg_cls = getattr(transformers, cls_name, None)
     if cfg_cls is None:
         pytest.skip(f"transformers {transformers.__version__} has no {cls_name}")
     torch.manual_seed(0)
-    config = cfg_cls(**{**COMMON, **extra})
-    model = transformers.AutoModelForCausalLM.from_config(config, torch_dtype=torch.float32).eval()
+    model = transformers.AutoModelForCausalLM.from_config(cfg_cls(**{**COMMON, **extra}), dtype=torch.float32)
     with torch.no_grad():
         for p in model.parameters():                 # sharper than the default init: log-probs spread out
             p.mul_(3.0) if p.dim() > 1 else None
+    return model.eval()
+
+
+def with_adapter(model, targets: tuple[str, ...] = ("auto",)):
+    """LoRA on `targets` (default the attention projections, `auto`), with a non-zero adapter."""
     model = attach_lora(model, 4, 8, 0.0, list(targets))
     with torch.no_grad():
         for n, p in model.named_parameters():
             if "lora_B" in n:
                 p.normal_(std=0.2)
     return model.eval()
+
+
+def tiny_family_model(name: str, targets: tuple[str, ...] = ("auto",)):
+    """A tiny random model of the family with a non-zero adapter on `targets`."""
+    return with_adapter(tiny_base(name), targets)
 
 
 class CharTokenizer:
@@ -157,3 +165,29 @@ def test_auto_is_a_config_value_checked_against_the_model_before_the_run(grpo_ho
     check_model("tiny-random", ["auto", "auto-mlp"])
     with pytest.raises(ModelError, match=r"\['wq'\] are not modules .* or auto"):
         check_model("tiny-random", ["auto", "wq"])
+
+
+@pytest.mark.parametrize("name", list(FAMILIES))
+def test_the_export_of_each_family_reloads_with_plain_transformers_and_answers_as_the_adapter(name, tmp_path,
+                                                                                            tiny_model_dir):
+    """The family's base saved as a model directory (the tiny tokenizer), an adapter on it (auto targets),
+    `export_model` merges them, and plain transformers (no peft) reloads the export and gives the adapter's
+    greedy answers."""
+    from grpo_core.export import ModelCard, export_model, generation_settings
+    from grpo_core.models import load_tokenizer
+    base_dir, adapter_dir = tmp_path / "base", tmp_path / "adapter"
+    base = tiny_base(name)
+    base.save_pretrained(base_dir)
+    model = with_adapter(base)
+    model.save_pretrained(adapter_dir)
+    load_tokenizer(tiny_model_dir).save_pretrained(base_dir)
+    out = export_model(base_dir, adapter_dir, tmp_path / "export", ModelCard(base_model=name, run_name="r",
+                       mlflow_run_id="-", iteration=1), generation_settings(1.0, 1.0, 0, 8))
+    plain = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
+
+    def greedy(m) -> list[list[int]]:
+        with torch.no_grad():
+            return [m.generate(input_ids=torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long),
+                               max_new_tokens=6, do_sample=False, pad_token_id=0)[0, len(p):].tolist()
+                    for p in PROMPTS + [[3, 4, 5, 6, 7, 8, 9, 10]]]
+    assert greedy(plain) == greedy(model)

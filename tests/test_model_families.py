@@ -12,7 +12,7 @@ import transformers
 from grpo_core.logprobs import completion_logprobs, logprob_path
 from grpo_core.kernels.lean_decode import LeanDecoder
 from grpo_core.models import ModelError, attach_lora, resolve_lora_targets
-from grpo_core.rollout import HFGenerateSampler, KVCacheSampler, left_pad
+from grpo_core.rollout import HFGenerateSampler, KVCacheSampler
 from grpo_core.sampling import SamplingParams
 
 V = 96                                                           # vocabulary of the tiny models

@@ -133,11 +133,19 @@ def test_the_update_logprobs_equal_the_plain_forward_on_every_path(name):
     assert paths, name
 
 
-def test_the_fast_paths_decline_what_they_do_not_reproduce():
-    """The lean and fused decoders take the families they were written for and decline the others (the model's
-    own forward runs them)."""
-    takes = {name for name in FAMILIES if LeanDecoder.of(tiny_family_model(name)) is not None}
+def test_the_fast_paths_decline_what_they_do_not_reproduce(monkeypatch, caplog):
+    """The lean and fused decoders take the families they were written for and decline the others, saying so
+    once with the reason (the model's own forward runs them)."""
+    from grpo_core.kernels import cpu_features
+    monkeypatch.setattr(cpu_features, "_SAID", set())
+    with caplog.at_level("INFO", logger=cpu_features.__name__):
+        takes = {name for name in FAMILIES if LeanDecoder.of(tiny_family_model(name)) is not None}
+        LeanDecoder.of(tiny_family_model("phi3_fused"))                              # said once only
     assert takes == {"llama_tied", "llama_untied", "qwen2_biases"}
+    said = [r.getMessage() for r in caplog.records if "lean and fused decoders" in r.getMessage()]
+    assert len(said) == len(FAMILIES) - len(takes)
+    assert "lean and fused decoders not used here (phi3: written for llama, qwen2 only; the model's own forward " \
+           "runs it)" in said
 
 
 @pytest.mark.parametrize("name", list(FAMILIES))

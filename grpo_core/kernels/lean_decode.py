@@ -16,10 +16,23 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from grpo_core.kernels.cpu_features import note_declined
 from grpo_core.kernels.lora_linear import linear
 from grpo_core.kernels.trunk_ops import gated_silu, rms_norm, rope
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2")
+
+
+def _unsupported(cfg) -> str | None:
+    """Why the lean forward would not reproduce a model of this config, or None."""
+    if getattr(cfg, "model_type", None) not in SUPPORTED_MODEL_TYPES:
+        return f"written for {', '.join(SUPPORTED_MODEL_TYPES)} only"
+    for attr, what in (("use_sliding_window", "sliding-window attention"),
+                       ("final_logit_softcapping", "logit soft-capping"), ("logits_scaling", "scaled logits"),
+                       ("attention_dropout", "attention dropout")):             # we apply no attention dropout
+        if getattr(cfg, attr, None):
+            return what
+    return None
 
 
 def positions(attention_mask: torch.Tensor) -> torch.Tensor:
@@ -69,15 +82,16 @@ class LeanDecoder:
     @classmethod
     def of(cls, model) -> "LeanDecoder | None":
         """The lean decoder for `model` (plain or PEFT-wrapped), or None when its architecture is not one
-        this forward reproduces exactly."""
+        this forward reproduces exactly (said once, with the reason: the model's own forward runs it)."""
         base = model.get_base_model() if hasattr(model, "get_base_model") else model
         cfg = getattr(base, "config", None)
-        if (getattr(cfg, "model_type", None) not in SUPPORTED_MODEL_TYPES or getattr(cfg, "use_sliding_window", False)
-                or getattr(cfg, "final_logit_softcapping", None) or getattr(cfg, "logits_scaling", None)
-                or getattr(cfg, "attention_dropout", 0.0)):                   # we apply no attention dropout
-            return None
         inner = getattr(base, "model", None)
-        if not all(hasattr(inner, a) for a in ("embed_tokens", "layers", "norm", "rotary_emb")) or not hasattr(base, "lm_head"):
+        reason = _unsupported(cfg) or (None if all(hasattr(inner, a) for a in ("embed_tokens", "layers", "norm",
+                                                                              "rotary_emb")) and
+                                       hasattr(base, "lm_head") else "its modules are not laid out as Llama's")
+        if reason:
+            note_declined("lean and fused decoders", f"{getattr(cfg, 'model_type', type(base).__name__)}: {reason}; "
+                                                     "the model's own forward runs it")
             return None
         return cls(base)
 

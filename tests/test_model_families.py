@@ -203,6 +203,39 @@ def test_the_export_of_each_family_reloads_with_plain_transformers_and_answers_a
     assert greedy(plain) == greedy(model)
 
 
+# -- the support table in docs/model_families.md ---------------------------------------------------------------
+
+DOC = Path(__file__).resolve().parents[1] / "docs" / "model_families.md"
+TABLE_HEAD = "| family (config class) | sampler (`static`) | update log-probs, one row each / grouped | `auto` LoRA targets |"
+
+
+def support_rows() -> list[str]:
+    """The table's rows as the code decides them today: the path the static sampler takes, the update's
+    log-prob path for rows on their own and for groups sharing a prompt, and what `auto` resolves to."""
+    rows = []
+    for name, (cls_name, _) in FAMILIES.items():
+        model = tiny_family_model(name, ("auto", "auto-mlp"))
+        sampler = KVCacheSampler(model, CharTokenizer(), torch.device("cpu"), batch_size=8, progress=False)
+        sampler.generate(PROMPTS[:1], 2, SamplingParams(max_new_tokens=2, seed=0))
+        # grouped: answers of one length, and of very different lengths (where packing saves the padding)
+        batches = [padded_batch([(list(range(2, 2 + p)), list(range(5, 5 + c))) for c in cs])
+                   for p, cs in ((20, (8, 8, 8)), (4, (1, 1, 40)))]
+        alone = logprob_path(model, *batches[0], 1)
+        grouped = ", ".join(sorted({logprob_path(model, *b, 3) for b in batches}))
+        adapted = [n.split(".")[-2] for n, _ in model.named_modules() if n.endswith(".lora_A")]
+        rows.append(f"| {name} (`{cls_name}`) | {sampler.path.split()[0]} | {alone} / {grouped} | "
+                    f"{', '.join(dict.fromkeys(adapted))} |")
+    return rows
+
+
+def test_the_support_table_in_the_docs_is_what_the_code_does():
+    """docs/model_families.md's table is regenerated here; a change of path fails until the doc says it."""
+    got = [TABLE_HEAD, "|---|---|---|---|", *support_rows()]
+    lines = DOC.read_text().splitlines()
+    start = lines.index(TABLE_HEAD)
+    assert lines[start:start + len(got)] == got, "update docs/model_families.md:\n" + "\n".join(got)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("name", list(FAMILIES))

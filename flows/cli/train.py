@@ -134,7 +134,8 @@ def register(subparsers) -> None:
     m = subparsers.add_parser("model", help="model utilities")
     msub = m.add_subparsers(dest="model_command", metavar="<action>", required=True)
     f = msub.add_parser("fetch", help="fetch and convert a built-in model into $GRPO_HOME (done on first use anyway)")
-    f.add_argument("model", nargs="?", default="smollm2-135m-instruct")
+    f.add_argument("model", nargs="?", default="smollm2-135m-instruct", choices=["smollm2-135m-instruct", "gemma3-270m"],
+                   help="smollm2-135m-instruct (the default, 93 MB) or gemma3-270m (Gemma 3 270M, a base model, 238 MB)")
     f.set_defaults(func=cmd_model_fetch)
     k = msub.add_parser("kernels", help="what this CPU speeds up: its features and the kernel each fast path takes "
                         "in float32 and bfloat16, with the reason for every one left out")

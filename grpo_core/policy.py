@@ -28,7 +28,7 @@ import torch
 
 from grpo_core.config import GRPOConfig
 from grpo_core.kernels.cpu_linear import use_onednn_linears
-from grpo_core.logprobs import fp32_head_logits
+from grpo_core.logprobs import contiguous_head_logits, fp32_head_logits
 from grpo_core.models import (ModelError, attach_lora, file_versions, load_base_model, load_tokenizer,
                               resolve_model, select_device, select_dtype, tokenizer_version)
 
@@ -152,7 +152,8 @@ def lm_head_in_fp32(model: torch.nn.Module, enabled: bool) -> None:
     hf sampler and evaluation, and the lean sampler): its forward multiplies in float32 (`fp32_head_logits`)
     and returns float32 logits; its weights stay in the model's dtype (checkpoints and the sampler's weight
     snapshot keep their format). Nothing to do for a head already in float32. `enabled` False restores the
-    module's own forward (a pooled model may come from a run that had it on)."""
+    module's own forward (a pooled model may come from a run that had it on), or, for a bfloat16 head, one that
+    makes its input contiguous first (`contiguous_head_logits`)."""
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     head = base.get_output_embeddings() if hasattr(base, "get_output_embeddings") else None
     if not isinstance(head, torch.nn.Linear):
@@ -160,6 +161,8 @@ def lm_head_in_fp32(model: torch.nn.Module, enabled: bool) -> None:
     head.__dict__.pop("forward", None)
     if enabled and head.weight.dtype != torch.float32:
         head.forward = functools.partial(fp32_head_logits, head)
+    elif head.weight.dtype == torch.bfloat16:
+        head.forward = functools.partial(contiguous_head_logits, head)
 
 
 def _prepare(cfg: GRPOConfig, *models: torch.nn.Module | None) -> None:

@@ -246,3 +246,24 @@ def test_cast_lm_head_to_fp32_runs_the_head_module_in_float32(grpo_home):
     lm_head_in_fp32(pol.model, False)
     with torch.no_grad():
         assert pol.model(input_ids=ids).logits.dtype == torch.bfloat16
+
+
+def test_a_bfloat16_head_does_not_copy_its_weight_per_row_on_a_strided_input():
+    """transformers hands the LM head the last position as a strided slice; torch's CPU bfloat16 linear would
+    then copy a frozen weight once per batch row (Gemma 3: 2.3 GB at 8 rows). The head's forward that
+    `lm_head_in_fp32` installs for a bfloat16 head takes a contiguous copy of the input instead: same logits,
+    no allocation the size of the weight."""
+    from torch.profiler import ProfilerActivity, profile
+    from transformers import LlamaConfig, LlamaForCausalLM
+    from grpo_core.policy import lm_head_in_fp32
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=65536, hidden_size=64, intermediate_size=64, num_hidden_layers=1,
+                                         num_attention_heads=4, num_key_value_heads=2)).to(torch.bfloat16)
+    model.requires_grad_(False)
+    lm_head_in_fp32(model, enabled=False)
+    head = model.get_output_embeddings()
+    hidden = torch.randn(8, 30, 64, dtype=torch.bfloat16)[:, -1:, :]                 # strided, as transformers slices
+    with torch.inference_mode(), profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        logits = head(hidden)
+    assert torch.equal(logits, torch.nn.functional.linear(hidden.contiguous(), head.weight))
+    biggest = max(e.cpu_memory_usage for e in prof.events())
+    assert biggest < head.weight.numel() * 2, biggest              # the weight is 8 MB; a per-row copy, 67 MB

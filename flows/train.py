@@ -25,7 +25,7 @@ from tasks.update import update
 
 # The temporary Prefect server a run starts when no PREFECT_API_URL is set records task runs from their events one
 # database write at a time; back-to-back task runs then waited seconds for it (a resume skipped each finished
-# iteration in 2-3 s instead of 0.3-0.5 s). In batches (written every 5 s, when 50 have come, and at shutdown)
+# iteration several times slower; docs/speed.md). In batches (written every 5 s, when 50 have come, and at shutdown)
 # they do not. A server the user runs keeps its own settings, and so does a value set in the environment.
 RECORDER_BATCH = "PREFECT_SERVER_SERVICES_TASK_RUN_RECORDER_BATCH_SIZE"
 
@@ -46,7 +46,7 @@ _subflow_settings: list = [None, None]         # [the settings they were derived
 def subflow_settings():
     """Settings for a subflow that runs in this flow's process: no heartbeat thread of its own (this flow's
     heartbeats already say the process is alive), since stopping one waits up to a second of its sleep.
-    Derived once per settings object (a derivation re-reads the environment: ~0.1 s)."""
+    Derived once per settings object (a derivation re-reads the environment, which is slow)."""
     import prefect.context
     from prefect.settings import PREFECT_FLOWS_HEARTBEAT_FREQUENCY
     context = prefect.context.get_settings_context()

@@ -107,8 +107,8 @@ _native_attention_ops = native.ops_for
 
 def contiguous_head_logits(head: torch.nn.Linear, hidden: torch.Tensor) -> torch.Tensor:
     """The LM head on a contiguous copy of its input. transformers hands the head a strided slice (the last
-    position, `logits_to_keep`), and torch's CPU bfloat16 linear then copies a frozen weight once per batch row:
-    2.3 GB for Gemma 3's 262k-token vocabulary at 8 rows, where the copied input is 10 KB."""
+    position, `logits_to_keep`), and torch's CPU bfloat16 linear then copies a frozen weight once per batch row
+    (gigabytes for a large vocabulary; docs/speed.md), where copying the input costs next to nothing."""
     return F.linear(hidden.contiguous(), head.weight, head.bias)
 
 
@@ -428,8 +428,7 @@ def _segment_attention(input_ids: torch.Tensor, attention_mask: torch.Tensor, co
     """Attention for the group rows of `_packed_groups(..., flat=True)`, end to end in one sequence, that
     computes only the pairs its mask allows: each prompt attends to itself, and each completion to its
     prompt plus its own earlier tokens. On the CPU with the compiled kernels, one call each way
-    (`_NativeSegmentAttention`; 2.3x faster forward, 2.5x forward + backward than the torch ops at the
-    step-speed workload's sizes); otherwise as torch ops, gathered as [B, Lmax] query blocks against
+    (`_NativeSegmentAttention`; faster than the torch ops, docs/speed.md); otherwise as torch ops, gathered as [B, Lmax] query blocks against
     [P + Lmax] keys (in two blocks by length when that saves work, `_length_split`).
     Returns attend(q [1, H, total, d], k, v [1, Hkv, total, d], scale) -> [1, H, total, d]."""
     B = input_ids.size(0)

@@ -10,7 +10,7 @@ One process often loads the same base several times in an iteration (rollout, up
 policy's model goes back to a pool when the policy is garbage-collected, and the next `load_policy` of the same
 base and LoRA settings with a checkpoint takes it from there and loads the checkpoint's adapter weights into it
 (no weight file read, no LoRA injection; the fused sampler keeps its packed base). Its tokenizer goes with it
-(while the tokenizer's files are unchanged): a copy of a parsed tokenizer costs ~0.15 s. `GRPO_REUSE_MODEL=0`
+(while the tokenizer's files are unchanged): copying a parsed tokenizer beats parsing it again. `GRPO_REUSE_MODEL=0`
 turns this off (nothing is pooled or taken from the pool).
 """
 from __future__ import annotations
@@ -100,7 +100,7 @@ class Policy:
 def _adapters_disabled(model):
     """PEFT's `disable_adapter()` for a LoRA model (each adapter layer and wrapper switched off with its own
     `enable_adapters`, and back on after if the model had them on), without the survey of every layer's
-    status that PEFT takes first: about 25 ms a call on the default model, one per update."""
+    status that PEFT takes first (tens of milliseconds a call, one per update; docs/speed.md)."""
     from peft.tuners.tuners_utils import BaseTunerLayer
     from peft.utils.other import AuxiliaryTrainingWrapper
     layers = [m for m in model.modules() if isinstance(m, (BaseTunerLayer, AuxiliaryTrainingWrapper))]

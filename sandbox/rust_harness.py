@@ -4,7 +4,7 @@ The crate is ``solution`` (lib, the completion's source only) + ``harness`` (bin
 compiled by calling ``rustc`` / ``clippy-driver`` directly with fixed flags. The harness owns the
 whole build: there is no ``Cargo.toml`` the completion could influence, so no build script, no
 dependencies, no proc macros and no ``.cargo/config``; nothing is fetched (offline by
-construction). Calling rustc directly is also ~3x faster than three cargo runs.
+construction). Calling rustc directly is also faster than three cargo runs (docs/speed.md).
 
 * ``lib.rs`` = ``#![forbid(unsafe_code)]`` + the completion (on its first line, so the compiler's line
   numbers are the completion's own). ``forbid`` cannot be lifted by

@@ -64,7 +64,7 @@ def stage(name: str, key: Callable[..., dict]):
 def tag_is_limited(tag: str) -> bool:
     """Whether the Prefect server has a concurrency limit for `tag` (`prefect concurrency-limit create TAG N`),
     asked at most every LIMIT_CHECK_SECONDS per server. A tagged task run asks the server for a slot of each of
-    its tags, limit or not (two round trips: 0.1-0.2 s per stage on a busy 2-core machine), so a stage carries
+    its tags, limit or not (two round trips per stage; docs/speed.md), so a stage carries
     the tag only where it limits something."""
     from prefect.client.orchestration import get_client
     from prefect.exceptions import ObjectNotFound

@@ -2,8 +2,7 @@
 
 PyTorch sends fp32 matmuls on the CPU to MKL. On AMD CPUs MKL takes a slow generic path, and for
 the skinny matrices of token-by-token sampling it is slow everywhere; oneDNN, with the weight
-reordered once into its blocked layout, runs the same fp32 arithmetic 2-3x faster on this machine
-(see bench/step_speed.py). The result is fp32 (no reduced-precision accumulation), equal to F.linear
+reordered once into its blocked layout, runs the same fp32 arithmetic faster (docs/speed.md; bench/step_speed.py). The result is fp32 (no reduced-precision accumulation), equal to F.linear
 up to summation order.
 
 A packed copy costs the weight's memory again (the input gradient uses the plain weight, no copy),

@@ -22,7 +22,6 @@ from tasks.score import score
 from tasks.update import update
 
 
-
 # The temporary Prefect server a run starts when no PREFECT_API_URL is set records task runs from their events one
 # database write at a time; back-to-back task runs then waited seconds for it (a resume skipped each finished
 # iteration several times slower; docs/speed.md). In batches (written every 5 s, when 50 have come, and at shutdown)

@@ -47,7 +47,12 @@ def make_schedule(cron: str | None = None, interval: str | None = None, timezone
 
 
 def describe(schedule) -> str:
-    return f"cron {schedule.cron!r}" if getattr(schedule, "cron", None) else f"every {schedule.interval}"
+    """A schedule in words: cron '0 3 * * *', every 6:00:00 (another kind: its type)."""
+    if getattr(schedule, "cron", None):
+        return f"cron {schedule.cron!r}"
+    if getattr(schedule, "interval", None):
+        return f"every {schedule.interval}"
+    return type(schedule).__name__
 
 
 def scheduled_config(cfg: GRPOConfig, init_from_previous: bool = False) -> dict:
@@ -119,22 +124,15 @@ def list_schedules() -> list[dict]:
             def count(*types: str) -> int:
                 return client.count_flow_runs(deployment_filter=of_it, flow_run_filter=FlowRunFilter(
                     state=FlowRunFilterState(type=FlowRunFilterStateType(any_=list(types)))))
-            last = client.read_flow_runs(deployment_filter=of_it, sort=FlowRunSort.START_TIME_DESC, limit=1,
-                                         flow_run_filter=FlowRunFilter(start_time=FlowRunFilterStartTime(is_null_=False)))
+            started = FlowRunFilter(start_time=FlowRunFilterStartTime(is_null_=False))
+            last = client.read_flow_runs(deployment_filter=of_it, flow_run_filter=started,
+                                         sort=FlowRunSort.START_TIME_DESC, limit=1)
             rows.append({"name": d.name, "id": str(d.id),
-                         "schedule": ", ".join(_schedule_text(s.schedule) for s in d.schedules) or "-",
+                         "schedule": ", ".join(describe(s.schedule) for s in d.schedules) or "-",
                          "paused": bool(d.paused), "work_pool": d.work_pool_name or "(served)",
                          "completed": count("COMPLETED"), "running": count("RUNNING", "PENDING"),
                          "failed": count("FAILED", "CRASHED"), "last_run": last[0].name if last else "-"})
     return rows
-
-
-def _schedule_text(schedule) -> str:
-    if getattr(schedule, "cron", None):
-        return f"cron {schedule.cron}"
-    if getattr(schedule, "interval", None):
-        return f"every {schedule.interval}"
-    return type(schedule).__name__
 
 
 def _deployment(client, name: str):

@@ -16,6 +16,8 @@ from grpo_core.kernels.lean_decode import LeanDecoder
 from grpo_core.models import ModelError, attach_lora, resolve_lora_targets
 from grpo_core.rollout import HFGenerateSampler, KVCacheSampler
 from grpo_core.sampling import SamplingParams
+from grpo_core.update import ScoredSample
+from test_update import seq_logprobs
 
 V = 112                                   # vocabulary of the tiny models (the tiny char tokenizer has 104)
 COMMON = dict(vocab_size=V, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
@@ -76,10 +78,8 @@ class CharTokenizer:
 
 def plain_logprobs(model, prompt: list[int], completion: list[int]) -> torch.Tensor:
     """log pi(completion | prompt) by the plain transformers forward of the one unpadded sequence. -> [Lc]"""
-    ids = torch.tensor([prompt + completion])
     with torch.no_grad():
-        logits = model(input_ids=ids).logits[0, len(prompt) - 1:-1].float()
-    return torch.log_softmax(logits, -1).gather(-1, torch.tensor(completion)[:, None])[:, 0]
+        return seq_logprobs(model, ScoredSample(0, prompt, completion, 0.0, False))
 
 
 PROMPTS = [[5, 17, 33, 9, 41], [7, 60, 12]]
@@ -206,7 +206,8 @@ def test_the_export_of_each_family_reloads_with_plain_transformers_and_answers_a
 # -- the support table in docs/model_families.md ---------------------------------------------------------------
 
 DOC = Path(__file__).resolve().parents[1] / "docs" / "model_families.md"
-TABLE_HEAD = "| family (config class) | sampler (`static`) | update log-probs, one row each / grouped | `auto` LoRA targets |"
+TABLE_HEAD = ("| family (config class) | sampler (`static`) | update log-probs, one row each / grouped "
+              "| `auto` LoRA targets |")
 
 
 def support_rows() -> list[str]:

@@ -11,6 +11,7 @@ from pathlib import Path
 
 from flows.cli.format import format_eval_table, format_registered
 from grpo_core.config import field_help, load_config
+from grpo_core.models import BUILTIN_MODELS, DEFAULT_MODEL
 
 TRAIN_EPILOG = """\
 Configuration fields (set in the YAML file or with --set key=value; dotted keys for sections):
@@ -134,8 +135,8 @@ def register(subparsers) -> None:
     m = subparsers.add_parser("model", help="model utilities")
     msub = m.add_subparsers(dest="model_command", metavar="<action>", required=True)
     f = msub.add_parser("fetch", help="fetch and convert a built-in model into $GRPO_HOME (done on first use anyway)")
-    f.add_argument("model", nargs="?", default="smollm2-135m-instruct", choices=["smollm2-135m-instruct", "gemma3-270m"],
-                   help="smollm2-135m-instruct (the default, 93 MB) or gemma3-270m (Gemma 3 270M, a base model, 238 MB)")
+    f.add_argument("model", nargs="?", default=DEFAULT_MODEL, choices=list(BUILTIN_MODELS),
+                   help="; ".join(f"{name}: {m.label}, {m.megabytes} MB" for name, m in BUILTIN_MODELS.items()))
     f.set_defaults(func=cmd_model_fetch)
     k = msub.add_parser("kernels", help="what this CPU speeds up: its features and the kernel each fast path takes "
                         "in float32 and bfloat16, with the reason for every one left out")

@@ -2,8 +2,8 @@
 
 PyTorch sends fp32 matmuls on the CPU to MKL. On AMD CPUs MKL takes a slow generic path, and for
 the skinny matrices of token-by-token sampling it is slow everywhere; oneDNN, with the weight
-reordered once into its blocked layout, runs the same fp32 arithmetic faster (docs/speed.md; bench/step_speed.py). The result is fp32 (no reduced-precision accumulation), equal to F.linear
-up to summation order.
+reordered once into its blocked layout, runs the same fp32 arithmetic faster (docs/speed.md; bench/step_speed.py).
+The result is fp32 (no reduced-precision accumulation), equal to F.linear up to summation order.
 
 A packed copy costs the weight's memory again (the input gradient uses the plain weight, no copy),
 so only weights that do not train in this forward pass use it: the base model under LoRA, a frozen

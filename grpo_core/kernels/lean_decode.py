@@ -23,8 +23,9 @@ from grpo_core.kernels.trunk_ops import gated_silu, rms_norm, rope
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2")
 
 
-def _unsupported(cfg) -> str | None:
-    """Why the lean forward would not reproduce a model of this config, or None."""
+def _unsupported(base) -> str | None:
+    """Why the lean forward would not reproduce this (unwrapped) model, or None."""
+    cfg = getattr(base, "config", None)
     if getattr(cfg, "model_type", None) not in SUPPORTED_MODEL_TYPES:
         return f"written for {', '.join(SUPPORTED_MODEL_TYPES)} only"
     for attr, what in (("use_sliding_window", "sliding-window attention"),
@@ -32,6 +33,10 @@ def _unsupported(cfg) -> str | None:
                        ("attention_dropout", "attention dropout")):             # we apply no attention dropout
         if getattr(cfg, attr, None):
             return what
+    inner = getattr(base, "model", None)
+    if not hasattr(base, "lm_head") or not all(hasattr(inner, a) for a in ("embed_tokens", "layers", "norm",
+                                                                           "rotary_emb")):
+        return "its modules are not laid out as Llama's"
     return None
 
 
@@ -84,14 +89,9 @@ class LeanDecoder:
         """The lean decoder for `model` (plain or PEFT-wrapped), or None when its architecture is not one
         this forward reproduces exactly (said once, with the reason: the model's own forward runs it)."""
         base = model.get_base_model() if hasattr(model, "get_base_model") else model
-        cfg = getattr(base, "config", None)
-        inner = getattr(base, "model", None)
-        reason = _unsupported(cfg) or (None if all(hasattr(inner, a) for a in ("embed_tokens", "layers", "norm",
-                                                                              "rotary_emb")) and
-                                       hasattr(base, "lm_head") else "its modules are not laid out as Llama's")
-        if reason:
-            note_declined("lean and fused decoders", f"{getattr(cfg, 'model_type', type(base).__name__)}: {reason}; "
-                                                     "the model's own forward runs it")
+        if reason := _unsupported(base):
+            kind = getattr(getattr(base, "config", None), "model_type", type(base).__name__)
+            note_declined("lean and fused decoders", f"{kind}: {reason}; the model's own forward runs it")
             return None
         return cls(base)
 

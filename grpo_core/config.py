@@ -321,13 +321,31 @@ class TrackingConfig(_Section):
         "grpo-adapter", description="Model Registry name for the run's adapter (None: do not register)")
     register_adapter: Literal["best", "final", "none"] = Field(
         "best", description="which adapter to register at the end: best by eval, the final one, or none; the "
-                            "version gets the alias run-<run_name>, and `champion` when it scores at least as well")
+                            "version gets the alias run-<run_name>, and `champion` when the promotion gate (gate:) passes")
     best_metric: str = Field("eval/greedy/pass_at_1", description="eval metric (higher is better) that picks 'best'")
     log_completions: bool = Field(True, description="log a table of training completions (prompt, all G answers, "
                                   "reward per function, advantage) to MLflow as completions/iter_<k>.json")
     log_completions_steps: int = Field(1, ge=1, description="log the completion table every N iterations")
     log_completions_prompts: int = Field(4, ge=1, description="prompts per completion table, each with all its "
                                          "num_generations completions")
+
+
+class GateConfig(_Section):
+    """The promotion gate (grpo_core/gate.py): `champion` moves to a new adapter only when it beats the
+    champion on the frozen gate set by more than noise."""
+    enabled: bool = Field(True, description="compare each new adapter with the champion on the gate set (the "
+                          "held-out split of the first run that registered a champion) before it takes "
+                          "`champion`; false: the old rule, `champion` moves when the new one's best_metric is "
+                          "at least as high on its own held-out split")
+    confidence: float = Field(0.95, gt=0, lt=1, description="promote when a one-sided paired test on the gate "
+                              "questions says the new adapter is better at this confidence (p < 1 - confidence)")
+    test: Literal["bootstrap", "mcnemar"] = Field(
+        "bootstrap", description="the paired test on per-question tracking.best_metric scores: bootstrap (any "
+                                 "scores) or exact McNemar (0/1 scores, e.g. eval/greedy/pass_at_1)")
+    resamples: int = Field(10_000, ge=100, description="bootstrap resamples")
+    seed: int = Field(0, description="the bootstrap's random seed")
+    force_promote: bool = Field(False, description="give the new adapter `champion` whatever the test says "
+                                "(tagged gate_decision=forced); `--force-promote` sets it")
 
 
 def _check_structured_regex(regex: str, backend: str, generation_kwargs: dict) -> None:
@@ -665,6 +683,15 @@ class GRPOConfig(_Section):
     sandbox: SandboxConfig = Field(default_factory=SandboxConfig)
     stages: StagesConfig = Field(default_factory=StagesConfig)
     tracking: TrackingConfig = Field(default_factory=TrackingConfig)
+    gate: GateConfig = Field(default_factory=GateConfig)
+
+    @model_validator(mode="after")
+    def _gate_metric(self):
+        """With the gate on, tracking.best_metric must be comparable question by question (grpo_core.gate)."""
+        if self.gate.enabled and self.tracking.registered_model_name and self.tracking.register_adapter != "none":
+            from grpo_core.gate import metric_parts
+            metric_parts(self.tracking.best_metric)
+        return self
 
     @model_validator(mode="after")
     def _cross_field(self):

@@ -25,7 +25,7 @@ STAGES = ("curate", "rollout", "score", "update", "evaluate")
 
 # Config parts that change how a run is operated, never what it computes: a resume may change them
 # (e.g. more retries) without invalidating completed stages.
-OPERATIONAL_FIELDS = ("stages", "tracking", "output_dir", "run_name", "init_adapter")
+OPERATIONAL_FIELDS = ("stages", "tracking", "gate", "output_dir", "run_name", "init_adapter")
 
 
 def cfg_of(config: dict) -> GRPOConfig:

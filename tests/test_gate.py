@@ -1,0 +1,146 @@
+"""The promotion gate: `champion` moves only to an adapter that beats it on the frozen gate set by more than
+noise (grpo_core/gate.py: the statistics; tasks/gate.py: the gate set and the decision in MLflow).
+
+The unit tests check the tests against values computed by hand and the decision on synthetic per-question
+scores; the slow test runs three training runs as a schedule would and reads the registry."""
+from __future__ import annotations
+
+from statistics import mean
+
+import pytest
+
+from grpo_core import gate
+from grpo_core.evaluation import summarize
+
+
+# -- the statistics, against values computed by hand ---------------------------------------------------------
+
+@pytest.mark.parametrize("new, champion, want", [
+    ([1, 1, 1, 1, 1, 0, 0], [0] * 7, 1 / 32),          # b=5, c=0: P(X >= 5 | n=5) = 1/32
+    ([1] * 6 + [0], [0] * 6 + [1], 8 / 128),            # b=6, c=1: (C(7,6) + C(7,7)) / 2^7
+    ([1, 0, 1], [1, 0, 1], 1.0),                        # nothing differs: no evidence
+    ([0, 0, 0], [1, 1, 1], 1.0),                        # b=0: P(X >= 0) = 1
+])
+def test_mcnemar_exact_one_sided(new, champion, want):
+    assert gate.mcnemar_exact(new, champion) == pytest.approx(want)
+
+
+def test_mcnemar_refuses_scores_that_are_not_0_or_1():
+    with pytest.raises(ValueError, match="gate.test mcnemar needs 0/1 scores"):
+        gate.mcnemar_exact([0.5, 1.0], [0.0, 0.0])
+
+
+@pytest.mark.parametrize("gains, want_p", [
+    ([1, 0], 1 / 4),                # a mean gain <= 0 needs both picks on the second question: (1/2)^2
+    ([1, 0, 0], 8 / 27),            # no pick of the first question: (2/3)^3
+    ([1, 1, 1], 0.0),               # every resample gains
+    ([0, 0, 0, 0], 1.0),            # a tie: every resample's gain is 0
+    ([-1, 1], 3 / 4),
+])
+def test_paired_bootstrap_p_value_is_the_share_of_resamples_without_gain(gains, want_p):
+    p, _ = gate.paired_bootstrap(gains, [0] * len(gains), resamples=200_000, seed=1)
+    assert p == pytest.approx(want_p, abs=0.005)
+
+
+def test_paired_bootstrap_interval_low_end():
+    """Gains [1, 0]: the resampled mean is 0 (1/4), 0.5 (1/2) or 1 (1/4); its 10% quantile is 0, its 50% 0.5."""
+    assert gate.paired_bootstrap([1, 0], [0, 0], confidence=0.9, resamples=50_000)[1] == 0.0
+    assert gate.paired_bootstrap([1, 0], [0, 0], confidence=0.5, resamples=50_000)[1] == 0.5
+    assert gate.paired_bootstrap([3, 1], [1, 0], confidence=0.5, resamples=50_000)[1] == 1.5     # gains [2, 1]
+
+
+def test_paired_bootstrap_is_reproducible_by_seed():
+    a, b = [0.5, 1, 0, 0.25, 1], [0, 1, 0.5, 0, 0.25]
+    assert gate.paired_bootstrap(a, b, seed=3) == gate.paired_bootstrap(a, b, seed=3)
+
+
+# -- the decision on synthetic per-question scores -----------------------------------------------------------
+
+def _scores(values):
+    return {f"q{i}": float(v) for i, v in enumerate(values)}
+
+
+@pytest.mark.parametrize("test", gate.TESTS)
+def test_a_clearly_better_adapter_is_promoted(test):
+    d = gate.decide(_scores([1] * 12 + [0] * 8), _scores([0] * 20), test=test)
+    assert d.promote and d.reason == "better" and d.questions == 20
+    assert (d.new_score, d.champion_score) == (0.6, 0.0) and d.p_value < 0.05
+
+
+@pytest.mark.parametrize("test", gate.TESTS)
+def test_a_tie_is_not_promoted(test):
+    """The old rule ("at least as good") moved the champion on a tie; the gate does not."""
+    same = _scores([1, 0, 1, 1, 0, 0, 1, 0])
+    d = gate.decide(same, dict(same), test=test)
+    assert not d.promote and d.p_value == 1.0 and d.reason == "not better"
+
+
+@pytest.mark.parametrize("test", gate.TESTS)
+def test_a_small_gain_within_noise_is_not_promoted(test):
+    """Two more right answers out of 20 (b=3, c=1: McNemar p = 5/16) is noise at 95%."""
+    new = _scores([1, 1, 1, 0] + [1] * 6 + [0] * 10)
+    champion = _scores([0, 0, 0, 1] + [1] * 6 + [0] * 10)
+    d = gate.decide(new, champion, test=test)
+    assert not d.promote and d.new_score == pytest.approx(0.45) and d.champion_score == pytest.approx(0.35)
+    if test == "mcnemar":
+        assert d.p_value == pytest.approx(5 / 16)
+
+
+def test_a_worse_adapter_is_not_promoted_and_confidence_matters():
+    worse = gate.decide(_scores([0] * 10), _scores([1] * 10))
+    assert not worse.promote and worse.p_value == 1.0
+    gain = (_scores([1, 1, 1, 0, 0]), _scores([0, 0, 0, 0, 0]))          # McNemar p = 1/8
+    assert not gate.decide(*gain, confidence=0.95, test="mcnemar").promote
+    assert gate.decide(*gain, confidence=0.8, test="mcnemar").promote
+
+
+def test_only_questions_both_answered_are_paired():
+    d = gate.decide({"a": 1.0, "b": 1.0, "x": 0.0}, {"a": 0.0, "b": 0.0, "y": 1.0}, test="mcnemar")
+    assert d.questions == 2 and d.p_value == 0.25
+    with pytest.raises(ValueError, match="no gate question scored in common"):
+        gate.decide({"a": 1.0}, {"b": 1.0})
+
+
+def test_the_closing_line_has_both_scores_and_the_p_value():
+    d = gate.decide(_scores([1, 0, 1, 0]), _scores([1, 0, 1, 0]))
+    line = gate.summary_line(d, "eval/greedy/pass_at_1", 0.95, "3")
+    assert line.startswith("gate: version 3 NOT promoted") and "new 0.500 vs champion 0.500" in line
+    assert "p=1.000" in line and "4 gate questions" in line and "low end of the gain +0.000" in line
+    assert "\n" not in line
+
+
+# -- per-question scores: their mean is the metric ----------------------------------------------------------
+
+def _row(task_id, mode, correct, formatted=True, fmt_reward=1.0, sample=0):
+    return {"mode": mode, "task_id": task_id, "source": "arithmetic", "kind": "math", "sample": sample,
+            "completion": "x", "rewards": {"format": fmt_reward, "accuracy": float(bool(correct))},
+            "reward_total": fmt_reward + float(bool(correct)), "correct": correct, "formatted": formatted,
+            "length": 3, "truncated": False}
+
+
+ROWS = ([_row("a", "greedy", True), _row("b", "greedy", False, False, 0.0), _row("c", "greedy", True, False, 0.0)]
+        + [_row(q, "sampled", c, f, r, s) for q, outcomes in
+           {"a": [(True, True, 1.0), (False, True, 1.0), (True, False, 0.0)],
+            "b": [(False, False, 0.0), (False, True, 1.0), (None, True, 1.0)],
+            "c": [(True, True, 1.0), (True, True, 1.0), (True, True, 1.0)]}.items()
+           for s, (c, f, r) in enumerate(outcomes)])
+
+
+@pytest.mark.parametrize("metric", ["eval/greedy/pass_at_1", "eval/greedy/strict_pass_at_1",
+                                    "eval/sampled/pass_at_1", "eval/sampled/pass_at_2",
+                                    "eval/sampled/reward/format", "eval/greedy/format_rate",
+                                    "eval/arithmetic/sampled/pass_at_1", "eval/greedy/reward/total"])
+def test_per_question_scores_average_to_the_metric(metric):
+    scores = gate.per_question_scores(ROWS, metric)
+    assert set(scores) == {"a", "b", "c"}
+    assert mean(scores.values()) == pytest.approx(summarize(ROWS, [1, 2])[metric])
+
+
+def test_per_question_scores_by_hand():
+    assert gate.per_question_scores(ROWS, "eval/sampled/pass_at_1") == pytest.approx({"a": 2 / 3, "b": 0.0, "c": 1.0})
+    assert gate.per_question_scores(ROWS, "eval/sampled/pass_at_2") == pytest.approx({"a": 1.0, "b": 0.0, "c": 1.0})
+
+
+def test_a_metric_that_is_not_per_question_names_the_field_and_the_fix():
+    with pytest.raises(ValueError, match=r"tracking.best_metric 'eval/num_questions'.*gate.enabled: false"):
+        gate.per_question_scores(ROWS, "eval/num_questions")

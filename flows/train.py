@@ -13,9 +13,10 @@ from grpo_core import models
 from grpo_core.config import GRPOConfig
 from grpo_core.data import iteration as data_iteration
 from grpo_core.io import atomic_write_text, read_json, write_json
-from tasks import remote, run as run_steps, tracking
+from tasks import gate, remote, run as run_steps, tracking
 from tasks.run_state import mark_ended_by, mark_running, update_run_state
 from tasks.curate import curate, curated_cache
+from tasks.data_logging import fetch_parent_questions
 from tasks.evaluate import evaluate
 from tasks.rollout import rollout
 from tasks.score import score
@@ -166,6 +167,8 @@ def training_run(config: dict) -> dict:
     evals, checkpoint, state, registered = {}, None, None, None
     try:
         checkpoint = run_steps.init_checkpoint(cfg, run_dir, run_id)
+        gate.prepare_gate_set(cfg, run_dir)             # the champion's gate questions: kept out of training
+        fetch_parent_questions(cfg, run_dir, read_json(run_dir / "run.json").get("init_adapter_uri"))
         if cfg.eval.enabled:
             evals[0] = remote.stage_runner(evaluate, cfg, "evaluate")(config, str(run_dir), 0, checkpoint)["metrics"]
         for k in range(1, cfg.pipeline_iterations + 1):
@@ -181,7 +184,7 @@ def training_run(config: dict) -> dict:
                 tracking.set_tags(cfg, run_id, {"dataset_hash": run_steps.dataset_hash(cfg, run_dir)})
         registered = read_json(run_dir / "run.json").get("registered_model")
         if registered is None:         # once per run: a re-run of a finished run does not add a version
-            registered = run_steps.register_best_adapter(cfg, run_id, evals)
+            registered = run_steps.register_best_adapter(cfg, run_id, evals, run_dir)
             update_run_state(run_dir, registered_model=registered)
     except BaseException as e:        # Ctrl-C / SIGTERM: "interrupted"; anything else: "failed"
         tracking.end_run(cfg, run_id, mark_ended_by(run_dir, e))

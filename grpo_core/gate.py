@@ -18,7 +18,7 @@ import re
 from collections import defaultdict
 from dataclasses import asdict, dataclass
 from statistics import mean
-from typing import Iterable, Sequence
+from typing import Callable, Iterable, Sequence
 
 from grpo_core.passk import pass_at_k
 
@@ -64,14 +64,16 @@ def metric_parts(metric: str) -> tuple[str | None, str, str]:
     return m[1], m[2], m[3]
 
 
-def per_question_scores(rows: Iterable[dict], metric: str) -> dict[str, float]:
+def per_question_scores(rows: Iterable[dict], metric: str,
+                        source_name: Callable[[str], str] = str) -> dict[str, float]:
     """{task id: score} of `metric` (an eval/... name, see metric_parts) from evaluation rows
-    (grpo_core.evaluation); the mean over questions is the metric. Questions with nothing to score are left out."""
-    from grpo_core.evaluation import FOREIGN, metric_name
+    (grpo_core.evaluation; `source_name` makes a row's source the metric's segment: evaluation.metric_name);
+    the mean over questions is the metric. Rows in a foreign wording and questions with nothing to score are
+    left out."""
     source, mode, name = metric_parts(metric)
     by_question: dict[str, list[dict]] = defaultdict(list)
     for r in rows:
-        if r["mode"] != mode or r.get("wording") == FOREIGN or (source and metric_name(r["source"]) != source):
+        if r["mode"] != mode or r.get("wording") or (source and source_name(r["source"]) != source):
             continue
         by_question[r["task_id"]].append(r)
     with_tools = any(r.get("tools") for rs in by_question.values() for r in rs)

@@ -1,4 +1,5 @@
-"""curate: build the iteration's training prompts (and, once per run, the held-out split)."""
+"""curate: build the iteration's training prompts (and, once per run, the held-out split). Training never asks
+a question of the promotion gate's set (<run_dir>/data/gate.jsonl, tasks/gate.py)."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -8,7 +9,8 @@ from grpo_core.data import arithmetic
 from grpo_core.data import iteration as data_iteration
 from grpo_core.io import grpo_home
 from grpo_core.task import read_tasks, write_tasks
-from tasks.data_logging import log_curation
+from tasks.data_logging import log_curation, parent_questions_path
+from tasks.gate import gate_set_path
 from tasks.layout import cfg_of, eval_split_path, iter_dir
 from tasks.run_state import mlflow_run_id
 from tasks.stage import stage
@@ -48,13 +50,16 @@ def curate(config: dict, run_dir: str, iteration: int) -> dict:
     cfg = cfg_of(config)
     eval_path = ensure_eval_split(cfg, run_dir)
     d = cfg.data
+    gate = read_tasks(gate_set_path(run_dir)) if gate_set_path(run_dir).is_file() else []
     if d.curated:  # sources + weights + pass-rate band, recalibrated from earlier iterations' scores
+        parent = parent_questions_path(run_dir)
         record = data_iteration.curate_iteration(
             d.curated, run_dir, iteration, d.prompts_per_iteration, d.weights, tuple(d.pass_rate_band),
-            d.recalibrate, cfg.seed, iter_dir(run_dir, iteration), curated_cache())
+            d.recalibrate, cfg.seed, iter_dir(run_dir, iteration), curated_cache(), gate,
+            set(parent.read_text().split()) if parent.is_file() else None)
     else:
         prompts = arithmetic.train_tasks(d.prompts_per_iteration, d.min_digits, d.max_digits, d.operations,
-                                         seed=cfg.seed * 100_003 + iteration, exclude=read_tasks(eval_path))
+                                         seed=cfg.seed * 100_003 + iteration, exclude=read_tasks(eval_path) + gate)
         out = write_tasks(iter_dir(run_dir, iteration) / "prompts.jsonl", prompts)
         record = {"prompts": str(out), "num_prompts": len(prompts), "sources": {"arithmetic": len(prompts)}}
     record["eval"] = str(eval_path)

@@ -9,9 +9,11 @@ import json
 from pathlib import Path
 
 from grpo_core.config import GRPOConfig
+from grpo_core.io import atomic_write_text
 from tasks import tracking
 
-CONSTANT_COUNTS = ("num_prompts", "pool")       # the same at every iteration of a run
+CONSTANT_COUNTS = ("num_prompts", "pool", "new_questions", "gate_excluded")   # the same at every iteration of a run
+QUESTIONS_FILE = "questions.txt"    # <run_dir>/data/: the training pool's content hashes, also a run artifact
 
 
 def numeric(d: dict | None, prefix: str) -> dict[str, float]:
@@ -102,3 +104,27 @@ def log_curation(cfg: GRPOConfig, run_id: str, record: dict, iteration: int, run
         tracking.set_tags(cfg, run_id, tags)
     if record.get("report") and Path(record["report"]).is_file():
         c.log_artifact(run_id, record["report"], f"data/iter-{iteration}")
+    if iteration == 1 and run_dir is not None and (Path(run_dir) / "data" / QUESTIONS_FILE).is_file():
+        c.log_artifact(run_id, str(Path(run_dir) / "data" / QUESTIONS_FILE), "data")
+
+
+def parent_questions_path(run_dir: str | Path) -> Path:
+    return Path(run_dir) / "data" / f"parent_{QUESTIONS_FILE}"
+
+
+def fetch_parent_questions(cfg: GRPOConfig, run_dir: str | Path, init_adapter_uri: str | None) -> Path | None:
+    """The training pool (content hashes) of the run whose adapter this run starts from, copied once to
+    <run_dir>/data/parent_questions.txt; None when there is no parent or it recorded none (arithmetic)."""
+    import tempfile
+    from mlflow.exceptions import MlflowException
+    dst = parent_questions_path(run_dir)
+    if dst.is_file() or not init_adapter_uri or not init_adapter_uri.startswith(("runs:/", "models:/")):
+        return dst if dst.is_file() else None
+    try:
+        parent_run = init_adapter_uri[len("runs:/"):].split("/", 1)[0] if init_adapter_uri.startswith("runs:/") \
+            else tracking.model_version(tracking.client(cfg), init_adapter_uri).run_id
+        with tempfile.TemporaryDirectory() as tmp:
+            got = tracking.download_artifacts(cfg, parent_run, f"data/{QUESTIONS_FILE}", tmp)
+            return atomic_write_text(dst, got.read_text())
+    except (MlflowException, OSError):
+        return None

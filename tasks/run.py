@@ -10,7 +10,7 @@ from grpo_core import dynamic_sampling as dsamp
 from grpo_core.config import ConfigError, GRPOConfig, flatten
 from grpo_core.io import read_json, write_jsonl
 from grpo_core.models import check_adapter, resolve_model
-from tasks import tracking
+from tasks import gate, tracking
 from tasks.data_logging import curation_metrics, dataset_hash  # noqa: F401 - dataset_hash: the flow's tag
 from tasks.layout import semantic_config
 from tasks.run_state import mlflow_run_id, update_run_state
@@ -61,8 +61,9 @@ def init_checkpoint(cfg: GRPOConfig, run_dir: Path, run_id: str) -> str | None:
             shutil.rmtree(dst)
         shutil.copytree(local, dst)
         shutil.rmtree(run_dir / ".init_adapter_download", ignore_errors=True)
-    update_run_state(run_dir, init_adapter_uri=uri, init_adapter_path=str(dst))
-    tracking.set_tags(cfg, run_id, {"init_adapter": uri})
+    parent = tracking.parent_version(cfg, uri)
+    update_run_state(run_dir, init_adapter_uri=uri, init_adapter_path=str(dst), parent_version=parent)
+    tracking.set_tags(cfg, run_id, {"init_adapter": uri, **({"parent_version": parent} if parent else {})})
     return str(dst)
 
 
@@ -94,10 +95,11 @@ def best_iteration(cfg: GRPOConfig, evals: dict, default: int) -> int:
     return max(scored, key=lambda k: (scored[k], k)) if scored else default
 
 
-def register_best_adapter(cfg: GRPOConfig, run_id: str, evals: dict) -> dict | None:
-    """Register the best-by-eval (or the final) iteration's adapter in the MLflow Model Registry."""
+def register_best_adapter(cfg: GRPOConfig, run_id: str, evals: dict, run_dir: Path) -> dict | None:
+    """Register the best-by-eval (or the final) iteration's adapter in the MLflow Model Registry, with its
+    lineage; it takes `champion` when the promotion gate says so (tasks/gate.py)."""
     if cfg.tracking.register_adapter == "none" or not cfg.tracking.registered_model_name:
         return None
     final = cfg.pipeline_iterations
     it = best_iteration(cfg, evals, final) if cfg.tracking.register_adapter == "best" else final
-    return tracking.register_adapter(cfg, run_id, it, evals.get(it))
+    return gate.register_with_gate(cfg, Path(run_dir), run_id, it, evals.get(it))

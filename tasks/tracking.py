@@ -106,7 +106,7 @@ def ui_command(cfg: GRPOConfig) -> str:
     return f"open {experiment_url(uri, exp_id)} in a browser"
 
 
-def _git_commit() -> str:
+def git_commit() -> str:
     try:
         return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=5,
                               cwd=Path(__file__).parent).stdout.strip() or "unknown"
@@ -149,7 +149,7 @@ def _start_or_resume_run(cfg: GRPOConfig, run_dir: Path, flow_run_id: str | None
         from grpo_core.kernels import cpu_features          # imports torch: only where a run starts
         exp_id = experiment_id(cfg)
         run = c.create_run(exp_id, run_name=run_dir.name, tags={
-            "git_commit": _git_commit(), "config_hash": cfg.config_hash(), "run_dir": str(run_dir.resolve()),
+            "git_commit": git_commit(), "config_hash": cfg.config_hash(), "run_dir": str(run_dir.resolve()),
             "base_model": cfg.model, "cpu": cpu_features.detect().summary(), **source_tags()})
         run_id = run.info.run_id
         log_params(c, run_id, cfg.flat())
@@ -174,7 +174,7 @@ def source_tags(argv: list[str] | None = None) -> dict[str, str]:
     subcommand = argv[1:2] if argv[1:2] and argv[1].isidentifier() else []
     tags = {"mlflow.source.type": "LOCAL", "mlflow.source.name": " ".join([program, *subcommand]),
             "command": shlex.join([program, *argv[1:]])[:5000]}
-    commit = _git_commit()
+    commit = git_commit()
     if commit and commit != "unknown":
         tags["mlflow.source.git.commit"] = commit
     return tags
@@ -304,8 +304,9 @@ def ensure_registered_model(c, name: str, description: str) -> None:
 
 
 def _beats_champion(c, name: str, metric: str, value: float | None) -> bool:
-    """Whether a new version with `value` of `metric` should take the champion alias: there is no
-    champion yet, the champion has no value, or the new one is at least as good (higher is better)."""
+    """The rule with the gate off (gate.enabled: false): a new version with `value` of `metric` takes the
+    champion alias when there is no champion yet, the champion has no value, or the new one is at least as
+    good (higher is better) on its own held-out split."""
     from mlflow.exceptions import MlflowException
     try:
         held = c.get_model_version_by_alias(name, CHAMPION).tags.get(metric)
@@ -314,24 +315,29 @@ def _beats_champion(c, name: str, metric: str, value: float | None) -> bool:
     return held is None or (value is not None and float(value) >= float(held))
 
 
-def register_adapter(cfg: GRPOConfig, run_id: str, iteration: int, metrics: dict | None = None) -> dict | None:
+REGISTERED_MODEL_DESCRIPTION = ("LoRA adapters trained by grpo-pipeline. Load one with tasks.tracking."
+                                "load_adapter('models:/NAME@champion') or '@run-<run name>'.")
+
+
+def register_adapter(cfg: GRPOConfig, run_id: str, iteration: int, metrics: dict | None = None,
+                     promote: bool | None = None, tags: dict[str, str] | None = None) -> dict | None:
     """Register the adapter logged at adapters/iter-<iteration> under tracking.registered_model_name, with
-    the alias run-<run name>, and `champion` when it beats the current one.
+    the alias run-<run name>, and `champion` when `promote` (the gate's decision, tasks/gate.py; None: the
+    rule without the gate, _beats_champion). `tags` (lineage, the gate's figures) go on the version.
     Returns {"name", "version", "uri", "aliases"} or None when registration is off."""
     name = cfg.tracking.registered_model_name
     if not name or cfg.tracking.register_adapter == "none":
         return None
     c = client(cfg)
-    ensure_registered_model(c, name, "LoRA adapters trained by grpo-pipeline. Load one with tasks.tracking."
-                                     "load_adapter('models:/NAME@champion') or '@run-<run name>'.")
+    ensure_registered_model(c, name, REGISTERED_MODEL_DESCRIPTION)
     value = (metrics or {}).get(cfg.tracking.best_metric)
     source = f"{c.get_run(run_id).info.artifact_uri}/adapters/iter-{iteration}"
-    tags = {"iteration": str(iteration), "base_model": cfg.model, "run_name": cfg.run_name or "",
-            "selected_by": cfg.tracking.register_adapter}
+    version_tags = {"iteration": str(iteration), "base_model": cfg.model, "run_name": cfg.run_name or "",
+                    "selected_by": cfg.tracking.register_adapter, **(tags or {})}
     if value is not None:
-        tags[cfg.tracking.best_metric] = str(value)
-    champion = _beats_champion(c, name, cfg.tracking.best_metric, value)
-    mv = c.create_model_version(name, source, run_id=run_id, tags=tags)
+        version_tags[cfg.tracking.best_metric] = str(value)
+    champion = _beats_champion(c, name, cfg.tracking.best_metric, value) if promote is None else promote
+    mv = c.create_model_version(name, source, run_id=run_id, tags=version_tags)
     aliases = [run_alias(cfg.run_name or run_id)] + ([CHAMPION] if champion else [])
     for alias in aliases:
         c.set_registered_model_alias(name, alias, mv.version)
@@ -392,8 +398,19 @@ def download_adapter(uri: str, dst: str | Path, tracking: str | None = None) -> 
 
 
 def previous_best_adapter(cfg: GRPOConfig, exclude_run_id: str | None = None) -> str | None:
-    """'runs:/.../adapters/iter-k' of the most recent FINISHED run in the experiment that recorded one."""
+    """What `init_adapter: previous` starts from, as 'runs:/.../adapters/iter-k': the champion's adapter when
+    the gate is on and there is a champion (the best so far, not merely the latest), else that of the most
+    recent FINISHED run in the experiment that recorded one."""
+    from mlflow.exceptions import MlflowException
     c = client(cfg)
+    name = cfg.tracking.registered_model_name
+    if cfg.gate.enabled and name:
+        try:
+            mv = c.get_model_version_by_alias(name, CHAMPION)
+            if mv.run_id and mv.tags.get("iteration") and mv.run_id != exclude_run_id:
+                return f"runs:/{mv.run_id}/adapters/iter-{mv.tags['iteration']}"
+        except MlflowException:
+            pass
     exp = c.get_experiment_by_name(cfg.tracking.experiment_name)
     if exp is None:
         return None
@@ -402,6 +419,24 @@ def previous_best_adapter(cfg: GRPOConfig, exclude_run_id: str | None = None) ->
     for r in runs:
         if r.info.run_id != exclude_run_id and r.data.tags.get("best_adapter_uri"):
             return r.data.tags["best_adapter_uri"]
+    return None
+
+
+def parent_version(cfg: GRPOConfig, uri: str) -> str | None:
+    """The registered version (of tracking.registered_model_name) an init_adapter URI names: models:/NAME/V or
+    @ALIAS, or runs:/ID/adapters/iter-k registered from that run and iteration; None if it names none."""
+    from mlflow.exceptions import MlflowException
+    c, name = client(cfg), cfg.tracking.registered_model_name
+    try:
+        if uri.startswith("models:/"):
+            return str(model_version(c, uri).version)
+        if uri.startswith("runs:/") and name:
+            run_id, _, path = uri[len("runs:/"):].partition("/")
+            for mv in c.search_model_versions(f"name='{name}' and run_id='{run_id}'"):
+                if mv.source.endswith("/" + path.strip("/")):
+                    return str(mv.version)
+    except MlflowException:
+        return None
     return None
 
 

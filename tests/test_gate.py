@@ -5,12 +5,13 @@ The unit tests check the tests against values computed by hand and the decision 
 scores; the slow test runs three training runs as a schedule would and reads the registry."""
 from __future__ import annotations
 
+import json
 from statistics import mean
 
 import pytest
 
 from grpo_core import gate
-from grpo_core.evaluation import summarize
+from grpo_core.evaluation import metric_name, summarize
 
 
 # -- the statistics, against values computed by hand ---------------------------------------------------------
@@ -131,7 +132,7 @@ ROWS = ([_row("a", "greedy", True), _row("b", "greedy", False, False, 0.0), _row
                                     "eval/sampled/reward/format", "eval/greedy/format_rate",
                                     "eval/arithmetic/sampled/pass_at_1", "eval/greedy/reward/total"])
 def test_per_question_scores_average_to_the_metric(metric):
-    scores = gate.per_question_scores(ROWS, metric)
+    scores = gate.per_question_scores(ROWS, metric, metric_name)
     assert set(scores) == {"a", "b", "c"}
     assert mean(scores.values()) == pytest.approx(summarize(ROWS, [1, 2])[metric])
 
@@ -144,3 +145,124 @@ def test_per_question_scores_by_hand():
 def test_a_metric_that_is_not_per_question_names_the_field_and_the_fix():
     with pytest.raises(ValueError, match=r"tracking.best_metric 'eval/num_questions'.*gate.enabled: false"):
         gate.per_question_scores(ROWS, "eval/num_questions")
+
+
+# -- three runs as a schedule makes them ---------------------------------------------------------------------
+
+def digit_reward(prompts, completions, **_):
+    """The share of an answer's first 4 characters that are digits: a skill the tiny random model can learn."""
+    return [sum(ch.isdigit() for ch in c[:4]) / 4 for c in completions]
+
+
+METRIC = "eval/greedy/reward/digit_reward"
+
+
+def _run(tmp_path, name: str, **overrides) -> dict:
+    """One scheduled run's config: the digit reward judged greedily on 16 gate questions, no per-iteration eval
+    (the gate evaluates), LoRA on every linear (on a 2-layer random model the head is where it can learn)."""
+    import time
+    from flows.train import training_run
+    from tests.conftest import tiny_config
+    t0 = time.perf_counter()
+    try:
+        return training_run(tiny_config(
+        tmp_path, run_name=name, reward_funcs=["tests.test_gate:digit_reward"], num_generations=8,
+        max_completion_length=4, loss_type="dapo", beta=0.01, epsilon_high=0.28, use_peft=True,
+        lora_target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+        steps_per_iteration=4, data={"prompts_per_iteration": 8, "eval_size": 16}, eval={"enabled": False, "num_samples": 0},
+        tracking={"best_metric": METRIC, "register_adapter": "final"}, **overrides))
+    finally:
+        print(f"\n{name}: {time.perf_counter() - t0:.1f} s")
+
+
+@pytest.mark.slow
+def test_the_gate_holds_back_a_worse_run_and_promotes_a_better_one(prefect_engine, grpo_home, mlflow_uri, tmp_path,
+                                                                    capsys):
+    """Run 1 (barely trained) becomes the champion and stores the gate set; run 2 starts from it and is destroyed
+    by a huge learning rate: not promoted; run 3 starts from the champion and learns the digit reward: the
+    paired bootstrap on the 16 gate questions says it is better, and it is promoted."""
+    from mlflow.tracking import MlflowClient
+    from tasks import gate as gate_steps
+    c = MlflowClient(tracking_uri=mlflow_uri, registry_uri=mlflow_uri)
+    first = _run(tmp_path, "day-1", pipeline_iterations=1, learning_rate=1e-6)
+    assert first["registered_model"]["aliases"] == ["run-day-1", "champion"]
+    gate_set = gate_steps.current_gate_set(GRPOConfig_of(first))
+    assert gate_set and gate_set["questions"] == "16"
+
+    worse = _run(tmp_path, "day-2", pipeline_iterations=2, learning_rate=50.0, init_adapter="previous")
+    assert worse["registered_model"]["aliases"] == ["run-day-2"]
+    v2 = c.get_model_version("grpo-adapter", worse["registered_model"]["version"])
+    assert v2.tags["gate_decision"] == "not promoted" and float(v2.tags["gate_p_value"]) >= 0.05
+    assert v2.tags["parent_version"] == "1" and v2.tags["gate_set_hash"] == gate_set["hash"]
+
+    better = _run(tmp_path, "day-3", pipeline_iterations=3, learning_rate=3e-2, init_adapter="previous")
+    v3 = c.get_model_version("grpo-adapter", better["registered_model"]["version"])
+    print(f"\nday-2: {v2.tags['gate_summary'] if 'gate_summary' in v2.tags else v2.tags}\nday-3: {v3.tags}")
+    assert better["registered_model"]["aliases"] == ["run-day-3", "champion"]
+    assert v3.tags["gate_decision"] == "promoted" and float(v3.tags["gate_p_value"]) < 0.05
+    assert float(v3.tags["gate_new_score"]) > float(v3.tags["gate_champion_score"])
+    assert v3.tags["parent_version"] == "1"                   # from the champion, not from day-2
+    assert {"data_hash", "config_hash", "git_commit"} <= v3.tags.keys()
+    assert c.get_model_version_by_alias("grpo-adapter", "champion").version == v3.version
+
+
+def GRPOConfig_of(summary: dict):
+    from grpo_core.config import GRPOConfig
+    from grpo_core.io import read_json  # noqa: F401
+    import yaml
+    from pathlib import Path
+    return GRPOConfig.model_validate(yaml.safe_load((Path(summary["run_dir"]) / "config.yaml").read_text()))
+
+
+# -- fresh questions: a folder read whole at curation time, gate questions kept out ---------------------------
+
+def _folder(tmp_path, files: dict[str, str]):
+    folder = tmp_path / "inbox"
+    folder.mkdir(exist_ok=True)
+    for name, text in files.items():
+        (folder / name).write_text(text)
+    return folder
+
+
+def _questions(a: int, b: int) -> str:
+    import json
+    return "".join(json.dumps({"question": f"What is {i} plus {i + 100}?", "answer": str(2 * i + 100)}) + "\n"
+                   for i in range(a, b))
+
+
+def test_a_folder_source_reads_every_file_it_holds(tmp_path):
+    from grpo_core.data.iteration import file_source
+    from grpo_core.data.sources import load_source
+    folder = _folder(tmp_path, {"a.jsonl": _questions(0, 3), "b.csv": "question,answer\nWhat is 7 times 6?,42\n",
+                                ".hidden.jsonl": _questions(50, 60), "notes.txt": "ignored"})
+    assert file_source(folder) == {"name": "folder", "path": str(folder)}
+    tasks = load_source("folder", path=str(folder))
+    assert sorted(t.answer for t in tasks) == ["100", "102", "104", "42"]
+
+
+def test_an_empty_folder_says_what_to_put_in_it(tmp_path):
+    from grpo_core.data.sources import load_source
+    with pytest.raises(FileNotFoundError, match="holds no .jsonl, .csv, .parquet or Posts.xml"):
+        load_source("folder", path=str(_folder(tmp_path, {"readme.md": "x"})))
+
+
+def test_curation_counts_new_questions_and_never_trains_on_gate_questions(tmp_path):
+    """A second run on the folder after more files arrived: the new questions are counted against the parent
+    run's pool (content hashes), and the questions of the gate set are dropped from training."""
+    from grpo_core.data import iteration
+    from grpo_core.data.sources import load_source
+    folder = _folder(tmp_path, {"day1.jsonl": _questions(0, 40)})
+    first = iteration.curate_iteration(str(folder), tmp_path / "run1", 1, 4, {}, (0.0, 1.0), False, 0,
+                                       tmp_path / "run1" / "iter-1", tmp_path / "cache")
+    parent = set((tmp_path / "run1" / "data" / "questions.txt").read_text().split())
+    assert len(parent) == first["metrics"]["pool"] and "new_questions" not in first["metrics"]
+    _folder(tmp_path, {"day2.jsonl": _questions(40, 60)})                        # 20 more arrive
+    gate_set = [t for t in load_source("folder", path=str(folder))][:5]
+    second = iteration.curate_iteration(str(folder), tmp_path / "run2", 1, 4, {}, (0.0, 1.0), False, 0,
+                                        tmp_path / "run2" / "iter-1", tmp_path / "cache", gate_set, parent)
+    pool = set((tmp_path / "run2" / "data" / "questions.txt").read_text().split())
+    assert not pool & {t.content_hash() for t in gate_set}
+    assert second["metrics"]["new_questions"] == len(pool - parent) > 0
+    assert second["metrics"]["gate_excluded"] > 0
+    report = json.loads((tmp_path / "run2" / "iter-1" / "curation.json").read_text())
+    assert report["new_questions"] == second["metrics"]["new_questions"]

@@ -109,7 +109,7 @@ def cmd_schedule(args) -> int:
         return 0
     if not args.config:
         raise ConfigError("grpo schedule needs --config YAML (the training config each run uses)")
-    cfg = load_config(args.config, list(args.set or []))
+    cfg = load_config(args.config, list(args.set or []) + (["gate.force_promote=true"] if args.force_promote else []))
     when = schedule.make_schedule(args.cron, args.interval, args.timezone)
     name = args.target or args.name
     if cfg.run_name:
@@ -282,6 +282,7 @@ def register(sub) -> None:
     ls.set_defaults(func=cmd_runs)
 
     _register_schedule(sub, set_opt)
+    _register_gate(sub, set_opt)
 
     c = sub.add_parser("compare", help="side-by-side config differences and final metrics of runs; PNG of curves")
     c.add_argument("runs", nargs="+", metavar="RUN", help="run names, run directories or MLflow run ids")
@@ -302,6 +303,39 @@ def register(sub) -> None:
     f.add_argument("--dest", default=".")
     f.add_argument("--tracking-uri")
     f.set_defaults(func=cmd_adapter_fetch)
+
+
+def cmd_gate(args) -> int:
+    """`grpo gate init --run RUN` stores a finished run's held-out split as the gate set; `grpo gate show`."""
+    from tasks import gate
+    cfg = load_config(args.config, list(args.set or []))
+    if args.action == "init":
+        if not args.run:
+            raise ConfigError("grpo gate init needs --run RUN: the finished run whose held-out split becomes the gate set")
+        run_dir = Path(args.run) if Path(args.run).is_dir() else Path(cfg.output_dir) / args.run
+        cfg = cfg.model_copy(update={"output_dir": str(run_dir.parent)})     # the run's own MLflow store
+        record = gate.init_from_run(cfg, run_dir)
+    else:
+        record = gate.current_gate_set(cfg)
+    if record is None:
+        print(f"{cfg.tracking.registered_model_name}: no gate set yet (the first run that registers a champion "
+              "stores its held-out split, or: grpo gate init --run RUN)")
+        return 0
+    print(f"{cfg.tracking.registered_model_name} gate set: {record['questions']} questions, hash {record['hash']}, "
+          f"{record['uri']}")
+    return 0
+
+
+def _register_gate(sub, set_opt) -> None:
+    """`grpo gate init --run RUN | show`: the frozen questions the promotion gate compares adapters on."""
+    g = sub.add_parser("gate", help="the promotion gate's frozen question set: show it, or store a run's held-out "
+                       "split as it")
+    g.add_argument("action", choices=["init", "show"], help="init: store --run's held-out split as the gate set "
+                   "(replacing the current one); show: the current gate set")
+    g.add_argument("--run", help="init: run name (under output_dir) or run directory")
+    g.add_argument("--config", "-c", metavar="YAML", help="the training config (its tracking settings)")
+    set_opt(g)
+    g.set_defaults(func=cmd_gate)
 
 
 def _register_schedule(sub, set_opt) -> None:
@@ -330,7 +364,10 @@ def _register_schedule(sub, set_opt) -> None:
     s.add_argument("--name", default="nightly", help="schedule (deployment) name (default: nightly)")
     s.add_argument("--timezone", default="UTC")
     s.add_argument("--init-from-previous", action="store_true",
-                   help="start each run from the best adapter of the last finished run in the experiment")
+                   help="start each run from the champion (else the best adapter of the last finished run in the "
+                        "experiment)")
+    s.add_argument("--force-promote", action="store_true", help="every run's adapter takes `champion` whatever "
+                   "the promotion gate says (tagged forced)")
     s.add_argument("--work-pool", help="deploy to this work pool instead of serving from this process")
     s.add_argument("--image", help="worker image for docker/kubernetes pools")
     s.add_argument("--json", action="store_true", help="list: machine-readable output")

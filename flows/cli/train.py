@@ -36,6 +36,8 @@ def _load(args):
         overrides.append(f"run_name={args.run_name}")
     if getattr(args, "output_dir", None):
         overrides.append(f"output_dir={args.output_dir}")
+    if getattr(args, "force_promote", False):
+        overrides.append("gate.force_promote=true")
     if getattr(args, "data", None):     # --data FILE: the shortcut for --set data.curated=FILE
         overrides.append(f"data.curated={json.dumps(str(Path(args.data).resolve()))}")
     return load_config(args.config, overrides)
@@ -71,6 +73,8 @@ def cmd_train(args) -> int:
     if summary.get("registered_model"):
         print(f"Registered as:   {format_registered(summary['registered_model'])}")
     print(f"Open the UI:     {ui_command(cfg)}")
+    if (summary.get("registered_model") or {}).get("gate_summary"):
+        print(summary["registered_model"]["gate_summary"])        # the run ends with the gate's one line
     return 0
 
 
@@ -126,6 +130,8 @@ def register(subparsers) -> None:
     t.add_argument("--data", metavar="FILE", help="train on your own questions: a JSONL/CSV/Parquet file or a "
                    "`datasets` directory (columns prompt|question|problem, answer or tests), a dataset from "
                    "`grpo data build`, or a curation YAML; same as --set data.curated=FILE")
+    t.add_argument("--force-promote", action="store_true", help="give the new adapter the `champion` alias "
+                   "whatever the promotion gate says (tagged gate_reason=forced); same as --set gate.force_promote=true")
     t.set_defaults(func=cmd_train)
 
     c = _with_config(subparsers.add_parser("config",

@@ -3,9 +3,10 @@
 Once per run: resolve `data.curated` and write the held-out split. `data.curated` may name
   - a dataset directory from `grpo data build` (used as is),
   - a curation YAML (built once into <run_dir>/data/built),
-  - the user's own JSONL/CSV/Parquet file or `datasets` directory (`save_to_disk`): read with the same
-    column aliases as `grpo data build` (sources/files.py), then validated, deduplicated and split by
-    content like any build, cached by the file's content hash so that a second run reuses it.
+  - the user's own JSONL/CSV/Parquet file, `datasets` directory (`save_to_disk`) or folder of such files and
+    Stack Exchange Posts.xml dumps (whatever it holds when the run starts): read with the same column aliases
+    as `grpo data build` (sources/files.py), then validated, deduplicated and split by content like any
+    build, cached by the content hash of its files so that a second run on the same files reuses it.
 The resolution is recorded in <run_dir>/data/curated.json. Every iteration: re-measure each task's pass
 rate from the previous iterations' scores (later iterations win), drop tasks outside
 `data.pass_rate_band` (groups that are all right or all wrong teach nothing), and draw
@@ -18,11 +19,12 @@ import json
 import re
 from collections import Counter
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 from grpo_core.data import curation
 from grpo_core.data.build import BuildConfig, build, load_build_config, read_dataset, write_dataset
 from grpo_core.data.records import REASONS
+from grpo_core.data.sources.files import folder_files
 from grpo_core.task import Task, write_tasks
 from grpo_core.io import InputError, atomic_write_text, read_json
 
@@ -44,9 +46,11 @@ def file_source(path: Path) -> dict[str, Any]:
     if path.is_dir():
         if any((path / m).is_file() for m in HF_DISK_MARKERS):
             return {"name": "hf_disk", "path": str(path)}
+        if folder_files(path):
+            return {"name": "folder", "path": str(path)}
         raise InputError(f"data.curated: {str(path)!r} is a directory but neither a `grpo data build` dataset "
-                         "(train.parquet) nor a `datasets` directory written with save_to_disk; point it at one "
-                         "of those or at a .jsonl/.csv/.parquet file")
+                         "(train.parquet), a `datasets` directory written with save_to_disk, nor a folder of "
+                         ".jsonl/.csv/.parquet/Posts.xml files; add your files to it or point it at one of those")
     if path.suffix.lower() not in FILE_LOADERS:
         raise InputError(f"data.curated: {str(path)!r} has an unknown type; give a .jsonl, .csv or .parquet file, "
                          "a `datasets` directory, a dataset from `grpo data build` or a curation YAML")
@@ -234,17 +238,38 @@ def draw_prompts(pool: list[Task], n: int, weights: dict[str, float], seed: int,
     return chosen, info
 
 
+def question_hashes(tasks: Sequence[Task]) -> list[str]:
+    """The questions of `tasks` by content (Task.content_hash), sorted: what `new since the parent run` counts."""
+    return sorted({t.content_hash() for t in tasks})
+
+
+def freshness(pool: Sequence[Task], known: set[str] | None) -> dict[str, int]:
+    """How many questions of the pool the parent run's pool did not hold ({} when there is no parent pool)."""
+    if known is None:
+        return {}
+    return {"new_questions": sum(1 for h in question_hashes(pool) if h not in known)}
+
+
 def curate_iteration(spec: str, run_dir: str | Path, iteration: int, n: int, weights: dict[str, float],
                      band: tuple[float, float], recalibrate: bool, seed: int, out_dir: str | Path,
-                     cache_dir: str | Path | None = None) -> dict[str, Any]:
-    """Write <out_dir>/prompts.jsonl and curation.json; return the stage record fields."""
+                     cache_dir: str | Path | None = None, gate: Sequence[Task] = (),
+                     known_questions: set[str] | None = None) -> dict[str, Any]:
+    """Write <out_dir>/prompts.jsonl and curation.json; return the stage record fields. Training never asks
+    a `gate` question (decontaminated like a build's eval split); `known_questions` (the parent run's pool by
+    content hash) gives the count of new questions. The pool's hashes go to <run_dir>/data/questions.txt."""
     path = resolve_curated(spec, run_dir, cache_dir)
     train, _ = splits_of(path)
+    train, contaminated = curation.decontaminate(train, gate) if gate else (train, [])
     if not train:
         raise InputError(f"data.curated {spec!r} has no training tasks; add rows or build it with a "
-                         "smaller eval_fraction")
+                         "smaller eval_fraction" + (" (the rest ask gate questions)" if contaminated else ""))
+    pool_file = Path(run_dir) / "data" / "questions.txt"
+    if not pool_file.is_file():
+        atomic_write_text(pool_file, "".join(h + "\n" for h in question_hashes(train)))
     rates = previous_pass_rates(run_dir, iteration) if recalibrate else {}
     prompts, info = draw_prompts(train, n, weights, seed * 100_003 + iteration, band, rates)
+    fresh = freshness(train, known_questions)
+    info.update({"gate_excluded": len(contaminated), **fresh})
     out = write_tasks(Path(out_dir) / "prompts.jsonl", prompts)
     report = {"dataset": str(path), "iteration": iteration, "band": list(band), "weights": weights, **info}
     report_path = atomic_write_text(Path(out_dir) / "curation.json", json.dumps(report, indent=2))
@@ -252,4 +277,4 @@ def curate_iteration(spec: str, run_dir: str | Path, iteration: int, n: int, wei
             "report": str(report_path), "dataset": str(path),
             "rejections": dataset_summary(path)["rejections"],
             "metrics": {"pool": info["pool"], "in_band": info["in_band"], "out_of_band": info["out_of_band"],
-                        "measured": info["measured"]}}
+                        "measured": info["measured"], "gate_excluded": info["gate_excluded"], **fresh}}

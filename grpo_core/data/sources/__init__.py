@@ -36,6 +36,7 @@ _REGISTRY: dict[str, tuple[str, str, str]] = {
     "csv": ("grpo_core.data.sources.files", "load_csv", "user"),
     "parquet": ("grpo_core.data.sources.files", "load_parquet", "user"),
     "hf_disk": ("grpo_core.data.sources.files", "load_hf_disk", "user"),
+    "folder": ("grpo_core.data.sources.files", "load_folder", "user"),
     "stackexchange": ("grpo_core.data.sources.stackexchange", "load", "user"),
 }
 SOURCE_NAMES = tuple(_REGISTRY)   # the built-in names; plugins come on top

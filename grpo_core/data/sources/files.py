@@ -1,4 +1,5 @@
-"""Users' own questions: JSONL, CSV, Parquet files and `datasets` datasets saved with `save_to_disk`.
+"""Users' own questions: JSONL, CSV, Parquet files, `datasets` datasets saved with `save_to_disk`, and a
+folder of such files (with Stack Exchange `Posts.xml` dumps) read whole each time it is curated.
 
 Each row becomes a Task. Columns are matched by name (first present wins):
   prompt <- prompt | question | problem | instruction;  answer <- answer | final_answer | solution_value
@@ -121,3 +122,31 @@ def load_hf_disk(path: str, split: str | None = None, source: str = "hf_disk", k
             split = next(iter(ds))
         ds = ds[split]
     return _rows_to_tasks(iter(ds), source, f"{p}" + (f"[{split}]" if split else ""), default_kind=kind)
+
+
+FOLDER_LOADERS = {".jsonl": load_jsonl, ".csv": load_csv, ".parquet": load_parquet}
+POSTS_XML = "Posts.xml"                 # a Stack Exchange dump (grpo_core.data.sources.stackexchange)
+
+
+def folder_files(path: str | Path) -> list[Path]:
+    """The files of a folder that `load_folder` reads, in a stable order (hidden files and folders skipped)."""
+    root = Path(path)
+    return sorted(f for f in root.rglob("*") if f.is_file() and not any(
+        part.startswith(".") for part in f.relative_to(root).parts)
+        and (f.suffix.lower() in FOLDER_LOADERS or f.name == POSTS_XML))
+
+
+def load_folder(path: str, source: str = "folder", kind: str | None = None,
+                tags: list[str] | tuple[str, ...] = ("rust", "python", "python-3.x"), min_score: int = 0,
+                **_: Any) -> Iterator[Task | Rejection]:
+    """A folder of your files, whatever is in it when it is curated: .jsonl, .csv, .parquet and Posts.xml."""
+    from grpo_core.data.sources import stackexchange
+    files = folder_files(_check(path))
+    if not files:
+        raise FileNotFoundError(f"folder {str(path)!r} holds no .jsonl, .csv, .parquet or {POSTS_XML} file; add "
+                                "your question files to it or fix the source's 'path'")
+    for f in files:
+        if f.name == POSTS_XML:
+            yield from stackexchange.load(str(f), tags=tags, min_score=min_score)
+        else:
+            yield from FOLDER_LOADERS[f.suffix.lower()](str(f), source=source, kind=kind)

@@ -6,11 +6,13 @@ scores; the slow test runs three training runs as a schedule would and reads the
 from __future__ import annotations
 
 import json
+from pathlib import Path
 from statistics import mean
 
 import pytest
 
 from grpo_core import gate
+from grpo_core.config import GRPOConfig
 from grpo_core.evaluation import metric_name, summarize
 
 
@@ -177,17 +179,23 @@ def _run(tmp_path, name: str, **overrides) -> dict:
 
 @pytest.mark.slow
 def test_the_gate_holds_back_a_worse_run_and_promotes_a_better_one(prefect_engine, grpo_home, mlflow_uri, tmp_path,
-                                                                    capsys):
+                                                                    monkeypatch):
     """Run 1 (barely trained) becomes the champion and stores the gate set; run 2 starts from it and is destroyed
     by a huge learning rate: not promoted; run 3 starts from the champion and learns the digit reward: the
     paired bootstrap on the 16 gate questions says it is better, and it is promoted."""
     from mlflow.tracking import MlflowClient
+    # The CPU fast paths are not under test: no C++ build in this fresh $GRPO_HOME, no per-process kernel probes
+    # (together over a minute on 2 busy cores).
+    for name, value in {"GRPO_NATIVE_KERNELS": "0", "GRPO_DECODE_LINEAR": "plain", "GRPO_UPDATE_LINEAR": "torch"}.items():
+        monkeypatch.setenv(name, value)
     from tasks import gate as gate_steps
     c = MlflowClient(tracking_uri=mlflow_uri, registry_uri=mlflow_uri)
     first = _run(tmp_path, "day-1", pipeline_iterations=1, learning_rate=1e-6)
     assert first["registered_model"]["aliases"] == ["run-day-1", "champion"]
-    gate_set = gate_steps.current_gate_set(GRPOConfig_of(first))
+    gate_set = gate_steps.current_gate_set(GRPOConfig())
     assert gate_set and gate_set["questions"] == "16"
+    assert first["registered_model"]["gate_summary"] == ("gate: version 1 is the first champion; its held-out "
+                                                         "split is now the gate set")
 
     worse = _run(tmp_path, "day-2", pipeline_iterations=2, learning_rate=50.0, init_adapter="previous")
     assert worse["registered_model"]["aliases"] == ["run-day-2"]
@@ -197,21 +205,31 @@ def test_the_gate_holds_back_a_worse_run_and_promotes_a_better_one(prefect_engin
 
     better = _run(tmp_path, "day-3", pipeline_iterations=3, learning_rate=3e-2, init_adapter="previous")
     v3 = c.get_model_version("grpo-adapter", better["registered_model"]["version"])
-    print(f"\nday-2: {v2.tags['gate_summary'] if 'gate_summary' in v2.tags else v2.tags}\nday-3: {v3.tags}")
     assert better["registered_model"]["aliases"] == ["run-day-3", "champion"]
     assert v3.tags["gate_decision"] == "promoted" and float(v3.tags["gate_p_value"]) < 0.05
     assert float(v3.tags["gate_new_score"]) > float(v3.tags["gate_champion_score"])
     assert v3.tags["parent_version"] == "1"                   # from the champion, not from day-2
     assert {"data_hash", "config_hash", "git_commit"} <= v3.tags.keys()
     assert c.get_model_version_by_alias("grpo-adapter", "champion").version == v3.version
+    assert better["registered_model"]["gate_summary"].startswith("gate: version 3 promoted to `champion`: new ")
+    assert (Path(better["run_dir"]) / "data" / "gate.jsonl").read_bytes() == \
+        (Path(first["run_dir"]) / "data" / "eval.jsonl").read_bytes()         # the same frozen questions
 
 
-def GRPOConfig_of(summary: dict):
-    from grpo_core.config import GRPOConfig
-    from grpo_core.io import read_json  # noqa: F401
-    import yaml
-    from pathlib import Path
-    return GRPOConfig.model_validate(yaml.safe_load((Path(summary["run_dir"]) / "config.yaml").read_text()))
+# -- the command line ----------------------------------------------------------------------------------------
+
+def test_force_promote_and_the_gate_commands_parse(tmp_path, mlflow_uri, capsys):
+    from flows.cli.main import build_parser, main
+    from flows.cli.train import _load
+    p = build_parser()
+    assert _load(p.parse_args(["train", "--force-promote"])).gate.force_promote
+    assert not _load(p.parse_args(["train"])).gate.force_promote
+    assert p.parse_args(["schedule", "--interval", "1h", "--config", "x.yaml", "--force-promote"]).force_promote
+    assert main(["gate", "show"]) == 0
+    assert "no gate set yet" in capsys.readouterr().out
+    (tmp_path / "runs" / "empty").mkdir(parents=True)
+    assert main(["gate", "init", "--run", str(tmp_path / "runs" / "empty")]) != 0
+    assert "has no held-out split with an MLflow run" in capsys.readouterr().err
 
 
 # -- fresh questions: a folder read whole at curation time, gate questions kept out ---------------------------

@@ -225,7 +225,8 @@ def test_key_curves_are_copied_into_the_first_chart_section():
 
 
 def test_champion_moves_only_to_an_adapter_at_least_as_good(tiny_run):
-    """Two more registrations on the same run: a worse one gets only its run alias, a better one the champion."""
+    """Without the gate's decision (gate.enabled: false): two more registrations on the same run, a worse one gets
+    only its run alias, a better one the champion; with it, the decision rules whatever the metric says."""
     from mlflow.tracking import MlflowClient
     summary, cfg, uri = tiny_run
     c = MlflowClient(tracking_uri=uri, registry_uri=uri)
@@ -237,6 +238,11 @@ def test_champion_moves_only_to_an_adapter_at_least_as_good(tiny_run):
     r = tracking.register_adapter(better, summary["mlflow_run_id"], 1, {cfg.tracking.best_metric: held + 1})
     assert r["aliases"] == ["run-better", "champion"]
     assert c.get_model_version_by_alias("grpo-adapter", "champion").version == r["version"]
+    held_back = cfg.model_copy(update={"run_name": "held-back"})
+    r = tracking.register_adapter(held_back, summary["mlflow_run_id"], 1, {cfg.tracking.best_metric: held + 2},
+                                  promote=False, tags={"gate_decision": "not promoted"})
+    assert r["aliases"] == ["run-held-back"]
+    assert c.get_model_version("grpo-adapter", r["version"]).tags["gate_decision"] == "not promoted"
 
 
 def test_runs_starting_at_once_share_a_new_sqlite_store(tmp_path):

@@ -690,7 +690,11 @@ class GRPOConfig(_Section):
         """With the gate on, tracking.best_metric must be comparable question by question (grpo_core.gate)."""
         if self.gate.enabled and self.tracking.registered_model_name and self.tracking.register_adapter != "none":
             from grpo_core.gate import metric_parts
-            metric_parts(self.tracking.best_metric)
+            _, mode, _ = metric_parts(self.tracking.best_metric)
+            if (mode == "greedy" and not self.eval.greedy) or (mode == "sampled" and not self.eval.num_samples):
+                raise ValueError(f"tracking.best_metric {self.tracking.best_metric!r} needs {mode} answers, which "
+                                 f"the evaluation settings turn off; set eval.greedy: true / eval.num_samples > 0, "
+                                 f"pick a metric of the other mode, or gate.enabled: false")
         return self
 
     @model_validator(mode="after")

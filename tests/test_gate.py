@@ -284,3 +284,11 @@ def test_curation_counts_new_questions_and_never_trains_on_gate_questions(tmp_pa
     assert second["metrics"]["gate_excluded"] > 0
     report = json.loads((tmp_path / "run2" / "iter-1" / "curation.json").read_text())
     assert report["new_questions"] == second["metrics"]["new_questions"]
+
+
+def test_the_config_refuses_a_gate_metric_the_evaluation_does_not_produce():
+    with pytest.raises(ValueError, match=r"needs sampled answers.*eval.num_samples > 0"):
+        GRPOConfig(tracking={"best_metric": "eval/sampled/pass_at_1"}, eval={"num_samples": 0})
+    with pytest.raises(ValueError, match=r"tracking.best_metric 'eval/num_questions' cannot be compared"):
+        GRPOConfig(tracking={"best_metric": "eval/num_questions"})
+    assert GRPOConfig(tracking={"best_metric": "eval/num_questions"}, gate={"enabled": False}).gate.enabled is False

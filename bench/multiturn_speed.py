@@ -14,8 +14,10 @@ replaced, in ours (grpo_core.multiturn.parse_tool_calls) and in TRL (its parse_r
 ends by the token budget ends the rollout in both.
 
 Contenders, interleaved round by round in one process so machine noise hits all alike (the first round is a
-warm-up): `one-turn` (our rollout, no tools), `ours T=1,2,4` (our tool loop), `trl T=1,2,4` (TRL's
-GRPOTrainer._generate with the same tool). Prints median seconds per rollout and model tokens per second
+warm-up): `one-turn` (our rollout, no tools), `ours T=1,2,4` (our tool loop: each row's later turns continue
+its own KV cache, its calls run while the other rows decode), `re-encoded T=2,4` (our tool loop with that
+off: the calls of a round run together, then each conversation is re-encoded for the next turn, as the `hf`
+and `vllm` samplers do), `trl T=1,2,4` (TRL's GRPOTrainer._generate with the same tool). Prints median seconds per rollout and model tokens per second
 (tokens the model sampled: TRL's tool-response tokens are not counted), with the machine, versions and commit.
 """
 from __future__ import annotations
@@ -67,12 +69,14 @@ class Ours:
         self.tok.chat_template = qwen_template()
         self.tool = tool_of(lookup, "bench")
 
-    def run(self, turns: int | None, k: int) -> tuple[float, int]:
+    def run(self, turns: int | None, k: int, stream: bool = True) -> tuple[float, int]:
         cfg = self.o.cfg
         params = SamplingParams(max_new_tokens=cfg.max_completion_length, temperature=1.0, seed=k)
         toolbox = None if turns is None else multiturn.Toolbox([self.tool], max_iterations=turns - 1)
         real = multiturn.parse_tool_calls
         multiturn.parse_tool_calls = always_call
+        streams = type(self.o.backend).streams_turns
+        type(self.o.backend).streams_turns = stream
         try:
             t0 = time.perf_counter()
             out = rollout(self.o.backend, self.tok, S.prompts_for(k, cfg), cfg.num_generations, params,
@@ -80,6 +84,7 @@ class Ours:
             dt = time.perf_counter() - t0
         finally:
             multiturn.parse_tool_calls = real
+            type(self.o.backend).streams_turns = streams
         return dt, sum(sum(s.completion_mask) if s.completion_mask else len(s.completion_ids) for s in out)
 
 
@@ -154,6 +159,7 @@ def main(argv=None) -> dict:
     trl = None if args.no_trl else TRLLoop(args, lookup, tempfile.mkdtemp(prefix="bench-trl-"))
     contenders = {"one-turn": lambda k: ours.run(None, k)}
     contenders.update({f"ours T={t}": (lambda k, t=t: ours.run(t, k)) for t in TURNS})
+    contenders.update({f"re-encoded T={t}": (lambda k, t=t: ours.run(t, k, stream=False)) for t in TURNS if t > 1})
     if trl is not None:
         contenders.update({f"trl T={t}": (lambda k, t=t: trl.run(t, k)) for t in TURNS})
     seconds: dict[str, list[float]] = {k: [] for k in contenders}
@@ -161,7 +167,7 @@ def main(argv=None) -> dict:
     for r in range(args.rounds + 1):
         for name, run in contenders.items():
             dt, n = run(r)
-            print(f"  round {r} {name:>12}: {dt:6.2f} s, {n} model tokens", flush=True)
+            print(f"  round {r} {name:>16}: {dt:6.2f} s, {n} model tokens", flush=True)
             if r:
                 seconds[name].append(dt)
                 tokens[name].append(n)
@@ -171,7 +177,7 @@ def main(argv=None) -> dict:
            "tokens_per_s": {k: sum(tokens[k]) / sum(v) for k, v in seconds.items()},
            "seconds": seconds, "tokens": tokens}
     for name in contenders:
-        print(f"{name:>12}: median {res['median_s'][name]:6.2f} s per rollout, {res['tokens_per_s'][name]:6.1f} "
+        print(f"{name:>16}: median {res['median_s'][name]:6.2f} s per rollout, {res['tokens_per_s'][name]:6.1f} "
               f"model tokens/s", flush=True)
     if args.json:
         Path(args.json).write_text(json.dumps(res, indent=2))

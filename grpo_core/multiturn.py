@@ -11,12 +11,16 @@ apart from the tool turns (0): those are context only, with no loss, no KL and n
 the model's last turn (its answer); an environment with `get_reward()` judges the whole episode, and its
 score is kept in `Sample.extra["environment_reward"]`.
 
-Each turn after the first re-encodes the conversation in one batched prefill (as TRL does) instead of
-continuing the previous turn's KV cache. The tools, environments and their contract (TRL's) are in
-grpo_core.tools; the samplers in grpo_core.rollout.
+With our own sampler (`static`, every decode path) the turns are streamed: a row whose turn ends waits in
+the KV cache while its calls run on worker threads and the other rows keep decoding; its tool turn is then
+fed after its own cache, so no turn re-encodes the conversation (`TurnController` steers the sampler's loop,
+`KVCacheSampler._interact_batch`). Other samplers (`hf`, `vllm`) run the calls of a round together and
+re-encode each conversation for the next turn in one batched prefill, as TRL does. The tools, environments
+and their contract (TRL's) are in grpo_core.tools; the samplers in grpo_core.rollout.
 """
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import dataclasses
 import logging
@@ -269,6 +273,105 @@ def _continue(backend, prompts: list[list[int]], episodes: list[Episode], rows: 
         episodes[i].add_model_turn(list(completion)[:room], lps[:room] if lps is not None else None, tokenizer)
 
 
+class TurnController:
+    """Steers a streaming sampler through multi-turn rollouts (`KVCacheSampler._interact_batch`): it hears of
+    every sampled token (`sampled` -> "go" on, the turn is over and the row "wait"s for its tool turn, or
+    the row is "done"), starts the calls of the turns that ended in a step on worker threads (`flush`), and
+    hands each row's tool turn back as soon as its calls return (`ready`): the tokens the row must read before
+    its next turn, which are every token of its episode not yet in its KV cache."""
+
+    def __init__(self, tokenizer, episodes: list[Episode], toolsets: list[dict[str, Tool]], toolbox: Toolbox,
+                 openings: list[str], template_kwargs: dict, budget: int):
+        self.tok, self.episodes, self.toolsets, self.toolbox = tokenizer, episodes, toolsets, toolbox
+        self.openings, self.template_kwargs, self.budget = openings, template_kwargs, budget
+        self.turn: list[list[int]] = [[] for _ in episodes]              # the turn being sampled
+        self.turn_logprobs: list[list[float]] = [[] for _ in episodes]
+        self.tail = [opening[-len(CALL_END):] for opening in openings]   # its last characters
+        self.closing = [False] * len(episodes)      # its last token closed a tool call
+        self.cached = [0] * len(episodes)           # how many episode tokens are in the row's KV cache
+        self.rounds = [0] * len(episodes)
+        self.ended: list[int] = []                  # rows whose turn ended in this step, calls to run
+        self.running: dict[concurrent.futures.Future, list[int]] = {}
+        self.pool = concurrent.futures.ThreadPoolExecutor(max_workers=32, thread_name_prefix="tool-calls")
+
+    def __enter__(self) -> "TurnController":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.pool.shutdown(wait=True, cancel_futures=True)
+
+    def sampled(self, row: int, token: int, logprob: float | None) -> str:
+        ep, turn = self.episodes[row], self.turn[row]
+        turn.append(token)
+        if logprob is not None:
+            self.turn_logprobs[row].append(logprob)
+        if token == self.tok.eos_token_id or self.closing[row] or ep.model_tokens + len(turn) >= self.budget:
+            return self._end_turn(row)
+        self.tail[row] = (self.tail[row] + self.tok.decode([token], skip_special_tokens=True))[-4 * len(CALL_END):]
+        if CALL_END in self.tail[row]:              # one more token: the model may end its turn right there
+            self.closing[row] = call_end(turn, self.tok, self.openings[row] if not ep.turns else "") == len(turn)
+        return "go"
+
+    def _end_turn(self, row: int) -> str:
+        ep, turn = self.episodes[row], self.turn[row]
+        start = len(ep.ids)
+        ep.add_model_turn(turn, self.turn_logprobs[row] if self.turn_logprobs[row] else None, self.tok,
+                          self.openings[row] if not ep.turns else "")
+        if ep.ids[start:start + len(turn) - 1] != turn[:-1]:   # the cache holds every token but the last
+            raise RuntimeError(f"multi-turn sampling: row {row}'s turn was cut before its last token (a bug)")
+        self.cached[row] = start + len(turn) - 1
+        self.turn[row], self.turn_logprobs[row], self.tail[row], self.closing[row] = [], [], "", False
+        if ep.done:
+            return "done"
+        if self.toolbox.max_iterations is not None and self.rounds[row] >= self.toolbox.max_iterations:
+            ep.capped = True
+            return "done"
+        self.rounds[row] += 1
+        self.ended.append(row)
+        return "wait"
+
+    def flush(self) -> None:
+        """Start the calls of the turns that ended in this step, together (async tools on one loop)."""
+        if self.ended:
+            rows, self.ended = self.ended, []
+            job = self.pool.submit(run_tool_calls, [self.episodes[r].pending for r in rows],
+                                   [self.toolsets[r] for r in rows], self.toolbox.timeout)
+            self.running[job] = rows
+
+    def ready(self) -> list[tuple[int, list[int] | None]]:
+        """(row, the tokens it reads next) for each row whose calls returned; None: no room left, it is done."""
+        out = []
+        for job in [j for j in self.running if j.done()]:
+            for row, results in zip(self.running.pop(job), job.result()):
+                ep = self.episodes[row]
+                ep.add_tool_turn(results, tool_turn_ids(self.tok, results, self.template_kwargs))
+                if self.budget - ep.model_tokens <= 0:          # the tool turn came with no room for an answer
+                    ep.truncated = True
+                    out.append((row, None))
+                    continue
+                out.append((row, ep.ids[self.cached[row]:]))
+                self.cached[row] = len(ep.ids)
+        return out
+
+    def wait(self) -> None:
+        """Until some row's calls return."""
+        concurrent.futures.wait(list(self.running), return_when=concurrent.futures.FIRST_COMPLETED)
+
+
+def _streamed_turns(backend, tokenizer, prompts: list[list[int]], toolsets: list[dict[str, Tool]], n: int,
+                    params: SamplingParams, toolbox: Toolbox, openings: list[str],
+                    template_kwargs: dict) -> list[Episode]:
+    """Every rollout's conversation, streamed by a sampler that continues each row's KV cache (groups that share
+    a prompt sample as one-turn rollouts do)."""
+    episodes = [Episode() for _ in prompts]
+    heads = prompts[::n]
+    shared = all(prompts[k * n + j] == heads[k] for k in range(len(heads)) for j in range(n))
+    with TurnController(tokenizer, episodes, toolsets, toolbox, openings, template_kwargs,
+                        params.max_new_tokens) as turns:
+        backend.generate(heads if shared else prompts, n if shared else 1, params, turns=turns)
+    return episodes
+
+
 def _environment_reward(environment: object | None) -> dict | None:
     """{environment class name: get_reward()} for an environment that owns its reward."""
     get_reward = getattr(environment, "get_reward", None)
@@ -291,8 +394,9 @@ def tool_rollout(backend, tokenizer, tasks: Sequence[Task], n: int, params: Samp
                for t, ts, obs in zip(row_tasks, toolsets, observations)]
     session = backend.session(len(row_tasks)) if hasattr(backend, "session") else contextlib.nullcontext()
     with session:
-        episodes = _turns(backend, tokenizer, prompts, toolsets, n, params, toolbox,
-                          [fmt.for_task(t).response_prefix for t in row_tasks], dict(fmt.template_kwargs))
+        turns = _streamed_turns if getattr(backend, "streams_turns", False) else _turns
+        episodes = turns(backend, tokenizer, prompts, toolsets, n, params, toolbox,
+                         [fmt.for_task(t).response_prefix for t in row_tasks], dict(fmt.template_kwargs))
     # 5) the environments' own rewards, and the samples
     rewards = [_environment_reward(env) for env in environments]
     return [[_sample(tasks[g], g, prompts[r], episodes[r], rewards[r]) for r in range(g * n, (g + 1) * n)]

@@ -14,12 +14,14 @@ import torch
 import torch.nn.functional as F
 from tqdm.auto import tqdm
 
+from grpo_core.kernels.cpu_features import note_declined
 from grpo_core.kernels.cpu_linear import PackedLinear, sampling_weights
+from grpo_core.logprobs import sliding_window
 from grpo_core.sampling import (Completion, PromptFormat, RolloutBackend, Sample, SamplingParams, chat_prompt_ids,
                                 check_generation_kwargs)
 from grpo_core.task import Task
 from grpo_core.kernels.fused_decode import FusedDecoder
-from grpo_core.kernels.lean_decode import LeanDecoder, positions
+from grpo_core.kernels.lean_decode import LeanDecoder, chunk_positions, positions
 
 
 def left_pad(rows: Sequence[list[int]], pad: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -69,8 +71,17 @@ class BatchedBackend:
     def _generate_batch(self, rows: list[list[int]], params: SamplingParams, generator) -> list[list[int]]:
         raise NotImplementedError
 
+    def _interact_batch(self, rows: list[list[int]], params: SamplingParams, generator, turns,
+                        ids: list[int]) -> list[None]:
+        raise NotImplementedError(f"{type(self).__name__} samples one turn at a time (streams_turns is false)")
+
+    streams_turns = False
+
     @torch.inference_mode()
-    def generate(self, prompts, n, params, on_group=None):
+    def generate(self, prompts, n, params, on_group=None, turns=None):
+        """n completions of every prompt, grouped by prompt. With `turns` (a multiturn.TurnController, for a
+        sampler whose `streams_turns` is true) the rows are multi-turn conversations it steers, and what comes
+        back is only for the progress of the batches: the conversations are in the controller."""
         rows = [p for p in prompts for _ in range(n)]                       # prompt-major: groups contiguous
         order = sorted(range(len(rows)), key=lambda i: len(rows[i]))       # bucket by length: less padding
         out: list[list[int] | None] = [None] * len(rows)
@@ -80,7 +91,10 @@ class BatchedBackend:
         with contextlib.nullcontext() if self._in_session else self.session(len(rows)):
             for start in range(0, len(rows), self.batch_size):
                 idx = order[start:start + self.batch_size]
-                for i, ids in zip(idx, self._generate_batch([rows[i] for i in idx], params, generator)):
+                batch = [rows[i] for i in idx]
+                made = (self._generate_batch(batch, params, generator) if turns is None
+                        else self._interact_batch(batch, params, generator, turns, idx))
+                for i, ids in zip(idx, made):
                     out[i] = ids
                     missing[i // n] -= 1
                     if on_group is not None and missing[i // n] == 0:
@@ -277,12 +291,26 @@ class _HFForward:
         self.cache.batch_select_indices(rows)
         self.attn, self.next_pos = self.attn[rows], self.next_pos[rows]
 
-    def step(self, tokens: torch.Tensor) -> torch.Tensor:
+    def step(self, tokens: torch.Tensor, idle: torch.Tensor | None = None) -> torch.Tensor:
         self.attn = torch.cat([self.attn, self.attn.new_ones(self.attn.size(0), 1)], dim=1)  # [b, T+1]
         out = self.model(input_ids=tokens[:, None], attention_mask=self.attn, position_ids=self.next_pos[:, None],
                          past_key_values=self.cache, use_cache=True)
         self.next_pos = self.next_pos + 1
+        if idle is not None:                       # an idle row's slot is masked out from now on
+            self.attn[idle, -1] = 0
+            self.next_pos = self.next_pos - idle.long()
         return out.logits[:, -1, :]
+
+    def extend(self, chunk: torch.Tensor, active: torch.Tensor) -> torch.Tensor:
+        """Feed the active tokens of chunk [b, n] (right-aligned) after each row's cache -> last logits [b, V]."""
+        self.attn = torch.cat([self.attn, active.long()], dim=1)                          # [b, T+n]
+        out = self.model(input_ids=chunk, attention_mask=self.attn, past_key_values=self.cache, use_cache=True,
+                         position_ids=chunk_positions(self.next_pos, active), logits_to_keep=1)
+        self.next_pos = self.next_pos + active.sum(1)
+        return out.logits[:, -1, :]
+
+    def reserve(self, n: int) -> None:
+        """A transformers cache grows by itself."""
 
 
 class KVCacheSampler(BatchedBackend):
@@ -317,21 +345,25 @@ class KVCacheSampler(BatchedBackend):
             self._active = self.forward
             yield
 
-    @torch.inference_mode()
-    def _generate_batch(self, rows: list[list[int]], params: SamplingParams, generator) -> list[list[int]]:
-        pad, eos = self.tokenizer.pad_token_id, self.tokenizer.eos_token_id
+    def _prefill(self, rows: list[list[int]], params: SamplingParams):
+        """The sampling forward with `rows` in its KV cache -> (forward, last logits [B, V]). A group's rows share
+        one prompt: each distinct prompt is prefilled once, then its cache copied."""
         if params.generation_kwargs:
             check_generation_kwargs(params.generation_kwargs, "static")
-        B = len(rows)
         forward = self._active
-        # A group's rows share one prompt: prefill each distinct prompt once, then copy its KV cache.
         first: dict[tuple, int] = {}
         which = torch.tensor([first.setdefault(tuple(r), len(first)) for r in rows], device=self.device)  # [B]
-        u_ids, u_attn = left_pad(list(first), pad, self.device)                   # [U, T]
-        logits = forward.prefill(u_ids, u_attn, params.max_new_tokens)       # [U, V]
-        if len(first) < B:
+        u_ids, u_attn = left_pad(list(first), self.tokenizer.pad_token_id, self.device)     # [U, T]
+        logits = forward.prefill(u_ids, u_attn, params.max_new_tokens)                      # [U, V]
+        if len(first) < len(rows):
             forward.select(which)
-        logits = logits[which]                                                     # [B, V]
+        return forward, logits[which]                                                       # [B, V]
+
+    @torch.inference_mode()
+    def _generate_batch(self, rows: list[list[int]], params: SamplingParams, generator) -> list[list[int]]:
+        eos = self.tokenizer.eos_token_id
+        B = len(rows)
+        forward, logits = self._prefill(rows, params)
         alive = torch.arange(B, device=self.device)                                # original row of each live row
         # the repetition penalty's tokens: each row's prompt, then what it samples ([B, V]; only when on)
         seen = seen_tokens(rows, logits.size(-1), self.device) if params.repetition_penalty != 1.0 else None
@@ -362,6 +394,106 @@ class KVCacheSampler(BatchedBackend):
         if params.logprobs:
             return [Completion(ids, lps) for ids, lps in zip(produced, produced_logprobs)]
         return produced
+
+
+    CHUNK = 256              # the most tokens of a tool turn fed to every row at once
+
+    @property
+    def streams_turns(self) -> bool:
+        """Can multi-turn rollouts continue each row's cache? Not with a sliding window on the model's own
+        forward: a waiting row's passed slots would count in its window (said once; turns then re-encode)."""
+        window = sliding_window(getattr(self.model, "config", None))
+        if window and isinstance(self.forward, _HFForward):
+            note_declined("streamed multi-turn rollouts", f"sliding-window attention ({window} tokens) on the "
+                          "model's own forward; each turn re-encodes the conversation")
+            return False
+        return True
+
+    @torch.inference_mode()
+    def _interact_batch(self, rows: list[list[int]], params: SamplingParams, generator, turns,
+                        ids: list[int]) -> list[None]:
+        """Multi-turn conversations of `rows` (`ids`: their numbers for `turns`, a multiturn.TurnController),
+        each continuing its own KV cache from turn to turn. A row samples until `turns.sampled` ends its turn;
+        it then waits in the cache (passing through the others' steps) while its tool calls run, and reads
+        the tool turn `turns.ready` hands back (fed a token per step beside the rows that sample, or in chunks
+        when none does) before it samples again. A row that is done leaves the batch."""
+        pad = self.tokenizer.pad_token_id
+        forward, logits = self._prefill(rows, params)                              # [B, V]
+        alive = list(range(len(rows)))                 # batch row of each cache row
+        fresh = [True] * len(rows)                     # its logits are to be sampled from
+        queue: list[list[int]] = [[] for _ in rows]    # tokens it must read before it samples again
+        waiting: set[int] = set()
+        local = {g: r for r, g in enumerate(ids)}
+        seen = seen_tokens(rows, logits.size(-1), self.device) if params.repetition_penalty != 1.0 else None
+        while alive:
+            done: set[int] = set()
+            for g, tool_turn in turns.ready():
+                r = local[g]
+                waiting.discard(r)
+                (done.add(r) if tool_turn is None else queue[r].extend(tool_turn))
+            fed: dict[int, int] = {}                    # batch row -> the token it sampled, fed in this step
+            ready = [k for k, r in enumerate(alive) if fresh[r]]
+            if ready:
+                sampled = torch.tensor([alive[k] for k in ready])
+                drawn = sample_next(logits if len(ready) == len(alive) else logits[ready], params.temperature,
+                                    params.top_k, params.top_p, params.greedy, generator,
+                                    with_logprobs=params.logprobs, min_p=params.min_p,
+                                    repetition_penalty=params.repetition_penalty,
+                                    seen=None if seen is None else seen[sampled])
+                tok, tok_logp = drawn if params.logprobs else (drawn, None)
+                lps = tok_logp.tolist() if tok_logp is not None else [None] * len(ready)
+                for r, tk, lp in zip(sampled.tolist(), tok.tolist(), lps):
+                    fresh[r] = False
+                    verdict = turns.sampled(ids[r], tk, lp)
+                    if verdict == "go":
+                        fed[r] = tk
+                    else:
+                        (waiting if verdict == "wait" else done).add(r)
+                turns.flush()                           # the calls of the turns that ended start now
+            if done:
+                keep = [k for k, r in enumerate(alive) if r not in done]
+                if not keep:
+                    break
+                forward.select(torch.tensor(keep, device=self.device))
+                logits, alive = logits[keep], [alive[k] for k in keep]
+            reading = [r for r in alive if queue[r]]
+            if not fed and not reading:
+                if not waiting:
+                    raise RuntimeError("multi-turn sampling: rows neither sample, read nor wait (a bug)")
+                turns.wait()
+                continue
+            if not fed:                                 # nobody samples: the tool turns go in as chunks
+                n = min(self.CHUNK, max(len(queue[r]) for r in reading))
+                chunk = torch.full((len(alive), n), pad, dtype=torch.long)
+                active = torch.zeros(len(alive), n, dtype=torch.bool)
+                for k, r in enumerate(alive):
+                    part, queue[r] = queue[r][:n], queue[r][n:]
+                    if part:
+                        chunk[k, n - len(part):], active[k, n - len(part):] = torch.tensor(part), True
+                        fresh[r] = not queue[r]
+                        self._mark_seen(seen, r, part)
+                logits = forward.extend(chunk.to(self.device), active.to(self.device))
+                continue
+            tokens, idle = [], []
+            for r in alive:
+                tk = fed.get(r)
+                if tk is None and queue[r]:
+                    tk = queue[r].pop(0)
+                    fresh[r] = not queue[r]
+                elif tk is not None:
+                    fresh[r] = True
+                tokens.append(pad if tk is None else tk)
+                idle.append(tk is None)
+                if tk is not None:
+                    self._mark_seen(seen, r, [tk])
+            logits = forward.step(torch.tensor(tokens, device=self.device),
+                                  torch.tensor(idle, device=self.device) if any(idle) else None)
+        return [None] * len(rows)
+
+    @staticmethod
+    def _mark_seen(seen: torch.Tensor | None, row: int, tokens: list[int]) -> None:
+        if seen is not None:
+            seen[row, [t for t in tokens if t < seen.size(1)]] = True
 
 
 def make_backend(cfg, policy, progress: bool = True, merge_lora: bool = True) -> RolloutBackend:

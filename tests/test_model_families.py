@@ -104,6 +104,69 @@ def test_each_sampler_logprobs_equal_the_plain_forward(name, sampler):
     assert checked == 6
 
 
+class ScriptedTurns:
+    """A multi-turn controller for the sampler's streamed loop (the interface of multiturn.TurnController): row
+    r's turns are `length` + r % 2 tokens; its "tool turn" (`reply`) comes back after r % 3 sampling steps of
+    the others (when nobody samples, waiting lets the first due come back); the row is done after `turns`
+    turns."""
+
+    def __init__(self, rows: int, length: int = 3, turns: int = 3, reply: tuple[int, ...] = (9, 21, 4, 50, 8)):
+        self.length, self.turns, self.reply = length, turns, list(reply)
+        self.seq: list[list[int]] = [[] for _ in range(rows)]        # every token after the prompt
+        self.logprobs: list[dict[int, float]] = [{} for _ in range(rows)]   # position -> sampler log-prob
+        self.in_turn, self.done_turns = [0] * rows, [0] * rows
+        self.countdown: dict[int, int] = {}
+
+    def sampled(self, row, token, logprob):
+        self.logprobs[row][len(self.seq[row])] = logprob
+        self.seq[row].append(token)
+        self.in_turn[row] += 1
+        if self.in_turn[row] < self.length + row % 2:
+            return "go"
+        self.in_turn[row], self.done_turns[row] = 0, self.done_turns[row] + 1
+        if self.done_turns[row] == self.turns:
+            return "done"
+        self.countdown[row] = row % 3
+        return "wait"
+
+    def flush(self):
+        self.countdown = {r: c - 1 for r, c in self.countdown.items()}
+
+    def ready(self):
+        back = [r for r, c in self.countdown.items() if c < 0]
+        out = []
+        for r in back:
+            del self.countdown[r]
+            out.append((r, [self.seq[r][-1]] + self.reply))      # its last token was never fed
+            self.seq[r] += self.reply
+        return out
+
+    def wait(self):
+        first = min(self.countdown.values()) + 1
+        self.countdown = {r: c - first for r, c in self.countdown.items()}
+
+
+@pytest.mark.parametrize("name", list(FAMILIES))
+def test_streamed_turns_logprobs_equal_the_plain_forward(name, monkeypatch):
+    """The sampler's multi-turn loop (rows waiting in the cache, tool turns fed a token a step or as chunks, the
+    cache grown past its first size) samples each token from the plain forward's distribution after all
+    that came before it, on whichever decode path the family takes."""
+    model = tiny_family_model(name)
+    monkeypatch.setattr(KVCacheSampler, "CHUNK", 4)
+    backend = KVCacheSampler(model, CharTokenizer(), torch.device("cpu"), batch_size=8, progress=False)
+    if not backend.streams_turns:                     # said once; its turns re-encode (tested in test_multiturn)
+        assert FAMILIES[name][1].get("sliding_window") and backend.path == "hf"
+        return
+    turns = ScriptedTurns(len(PROMPTS) * 3)
+    backend.generate(PROMPTS, 3, SamplingParams(max_new_tokens=4, temperature=1.0, seed=3, logprobs=True),
+                     turns=turns)
+    for row, seq in enumerate(turns.seq):
+        assert len(seq) == 3 * (3 + row % 2) + 2 * len(turns.reply)
+        want = plain_logprobs(model, PROMPTS[row // 3], seq)
+        got = turns.logprobs[row]
+        assert torch.allclose(torch.tensor(list(got.values())), want[list(got)], atol=TOL), (name, backend.path)
+
+
 def padded_batch(rows: list[tuple[list[int], list[int]]]):
     """[left-padded prompt | right-padded completion] rows, as the update builds them."""
     P = max(len(p) for p, _ in rows)

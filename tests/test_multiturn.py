@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import math
 import re
+import time
 from pathlib import Path
 
 import pytest
@@ -388,3 +389,166 @@ def test_chat_template_kwargs_reach_the_prompt_and_every_tool_turn(tiny_model_di
         assert ("NOTHINK" in tok.decode(samples[0].prompt_ids)) == marked
         assert ("NOTHINK <tool_response>" in tok.decode(samples[0].completion_ids[first:last])) == marked
         assert samples[0].completion == "Answer: 84"
+
+
+# -- streamed turns: each row continues its own KV cache, its calls run while the others decode ------------------
+
+class Recorder:
+    """Wraps a sampling forward's methods to count prefills and time-stamp steps."""
+
+    def __init__(self, monkeypatch, cls):
+        self.prefills, self.steps, self.extends = 0, [], 0
+        prefill, step, extend = cls.prefill, cls.step, cls.extend
+
+        def counted_prefill(fwd, *a, **k):
+            self.prefills += 1
+            return prefill(fwd, *a, **k)
+
+        def stamped_step(fwd, *a, **k):
+            self.steps.append(time.perf_counter())
+            return step(fwd, *a, **k)
+
+        def counted_extend(fwd, *a, **k):
+            self.extends += 1
+            return extend(fwd, *a, **k)
+        monkeypatch.setattr(cls, "prefill", counted_prefill)
+        monkeypatch.setattr(cls, "step", stamped_step)
+        monkeypatch.setattr(cls, "extend", counted_extend)
+
+
+def make_lookup(calls: list, slow_first: float):
+    def lookup(key: str) -> str:
+        """Look a key up.
+
+        Args:
+            key: the key.
+        """
+        start = time.perf_counter()
+        time.sleep(slow_first if not calls else 0.002 * (len(calls) % 5))
+        calls.append((start, time.perf_counter()))
+        return "the record: blue 42"
+    return lookup
+
+
+def random_model_calls(monkeypatch, closers: str = "aeiouAEIOU0123456789", every: int | None = None):
+    """A random model never writes a tool call: make a turn's first character of `closers` (about one in five
+    of the tiny tokenizer's characters), or its token number `every`, close a `lookup` call."""
+    from grpo_core import multiturn, tools
+
+    def call_end(ids, tokenizer, opening=""):
+        if every is not None:
+            return every if len(ids) >= every else None
+        return next((k + 1 for k, t in enumerate(ids) if tokenizer.decode([t]) in set(closers)), None)
+    monkeypatch.setattr(multiturn, "CALL_END", "")
+    monkeypatch.setattr(multiturn, "call_end", call_end)
+    monkeypatch.setattr(multiturn, "parse_tool_calls", lambda text: [tools.ToolCall("lookup", {"key": "a"})])
+
+
+def plain_logprobs(model, sample) -> list[float]:
+    """log p(token | everything before it) of each completion token, from the model's plain forward."""
+    ids = torch.tensor([sample.prompt_ids + sample.completion_ids])
+    with torch.no_grad():
+        logits = model(input_ids=ids).logits[0, len(sample.prompt_ids) - 1:-1].float()
+    return torch.log_softmax(logits, -1).gather(-1, ids[0, len(sample.prompt_ids):, None]).squeeze(-1).tolist()
+
+
+@pytest.mark.parametrize("path, tasks, n, chunk", [("fused", 2, 4, 256), ("fused", 1, 1, 256), ("lean", 2, 4, 3),
+                                                   ("hf", 2, 4, 3)])
+def test_streamed_turns_continue_each_rows_cache_with_the_plain_forwards_log_probs(grpo_home, monkeypatch, path,
+                                                                                   tasks, n, chunk):
+    """Every model token of a streamed multi-turn rollout was drawn from the distribution the model's plain
+    forward gives after the whole conversation before it (tool turns included), on every decode path; the
+    conversation is encoded once (one prefill), tool turns are fed after each row's own cache (one token a
+    step beside rows that sample, in chunks when none does), and the cache grows as the turns come."""
+    from grpo_core.kernels.fused_decode import FusedDecoder
+    from grpo_core.kernels.lean_decode import LeanDecoder
+    from grpo_core.policy import load_policy
+    from grpo_core.rollout import _HFForward
+    from grpo_core.tools import tool_of
+    random_model_calls(monkeypatch)
+    monkeypatch.setattr(KVCacheSampler, "CHUNK", chunk)
+    cfg = GRPOConfig(model="tiny-random", device="cpu", dtype="float32", lora_r=4, lora_alpha=8)
+    policy = load_policy(cfg, need_reference=False)
+    kwargs = {"fused": dict(), "lean": dict(fused=False), "hf": dict(lean=False)}[path]
+    backend = KVCacheSampler(policy.model, policy.tokenizer, CPU, progress=False, **kwargs)
+    record = Recorder(monkeypatch, {"fused": FusedDecoder, "lean": LeanDecoder, "hf": _HFForward}[path])
+    calls = []
+    box = Toolbox([tool_of(make_lookup(calls, 0.0), "test")], max_iterations=3)
+    params = SamplingParams(max_new_tokens=48, seed=5, logprobs=True)
+    samples = rollout(backend, policy.tokenizer, [math_task(i) for i in range(tasks)], n, params, "", 1024,
+                      toolbox=box)
+    assert backend.path.startswith(path)
+    assert record.prefills == 1                              # one batch, encoded once: no turn re-encodes
+    assert sum(s.extra["tool_calls"] for s in samples) == len(calls) > 0
+    assert max(s.extra["turns"] for s in samples) >= 3
+    for s in samples:
+        plain = plain_logprobs(policy.model, s)
+        mine = [(a, b) for a, b, m in zip(s.sampler_logprobs, plain, s.completion_mask) if m]
+        assert len(mine) == sum(s.completion_mask) <= 48
+        assert max(abs(a - b) for a, b in mine) < 2e-4, (path, s.extra["turns"])
+    if tasks * n == 1 or chunk == 3:
+        assert record.extends >= 1                           # tool turns read as chunks while nobody samples
+
+
+def test_streamed_turns_match_re_encoded_turns_greedily(grpo_home, monkeypatch):
+    """Continuing each row's cache gives the conversations that re-encoding the conversation each turn gives
+    (greedy decoding, the same sampler with streaming off)."""
+    from grpo_core.policy import load_policy
+    from grpo_core.tools import tool_of
+    random_model_calls(monkeypatch, every=6)          # greedy, a random model repeats itself
+    cfg = GRPOConfig(model="tiny-random", device="cpu", dtype="float32", lora_r=4, lora_alpha=8)
+    policy = load_policy(cfg, need_reference=False)
+    box = Toolbox([tool_of(make_lookup([], 0.0), "test")], max_iterations=3)
+    params = SamplingParams(max_new_tokens=30, greedy=True)
+    tasks = [math_task(i) for i in range(2)]
+    out = []
+    for stream in (True, False):
+        backend = KVCacheSampler(policy.model, policy.tokenizer, CPU, progress=False)
+        monkeypatch.setattr(KVCacheSampler, "streams_turns", stream)
+        out.append(rollout(backend, policy.tokenizer, tasks, 2, params, "", 1024, toolbox=box))
+    streamed, encoded = out
+    assert [s.completion_ids for s in streamed] == [s.completion_ids for s in encoded]
+    assert [s.completion_mask for s in streamed] == [s.completion_mask for s in encoded]
+    assert [s.extra["turns"] for s in streamed] == [s.extra["turns"] for s in encoded]
+    assert max(s.extra["turns"] for s in streamed) >= 3
+
+
+def test_a_slow_tool_call_runs_while_the_other_rows_decode(grpo_home, monkeypatch):
+    from grpo_core.kernels.fused_decode import FusedDecoder
+    from grpo_core.policy import load_policy
+    from grpo_core.tools import tool_of
+    random_model_calls(monkeypatch)
+    cfg = GRPOConfig(model="tiny-random", device="cpu", dtype="float32", lora_r=4, lora_alpha=8)
+    policy = load_policy(cfg, need_reference=False)
+    backend = KVCacheSampler(policy.model, policy.tokenizer, CPU, progress=False)
+    record = Recorder(monkeypatch, FusedDecoder)
+    calls = []
+    box = Toolbox([tool_of(make_lookup(calls, 0.4), "test")], max_iterations=2)
+    rollout(backend, policy.tokenizer, [math_task(i) for i in range(2)], 4, SamplingParams(max_new_tokens=48, seed=1),
+            "", 1024, toolbox=box)
+    (start, end), rest = calls[0], calls[1:]
+    assert end - start >= 0.4
+    assert sum(start < t < end for t in record.steps) >= 5               # the others decoded meanwhile
+    assert any(start < s < end for s, _ in rest)                          # and their calls ran meanwhile too
+
+
+@pytest.mark.slow            # the taught model is made once per session (shared with the pipeline test)
+def test_a_taught_model_calls_its_tool_the_same_streamed_or_re_encoded(tool_calling_model_dir, monkeypatch):
+    """The tiny model taught to call the calculator: a real call closes its turn, the tool turn is read, it
+    answers; streamed and re-encoded turns give the same conversations (greedy)."""
+    from transformers import AutoModelForCausalLM
+    tok = load_tokenizer(tool_calling_model_dir)
+    model = AutoModelForCausalLM.from_pretrained(tool_calling_model_dir)
+    from grpo_core.config import DataConfig
+    from grpo_core.data.arithmetic import train_tasks
+    box = Toolbox(resolve_tools(["calculator"]))
+    tasks = train_tasks(16, 1, 1, ["+", "-"], seed=5)[:4]            # the prompts it was taught on
+    out = []
+    for stream in (True, False):
+        backend = KVCacheSampler(model, tok, CPU, progress=False)
+        monkeypatch.setattr(KVCacheSampler, "streams_turns", stream)
+        out.append(rollout(backend, tok, tasks, 2, SamplingParams(max_new_tokens=200, greedy=True),
+                           DataConfig().prompt_format, 256, toolbox=box))
+    streamed, encoded = out
+    assert [s.completion_ids for s in streamed] == [s.completion_ids for s in encoded]
+    assert all(s.extra["tool_calls"] >= 1 and s.extra["turns"] >= 2 for s in streamed)

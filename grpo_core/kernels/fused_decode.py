@@ -46,7 +46,7 @@ import torch.nn.functional as F
 
 from grpo_core.kernels import cpu_features, native
 from grpo_core.kernels.cpu_linear import onednn_linear, onednn_pack
-from grpo_core.kernels.lean_decode import LeanDecoder, causal_pad_mask, positions
+from grpo_core.kernels.lean_decode import LeanDecoder, causal_pad_mask, chunk_mask, chunk_positions, positions
 from grpo_core.kernels.lora_linear import Unsupported, lora_parts, set_packed
 
 HUGE_PAGE = 2 << 20
@@ -610,9 +610,11 @@ class FusedDecoder:
         self.kv, self.valid, self.next_pos = kv, self.valid[live], self.next_pos[live]
         self.live, self.prefix, self.split = torch.arange(n), None, 0
 
-    def step(self, tokens: torch.Tensor) -> torch.Tensor:
-        """tokens [live rows] -> next-token logits [live rows, V]."""
+    def step(self, tokens: torch.Tensor, idle: torch.Tensor | None = None) -> torch.Tensor:
+        """tokens [live rows] -> next-token logits [live rows, V]. Rows where idle [live rows] (bool) holds only
+        pass: their token leaves no trace in the cache and their logits mean nothing."""
         t = self.length
+        self.reserve(1)
         self.valid[:, t] = True
         if self.ops is not None:
             logits = self._native_step(tokens)
@@ -623,4 +625,37 @@ class FusedDecoder:
             logits = self._forward(full[:, None], self.next_pos[:, None], self.valid[:, None, None, :t + 1])
             logits = logits if b == len(self.live) else logits[self.live]
         self.next_pos = self.next_pos + 1
+        if idle is not None:
+            parked = self.live[idle]
+            self.valid[parked, t] = False
+            self.next_pos[parked] -= 1
         return logits
+
+    def extend(self, chunk: torch.Tensor, active: torch.Tensor) -> torch.Tensor:
+        """Feed each row the tokens of chunk [live rows, n] where active holds (right-aligned), continuing its
+        cache -> logits after its last token [live rows, V] (see LeanDecoder.extend). Runs the torch forward
+        over whole rows: a shared prompt is first copied into each row's cache."""
+        if self.prefix is not None or len(self.live) != self.kv.size(2) or not bool(
+                (self.live == torch.arange(len(self.live))).all()):
+            self._copy_rows(self.live, self.prefix)
+        t0, n = self.length, chunk.size(1)
+        self.reserve(n)
+        self.valid[:, t0:t0 + n] = active
+        pos = chunk_positions(self.next_pos, active)                                       # [b, n]
+        logits = self._forward(chunk, pos, chunk_mask(self.valid[:, :t0 + n], n))
+        self.next_pos = self.next_pos + active.sum(1)
+        return logits
+
+    def reserve(self, n: int) -> None:
+        """Room for n more slots in the cache (it grows by at least half), and in the rotary tables: a position
+        advances at most once per slot, so they reach as far as the slots."""
+        if self.length + n <= self.T:
+            return
+        T, grown = self.T, max(self.length + n, self.T + self.T // 2)
+        self._rope_tables(grown + 2, self.embed.weight.dtype)
+        L, _, b, Hkv, _, d = self.kv.shape
+        kv = self._new_cache(b, grown)
+        kv[:, 0].view(L, b, Hkv, d, grown)[..., :T] = self.kv[:, 0].view(L, b, Hkv, d, T)     # keys: [d, T] blocks
+        kv[:, 1, :, :, :T] = self.kv[:, 1]
+        self.kv, self.T = kv, grown
+        self.valid = torch.cat([self.valid, self.valid.new_zeros(b, grown - T)], 1)

@@ -161,11 +161,56 @@ class LeanDecoder:
     def select(self, rows: torch.Tensor) -> None:
         self.state.select(rows)
 
-    def step(self, tokens: torch.Tensor) -> torch.Tensor:
-        """tokens [b] at the next positions -> next-token logits [b, V]."""
+    def step(self, tokens: torch.Tensor, idle: torch.Tensor | None = None) -> torch.Tensor:
+        """tokens [b] at the next positions -> next-token logits [b, V]. Rows where idle [b] (bool) holds only
+        pass: their token leaves no trace in the cache and their logits mean nothing."""
         state = self.state
         t = state.length
+        self.reserve(1)
         state.valid[:, t] = True
         logits = self._forward(tokens[:, None], state.next_pos[:, None], state, state.valid[:, None, None, :t + 1])
         state.next_pos = state.next_pos + 1
+        if idle is not None:
+            state.valid[idle, t] = False
+            state.next_pos = state.next_pos - idle.long()
         return logits
+
+    def extend(self, chunk: torch.Tensor, active: torch.Tensor) -> torch.Tensor:
+        """Feed each row the tokens of chunk [b, n] where active [b, n] holds (right-aligned: a row's tokens end
+        the chunk), continuing its cache -> logits after its last token [b, V] (meaningless for a row with
+        none). Later turns of a conversation go in this way, without re-encoding what came before."""
+        state = self.state
+        t0, n = state.length, chunk.size(1)
+        self.reserve(n)
+        state.valid[:, t0:t0 + n] = active
+        pos = chunk_positions(state.next_pos, active)                                     # [b, n]
+        logits = self._forward(chunk, pos, state, chunk_mask(state.valid[:, :t0 + n], n))
+        state.next_pos = state.next_pos + active.sum(1)
+        return logits
+
+    def reserve(self, n: int) -> None:
+        """Room in the cache for n more slots (it grows by at least half)."""
+        state = self.state
+        Tmax = state.valid.size(1)
+        if state.length + n <= Tmax:
+            return
+        grown = max(state.length + n, Tmax + Tmax // 2)
+        wider = lambda x: torch.cat([x, x.new_zeros(*x.shape[:2], grown - Tmax, *x.shape[3:])], 2)  # noqa: E731
+        state.keys, state.values = [wider(k) for k in state.keys], [wider(v) for v in state.values]
+        state.valid = torch.cat([state.valid, state.valid.new_zeros(state.valid.size(0), grown - Tmax)], 1)
+
+
+def chunk_positions(next_pos: torch.Tensor, active: torch.Tensor) -> torch.Tensor:
+    """Rotary positions [b, n] of a chunk's active tokens, continuing from next_pos [b] (the others: clamped
+    copies, never read)."""
+    return (next_pos[:, None] + active.long().cumsum(1) - 1).clamp(min=0)
+
+
+def chunk_mask(valid: torch.Tensor, n: int) -> torch.Tensor:
+    """Bool attention mask [b, 1, n, T] of a chunk filling the last n of T slots, valid [b, T]: each query sees
+    the valid keys up to itself, and itself (an inactive query: never an empty row)."""
+    T = valid.size(1)
+    causal = torch.ones(n, T, dtype=torch.bool, device=valid.device).tril(T - n)            # [n, T]
+    own = torch.zeros(n, T, dtype=torch.bool, device=valid.device)
+    own[:, T - n:] = torch.eye(n, dtype=torch.bool, device=valid.device)
+    return ((causal & valid[:, None, :]) | own)[:, None]

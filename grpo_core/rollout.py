@@ -417,83 +417,115 @@ class KVCacheSampler(BatchedBackend):
         it then waits in the cache (passing through the others' steps) while its tool calls run, and reads
         the tool turn `turns.ready` hands back (fed a token per step beside the rows that sample, or in chunks
         when none does) before it samples again. A row that is done leaves the batch."""
-        pad = self.tokenizer.pad_token_id
         forward, logits = self._prefill(rows, params)                              # [B, V]
-        alive = list(range(len(rows)))                 # batch row of each cache row
-        fresh = [True] * len(rows)                     # its logits are to be sampled from
-        queue: list[list[int]] = [[] for _ in rows]    # tokens it must read before it samples again
-        waiting: set[int] = set()
-        local = {g: r for r, g in enumerate(ids)}
         seen = seen_tokens(rows, logits.size(-1), self.device) if params.repetition_penalty != 1.0 else None
-        while alive:
-            done: set[int] = set()
-            for g, tool_turn in turns.ready():
-                r = local[g]
-                waiting.discard(r)
-                (done.add(r) if tool_turn is None else queue[r].extend(tool_turn))
-            fed: dict[int, int] = {}                    # batch row -> the token it sampled, fed in this step
-            ready = [k for k, r in enumerate(alive) if fresh[r]]
-            if ready:
-                sampled = torch.tensor([alive[k] for k in ready])
-                drawn = sample_next(logits if len(ready) == len(alive) else logits[ready], params.temperature,
-                                    params.top_k, params.top_p, params.greedy, generator,
-                                    with_logprobs=params.logprobs, min_p=params.min_p,
-                                    repetition_penalty=params.repetition_penalty,
-                                    seen=None if seen is None else seen[sampled])
-                tok, tok_logp = drawn if params.logprobs else (drawn, None)
-                lps = tok_logp.tolist() if tok_logp is not None else [None] * len(ready)
-                for r, tk, lp in zip(sampled.tolist(), tok.tolist(), lps):
-                    fresh[r] = False
-                    verdict = turns.sampled(ids[r], tk, lp)
-                    if verdict == "go":
-                        fed[r] = tk
-                    else:
-                        (waiting if verdict == "wait" else done).add(r)
-                turns.flush()                           # the calls of the turns that ended start now
-            if done:
-                keep = [k for k, r in enumerate(alive) if r not in done]
-                if not keep:
-                    break
-                forward.select(torch.tensor(keep, device=self.device))
-                logits, alive = logits[keep], [alive[k] for k in keep]
-            reading = [r for r in alive if queue[r]]
+        batch = _TurnBatch(forward, logits, turns, ids, self.tokenizer.pad_token_id, seen)
+        while batch.alive:
+            batch.take_tool_turns()
+            fed = batch.sample(params, generator)          # batch row -> the token it sampled, fed next
+            if not batch.drop_done():
+                break
+            reading = [r for r in batch.alive if batch.queue[r]]
             if not fed and not reading:
-                if not waiting:
+                if not batch.waiting:
                     raise RuntimeError("multi-turn sampling: rows neither sample, read nor wait (a bug)")
                 turns.wait()
-                continue
-            if not fed:                                 # nobody samples: the tool turns go in as chunks
-                n = min(self.CHUNK, max(len(queue[r]) for r in reading))
-                chunk = torch.full((len(alive), n), pad, dtype=torch.long)
-                active = torch.zeros(len(alive), n, dtype=torch.bool)
-                for k, r in enumerate(alive):
-                    part, queue[r] = queue[r][:n], queue[r][n:]
-                    if part:
-                        chunk[k, n - len(part):], active[k, n - len(part):] = torch.tensor(part), True
-                        fresh[r] = not queue[r]
-                        self._mark_seen(seen, r, part)
-                logits = forward.extend(chunk.to(self.device), active.to(self.device))
-                continue
-            tokens, idle = [], []
-            for r in alive:
-                tk = fed.get(r)
-                if tk is None and queue[r]:
-                    tk = queue[r].pop(0)
-                    fresh[r] = not queue[r]
-                elif tk is not None:
-                    fresh[r] = True
-                tokens.append(pad if tk is None else tk)
-                idle.append(tk is None)
-                if tk is not None:
-                    self._mark_seen(seen, r, [tk])
-            logits = forward.step(torch.tensor(tokens, device=self.device),
-                                  torch.tensor(idle, device=self.device) if any(idle) else None)
+            elif not fed:                                   # nobody samples: the tool turns go in as chunks
+                batch.read_chunk(self.CHUNK)
+            else:
+                batch.step(fed)
         return [None] * len(rows)
 
-    @staticmethod
-    def _mark_seen(seen: torch.Tensor | None, row: int, tokens: list[int]) -> None:
-        if seen is not None:
-            seen[row, [t for t in tokens if t < seen.size(1)]] = True
+
+class _TurnBatch:
+    """One batch of streamed conversations (KVCacheSampler._interact_batch): the batch row each cache row holds
+    (`alive`), which rows have logits to sample from (`fresh`), the tokens each must read before it samples
+    again (`queue`), and which wait for their tool calls (`waiting`)."""
+
+    def __init__(self, forward, logits: torch.Tensor, turns, ids: list[int], pad: int, seen: torch.Tensor | None):
+        self.forward, self.logits, self.turns, self.ids, self.pad, self.seen = forward, logits, turns, ids, pad, seen
+        self.alive = list(range(len(ids)))
+        self.fresh = [True] * len(ids)
+        self.queue: list[list[int]] = [[] for _ in ids]
+        self.waiting: set[int] = set()
+        self.done: set[int] = set()
+        self.local = {g: r for r, g in enumerate(ids)}
+
+    def take_tool_turns(self) -> None:
+        for g, tool_turn in self.turns.ready():
+            r = self.local[g]
+            self.waiting.discard(r)
+            (self.done.add(r) if tool_turn is None else self.queue[r].extend(tool_turn))
+
+    def sample(self, params: SamplingParams, generator) -> dict[int, int]:
+        """A token for every row with fresh logits; `turns` says what each means (go on, wait, done)."""
+        ready = [k for k, r in enumerate(self.alive) if self.fresh[r]]
+        if not ready:
+            return {}
+        rows = torch.tensor([self.alive[k] for k in ready])
+        drawn = sample_next(self.logits if len(ready) == len(self.alive) else self.logits[ready], params.temperature,
+                            params.top_k, params.top_p, params.greedy, generator, with_logprobs=params.logprobs,
+                            min_p=params.min_p, repetition_penalty=params.repetition_penalty,
+                            seen=None if self.seen is None else self.seen[rows])
+        tok, logp = drawn if params.logprobs else (drawn, None)
+        fed = {}
+        for r, tk, lp in zip(rows.tolist(), tok.tolist(), logp.tolist() if logp is not None else [None] * len(ready)):
+            self.fresh[r] = False
+            verdict = self.turns.sampled(self.ids[r], tk, lp)
+            if verdict == "go":
+                fed[r] = tk
+            else:
+                (self.waiting if verdict == "wait" else self.done).add(r)
+        self.turns.flush()                                  # the calls of the turns that ended start now
+        return fed
+
+    def drop_done(self) -> bool:
+        """Rows that are done leave the cache; False when none is left."""
+        if self.done:
+            keep = [k for k, r in enumerate(self.alive) if r not in self.done]
+            self.done = set()
+            if not keep:
+                self.alive = []
+                return False
+            self.forward.select(torch.tensor(keep, device=self.logits.device))
+            self.logits, self.alive = self.logits[keep], [self.alive[k] for k in keep]
+        return True
+
+    def read_chunk(self, most: int) -> None:
+        """Every reading row takes up to `most` tokens of its queue in one forward (right-aligned)."""
+        n = min(most, max(len(self.queue[r]) for r in self.alive))
+        chunk = torch.full((len(self.alive), n), self.pad, dtype=torch.long)
+        active = torch.zeros(len(self.alive), n, dtype=torch.bool)
+        for k, r in enumerate(self.alive):
+            part, self.queue[r] = self.queue[r][:n], self.queue[r][n:]
+            if part:
+                chunk[k, n - len(part):], active[k, n - len(part):] = torch.tensor(part), True
+                self.fresh[r] = not self.queue[r]
+                self._mark_seen(r, part)
+        device = self.logits.device
+        self.logits = self.forward.extend(chunk.to(device), active.to(device))
+
+    def step(self, fed: dict[int, int]) -> None:
+        """One cached step: each row its sampled token or the next token of its queue; waiting rows pass."""
+        tokens, idle = [], []
+        for r in self.alive:
+            tk = fed.get(r)
+            if tk is None and self.queue[r]:
+                tk = self.queue[r].pop(0)
+                self.fresh[r] = not self.queue[r]
+            elif tk is not None:
+                self.fresh[r] = True
+            tokens.append(self.pad if tk is None else tk)
+            idle.append(tk is None)
+            if tk is not None:
+                self._mark_seen(r, [tk])
+        device = self.logits.device
+        self.logits = self.forward.step(torch.tensor(tokens, device=device),
+                                        torch.tensor(idle, device=device) if any(idle) else None)
+
+    def _mark_seen(self, row: int, tokens: list[int]) -> None:
+        if self.seen is not None:
+            self.seen[row, [t for t in tokens if t < self.seen.size(1)]] = True
 
 
 def make_backend(cfg, policy, progress: bool = True, merge_lora: bool = True) -> RolloutBackend:

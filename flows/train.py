@@ -1,6 +1,6 @@
-"""The training-run flow: evaluate the base model, then N iterations of
-curate -> rollout -> score -> update -> evaluate, each stage a retryable Prefect task (run in this process,
-or on the work pool `stages.<name>.work_pool` names: tasks/remote.py)."""
+"""The training-run flow: evaluate the base model, then N iterations of the registered stages
+(grpo_core/stages.py: curate -> rollout -> score -> update -> evaluate), each stage a retryable Prefect task
+(run in this process, or on the work pool `stages.<name>.work_pool` names: tasks/remote.py)."""
 from __future__ import annotations
 
 import time
@@ -9,18 +9,14 @@ from pathlib import Path
 from prefect import flow
 from prefect.runtime import deployment, flow_run
 
-from grpo_core import models
+from grpo_core import models, stages
 from grpo_core.config import GRPOConfig
 from grpo_core.data import iteration as data_iteration
 from grpo_core.io import atomic_write_text, read_json, write_json
 from tasks import gate, remote, run as run_steps, tracking
 from tasks.run_state import mark_ended_by, mark_running, update_run_state
-from tasks.curate import curate, curated_cache
+from tasks.curate import curated_cache
 from tasks.data_logging import fetch_parent_questions
-from tasks.evaluate import evaluate
-from tasks.rollout import rollout
-from tasks.score import score
-from tasks.update import update
 
 
 # The temporary Prefect server a run starts when no PREFECT_API_URL is set records task runs from their events one
@@ -60,17 +56,30 @@ def run_dir_of(cfg: GRPOConfig) -> Path:
     return Path(cfg.output_dir) / cfg.run_name
 
 
-def _dynamic_sampling(cfg: GRPOConfig, config: dict, run_dir: str, iteration: int, checkpoint: str | None,
-                      rolled_out: dict, scored: dict) -> tuple[str, str, dict]:
+# A dynamic-sampling round repeats these stages with fresh prompts; the flow merges the rounds once they have run.
+DYNAMIC_ROUND = ("curate", "rollout", "score")
+
+
+def _run_stage(spec: stages.Stage, cfg: GRPOConfig, config: dict, run_dir: str, iteration: int,
+               upstream: dict) -> dict:
+    """Run one registered stage, its inputs looked up in `upstream` ("checkpoint", "state", "<stage>.<field>")."""
+    def lookup(source: str):
+        name, _, field = source.partition(".")
+        return upstream[name][field] if field else upstream[name]
+    arguments = {parameter: lookup(source) for parameter, source in spec.inputs.items()}
+    return remote.registered_runner(spec.name, cfg)(config, run_dir, iteration, **arguments)
+
+
+def _dynamic_sampling(cfg: GRPOConfig, config: dict, run_dir: str, iteration: int,
+                      upstream: dict) -> tuple[str, str, dict]:
     """DAPO dynamic sampling: while fewer than data.prompts_per_iteration groups have mixed raw correctness,
     run up to max_extra_rollouts extra curate -> rollout -> score rounds (fresh prompts, fresh seed) in
     iter-<k>/dynamic-<r>/, then merge the informative groups into iter-<k>/{samples,scores}.dynamic.jsonl.
     Each round is made of the ordinary stage tasks, so it is retried and resumed like them."""
     from grpo_core import dynamic_sampling as dsamp
     from grpo_core.io import read_jsonl
-    stage = lambda fn, name: remote.stage_runner(fn, cfg, name)
     target = cfg.data.prompts_per_iteration
-    rounds = [(list(read_jsonl(rolled_out["samples"])), list(read_jsonl(scored["scores"])))]
+    rounds = [(list(read_jsonl(upstream["rollout"]["samples"])), list(read_jsonl(upstream["score"]["scores"])))]
     informative = dsamp.count_informative(*rounds[0])
     it_dir = Path(run_dir) / f"iter-{iteration}"
     for r in range(1, cfg.max_extra_rollouts + 1):
@@ -81,35 +90,29 @@ def _dynamic_sampling(cfg: GRPOConfig, config: dict, run_dir: str, iteration: in
         if not (round_dir / "data").exists() and (Path(run_dir) / "data").exists():
             (round_dir / "data").symlink_to((Path(run_dir) / "data").resolve(), target_is_directory=True)
         round_config = {**config, "seed": dsamp.extra_round_seed(cfg.seed, iteration, r)}
-        round_curated = stage(curate, "curate")(round_config, str(round_dir), iteration)
-        round_rolled_out = stage(rollout, "rollout")(round_config, str(round_dir), iteration,
-                                                     round_curated["prompts"], checkpoint)
-        round_scored = stage(score, "score")(round_config, str(round_dir), iteration, round_curated["prompts"],
-                                             round_rolled_out["samples"])
-        rounds.append((list(read_jsonl(round_rolled_out["samples"])), list(read_jsonl(round_scored["scores"]))))
+        done = {"checkpoint": upstream["checkpoint"], "state": upstream["state"]}
+        for name in DYNAMIC_ROUND:
+            done[name] = _run_stage(stages.named(name), cfg, round_config, str(round_dir), iteration, done)
+        rounds.append((list(read_jsonl(done["rollout"]["samples"])), list(read_jsonl(done["score"]["scores"]))))
         informative += dsamp.count_informative(*rounds[-1])
     return run_steps.merge_dynamic_rounds(cfg, run_dir, iteration, rounds)
 
 
 @flow(name="grpo-iteration")
 def iteration_flow(config: dict, run_dir: str, iteration: int, checkpoint: str | None, state: str | None) -> dict:
-    """One iteration: the five stages in order; returns small records (paths and metrics)."""
+    """One iteration: the registered stages in order (grpo_core/stages.py), each when due; returns their records
+    (paths and metrics) by stage name (None for a stage that did not run), and the dynamic-sampling summary."""
     cfg = GRPOConfig.model_validate(config)
-    stage = lambda fn, name: remote.stage_runner(fn, cfg, name)
-    curated = stage(curate, "curate")(config, run_dir, iteration)
-    rolled_out = stage(rollout, "rollout")(config, run_dir, iteration, curated["prompts"], checkpoint)
-    scored = stage(score, "score")(config, run_dir, iteration, curated["prompts"], rolled_out["samples"])
-    samples, scores, dynamic_sampling = rolled_out["samples"], scored["scores"], None
-    if cfg.dynamic_sampling:
-        samples, scores, dynamic_sampling = _dynamic_sampling(cfg, config, run_dir, iteration, checkpoint,
-                                                              rolled_out, scored)
-    updated = stage(update, "update")(config, run_dir, iteration, samples, scores, checkpoint, state,
-                                      scored["metrics"], rolled_out["seconds"], rolled_out["tokens_per_second"])
-    evaluated = None
-    if cfg.eval.enabled and (iteration % cfg.eval.every == 0 or iteration == cfg.pipeline_iterations):
-        evaluated = stage(evaluate, "evaluate")(config, run_dir, iteration, updated["checkpoint"])
-    return {"curate": curated, "rollout": rolled_out, "score": scored, "update": updated, "evaluate": evaluated,
-            "dynamic_sampling": dynamic_sampling}
+    upstream = {"checkpoint": checkpoint, "state": state}      # what the next stage reads: inputs, then records
+    records, dynamic_sampling = dict.fromkeys(stages.names()), None
+    for spec in stages.STAGES:
+        if spec.when is None or spec.when(cfg, iteration):
+            records[spec.name] = upstream[spec.name] = _run_stage(spec, cfg, config, run_dir, iteration, upstream)
+        if spec.name == DYNAMIC_ROUND[-1] and cfg.dynamic_sampling:    # later stages read the merged rounds
+            samples, scores, dynamic_sampling = _dynamic_sampling(cfg, config, run_dir, iteration, upstream)
+            upstream["rollout"] = {**upstream["rollout"], "samples": samples}
+            upstream["score"] = {**upstream["score"], "scores": scores}
+    return {**records, "dynamic_sampling": dynamic_sampling}
 
 
 def _default_run_name() -> str:
@@ -170,7 +173,7 @@ def training_run(config: dict) -> dict:
         gate.prepare_gate_set(cfg, run_dir)             # the champion's gate questions: kept out of training
         fetch_parent_questions(cfg, run_dir, read_json(run_dir / "run.json").get("init_adapter_uri"))
         if cfg.eval.enabled:
-            evals[0] = remote.stage_runner(evaluate, cfg, "evaluate")(config, str(run_dir), 0, checkpoint)["metrics"]
+            evals[0] = remote.registered_runner("evaluate", cfg)(config, str(run_dir), 0, checkpoint)["metrics"]
         for k in range(1, cfg.pipeline_iterations + 1):
             t0 = time.perf_counter()
             with subflow_settings():

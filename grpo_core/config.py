@@ -14,7 +14,10 @@ from typing import Annotated, Any, Literal
 
 import yaml
 from pydantic import (BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, field_validator,
-                      model_validator)
+                      model_serializer, model_validator)
+
+from grpo_core import stages as stage_registry
+from grpo_core.stages import StageRetryConfig
 
 
 class ConfigError(ValueError):
@@ -260,57 +263,29 @@ class SandboxConfig(_Section):
                                   + ", or set sandbox.backend: local")
 
 
-class StageRetryConfig(_Section):
-    """Retry policy (and work pool) of one stage. Only transient errors (I/O, connection, timeout, container engine,
-    CUDA out-of-memory) are retried; bad input (invalid config, malformed data) fails at once."""
-    retries: int = Field(1, ge=0, le=10, description="extra attempts after a transient failure")
-    retry_delay_seconds: float = Field(2.0, ge=0, description="wait before the first retry")
-    backoff_factor: float = Field(2.0, ge=1, description="each later retry waits this many times longer")
-    retry_jitter_factor: float | None = Field(None, ge=0, description="random jitter on the delays (Prefect)")
-    work_pool: str | None = Field(
-        None, pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$",
-        description="Prefect work pool whose worker runs this stage (as a flow run of the deployment "
-                    "grpo-stage/<pool>); needs a Prefect server (PREFECT_API_URL) and a run directory the "
-                    "workers share; None: in the training run's own process")
-
-    def delays(self) -> list[float]:
-        """The wait before each retry: retry_delay_seconds * backoff_factor**i."""
-        return [self.retry_delay_seconds * self.backoff_factor ** i for i in range(self.retries)]
-
-
-class ParallelStageConfig(StageRetryConfig):
-    """The policy of a stage that can share its work among processes (tasks/distributed.py)."""
-    num_processes: int = Field(
-        1, ge=1, le=64,
-        description="processes the stage runs on, started by the stage with `accelerate launch` on this machine: "
-                    "one per GPU (NCCL), or on the CPU (gloo) when device is cpu or no GPU is visible. The update "
-                    "is data parallel over groups (N processes take the step one process takes); rollout and "
-                    "evaluate deal the prompts out, each process sampling its share. Under `accelerate launch`/"
-                    "`torchrun` of `grpo train` itself, the launched processes are used instead")
-
-
-class ScoreStageConfig(StageRetryConfig):
-    """The score stage's policy."""
-    during_rollout: bool = Field(
-        True, description="score each group (rule rewards, and code sent to the sandbox) on a helper thread as soon "
-                          "as the rollout has sampled it, so the score stage only adopts the result; applies when "
-                          "the score stage runs where the rollout does (the same work_pool); the evaluate stage "
-                          "scores its answers the same way. Reward functions then see a few whole groups per call "
-                          "instead of the whole batch; turn it off for one that must run on the main thread or "
-                          "would compete with sampling for the accelerator (a reward model)")
-
-
 class StagesConfig(_Section):
-    """Prefect retry policy per stage, and the work pool each stage runs on."""
-    curate: StageRetryConfig = Field(default_factory=StageRetryConfig)
-    rollout: ParallelStageConfig = Field(default_factory=ParallelStageConfig)
-    score: ScoreStageConfig = Field(default_factory=lambda: ScoreStageConfig(retries=2))
-    update: ParallelStageConfig = Field(default_factory=ParallelStageConfig)
-    evaluate: ParallelStageConfig = Field(default_factory=ParallelStageConfig)
+    """Prefect retry policy per stage, and the work pool each stage runs on: a section `stages.<name>` for every
+    stage grpo_core/stages.py registers (its settings class, its defaults when left out)."""
+    model_config = ConfigDict(extra="allow", validate_assignment=True)      # the extras: the stage sections
     gpu_concurrency_tag: str | None = Field(
-        "gpu", description="Prefect tag on the stages that use the accelerator (rollout, update, evaluate); "
+        "gpu", description=f"Prefect tag on the stages that use the accelerator ({', '.join(stage_registry.accelerator_stages())}); "
                            "`prefect concurrency-limit create gpu 1` then lets one such stage run at a time (the stages "
                            "carry the tag while the server has such a limit)")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _stage_sections(cls, data: Any) -> Any:
+        return stage_registry.stage_sections(data, cls.model_fields) if isinstance(data, dict) else data
+
+    @model_serializer(mode="wrap")
+    def _stages_first(self, handler) -> dict:
+        """The stage sections in stage order, then the other fields (as the YAML is written)."""
+        dumped = handler(self)
+        return {**{name: dumped[name] for name in stage_registry.names() if name in dumped}, **dumped}
+
+    def of(self, name: str) -> StageRetryConfig:
+        """The section of stage `name`."""
+        return getattr(self, name)
 
 
 class TrackingConfig(_Section):
@@ -850,6 +825,9 @@ def field_help() -> str:
     lines = []
 
     def walk(model: type[BaseModel], prefix: str):
+        if model is StagesConfig:
+            for s in stage_registry.STAGES:
+                walk(s.settings, f"{prefix}{s.name}.")
         for name, f in model.model_fields.items():
             ann = f.annotation
             if isinstance(ann, type) and issubclass(ann, BaseModel):

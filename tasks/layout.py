@@ -18,10 +18,11 @@ import json
 from pathlib import Path
 from typing import Any
 
+from grpo_core import stages
 from grpo_core.config import GRPOConfig
 from grpo_core.io import read_json, write_json
 
-STAGES = ("curate", "rollout", "score", "update", "evaluate")
+STAGES = stages.names()          # the registered stages' names, in order (grpo_core/stages.py)
 
 # Config parts that change how a run is operated, never what it computes: a resume may change them
 # (e.g. more retries) without invalidating completed stages.

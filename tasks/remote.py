@@ -17,20 +17,16 @@ from typing import Callable
 
 from prefect import flow
 
+from grpo_core import stages
 from grpo_core.config import ConfigError, GRPOConfig
 from tasks import tracking
-from tasks.curate import curate, say
-from tasks.evaluate import evaluate
-from tasks.layout import STAGES, cfg_of
-from tasks.rollout import rollout
-from tasks.score import score
-from tasks.stage import with_policy
-from tasks.update import update
+from tasks.curate import say
+from tasks.layout import cfg_of
+from tasks.stage import registered_task, with_policy
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 STAGE_FLOW = "grpo-stage"
 STAGE_ENTRYPOINT = "tasks/remote.py:stage_flow"
-STAGE_TASKS = {"curate": curate, "rollout": rollout, "score": score, "update": update, "evaluate": evaluate}
 POLL_SECONDS = 1.0              # how often the caller asks the server whether the stage's flow run ended
 
 _deployed: set[str] = set()     # pools whose stage deployment this process has registered
@@ -53,7 +49,7 @@ def prefect_server_url(needed_by: str) -> str:
 
 def stage_pools(cfg: GRPOConfig) -> dict[str, str]:
     """{stage: work pool} for the stages sent to a work pool."""
-    return {name: pool for name in STAGES if (pool := getattr(cfg.stages, name).work_pool)}
+    return {name: pool for name in stages.names() if (pool := cfg.stages.of(name).work_pool)}
 
 
 def check_work_pools(cfg: GRPOConfig) -> None:
@@ -90,13 +86,18 @@ def _work_pool_exists(client, pool: str, url: str) -> bool:
 def stage_runner(stage_task, cfg: GRPOConfig, name: str) -> Callable[..., dict]:
     """The stage as the flow calls it: the Prefect task with its retry policy, in this process; or, with
     `stages.<name>.work_pool` set, a call that runs it on that pool and returns its record."""
-    pool = getattr(cfg.stages, name).work_pool
+    pool = cfg.stages.of(name).work_pool
     if not pool:
         return with_policy(stage_task, cfg, name)
 
     def on_pool(*args, **kwargs) -> dict:
         return run_on_pool(stage_task, cfg, name, pool, stage_task.fn.arguments_of(*args, **kwargs))
     return on_pool
+
+
+def registered_runner(name: str, cfg: GRPOConfig) -> Callable[..., dict]:
+    """stage_runner for the registered stage `name` (grpo_core/stages.py)."""
+    return stage_runner(registered_task(name), cfg, name)
 
 
 def run_on_pool(stage_task, cfg: GRPOConfig, name: str, pool: str, arguments: dict) -> dict:
@@ -147,7 +148,7 @@ def _deployment_for(pool: str) -> str:
 
 @flow(name=STAGE_FLOW)
 def stage_flow(stage: str, arguments: dict, working_dir: str | None = None) -> dict:
-    """Run one stage (`stage`: curate | rollout | score | update | evaluate) with its config's retry policy and
+    """Run one registered stage (grpo_core/stages.py) with its config's retry policy and
     tags. `working_dir` is the caller's: relative paths in the config mean the same here when it exists."""
     cfg = cfg_of(arguments["config"])
     if working_dir and Path(working_dir).is_dir():
@@ -156,4 +157,4 @@ def stage_flow(stage: str, arguments: dict, working_dir: str | None = None) -> d
         raise ConfigError(f"output_dir {cfg.output_dir!r} is relative and the run's working directory {working_dir!r} "
                           f"does not exist on this worker: set output_dir to an absolute path on storage the workers "
                           f"share")
-    return with_policy(STAGE_TASKS[stage], cfg, stage)(**arguments)
+    return with_policy(registered_task(stage), cfg, stage)(**arguments)

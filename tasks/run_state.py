@@ -9,8 +9,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from grpo_core import stages
 from grpo_core.io import pid_alive, read_json, write_json
-from tasks.layout import STAGES
 
 
 def mlflow_run_id(run_dir: str | Path) -> str | None:
@@ -66,7 +66,7 @@ def last_completed_stage(run_dir: str | Path) -> tuple[int, str] | None:
             k = int(d.name.split("-", 1)[1])
         except ValueError:
             continue
-        for i, st in enumerate(STAGES):
+        for i, st in enumerate(stages.names()):
             if (d / f"{st}.json").exists() and (best is None or (k, i) > best[:2]):
                 best = (k, i, st)
     return None if best is None else (best[0], best[2])

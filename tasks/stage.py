@@ -12,17 +12,18 @@ stage runs: in the training run's process or on a work pool (tasks/remote.py).
 from __future__ import annotations
 
 import functools
+import importlib
 import inspect
 import time
 from typing import Callable
 
 from prefect import task
 
+from grpo_core import stages
 from grpo_core.config import GRPOConfig
 from tasks.layout import cfg_of, completed_record, finish_stage, input_key
 from tasks.retry import retry_transient_only
 
-GPU_STAGES = ("rollout", "update", "evaluate")
 LIMIT_CHECK_SECONDS = 30.0            # how long the answer to "is there a limit for the tag?" is kept
 _limit_checks: dict[tuple[str, str], tuple[float, bool]] = {}
 
@@ -61,6 +62,12 @@ def stage(name: str, key: Callable[..., dict]):
     return decorate
 
 
+def registered_task(name: str):
+    """The Prefect task of the registered stage `name` (grpo_core/stages.py names it as "module:attribute")."""
+    module, _, attribute = stages.named(name).task.partition(":")
+    return getattr(importlib.import_module(module), attribute)
+
+
 def tag_is_limited(tag: str) -> bool:
     """Whether the Prefect server has a concurrency limit for `tag` (`prefect concurrency-limit create TAG N`),
     asked at most every LIMIT_CHECK_SECONDS per server. A tagged task run asks the server for a slot of each of
@@ -86,10 +93,10 @@ def tag_is_limited(tag: str) -> bool:
 def with_policy(stage_task, cfg: GRPOConfig, name: str):
     """The stage task with its configured retries: exponential backoff, transient errors only, and the
     GPU concurrency tag on the stages that use the accelerator when the server limits that tag."""
-    policy = getattr(cfg.stages, name)
+    policy = cfg.stages.of(name)
     opts = dict(retries=policy.retries, retry_delay_seconds=policy.delays() or 0,
                 retry_jitter_factor=policy.retry_jitter_factor, retry_condition_fn=retry_transient_only)
     tag = cfg.stages.gpu_concurrency_tag
-    if name in GPU_STAGES and tag and tag_is_limited(tag):
+    if stages.named(name).accelerator and tag and tag_is_limited(tag):
         opts["tags"] = {tag}
     return stage_task.with_options(**opts)

@@ -67,12 +67,12 @@ def isolated_run_env(tmp: Path, tiny_model_dir: Path):
 
 def tiny_config(tmp_path: Path, **overrides) -> dict:
     """A seconds-long config on the tiny model (a plain dict, as the flow receives it)."""
+    from grpo_core import stages
     from grpo_core.config import GRPOConfig
     base = dict(model="tiny-random", run_name="t", output_dir=str(tmp_path / "runs"), pipeline_iterations=2,
                 num_generations=4, max_completion_length=8, steps_per_iteration=1, learning_rate=1e-2,
                 data=dict(prompts_per_iteration=2, eval_size=4), eval=dict(num_samples=1),
-                stages=dict(curate=dict(retries=0), rollout=dict(retries=0), score=dict(retries=0),
-                            update=dict(retries=0), evaluate=dict(retries=0)))
+                stages={name: dict(retries=0) for name in stages.names()})
     for k, v in overrides.items():
         if isinstance(v, dict) and isinstance(base.get(k), dict):
             base[k] = {**base[k], **v}

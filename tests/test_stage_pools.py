@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from grpo_core.stages import accelerator_stages
 from grpo_core.io import stop_process_group
 
 from tests.conftest import tiny_config
@@ -24,7 +25,6 @@ from tests.conftest import tiny_config
 REPO = Path(__file__).resolve().parent.parent
 BIN = Path(sys.executable).parent
 POOLS = {"curate": None, "score": "cpu-pool", "rollout": "gpu-pool", "update": "gpu-pool", "evaluate": "gpu-pool"}
-GPU_STAGES = ("rollout", "update", "evaluate")
 RUNS = ("pools-a", "pools-b")
 
 
@@ -231,7 +231,7 @@ def test_stages_run_on_their_pools_and_share_one_gpu_slot(tmp_path, tiny_model_d
                 assert (fr.work_pool_name, fr.work_queue_name) == (POOLS[name], "default"), fr.name
                 (task_run,) = _task_runs(client, [fr.id])
                 assert task_run.name.startswith(name) and task_run.state.is_completed()
-                assert ("gpu" in task_run.tags) == (name in GPU_STAGES), (fr.name, task_run.tags)
+                assert ("gpu" in task_run.tags) == (name in accelerator_stages()), (fr.name, task_run.tags)
             curated = client.read_task_runs(task_run_filter=TaskRunFilter(name=TaskRunFilterName(like_="curate")))
             # at least one completed curate per run (a third record was seen once, cause not yet known)
             assert sum(tr.state.is_completed() for tr in curated) >= 2, [(tr.name, tr.state.type) for tr in curated]

@@ -9,11 +9,15 @@
 # same config and tokenizer and RANDOM weights (seed 0), and the step speed runs on that, labelled as such.
 # 1) step speed bf16 on CUDA, ours and TRL side by side (ours alone if the TRL run fails), 2) peak memory of one
 # GRPO step for the ~1B Llama-style model (target < 16 GB), 3) the core tests against the device's torch and
-# transformers, 4) the vLLM backend smoke (only if vllm is installed). Each part has its own timeout and all of
-# them one overall deadline (TOTAL seconds, default 480); a failing part does not stop the others.
-# OUT gets at most 6 files: summary.txt, log.txt (everything), tests.txt, memory.json, speed_cuda_bf16.json and
-# speed_vllm.json. Knobs (environment): GRPO_COMMIT, PY, GRPO_HOME, GRPO_SITE, TOTAL, T_SPEED, T_MEMORY, T_TESTS, T_VLLM,
-# DEVICE (cuda; cpu for a dry run of the script without a GPU), STEPS, WARMUP, TRL (0: never run TRL).
+# transformers, 4) the vLLM backend smoke (only if vllm is installed), 5) the memory and seconds of one update
+# step for the sizes users train (bench/memory.py --matrix: 6 models x gradient checkpointing x
+# cast_lm_head_to_fp32, bf16, with the GPU estimate of docs/speed.md next to each; SIZES=0 skips it). Each part
+# has its own timeout and all of them one overall deadline (TOTAL seconds, default 480); a failing part does not
+# stop the others (part 5 comes last and gets what the others leave of TOTAL; TOTAL=580 gives it its T_SIZES).
+# OUT gets at most 7 files: summary.txt, log.txt (everything), tests.txt, memory.json, speed_cuda_bf16.json,
+# speed_vllm.json and memory_sizes.json. Knobs (environment): GRPO_COMMIT, PY, GRPO_HOME, GRPO_SITE, TOTAL, T_SPEED,
+# T_MEMORY, T_TESTS, T_VLLM, T_SIZES, SIZES, DEVICE (cuda; cpu for a dry run of the script without a GPU), STEPS,
+# WARMUP, TRL (0: never run TRL).
 set -u
 OUT=${1:-${OUT:-bench-out}}
 if ! mkdir -p "$OUT" || ! OUT=$(cd "$OUT" && pwd); then echo "cannot create OUT=$OUT" >&2; exit 1; fi
@@ -21,6 +25,7 @@ cd "$(dirname "$0")/.." || exit 1
 PY=${PY:-python3}
 DEVICE=${DEVICE:-cuda}
 TOTAL=${TOTAL:-480} T_SPEED=${T_SPEED:-150} T_MEMORY=${T_MEMORY:-100} T_TESTS=${T_TESTS:-150} T_VLLM=${T_VLLM:-120}
+T_SIZES=${T_SIZES:-240}
 STEPS=${STEPS:-3} WARMUP=${WARMUP:-1}
 SITE=${GRPO_SITE:-/tmp/site}
 DEFAULT_MODEL=smollm2-135m-instruct
@@ -29,7 +34,7 @@ export PYTHONUNBUFFERED=1
 FAILED=0
 TMPD=$(mktemp -d) || exit 1
 trap 'rm -rf "$TMPD"' EXIT
-rm -f "$OUT/summary.txt" "$OUT/speed_cuda_bf16.json" "$OUT/memory.json" "$OUT/speed_vllm.json"
+rm -f "$OUT/summary.txt" "$OUT/speed_cuda_bf16.json" "$OUT/memory.json" "$OUT/speed_vllm.json" "$OUT/memory_sizes.json"
 
 say() { echo "$*" | tee -a "$OUT/summary.txt"; }
 
@@ -188,7 +193,7 @@ EOF
 
   say "== 2. peak memory, 1B Llama-style, LoRA, G=8, 256 new tokens, gradient checkpointing, bf16"
   run_part memory "$T_MEMORY" $PY bench/memory.py --device "$DEVICE" --json "$OUT/memory.json"
-  grep -E "^layers=|ESTIMATE" "$TMPD/memory.log" | sed 's/^/   /' | tee -a "$OUT/summary.txt"
+  grep -E "layers=|ESTIMATE" "$TMPD/memory.log" | sed 's/^/   /' | tee -a "$OUT/summary.txt"
 
   # These tests pin device=cpu: on the GPU machine they check the code against its torch/transformers versions.
   say "== 3. core tests with the device's packages"
@@ -208,6 +213,14 @@ EOF
     grep -E "^ +ours|RSS" "$TMPD/vllm.log" | sed 's/^/   /' | tee -a "$OUT/summary.txt"
   else
     say "== 4. vLLM not installed: skipped"
+  fi
+
+  if [ "${SIZES:-1}" != 0 ]; then
+    # The table of docs/speed.md "Memory of the sizes users train", here in bf16 (the CPU's is bench/results/).
+    say "== 5. memory and seconds per update step of the sizes users train: LoRA, G=8, 256 new tokens, bf16"
+    run_part sizes "$T_SIZES" $PY bench/memory.py --matrix --device "$DEVICE" --dtype bfloat16 --skip-generate \
+      --chunk-rows 4 --json "$OUT/memory_sizes.json"
+    sed -n '/^model /,$p' "$TMPD/sizes.log" | sed 's/^/   /' | tee -a "$OUT/summary.txt"
   fi
   say "== done in ${SECONDS}s, $FAILED part(s) failed or timed out; figures in $OUT: $(cd "$OUT" && ls | tr '\n' ' ')"
   [ "$FAILED" = 0 ]

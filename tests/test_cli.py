@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-COMMANDS = {"train", "config", "model", "eval", "resume", "runs", "schedule", "compare", "adapter", "data", "sandbox", "export", "infra"}
+COMMANDS = {"train", "config", "model", "eval", "resume", "runs", "schedule", "compare", "adapter", "data", "sandbox", "export", "infra", "gate"}
 
 
 def test_every_command_group_registers():

@@ -3,9 +3,9 @@ fused per layer (q|k|v in one matrix, gate|up in another), in one buffer on 2 Mi
 
 A decode step of a small model at a few dozen rows reads every weight once and does little arithmetic
 per byte, so it runs at the speed memory delivers the weights. On virtual machines that speed depends on
-the page size: with 4 KiB pages every few KiB of weight is a TLB miss with a two-level page walk; on the
-2-vCPU Xeon this was written on, decode-shaped matmuls read their weights at 2.5-6.3 GB/s on 4 KiB pages
-and 8.5-9 GB/s on 2 MiB pages (`bench/floor.py` measures both here). Fusing halves the number of matmuls
+the page size: with 4 KiB pages every few KiB of weight is a TLB miss with a two-level page walk, and
+decode-shaped matmuls read their weights markedly slower than on 2 MiB pages (`bench/floor.py` measures
+both; the figures are in docs/speed.md). Fusing halves the number of matmuls
 per layer (7 -> 4) and the other per-token work is a handful of tensor ops per layer (fused RMSNorm,
 rotary tables computed once per batch, one KV-cache write).
 

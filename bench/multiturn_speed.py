@@ -14,8 +14,10 @@ replaced, in ours (grpo_core.multiturn.parse_tool_calls) and in TRL (its parse_r
 ends by the token budget ends the rollout in both.
 
 Contenders, interleaved round by round in one process so machine noise hits all alike (the first round is a
-warm-up): `one-turn` (our rollout, no tools), `ours T=1,2,4` (our tool loop: each row's later turns continue
-its own KV cache, its calls run while the other rows decode), `re-encoded T=2,4` (our tool loop with that
+warm-up): `one-turn` (our rollout, no tools), `ours T=1,2,4` (our tool loop as configured by default: each
+row's later turns continue its own KV cache, the calls of a step run during the next decode step and the
+batch then waits for them, reproducible), `overlap T=2,4` (tool_calls_overlap: the other rows keep decoding
+for as long as the calls take), `re-encoded T=2,4` (our tool loop with that
 off: the calls of a round run together, then each conversation is re-encoded for the next turn, as the `hf`
 and `vllm` samplers do), `trl T=1,2,4` (TRL's GRPOTrainer._generate with the same tool). Prints median seconds per rollout and model tokens per second
 (tokens the model sampled: TRL's tool-response tokens are not counted), with the machine, versions and commit.
@@ -69,10 +71,10 @@ class Ours:
         self.tok.chat_template = qwen_template()
         self.tool = tool_of(lookup, "bench")
 
-    def run(self, turns: int | None, k: int, stream: bool = True) -> tuple[float, int]:
+    def run(self, turns: int | None, k: int, stream: bool = True, overlap: bool = False) -> tuple[float, int]:
         cfg = self.o.cfg
         params = SamplingParams(max_new_tokens=cfg.max_completion_length, temperature=1.0, seed=k)
-        toolbox = None if turns is None else multiturn.Toolbox([self.tool], max_iterations=turns - 1)
+        toolbox = None if turns is None else multiturn.Toolbox([self.tool], max_iterations=turns - 1, overlap=overlap)
         real = multiturn.parse_tool_calls
         multiturn.parse_tool_calls = always_call
         streams = type(self.o.backend).streams_turns
@@ -159,6 +161,7 @@ def main(argv=None) -> dict:
     trl = None if args.no_trl else TRLLoop(args, lookup, tempfile.mkdtemp(prefix="bench-trl-"))
     contenders = {"one-turn": lambda k: ours.run(None, k)}
     contenders.update({f"ours T={t}": (lambda k, t=t: ours.run(t, k)) for t in TURNS})
+    contenders.update({f"overlap T={t}": (lambda k, t=t: ours.run(t, k, overlap=True)) for t in TURNS if t > 1})
     contenders.update({f"re-encoded T={t}": (lambda k, t=t: ours.run(t, k, stream=False)) for t in TURNS if t > 1})
     if trl is not None:
         contenders.update({f"trl T={t}": (lambda k, t=t: trl.run(t, k)) for t in TURNS})

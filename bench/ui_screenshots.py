@@ -214,6 +214,13 @@ def compare_runs(page, base: str, experiment_id: str, run_ids: list[str], shots:
     return {"url": page.url, "screenshot": str(shoot(page, shots, "mlflow-compare")), "text": page.inner_text("body")}
 
 
+def model_version_page(page, base: str, name: str, version: str, shots: Path) -> dict:
+    """A registered model version's page (where its lineage tags are shown): the page's text."""
+    open_page(page, f"{base}/#/models/{name}/versions/{version}", f"text=Version {version}")
+    page.get_by_text("data_hash", exact=True).first.wait_for()
+    return {"screenshot": str(shoot(page, shots, f"mlflow-model-version-{version}")), "text": page.inner_text("body")}
+
+
 # -- Prefect ------------------------------------------------------------------------------------------------
 
 def flow_run_page(page, base: str, flow_run_id: str, shots: Path) -> dict:

@@ -637,6 +637,12 @@ class GRPOConfig(_Section):
                                 "max_completion_length, counted over the model's own tokens, runs out)")
     tool_timeout: float = Field(30.0, gt=0, description="seconds one tool call may take; after that the model gets "
                                 "an error text as the tool's response")
+    tool_calls_overlap: bool = Field(
+        False, description="with the KV-cache samplers, rows keep decoding for as long as other rows' tool calls run "
+                           "(faster with slow tools), but a row then rejoins at a step that depends on how long its "
+                           "calls took, so the same seed no longer gives the same rollouts bit for bit (a resumed "
+                           "iteration matches only in distribution); off: the calls of a step run during the next "
+                           "decode step and the batch waits for them, reproducible")
 
     @field_validator("tools")
     @classmethod

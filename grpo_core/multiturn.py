@@ -12,8 +12,11 @@ the model's last turn (its answer); an environment with `get_reward()` judges th
 score is kept in `Sample.extra["environment_reward"]`.
 
 With our own sampler (`static`, every decode path) the turns are streamed: a row whose turn ends waits in
-the KV cache while its calls run on worker threads and the other rows keep decoding; its tool turn is then
-fed after its own cache, so no turn re-encodes the conversation (`TurnController` steers the sampler's loop,
+the KV cache while its calls run on worker threads and the other rows decode; its tool turn is then fed
+after its own cache, so no turn re-encodes the conversation. By default the calls of a step run during the
+next decode step and the batch then waits for them, so a seed gives the same rollouts bit for bit (a killed
+iteration resumes exactly); with `tool_calls_overlap` the other rows keep decoding for as long as the calls
+take (faster with slow tools, but the rollouts then depend on timing) (`TurnController` steers the sampler's loop,
 `KVCacheSampler._interact_batch`). Other samplers (`hf`, `vllm`) run the calls of a round together and
 re-encode each conversation for the next turn in one batched prefill, as TRL does. The tools, environments
 and their contract (TRL's) are in grpo_core.tools; the samplers in grpo_core.rollout.
@@ -43,6 +46,7 @@ class Toolbox:
     environments: dict[str | None, Callable[[], object]] | None = None   # {None: factory} or {name: factory}
     max_iterations: int | None = None          # rounds of tool calls per rollout (None: until the budget ends)
     timeout: float = 30.0                      # seconds per tool call
+    overlap: bool = False                      # rows keep decoding while calls run (not reproducible bit for bit)
 
     @classmethod
     def from_config(cls, cfg, tools: Sequence[str] | None = None) -> "Toolbox | None":
@@ -53,7 +57,8 @@ class Toolbox:
         if not entries and environment is None:
             return None
         envs = resolve_environments(environment, cfg.sandbox) if environment is not None else None
-        return cls(resolve_tools(entries, cfg.sandbox), envs, cfg.max_tool_calling_iterations, cfg.tool_timeout)
+        return cls(resolve_tools(entries, cfg.sandbox), envs, cfg.max_tool_calling_iterations, cfg.tool_timeout,
+                   cfg.tool_calls_overlap)
 
     def environment_for(self, task: Task) -> object | None:
         """A fresh environment for one rollout of `task` (a dict of environments: chosen by `meta.environment`)."""
@@ -339,7 +344,11 @@ class TurnController:
             self.running[job] = rows
 
     def ready(self) -> list[tuple[int, list[int] | None]]:
-        """(row, the tokens it reads next) for each row whose calls returned; None: no room left, it is done."""
+        """(row, the tokens it reads next) for each row whose calls returned; None: no room left, it is done.
+        Without `overlap` every call started so far is waited for: a row rejoins at the step after its turn
+        ended, whatever its calls took, so the rollouts do not depend on timing."""
+        if not self.toolbox.overlap and self.running:
+            concurrent.futures.wait(list(self.running))
         out = []
         for job in [j for j in self.running if j.done()]:
             for row, results in zip(self.running.pop(job), job.result()):

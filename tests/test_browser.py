@@ -74,8 +74,9 @@ def test_printed_link_opens_the_runs_in_the_training_view_with_dataset_and_sourc
     assert "/runs?" in got["url"] and tracking.TRAINING_VIEW in got["url"]
     assert "Model registry" in got["sidebar"] and "Evaluation runs" not in got["sidebar"], got["sidebar"]
     assert [cell.splitlines()[-1] for cell in got["runs"]] == ["run-b", "run-a"]        # newest first
-    digest = seen.mlflow_runs[0].data.tags["dataset_hash"]
-    for cell in got["datasets"]:
+    # each run its own digest: the second run's data also holds the gate set the first one stored (data/gate.jsonl)
+    for cell, run in zip(got["datasets"], reversed(seen.mlflow_runs), strict=True):
+        digest = run.data.tags["dataset_hash"]
         assert cell.startswith(f"arithmetic ({digest})\nTraining"), cell                   # the training data first
         assert "heldout (" in cell and "Evaluation" in cell
     assert got["sources"] == ["grpo train", "grpo train"]
@@ -107,6 +108,22 @@ def test_two_runs_open_in_the_compare_view(seen):
     assert "Comparing 2 Runs" in got["text"] and all(i in got["text"] for i in ids)
     rates = [r.data.params["learning_rate"] for r in seen.mlflow_runs]
     assert f"learning_rate\t{rates[0]}\t{rates[1]}" in got["text"], "the parameter that differs, side by side"
+
+
+def test_each_registered_version_shows_its_lineage(seen):
+    """The model registry's version pages show where each adapter came from: the champion it started from, the
+    training data's and the config's hashes, the commit; the second run's page shows the gate's decision."""
+    from mlflow.tracking import MlflowClient
+    from grpo_core.config import load_config
+    name = load_config(seen.work / "runs" / "run-a" / "config.yaml", []).tracking.registered_model_name
+    versions = MlflowClient(tracking_uri=seen.mlflow).search_model_versions(f"name='{name}'")
+    assert sorted(v.version for v in versions) == ["1", "2"]
+    for v in versions:
+        got = ui.model_version_page(seen.page, seen.mlflow, v.name, v.version, seen.shots)
+        for key in ("data_hash", "config_hash", "git_commit"):
+            shown = re.search(rf"\b{key}\s+{re.escape(v.tags[key])}\s", got["text"])    # the tags table: key, value
+            assert v.tags[key] and shown, (v.version, key, got["text"][-2000:])
+        assert ("first champion" if v.version == "1" else "gate_p_value") in got["text"]   # 2 was gated against 1
 
 
 def test_prefect_flow_run_page_lists_the_stage_task_runs(seen):

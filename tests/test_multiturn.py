@@ -513,7 +513,7 @@ def test_streamed_turns_match_re_encoded_turns_greedily(grpo_home, monkeypatch):
     assert max(s.extra["turns"] for s in streamed) >= 3
 
 
-def test_a_slow_tool_call_runs_while_the_other_rows_decode(grpo_home, monkeypatch):
+def test_with_overlap_a_slow_tool_call_runs_while_the_other_rows_decode(grpo_home, monkeypatch):
     from grpo_core.kernels.fused_decode import FusedDecoder
     from grpo_core.policy import load_policy
     from grpo_core.tools import tool_of
@@ -523,13 +523,44 @@ def test_a_slow_tool_call_runs_while_the_other_rows_decode(grpo_home, monkeypatc
     backend = KVCacheSampler(policy.model, policy.tokenizer, CPU, progress=False)
     record = Recorder(monkeypatch, FusedDecoder)
     calls = []
-    box = Toolbox([tool_of(make_lookup(calls, 0.4), "test")], max_iterations=2)
+    box = Toolbox([tool_of(make_lookup(calls, 0.4), "test")], max_iterations=2, overlap=True)
     rollout(backend, policy.tokenizer, [math_task(i) for i in range(2)], 4, SamplingParams(max_new_tokens=48, seed=1),
             "", 1024, toolbox=box)
     (start, end), rest = calls[0], calls[1:]
     assert end - start >= 0.4
     assert sum(start < t < end for t in record.steps) >= 5               # the others decoded meanwhile
     assert any(start < s < end for s, _ in rest)                          # and their calls ran meanwhile too
+
+
+def test_without_overlap_the_rollouts_do_not_depend_on_how_long_the_calls_take(grpo_home, monkeypatch):
+    """The default (tool_calls_overlap off): sampled rollouts with calls of random durations are the rollouts
+    with instant calls, token for token, so a killed iteration resumes to the same adapter."""
+    import random
+    from grpo_core.policy import load_policy
+    from grpo_core.tools import tool_of
+    random_model_calls(monkeypatch)
+    cfg = GRPOConfig(model="tiny-random", device="cpu", dtype="float32", lora_r=4, lora_alpha=8)
+    policy = load_policy(cfg, need_reference=False)
+    jitter = random.Random(0)
+
+    def lookup(key: str) -> str:
+        """Look a key up.
+
+        Args:
+            key: the key.
+        """
+        time.sleep(delay())
+        return "the record: blue 42"
+    out = []
+    for delay in (lambda: 0.0, lambda: jitter.choice([0.0, 0.0, 0.01, 0.05])):
+        backend = KVCacheSampler(policy.model, policy.tokenizer, CPU, progress=False)
+        box = Toolbox([tool_of(lookup, "test")], max_iterations=3)
+        out.append(rollout(backend, policy.tokenizer, [math_task(i) for i in range(3)], 4,
+                           SamplingParams(max_new_tokens=48, seed=3, logprobs=True), "", 1024, toolbox=box))
+    instant, jittered = out
+    assert max(s.extra["turns"] for s in instant) >= 3
+    assert [s.completion_ids for s in instant] == [s.completion_ids for s in jittered]
+    assert [s.sampler_logprobs for s in instant] == [s.sampler_logprobs for s in jittered]
 
 
 @pytest.mark.slow            # the taught model is made once per session (shared with the pipeline test)

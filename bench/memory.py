@@ -298,6 +298,33 @@ def _full_params(name: str, res: dict) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
+def lora_attention_params(mcfg, r: int = 16) -> int:
+    """LoRA r on q, k, v and o of every layer (`lora_target_modules: auto`): r * (in + out) per projection."""
+    H = mcfg.hidden_size
+    hd = getattr(mcfg, "head_dim", None) or H // mcfg.num_attention_heads
+    q, kv = mcfg.num_attention_heads * hd, mcfg.num_key_value_heads * hd
+    return mcfg.num_hidden_layers * r * ((H + q) + 2 * (H + kv) + (q + H))
+
+
+def estimate_table(args) -> list[dict]:
+    """--estimate-only: the formula's GPU (bf16) figures for every cell of --models, nothing run."""
+    rows = []
+    print(f"{'model':14} {'params':>7} {'ckpt':>4} {'cast':>4} {'weights':>8} {'activ.':>7} {'lm_head':>8} "
+          f"{'total GiB':>9}")
+    for model in args.models:
+        mcfg = model_config(model, PRESETS[model][2])
+        n = _full_params(model, {"full_layers": PRESETS[model][2]})
+        for ckpt in args.checkpointing_values:
+            for cast in args.cast_values:
+                a = argparse.Namespace(**{**vars(args), "gradient_checkpointing": ckpt, "cast_lm_head_to_fp32": cast})
+                e = memory_estimate(mcfg, n, lora_attention_params(mcfg), a, torch.bfloat16)
+                rows.append({"model": model, "params_b": n / 1e9, "gradient_checkpointing": ckpt == "on",
+                             "cast_lm_head_to_fp32": cast == "on", "gpu_estimate_bf16": e})
+                print(f"{model:14} {n / 1e9:6.2f}B {ckpt:>4} {cast:>4} {e['weights']:8.2f} {e['activations']:7.2f} "
+                      f"{e['lm_head']:8.2f} {e['total']:9.2f}", flush=True)
+    return rows
+
+
 def _cell_key(c: dict) -> tuple:
     return c["model"], c["gradient_checkpointing"], c["cast_lm_head_to_fp32"]
 
@@ -362,7 +389,7 @@ def main(argv=None):
     ap.add_argument("--group-size", type=int, default=8)
     ap.add_argument("--prompt-tokens", type=int, default=64)
     ap.add_argument("--new-tokens", type=int, default=256)
-    ap.add_argument("--chunk-rows", type=int, default=2)
+    ap.add_argument("--chunk-rows", type=int, default=4, help="logit_chunk_rows (the pipeline's default: 4)")
     ap.add_argument("--skip-generate", action="store_true", help="random completions instead of sampling them")
     ap.add_argument("--onednn", default="plain", choices=["plain", "packed", "off"],
                     help="CPU only: fp32 linears through oneDNN reading the plain weights (default: fast, no extra "
@@ -370,6 +397,9 @@ def main(argv=None):
                          "PyTorch's default MKL path")
     ap.add_argument("--json")
     ap.add_argument("--reestimate", action="store_true", help="recompute the formula's figures of the --json matrix")
+    ap.add_argument("--estimate-only", action="store_true",
+                    help="print the formula's GPU (bf16) memory for every --models x checkpointing x cast cell; runs "
+                         "nothing (seconds)")
     ap.add_argument("--single", type=int, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     device = torch.device("cuda" if args.device == "auto" and torch.cuda.is_available() else
@@ -382,6 +412,11 @@ def main(argv=None):
         return r
     if args.reestimate:
         return reestimate(Path(args.json), args)
+    if args.estimate_only:
+        rows = estimate_table(args)
+        if args.json:
+            Path(args.json).write_text(json.dumps({"settings": vars(args), "cells": rows}, indent=1))
+        return rows
     if args.matrix:
         return run_matrix(args, device, dtype)
     res = {"device": str(device), "dtype": str(dtype), "group_size": args.group_size, "new_tokens": args.new_tokens,

@@ -65,3 +65,14 @@ def test_matrix_runs_end_to_end(tmp_path):
         assert c["peak_gib"] > 0 and c["update_seconds"] > 0 and len(c["loadavg_start"]) == 3
         assert c["runs"][0]["dtype"] == "bfloat16" and not c["measured"]          # 1 of 28 layers: not the model
         assert c["gpu_estimate_bf16"]["weights"] == pytest.approx(0.596e9 * 2 / 2**30, rel=2e-3)
+
+
+@pytest.mark.parametrize("name", ["qwen3-0.6b", "gemma-3-1b"])
+def test_estimate_only_counts_the_lora_parameters_peft_makes(name):
+    """--estimate-only counts LoRA's parameters from the shapes; peft's own count on a 2-layer copy agrees."""
+    from grpo_core.models import attach_lora
+    with torch.device("meta"):
+        base = memory.build_model(name, 2, torch.device("meta"), torch.float32)
+    model = attach_lora(base, 16, 32, 0.0, ["auto"])
+    made = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    assert memory.lora_attention_params(memory.model_config(name, 2)) == made

@@ -16,8 +16,8 @@ the KV cache while its calls run on worker threads and the other rows decode; it
 after its own cache, so no turn re-encodes the conversation. By default the calls of a step run during the
 next decode step and the batch then waits for them, so a seed gives the same rollouts bit for bit (a killed
 iteration resumes exactly); with `tool_calls_overlap` the other rows keep decoding for as long as the calls
-take (faster with slow tools, but the rollouts then depend on timing) (`TurnController` steers the sampler's loop,
-`KVCacheSampler._interact_batch`). Other samplers (`hf`, `vllm`) run the calls of a round together and
+take (faster with slow tools, but the rollouts then depend on timing). `TurnController` steers the sampler's
+loop, `KVCacheSampler._interact_batch`. Other samplers (`hf`, `vllm`) run the calls of a round together and
 re-encode each conversation for the next turn in one batched prefill, as TRL does. The tools, environments
 and their contract (TRL's) are in grpo_core.tools; the samplers in grpo_core.rollout.
 """

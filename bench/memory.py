@@ -184,6 +184,12 @@ def one_step(layers: int, args, device, dtype) -> dict:
     return out
 
 
+def attention_widths(mcfg) -> tuple[int, int]:
+    """(query width, key/value width) of one layer: heads x head_dim."""
+    hd = getattr(mcfg, "head_dim", None) or mcfg.hidden_size // mcfg.num_attention_heads
+    return mcfg.num_attention_heads * hd, mcfg.num_key_value_heads * hd
+
+
 def memory_estimate(mcfg, n_params: int, n_lora: int, args, dtype: torch.dtype) -> dict:
     """The formula of docs/speed.md ("Memory of the sizes users train"), GiB by part, for this model and step at
     `dtype` (weights and activations in it; LoRA, its grads and Adam state, and the loss in fp32). The runtime
@@ -192,8 +198,7 @@ def memory_estimate(mcfg, n_params: int, n_lora: int, args, dtype: torch.dtype) 
     ckpt, cast = args.gradient_checkpointing == "on", args.cast_lm_head_to_fp32 == "on" and b < 4
     G, P, L, rows = args.group_size, args.prompt_tokens, args.new_tokens, args.chunk_rows
     H, I, V, n = mcfg.hidden_size, mcfg.intermediate_size, mcfg.vocab_size, mcfg.num_hidden_layers
-    hd = getattr(mcfg, "head_dim", None) or H // mcfg.num_attention_heads
-    q, kv = mcfg.num_attention_heads * hd, mcfg.num_key_value_heads * hd
+    q, kv = attention_widths(mcfg)
     T = G * (P + L)                                   # tokens of the group's padded rows
     layer = T * (4 * H + 2 * q + 2 * kv + 4 * I) * b  # what autograd keeps of one decoder layer for its backward
     parts = {
@@ -300,9 +305,7 @@ def _full_params(name: str, res: dict) -> int:
 
 def lora_attention_params(mcfg, r: int = 16) -> int:
     """LoRA r on q, k, v and o of every layer (`lora_target_modules: auto`): r * (in + out) per projection."""
-    H = mcfg.hidden_size
-    hd = getattr(mcfg, "head_dim", None) or H // mcfg.num_attention_heads
-    q, kv = mcfg.num_attention_heads * hd, mcfg.num_key_value_heads * hd
+    H, (q, kv) = mcfg.hidden_size, attention_widths(mcfg)
     return mcfg.num_hidden_layers * r * ((H + q) + 2 * (H + kv) + (q + H))
 
 

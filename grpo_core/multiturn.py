@@ -282,8 +282,9 @@ class TurnController:
     """Steers a streaming sampler through multi-turn rollouts (`KVCacheSampler._interact_batch`): it hears of
     every sampled token (`sampled` -> "go" on, the turn is over and the row "wait"s for its tool turn, or
     the row is "done"), starts the calls of the turns that ended in a step on worker threads (`flush`), and
-    hands each row's tool turn back as soon as its calls return (`ready`): the tokens the row must read before
-    its next turn, which are every token of its episode not yet in its KV cache."""
+    hands each row's tool turn back (`ready`: at the next step, or with `overlap` as soon as its calls return):
+    the tokens the row must read before its next turn, which are every token of its episode not yet in its KV
+    cache."""
 
     def __init__(self, tokenizer, episodes: list[Episode], toolsets: list[dict[str, Tool]], toolbox: Toolbox,
                  openings: list[str], template_kwargs: dict, budget: int):

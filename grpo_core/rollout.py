@@ -395,7 +395,6 @@ class KVCacheSampler(BatchedBackend):
             return [Completion(ids, lps) for ids, lps in zip(produced, produced_logprobs)]
         return produced
 
-
     CHUNK = 256              # the most tokens of a tool turn fed to every row at once
 
     @property

@@ -121,7 +121,7 @@ def fetch_parent_questions(cfg: GRPOConfig, run_dir: str | Path, init_adapter_ur
     if dst.is_file() or not init_adapter_uri or not init_adapter_uri.startswith(("runs:/", "models:/")):
         return dst if dst.is_file() else None
     try:
-        parent_run = init_adapter_uri[len("runs:/"):].split("/", 1)[0] if init_adapter_uri.startswith("runs:/") \
+        parent_run = tracking.runs_uri(init_adapter_uri)[0] if init_adapter_uri.startswith("runs:/") \
             else tracking.model_version(tracking.client(cfg), init_adapter_uri).run_id
         with tempfile.TemporaryDirectory() as tmp:
             got = tracking.download_artifacts(cfg, parent_run, f"data/{QUESTIONS_FILE}", tmp)

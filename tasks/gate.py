@@ -71,7 +71,7 @@ def fetch_gate_set(cfg: GRPOConfig, gate_set: dict) -> Path:
     local = _home_copy(cfg.tracking.registered_model_name, gate_set["hash"])
     if not local.is_file() or content_hash(local) != gate_set["hash"]:
         import tempfile
-        run_id, _, path = gate_set["uri"][len("runs:/"):].partition("/")
+        run_id, path = tracking.runs_uri(gate_set["uri"])
         with tempfile.TemporaryDirectory() as tmp:
             got = tracking.download_artifacts(cfg, run_id, path, tmp)
             atomic_write_text(local, got.read_text())

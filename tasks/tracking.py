@@ -431,13 +431,19 @@ def parent_version(cfg: GRPOConfig, uri: str) -> str | None:
         if uri.startswith("models:/"):
             return str(model_version(c, uri).version)
         if uri.startswith("runs:/") and name:
-            run_id, _, path = uri[len("runs:/"):].partition("/")
+            run_id, path = runs_uri(uri)
             for mv in c.search_model_versions(f"name='{name}' and run_id='{run_id}'"):
                 if mv.source.endswith("/" + path.strip("/")):
                     return str(mv.version)
     except MlflowException:
         return None
     return None
+
+
+def runs_uri(uri: str) -> tuple[str, str]:
+    """(run id, artifact path) of a runs:/RUN_ID/PATH URI."""
+    run_id, _, path = uri[len("runs:/"):].partition("/")
+    return run_id, path
 
 
 def model_version(c, model_uri: str):
@@ -471,7 +477,7 @@ def load_adapter(model_uri: str, tracking: str | None = None, base_model: str | 
         mv = model_version(c, model_uri)
         base_model = mv.tags.get("base_model") or c.get_run(mv.run_id).data.tags.get("base_model")
     elif base_model is None and model_uri.startswith("runs:/"):
-        base_model = c.get_run(model_uri[len("runs:/"):].split("/", 1)[0]).data.tags.get("base_model")
+        base_model = c.get_run(runs_uri(model_uri)[0]).data.tags.get("base_model")
     if not base_model:
         raise ValueError(f"cannot tell the base model of {model_uri}; pass base_model=")
     local = download_adapter(model_uri, tempfile.mkdtemp(prefix="grpo-adapter-"), tracking)

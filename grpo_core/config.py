@@ -392,6 +392,11 @@ class GRPOConfig(_Section):
     repetition_penalty: float = Field(1.0, gt=0, description="as TRL/transformers: the logit of every token already "
                                       "in the row's prompt or completion is divided by it (if > 0) or multiplied "
                                       "by it; > 1 discourages repeats, < 1 encourages them (1.0: off)")
+    stop_strings: list[str] = Field(
+        default_factory=list, description="a completion also ends as soon as its text contains one of these (the "
+                                          "name transformers' generate uses; the string is kept in the completion "
+                                          "and no EOS is added). For base models, which write on after their answer, "
+                                          "e.g. ['</answer>']; `grpo export` writes them into generation_config.json")
     generation_kwargs: dict[str, Any] | None = Field(
         None, description="more generation options (TRL): top_p, top_k, min_p, repetition_penalty (these override "
                           "the fields) with any rollout_backend; with hf also any transformers GenerationConfig "
@@ -416,6 +421,8 @@ class GRPOConfig(_Section):
         # every key must be one the chosen backend takes; one naming a field of ours must be valid for that field
         from grpo_core.sampling import OWN_OPTIONS, check_generation_kwargs
         check_generation_kwargs(self.generation_kwargs or {}, self.rollout_backend)
+        if any(not s for s in self.stop_strings):
+            raise ValueError("stop_strings: an empty string would end every completion at its first token; remove it")
         if self.vllm_structured_outputs_regex is not None:
             _check_structured_regex(self.vllm_structured_outputs_regex, self.rollout_backend,
                                     self.generation_kwargs or {})
@@ -700,6 +707,13 @@ class GRPOConfig(_Section):
                     kind, same = trained[_normalised(text)]
                     raise ValueError(f"eval.{field}[{i}] ({text!r}) is worded as training's {kind} {same!r}: a "
                                      f"foreign wording must be one training never sees; reword it or drop it")
+        return self
+
+    @model_validator(mode="after")
+    def _stop_strings_one_turn(self):
+        if self.stop_strings and (self.tools or self.environment):
+            raise ValueError("stop_strings is not supported with tools or an environment yet (a multi-turn rollout "
+                             "ends a turn at EOS or a tool call); remove stop_strings or the tools")
         return self
 
     @model_validator(mode="after")

@@ -64,13 +64,15 @@ _RESERVED = {*MODES, FOREIGN, "monitor", "num_questions"}
 
 def eval_modes(cfg: GRPOConfig, seed: int) -> list[tuple[str, int, SamplingParams]]:
     """(mode, answers per question, params): greedy is the model's plain argmax (no repetition penalty, no
-    generation_kwargs); sampled draws with the training rollout's options (top_p, top_k, min_p,
-    repetition_penalty, generation_kwargs), at eval.temperature or the training temperature."""
+    generation_kwargs; the stop strings end it as in training); sampled draws with the training rollout's
+    options (top_p, top_k, min_p, repetition_penalty, stop_strings, generation_kwargs), at eval.temperature or
+    the training temperature."""
     e = cfg.eval
     max_new = e.max_completion_length or cfg.max_completion_length
     modes = []
     if e.greedy:
-        modes.append(("greedy", 1, SamplingParams(max_new_tokens=max_new, greedy=True, seed=seed)))
+        modes.append(("greedy", 1, SamplingParams(max_new_tokens=max_new, greedy=True, seed=seed,
+                                                      stop_strings=tuple(cfg.stop_strings))))
     if e.num_samples > 0:
         modes.append(("sampled", e.num_samples, SamplingParams(
             max_new_tokens=max_new, temperature=e.temperature or cfg.temperature, **sampling_options(cfg),

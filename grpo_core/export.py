@@ -14,11 +14,13 @@ import json
 import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Sequence
 
 import torch
 
 from grpo_core.io import atomic_dir
 from grpo_core.models import ModelError, load_base_model, load_tokenizer
+from grpo_core.sampling import chat_template_of
 
 ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors", "adapter_model.bin")
 
@@ -65,16 +67,25 @@ class ModelCard:
                 f"System prompt: {self.system_prompt!r}\n\nFew-shot exchanges before the question:\n{shots}\n"
                 f"Response prefix: {prefix}\n{default}\n"
                 f"## Sampling settings (generation_config.json)\n"
-                f"```json\n{json.dumps(self.sampling, indent=2)}\n```\n\n"
+                f"```json\n{json.dumps(self.sampling, indent=2)}\n```\n"
+                + ("Training ended an answer at its first stop string: pass the tokenizer to `generate` "
+                   "(`model.generate(..., tokenizer=tokenizer)`), which transformers needs to apply them.\n"
+                   if self.sampling.get("stop_strings") else "") + "\n"
                 f"## Held-out evaluation\n```\n{self.eval_table or '(not evaluated)'}\n```\n")
 
 
 def generation_settings(temperature: float, top_p: float, top_k: int, max_new_tokens: int,
-                        min_p: float | None = None, repetition_penalty: float = 1.0) -> dict:
-    """The training sampling settings as `generation_config.json` fields (min_p only where set)."""
+                        min_p: float | None = None, repetition_penalty: float = 1.0,
+                        stop_strings: Sequence[str] = ()) -> dict:
+    """The training sampling settings as `generation_config.json` fields (min_p and stop_strings only where
+    set; with stop_strings, transformers' generate needs `tokenizer=` as well)."""
     settings = {"do_sample": temperature > 0, "temperature": temperature, "top_p": top_p, "top_k": top_k,
                 "max_new_tokens": max_new_tokens, "repetition_penalty": repetition_penalty}
-    return settings if min_p is None else {**settings, "min_p": min_p}
+    if min_p is not None:
+        settings["min_p"] = min_p
+    if stop_strings:
+        settings["stop_strings"] = list(stop_strings)
+    return settings
 
 
 def default_turns(system_prompt: str, few_shot=()) -> list[dict]:
@@ -129,11 +140,11 @@ def export_model(base_dir: str | Path, adapter_dir: str | Path, out: str | Path,
     def build(tmp: Path) -> None:
         tokenizer = load_tokenizer(adapter_dir if (adapter_dir / "tokenizer_config.json").exists() else base_dir)
         tokenizer.padding_side = "left"
-        if (card.default_turns or card.template_defaults) and getattr(tokenizer, "chat_template", None):
+        # a base model without a chat template was prompted with the transcript one: the export carries it
+        tokenizer.chat_template = chat_template_of(tokenizer)
+        if card.default_turns or card.template_defaults:
             tokenizer.chat_template = with_default_turns(tokenizer.chat_template, card.default_turns,
                                                          card.template_defaults)
-        else:
-            card.default_turns, card.template_defaults = [], {}     # no template to put them in: the card says so
         if adapter_only:
             for name in ADAPTER_FILES:
                 if (adapter_dir / name).exists():

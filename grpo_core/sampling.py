@@ -25,6 +25,7 @@ class SamplingParams:
     logprobs: bool = False      # also return each sampled token's log-prob under the sampler (`Completion`)
     min_p: float | None = None  # keep tokens with p >= min_p * (the top token's p), after top-k/top-p (transformers)
     repetition_penalty: float = 1.0     # tokens in the row's prompt or completion so far: logit / it if > 0, else * it
+    stop_strings: tuple[str, ...] = ()  # a completion also ends once its text holds one (`StopStrings`)
     generation_kwargs: dict = field(default_factory=dict)   # backend-only options (hf: GenerationConfig, vllm:
                                                             # its SamplingParams); `check_generation_kwargs`
 
@@ -44,7 +45,9 @@ _PIPELINE_KEYS = {
     **dict.fromkeys(("logprobs", "output_scores", "output_logits", "return_dict_in_generate"),
                     "the rollout asks for sampler log-probs itself when vllm_importance_sampling_correction or "
                     "off_policy_mask_threshold needs them"),
-    **dict.fromkeys(("pad_token_id", "eos_token_id", "stop_strings"),
+    **dict.fromkeys(("stop_strings", "stop"), "set the field stop_strings instead (every backend ends a completion "
+                                              "there, and the rollout marks it as ended, not truncated)"),
+    **dict.fromkeys(("pad_token_id", "eos_token_id"),
                     "a completion ends at the tokenizer's EOS token here (the rollout takes the ids from the "
                     "tokenizer)"),
 }
@@ -103,7 +106,37 @@ def sampling_options(cfg) -> dict:
     options = {k: extra.pop(k) if k in extra else getattr(cfg, k) for k in OWN_OPTIONS}
     if cfg.vllm_structured_outputs_regex is not None:
         extra["structured_outputs"] = {"regex": cfg.vllm_structured_outputs_regex}   # as vLLM's backend takes it
-    return {**options, "generation_kwargs": extra}
+    return {**options, "stop_strings": tuple(cfg.stop_strings), "generation_kwargs": extra}
+
+
+class StopStrings:
+    """A completion also ends once its text holds one of `strings` (transformers' `stop_strings`): the string
+    stays in the completion and no EOS is added. Checked after every token on the decoded tail only."""
+
+    def __init__(self, tokenizer, strings: Sequence[str] = ()):
+        self.tokenizer, self.strings = tokenizer, tuple(strings)
+        # a token is at least one byte and a character at most four, so this tail holds any stop string the
+        # newest token completed (+1: the tail may start inside a character)
+        self.window = 4 * max(map(len, self.strings), default=0) + 1
+
+    def __bool__(self) -> bool:
+        return bool(self.strings)
+
+    def ended(self, ids: Sequence[int]) -> bool:
+        """Does the text of `ids` hold a stop string in its last tokens? Asked after each token, the first yes is
+        the token that completed it."""
+        if not self.strings or not ids:
+            return False
+        tail = self.tokenizer.decode(list(ids[-self.window:]), skip_special_tokens=False)
+        return any(s in tail for s in self.strings)
+
+    def cut(self, ids: Sequence[int]) -> list[int]:
+        """`ids` up to and including the token that first completes a stop string (all of them if none does)."""
+        if self.strings:
+            for end in range(1, len(ids) + 1):
+                if self.ended(ids[:end]):
+                    return list(ids[:end])
+        return list(ids)
 
 
 @dataclass
@@ -238,11 +271,28 @@ def prompt_messages(task: Task, fmt: PromptFormat | str, observation: str | None
     return messages
 
 
+# How a model without a chat template (a base model) is prompted: a plain transcript, the system prompt as its
+# first paragraph, then "User: ..." / "Assistant: ..." lines, a blank line after each answer, and "Assistant:"
+# to open the model's turn. A base model goes on to write the next "User:" line: stop_strings (e.g. ["</answer>"])
+# end its answer.
+TRANSCRIPT_TEMPLATE = (
+    "{%- for m in messages %}"
+    "{%- if m['role'] == 'system' %}{{ m['content'] + '\n\n' }}"
+    "{%- elif m['role'] == 'assistant' %}{{ 'Assistant: ' + m['content'] + '\n\n' }}"
+    "{%- else %}{{ m['role'] | capitalize + ': ' + m['content'] + '\n' }}{%- endif %}"
+    "{%- endfor %}{%- if add_generation_prompt %}{{ 'Assistant:' }}{%- endif %}")
+
+
+def chat_template_of(tokenizer) -> str:
+    """The tokenizer's chat template, or TRANSCRIPT_TEMPLATE where it has none."""
+    return getattr(tokenizer, "chat_template", None) or TRANSCRIPT_TEMPLATE
+
+
 def render_chat(tokenizer, messages: list[dict], **template_kwargs) -> str:
-    """Messages as the text the model sees before its turn (plain paragraphs where there is no chat template)."""
-    if getattr(tokenizer, "chat_template", None):
-        return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False, **template_kwargs)
-    return "\n\n".join(m["content"] for m in messages) + "\n"
+    """Messages as the text the model sees before its turn (a User/Assistant transcript where the tokenizer has
+    no chat template)."""
+    return tokenizer.apply_chat_template(messages, chat_template=chat_template_of(tokenizer),
+                                         add_generation_prompt=True, tokenize=False, **template_kwargs)
 
 
 def chat_prompt_ids(tokenizer, task: Task, fmt: PromptFormat | str, max_prompt_length: int) -> list[int]:

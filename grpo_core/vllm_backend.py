@@ -18,7 +18,7 @@ import tempfile
 from pathlib import Path
 
 from grpo_core.models import resolve_model
-from grpo_core.sampling import Completion, SamplingParams
+from grpo_core.sampling import Completion, SamplingParams, StopStrings
 
 
 def vllm_sampling_kwargs(params: SamplingParams, n: int) -> dict:
@@ -94,13 +94,17 @@ class VLLMBackend:
         lora = self._sync()
         outs = self.llm.generate([TokensPrompt(prompt_token_ids=list(p)) for p in prompts], sp, lora_request=lora,
                                  use_tqdm=False)
+        # stop strings are cut here, by the same rule as the other backends (vLLM's own `stop` drops the string)
+        stops = StopStrings(self.policy.tokenizer, params.stop_strings)
         result = []
         for o in outs:
             group = []
             for c in o.outputs:
-                ids = list(c.token_ids)
+                ids = stops.cut(c.token_ids)
                 logprobs = [step[t].logprob for t, step in zip(ids, c.logprobs)] if params.logprobs else None
-                if c.finish_reason == "stop" and (not ids or ids[-1] != self.eos):
+                if stops.ended(ids):
+                    pass                        # ended by a stop string: no EOS added
+                elif c.finish_reason == "stop" and (not ids or ids[-1] != self.eos):
                     ids.append(self.eos)       # keep the "EOS included when the model stopped" convention
                     if logprobs is not None:
                         logprobs.append(float("nan"))              # not sampled: no correction for it

@@ -65,6 +65,42 @@ def test_merged_export_answers_like_the_adapter(trained_adapter, tmp_path):
     assert "abc" in card and "Answer in <answer> tags." in card and "iteration 3" in card
 
 
+def test_a_base_model_without_chat_template_exports_the_transcript_it_was_trained_behind(trained_adapter, tmp_path):
+    """A model without a chat template is prompted with TRANSCRIPT_TEMPLATE in training; its export carries that
+    template (with the training system prompt and examples as default turns), so a user message alone renders
+    the training prompt, and the stop strings go into generation_config.json."""
+    import shutil
+    from grpo_core.export import default_turns
+    from grpo_core.sampling import PromptFormat, prompt_messages, render_chat
+    from grpo_core.task import Task
+    cfg, adapter = trained_adapter
+    base = tmp_path / "base"
+    shutil.copytree(resolve_model(cfg.model), base)
+    (base / "chat_template.jinja").unlink(missing_ok=True)
+    tok_cfg = json.loads((base / "tokenizer_config.json").read_text())
+    tok_cfg.pop("chat_template", None)
+    (base / "tokenizer_config.json").write_text(json.dumps(tok_cfg))
+    base_tok = load_tokenizer(base)
+    assert not base_tok.chat_template
+    shutil.copytree(adapter, tmp_path / "adapter-copy")
+    (tmp_path / "adapter-copy" / "chat_template.jinja").unlink(missing_ok=True)
+    base_tok.save_pretrained(tmp_path / "adapter-copy")     # the checkpoint keeps the base model's tokenizer
+    fmt = PromptFormat("Answer in <answer> tags.", (("What is 1 + 1?", "<answer>2</answer>"),))
+    card = ModelCard(base_model="base", run_name="r", mlflow_run_id=None, iteration=1,
+                     default_turns=default_turns(fmt.system_prompt, fmt.few_shot))
+    out = export_model(base, tmp_path / "adapter-copy", tmp_path / "export", card,
+                       generation_settings(1.0, 1.0, 0, 8, stop_strings=["</answer>"]))
+    tok = load_tokenizer(out)
+    task = Task(id="q", kind="math", source="arithmetic", prompt="What is 3 + 4?", answer="7")
+    rendered = tok.apply_chat_template([{"role": "user", "content": task.prompt}], add_generation_prompt=True,
+                                       tokenize=False)
+    assert rendered == render_chat(base_tok, prompt_messages(task, fmt))
+    assert rendered.startswith("Answer in <answer> tags.\n\nUser: What is 1 + 1?\nAssistant: <answer>2</answer>")
+    assert rendered.endswith("User: What is 3 + 4?\nAssistant:")
+    assert json.loads((out / "generation_config.json").read_text())["stop_strings"] == ["</answer>"]
+    assert "tokenizer=tokenizer" in (out / "README.md").read_text()
+
+
 def test_adapter_only_export_and_no_overwrite(trained_adapter, tmp_path):
     cfg, adapter = trained_adapter
     card = ModelCard(base_model=cfg.model, run_name="r", mlflow_run_id=None, iteration=1)

@@ -293,7 +293,8 @@ def test_default_options_do_no_extra_work(tiny, name, monkeypatch):
     ("generation_kwargs={max_new_tokens: 5}", ["'max_new_tokens'", "max_completion_length"]),
     ("generation_kwargs={no_repeat_ngram_size: 3}", ["'no_repeat_ngram_size'", "rollout_backend: static",
                                                      "rollout_backend hf accepts it"]),
-    ("generation_kwargs={stop: [x]}", ["'stop'", "rollout_backend vllm accepts it"]),
+    ("generation_kwargs={presence_penalty: 0.5}", ["'presence_penalty'", "rollout_backend vllm accepts it"]),
+    ("generation_kwargs={stop: [x]}", ["'stop'", "set the field stop_strings"]),
     ("generation_kwargs={nucleus: 0.9}", ["'nucleus'", "no rollout backend", "spelling"]),
 ])
 def test_invalid_sampling_options_name_the_field_and_the_fix(override, words):
@@ -306,10 +307,10 @@ def test_invalid_sampling_options_name_the_field_and_the_fix(override, words):
 def test_hf_and_vllm_take_their_own_generation_kwargs():
     assert load_config(None, ["rollout_backend=hf", "generation_kwargs={no_repeat_ngram_size: 3}"]).generation_kwargs \
         == {"no_repeat_ngram_size": 3}
-    vllm = load_config(None, ["rollout_backend=vllm", "generation_kwargs.stop=[x]"])
-    assert vllm.generation_kwargs == {"stop": ["x"]}
-    with pytest.raises(ConfigError, match="'stop'.*rollout_backend vllm"):
-        load_config(None, ["rollout_backend=hf", "generation_kwargs={stop: [x]}"])
+    vllm = load_config(None, ["rollout_backend=vllm", "generation_kwargs.presence_penalty=0.5"])
+    assert vllm.generation_kwargs == {"presence_penalty": 0.5}
+    with pytest.raises(ConfigError, match="'presence_penalty'.*rollout_backend vllm"):
+        load_config(None, ["rollout_backend=hf", "generation_kwargs={presence_penalty: 0.5}"])
     with pytest.raises(ValueError, match="'suppress_tokens'.*rollout_backend hf"):
         check_generation_kwargs({"suppress_tokens": [1]}, "static")
 
@@ -342,10 +343,10 @@ def test_options_are_logged_and_generation_kwargs_override_the_fields():
     flat = cfg.flat()
     assert flat["min_p"] == 0.05 and flat["repetition_penalty"] == 1.1 and flat["generation_kwargs.top_k"] == 3
     assert GRPOConfig().flat()["generation_kwargs"] is None
-    assert sampling_options(cfg) == dict(top_p=1.0, top_k=3, min_p=0.05, repetition_penalty=1.1,
+    assert sampling_options(cfg) == dict(top_p=1.0, top_k=3, min_p=0.05, repetition_penalty=1.1, stop_strings=(),
                                          generation_kwargs={"no_repeat_ngram_size": 2})
     assert sampling_options(GRPOConfig()) == dict(top_p=1.0, top_k=0, min_p=None, repetition_penalty=1.0,
-                                                  generation_kwargs={})
+                                                  stop_strings=(), generation_kwargs={})
 
 
 def test_evaluation_samples_with_the_training_options():

@@ -57,7 +57,7 @@ def test_gemma3_270m_fetches_converts_and_continues_text(real_home):
     path = resolve_model("gemma3-270m")
     assert BUILTIN_MODELS["gemma3-270m"].sha256 and (path / "model.safetensors").exists()
     tok = load_tokenizer(path)
-    assert not tok.chat_template and len(tok) == 262144            # a base model: prompts are plain paragraphs
+    assert not tok.chat_template and len(tok) == 262144            # a base model: prompts are a transcript
     model = AutoModelForCausalLM.from_pretrained(path).eval()
     assert model.config.model_type == "gemma3_text" and "quantization_config" not in model.config.to_dict()
     text = "Paris is the capital of France. The quick brown fox jumps over the lazy dog."
@@ -65,3 +65,28 @@ def test_gemma3_270m_fetches_converts_and_continues_text(real_home):
     with torch.no_grad():
         nll = model(**ids, labels=ids["input_ids"]).loss.item()
     assert nll < 4.0, nll                     # a trained model reads English; random weights: ln(262144) = 12.5
+
+
+def test_gemma3_270m_answers_in_the_transcript_and_stops_at_its_stop_string(real_home):
+    """A base model in the transcript prompt (grpo_core.sampling.TRANSCRIPT_TEMPLATE) with the default task's
+    system prompt and examples answers in the tags, and stop_strings ['</answer>'] end it there (without them it
+    writes the next turns as well)."""
+    from grpo_core.config import load_config
+    from grpo_core.models import load_base_model, load_tokenizer, resolve_model
+    from grpo_core.rollout import KVCacheSampler
+    from grpo_core.sampling import SamplingParams, chat_prompt_ids
+    from grpo_core.task import Task
+    cfg = load_config(None, ["model=gemma3-270m", "stop_strings=['</answer>']"])
+    path = resolve_model(cfg.model)
+    tok = load_tokenizer(path)
+    model = load_base_model(path, torch.device("cpu"), torch.float32).eval()
+    tasks = [Task(id=f"q{i}", kind="math", source="arithmetic", prompt=f"What is {a} + {b}?", answer=str(a + b))
+             for i, (a, b) in enumerate([(7, 5), (23, 41)])]
+    prompts = [chat_prompt_ids(tok, t, cfg.data.prompt_format_at(0), cfg.max_prompt_length) for t in tasks]
+    assert tok.decode(prompts[0]).endswith("User: What is 7 + 5?\nAssistant:")
+    sampler = KVCacheSampler(model, tok, torch.device("cpu"), progress=False)
+    free, stopped = (sampler.generate(prompts, 1, SamplingParams(max_new_tokens=24, greedy=True, stop_strings=stops))
+                     for stops in ((), tuple(cfg.stop_strings)))
+    for (f,), (s,) in zip(free, stopped):
+        assert tok.decode(s).strip().startswith("<answer>") and tok.decode(s).endswith("</answer>")
+        assert len(s) < len(f) and "User:" in tok.decode(f)

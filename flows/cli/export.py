@@ -77,7 +77,7 @@ def export_run(run: str, out: str | Path, iteration: int | None = None, best: bo
                      if default_system else [], template_defaults=dict(cfg.data.chat_template_kwargs))
     options = sampling_options(cfg)             # generation_kwargs override top_p ... as in training
     sampling = generation_settings(cfg.temperature, options["top_p"], options["top_k"], cfg.max_completion_length,
-                                   options["min_p"], options["repetition_penalty"])
+                                   options["min_p"], options["repetition_penalty"], options["stop_strings"])
     try:
         path = export_model(resolve_model(cfg.model), checkpoint_of(run_dir, k), out, card, sampling,
                             adapter_only=adapter_only, overwrite=overwrite)

@@ -54,9 +54,11 @@ def cmd_train(args) -> int:
     from tasks.tracking import ui_command
     preflight(cfg)  # bad model, data, adapter, tracking server, ... fail here, before the engine starts
     from grpo_core.kernels import cpu_features
-    from grpo_core.models import describe_precision, select_device, select_dtype
+    from grpo_core.models import describe_precision, describe_prompting, resolve_model, select_device, select_dtype
     device = select_device(cfg.device)
     print(describe_precision(cfg.dtype, device, cfg.use_peft), flush=True)
+    if (prompting := describe_prompting(resolve_model(cfg.model), cfg.stop_strings)):
+        print(prompting, flush=True)
     if device.type == "cpu":             # what the fast paths use here, and why any is left out
         print(cpu_features.describe(cpu_features.detect(), select_dtype(cfg.dtype, device, cfg.use_peft)),
               flush=True)

@@ -136,12 +136,12 @@ class HFGenerateSampler(BatchedBackend):
             logprobs = torch.log_softmax(scores, -1).gather(-1, gen[:, :, None]).squeeze(-1).cpu().tolist()
         completions = []
         for r, ids in enumerate(gen.cpu().tolist()):
-            ids = stops.cut(ids)
             if eos in ids:
                 ids = ids[:ids.index(eos) + 1]
-            elif not stops.ended(ids):
+            else:
                 while ids and ids[-1] == pad:
                     ids.pop()
+            ids = stops.cut(ids)
             completions.append(Completion(ids, logprobs[r][:len(ids)]) if params.logprobs else ids)
         return completions
 
@@ -554,6 +554,8 @@ def rollout(backend: RolloutBackend, tokenizer, tasks: Sequence[Task], n: int, p
     `toolbox` (grpo_core.multiturn.Toolbox) the model may call tools: multi-turn rollouts."""
     fmt = PromptFormat.of(fmt)
     if toolbox is not None:
+        if params.stop_strings:
+            raise ValueError("stop_strings is not supported in multi-turn rollouts (a turn ends at EOS or a tool call)")
         from grpo_core.multiturn import tool_rollout
         groups = tool_rollout(backend, tokenizer, tasks, n, params, fmt, max_prompt_length, toolbox)
         for group in groups if on_group is not None else ():

@@ -109,3 +109,13 @@ def test_the_export_writes_them_where_transformers_generate_applies_them(tiny, t
     # generate ends there too (its match may also take in the prompt's last characters, ours never does)
     assert stop in tok.decode(out[-2 * len(stop):]) and len(out) - ids.size(1) <= 5
     assert "stop_strings" not in generation_settings(1.0, 1.0, 0, 16)
+
+
+def test_a_multi_turn_rollout_refuses_stop_strings_rather_than_ignoring_them(tiny):
+    from grpo_core.multiturn import Toolbox
+    model, tok = tiny
+    toolbox = Toolbox.from_config(GRPOConfig(model="tiny-random", tools=["calculator"]))
+    task = Task(id="t1", kind="math", source="arithmetic", prompt="12+3=", answer="15")
+    with pytest.raises(ValueError, match="stop_strings is not supported in multi-turn"):
+        rollout(SAMPLERS["lean"](model, tok), tok, [task], 2, SamplingParams(max_new_tokens=4, stop_strings=("x",)),
+                PromptFormat(), 64, toolbox=toolbox)

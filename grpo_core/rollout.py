@@ -562,13 +562,13 @@ def rollout(backend: RolloutBackend, tokenizer, tasks: Sequence[Task], n: int, p
             on_group(group)
         return [s for group in groups for s in group]
     prompt_ids = [chat_prompt_ids(tokenizer, t, fmt, max_prompt_length) for t in tasks]
-    stops = StopStrings(tokenizer, params.stop_strings)
     guides = [fmt.guide(t) for t in tasks]
     if any(guides):
         samples = guided_rollout(backend, tokenizer, tasks, n, params, fmt, max_prompt_length, prompt_ids, guides)
         for g in range(len(tasks)) if on_group is not None else ():
             on_group(samples[g * n:(g + 1) * n])
         return samples
+    stops = StopStrings(tokenizer, params.stop_strings)
 
     def as_samples(g: int, group) -> list[Sample]:
         return [as_sample(tokenizer, tasks[g], g, prompt_ids[g], c_ids, fmt, stops=stops) for c_ids in group]

@@ -134,7 +134,7 @@ class StopStrings:
         """`ids` up to and including the token that first completes a stop string (all of them if none does)."""
         if self.strings:
             for end in range(1, len(ids) + 1):
-                if self.ended(ids[:end]):
+                if self.ended(ids[max(0, end - self.window):end]):
                     return list(ids[:end])
         return list(ids)
 

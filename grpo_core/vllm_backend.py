@@ -102,9 +102,8 @@ class VLLMBackend:
             for c in o.outputs:
                 ids = stops.cut(c.token_ids)
                 logprobs = [step[t].logprob for t, step in zip(ids, c.logprobs)] if params.logprobs else None
-                if stops.ended(ids):
-                    pass                        # ended by a stop string: no EOS added
-                elif c.finish_reason == "stop" and (not ids or ids[-1] != self.eos):
+                # an end at a stop string gets no EOS (`cut` found it before vLLM's own finish reason)
+                if c.finish_reason == "stop" and not stops.ended(ids) and (not ids or ids[-1] != self.eos):
                     ids.append(self.eos)       # keep the "EOS included when the model stopped" convention
                     if logprobs is not None:
                         logprobs.append(float("nan"))              # not sampled: no correction for it

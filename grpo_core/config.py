@@ -73,6 +73,12 @@ class DataConfig(_Section):
                                     "full prompt around the drawn instruction) and trained as answers to the "
                                     "drawn wording: off-policy guidance that shows a small model the asked "
                                     "format where it would almost never write it; 0: none")
+    wordings_from_iteration: int = Field(1, ge=1, description="training iteration from which questions draw their "
+                                         "wording (system_prompts, instructions, bare_prompt_prob); before it "
+                                         "every question comes in the main wording (system_prompt, few_shot, the "
+                                         "plain question), so the task is learned before the wordings, whose "
+                                         "format-only signal would otherwise drown a small model's first "
+                                         "correct answers")
     response_prefix: str = Field("", description="text that opens the answer of math questions (part of the "
                                  "prompt, judged as the start of the completion); empty: the model writes the "
                                  "answer tags itself")
@@ -106,13 +112,15 @@ class DataConfig(_Section):
     def prompt_format_at(self, iteration: int):
         """The prompt format of training iteration `iteration` (1-based): with the response prefix during
         the warm-up (`response_prefix_iterations`), the final format after it; with the wordings to draw
-        from (a fresh draw each iteration)."""
+        from (a fresh draw each iteration) from `wordings_from_iteration` on."""
         import dataclasses
         from grpo_core.sampling import PromptFormat
         fmt = self.prompt_format
         if self.response_prefix and 0 < iteration <= self.response_prefix_iterations:
             fmt = PromptFormat(self.system_prompt, tuple(map(tuple, self.few_shot)), self.response_prefix,
                                template_kwargs=self.template_kwargs)
+        if iteration < self.wordings_from_iteration:
+            return fmt
         return dataclasses.replace(fmt, system_prompts=tuple(self.system_prompts), instructions=tuple(
             self.instructions), bare_prob=self.bare_prompt_prob, salt=iteration, guided=self.guided_completions)
 
@@ -133,6 +141,14 @@ class DataConfig(_Section):
         if self.response_prefix_iterations and not self.response_prefix:
             raise ValueError("data.response_prefix_iterations is set but data.response_prefix is empty; set the "
                              "prefix to warm up with (e.g. '<answer>') or set response_prefix_iterations: 0")
+        return self
+
+    @model_validator(mode="after")
+    def _wordings_warmup(self):
+        if self.wordings_from_iteration > 1 and not (self.system_prompts or self.instructions or self.bare_prompt_prob):
+            raise ValueError(f"data.wordings_from_iteration is {self.wordings_from_iteration} but there are no "
+                             f"wordings to draw (data.system_prompts, data.instructions, data.bare_prompt_prob); "
+                             f"add them or set wordings_from_iteration: 1")
         return self
 
     @model_validator(mode="after")

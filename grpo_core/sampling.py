@@ -259,6 +259,13 @@ class PromptFormat:
     def question(self, text: str) -> str:
         return self.instruction.replace(QUESTION, text) if self.instruction else text
 
+    @property
+    def wording(self) -> str:
+        """Which kind of wording this is: "full" (a system prompt and the examples), "examples" (examples, no
+        system prompt), "system" (a system prompt, no examples) or "bare" (the user turn alone)."""
+        return {(True, True): "full", (False, True): "examples", (True, False): "system",
+                (False, False): "bare"}[(bool(self.system_prompt), bool(self.few_shot))]
+
 
 def prompt_messages(task: Task, fmt: PromptFormat | str, observation: str | None = None) -> list[dict]:
     """The chat messages that put `task` to the model: system prompt, worked examples, the question in its

@@ -43,6 +43,22 @@ def score_metrics(scored: list[dict], seconds: dict[str, float]) -> dict[str, fl
     return metrics
 
 
+def wording_metrics(scored: list[dict], wordings: dict[str, str]) -> dict[str, float]:
+    """Mean reward (and per function) of the answers to each kind of training wording (`wordings`: task id ->
+    PromptFormat.wording), and its share of the answers: `wording/<kind>/{share,reward_mean,reward/<f>}`."""
+    metrics = {}
+    for kind in sorted(set(wordings.values())):
+        rows = [r for r in scored if wordings.get(r["task_id"]) == kind and r["reward"] is not None]
+        metrics[f"wording/{kind}/share"] = len(rows) / max(1, len(scored))
+        if rows:
+            metrics[f"wording/{kind}/reward_mean"] = mean(r["reward"] for r in rows)
+            for f in rows[0]["rewards"]:
+                values = [r["rewards"][f] for r in rows if r["rewards"][f] is not None]
+                if values:
+                    metrics[f"wording/{kind}/reward/{f}"] = mean(values)
+    return metrics
+
+
 class GroupScorer:
     """Scores groups on a helper thread while the sampler produces the next ones (grpo_core/overlap.py): `add`
     each group's sample rows as the sampler finishes it, `finish` for ({group: scored rows}, seconds per reward

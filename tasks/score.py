@@ -2,7 +2,8 @@
 
 The reward functions are resolved by name here, in the process that runs the stage (a Prefect worker
 included), so a plugin only has to be installed where the stage runs. Metrics: `reward/mean`,
-`reward/unscorable_frac`, and per function `reward/<name>` and `sys/reward_seconds/<name>`.
+`reward/unscorable_frac`, and per function `reward/<name>` and `sys/reward_seconds/<name>`; where training draws
+math questions' wordings, the same per kind of wording (`wording/<full|examples|system|bare>/...`, and its share).
 
 Where the score stage runs where the rollout does (`stages.score.during_rollout`, same work pool), the rollout
 scores each group on a helper thread as soon as it is sampled and leaves the result beside its samples
@@ -13,7 +14,7 @@ from __future__ import annotations
 
 from grpo_core.io import read_jsonl, write_jsonl
 from grpo_core.multiturn import tool_metrics
-from grpo_core.scoring import read_early_scores, score_metrics, score_rows
+from grpo_core.scoring import read_early_scores, score_metrics, score_rows, wording_metrics
 from grpo_core.task import read_tasks
 from tasks.layout import cfg_of, iter_dir
 from tasks.stage import stage
@@ -25,12 +26,13 @@ from tasks.stage import stage
 def score(config: dict, run_dir: str, iteration: int, prompts: str, samples: str) -> dict:
     cfg = cfg_of(config)
     rows = list(read_jsonl(samples))
+    tasks = {t.id: t for t in read_tasks(prompts)}
     early = read_early_scores(cfg, samples, rows)
-    if early is not None:
-        scored, seconds = early
-    else:
-        scored, seconds = score_rows(cfg, rows, {t.id: t for t in read_tasks(prompts)})
+    scored, seconds = early if early is not None else score_rows(cfg, rows, tasks)
     scored = [{**s, "group": r["group"]} for s, r in zip(scored, rows)]
     out = write_jsonl(iter_dir(run_dir, iteration) / "scores.jsonl", scored)
-    return {"scores": str(out), "metrics": {**score_metrics(scored, seconds), **tool_metrics(rows)},
+    fmt = cfg.data.prompt_format_at(iteration)
+    wordings = {i: fmt.for_task(t).wording for i, t in tasks.items() if t.kind == "math"} if fmt.varies else {}
+    return {"scores": str(out), "metrics": {**score_metrics(scored, seconds), **tool_metrics(rows),
+                                            **wording_metrics(scored, wordings)},
             "scored_during_rollout": early is not None}

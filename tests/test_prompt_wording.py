@@ -71,9 +71,47 @@ def test_training_draws_afresh_each_iteration_and_evaluation_keeps_one_wording()
     assert warm.data.prompt_format_at(3).response_prefix == "" and warm.data.prompt_format_at(3).varies
 
 
+def test_wordings_start_at_their_iteration_after_the_main_wording_alone():
+    cfg = GRPOConfig(data=dict(system_prompts=SYSTEMS, instructions=INSTRUCTIONS, bare_prompt_prob=0.5,
+                               guided_completions=2, wordings_from_iteration=3))
+    tasks = [_math(i) for i in range(40)]
+    main = [prompt_messages(t, cfg.data.prompt_format) for t in tasks]
+    for iteration in (1, 2):
+        fmt = cfg.data.prompt_format_at(iteration)
+        assert [prompt_messages(t, fmt) for t in tasks] == main and not any(fmt.guide(t) for t in tasks)
+    fmt = cfg.data.prompt_format_at(3)
+    assert [prompt_messages(t, fmt) for t in tasks] != main and any(fmt.guide(t) for t in tasks)
+
+
+def test_the_score_stage_reports_rewards_per_kind_of_training_wording(tmp_path):
+    """wording/<kind>/...: each answer counted under the wording its question drew that iteration; a
+    run on one wording logs none."""
+    from grpo_core.io import write_jsonl
+    from grpo_core.task import write_tasks
+    from tasks.score import score
+    tasks = [_math(i) for i in range(30)]
+    prompts = write_tasks(tmp_path / "prompts.jsonl", tasks)
+    samples = write_jsonl(tmp_path / "samples.jsonl", [      # one right and tagged, one neither: 0.5 each
+        {"task_id": t.id, "group": g, "completion": answer, "completion_ids": [1, 2]}
+        for g, t in enumerate(tasks) for answer in (f"<answer>{t.answer}</answer>", "no tags")])
+    varied = GRPOConfig(output_dir=str(tmp_path), reward_funcs=["accuracy", "format"], data=dict(
+        system_prompts=SYSTEMS, instructions=INSTRUCTIONS, bare_prompt_prob=0.4, wordings_from_iteration=2))
+    kinds = Counter(varied.data.prompt_format_at(2).for_task(t).wording for t in tasks)
+    assert {"full", "bare"} <= set(kinds)
+    config = varied.model_dump(mode="json")
+    m = score.fn(config, str(tmp_path / "run"), 2, str(prompts), str(samples))["metrics"]
+    assert {k.split("/")[1] for k in m if k.startswith("wording/")} == set(kinds)
+    for kind, n in kinds.items():
+        assert m[f"wording/{kind}/share"] == pytest.approx(n / len(tasks))
+        assert m[f"wording/{kind}/reward/accuracy"] == 0.5 and m[f"wording/{kind}/reward/format"] == 0.5
+    warm = score.fn(config, str(tmp_path / "run"), 1, str(prompts), str(samples))["metrics"]
+    assert not [k for k in warm if k.startswith("wording/")] and warm["reward/accuracy"] == 0.5
+
+
 @pytest.mark.parametrize("over,field,says", [
     (dict(data=dict(instructions=["Answer: question"])), "data.instructions[0]", "{question} exactly once"),
     (dict(data=dict(bare_prompt_prob=0.2)), "data.bare_prompt_prob", "data.instructions is empty"),
+    (dict(data=dict(wordings_from_iteration=3)), "data.wordings_from_iteration", "no wordings to draw"),
     (dict(eval=dict(foreign_instructions=["{question} and {question}"])), "eval.foreign_instructions[0]",
      "exactly once"),
     (dict(data=dict(instructions=INSTRUCTIONS), eval=dict(foreign_instructions=["  put the ANSWER in "
@@ -91,24 +129,18 @@ def test_bad_wordings_are_refused_naming_the_field(tmp_path, over, field, says):
     assert field in str(e.value) and says in str(e.value)
 
 
-def test_the_shipped_configs_evaluate_foreign_wordings_and_math_trains_on_varied_ones(tmp_path):
-    """math.yaml trains on varied wordings with guidance; default.yaml evaluates in foreign wordings and its
-    commented-out wording block (README: off in 20 iterations) is a valid config once uncommented."""
+def test_the_shipped_configs_train_on_varied_wordings_and_evaluate_foreign_ones():
+    """default.yaml and math.yaml both draw training wordings with guidance (math.yaml after its main-wording
+    iterations) and evaluate in foreign wordings."""
     from pathlib import Path
     root = Path(__file__).resolve().parents[1]
-    math = load_config(root / "configs" / "math.yaml")
-    assert math.data.prompt_format_at(1).varies and math.data.bare_prompt_prob > 0 and math.data.guided_completions
-    default_text = (root / "configs" / "default.yaml").read_text()
-    for cfg in (math, load_config(root / "configs" / "default.yaml")):
+    for name in ("default.yaml", "math.yaml"):
+        cfg = load_config(root / "configs" / name)
+        start = cfg.data.wordings_from_iteration
+        assert 1 <= start <= cfg.pipeline_iterations // 2 + 1, name      # at least half the run in varied wordings
+        assert cfg.data.prompt_format_at(start).varies and not cfg.data.prompt_format_at(start - 1).varies
+        assert cfg.data.bare_prompt_prob > 0 and cfg.data.guided_completions and len(cfg.data.instructions) >= 4
         assert cfg.eval.foreign_format is not None and cfg.eval.foreign_instructions
-    lines = default_text.splitlines()
-    start = lines.index("  # system_prompts:")
-    end = next(i for i in range(start, len(lines)) if not lines[i].startswith("  # "))   # the block's last line + 1
-    uncommented = lines[:start] + [line.replace("# ", "", 1) for line in lines[start:end]] + lines[end:]
-    (tmp_path / "on.yaml").write_text("\n".join(uncommented) + "\n")
-    on = load_config(tmp_path / "on.yaml")
-    assert on.data.prompt_format_at(1).varies and on.data.bare_prompt_prob == 0.2 and on.data.guided_completions == 4
-    assert len(on.data.system_prompts) == 2 and len(on.data.instructions) == 4
 
 
 def test_foreign_evaluation_logs_its_own_metrics_on_the_math_questions(tmp_path, grpo_home):

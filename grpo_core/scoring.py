@@ -48,8 +48,9 @@ def wording_metrics(scored: list[dict], wordings: dict[str, str]) -> dict[str, f
     PromptFormat.wording), and its share of the answers: `wording/<kind>/{share,reward_mean,reward/<f>}`."""
     metrics = {}
     for kind in sorted(set(wordings.values())):
-        rows = [r for r in scored if wordings.get(r["task_id"]) == kind and r["reward"] is not None]
+        rows = [r for r in scored if wordings.get(r["task_id"]) == kind]
         metrics[f"wording/{kind}/share"] = len(rows) / max(1, len(scored))
+        rows = [r for r in rows if r["reward"] is not None]
         if rows:
             metrics[f"wording/{kind}/reward_mean"] = mean(r["reward"] for r in rows)
             for f in rows[0]["rewards"]:

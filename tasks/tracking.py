@@ -495,8 +495,31 @@ def log_table(cfg: GRPOConfig, run_id: str, data: dict[str, list], artifact_file
     folder, _, name = artifact_file.rpartition("/")
     if any(f.path.rpartition("/")[2] == name for f in c.list_artifacts(run_id, folder or None)):
         return False
+    _make_room_in_table_index(c, run_id, artifact_file)
     c.log_table(run_id, data=data, artifact_file=artifact_file)
     return True
+
+
+TABLE_INDEX_TAG = "mlflow.loggedArtifacts"     # the JSON list of a run's tables that the UI's evaluation view reads
+
+
+def _make_room_in_table_index(c, run_id: str, artifact_file: str) -> None:
+    """MLflow lists a run's tables in one tag, cut at the tag length limit (8000 characters): past ~130 tables
+    the list no longer parses and `log_table` fails. Before that, drop the oldest entries (completion tables
+    first) from the list so the new one fits; their files stay in the run's artifacts."""
+    from mlflow.utils.validation import MAX_TAG_VAL_LENGTH
+    raw = c.get_run(run_id).data.tags.get(TABLE_INDEX_TAG, "[]")
+    try:
+        entries = json.loads(raw)
+    except ValueError:              # already cut (a run logged before this fix): start the list afresh
+        entries = None
+    kept = list(entries or [])
+    new = {"path": artifact_file, "type": "table"}
+    while kept and len(json.dumps([*kept, new])) > MAX_TAG_VAL_LENGTH:
+        oldest_completion = next((e for e in kept if str(e.get("path", "")).startswith(f"{COMPLETIONS_DIR}/")), None)
+        kept.remove(oldest_completion if oldest_completion is not None else kept[0])
+    if kept != entries:
+        c.set_tag(run_id, TABLE_INDEX_TAG, json.dumps(kept))
 
 
 def log_artifact(cfg: GRPOConfig, run_id: str, local_path: str | Path, artifact_path: str | None = None) -> None:

@@ -104,6 +104,25 @@ def test_log_completions_respects_the_config(tmp_path):
     assert tracking.log_completions(off, "run-id", 2, [], "unused", "unused", None) is False
 
 
+def test_a_long_run_keeps_logging_tables_past_mlflow_s_table_index_limit(tmp_path):
+    """MLflow lists a run's tables in one tag cut at 8000 characters: a 144-iteration run failed at its ~130th
+    completion table when the cut list no longer parsed. The oldest completion entries now make room; eval
+    tables stay listed, and every file is kept."""
+    cfg = GRPOConfig(tracking={"tracking_uri": f"sqlite:///{tmp_path}/mlflow.db"})
+    c = tracking.client(cfg)
+    run_id = c.create_run(c.create_experiment("long", artifact_location=str(tmp_path / "art"))).info.run_id
+    table = {"prompt": ["What is 1 + 1?"], "completion": ["<answer>2</answer>"]}
+    assert tracking.log_table(cfg, run_id, table, "eval/samples_iter_0000.json")
+    for iteration in range(1, 201):
+        assert tracking.log_table(cfg, run_id, table, f"{tracking.COMPLETIONS_DIR}/iter_{iteration:04d}.json")
+    listed = [e["path"] for e in json.loads(c.get_run(run_id).data.tags[tracking.TABLE_INDEX_TAG])]
+    assert "eval/samples_iter_0000.json" in listed and f"{tracking.COMPLETIONS_DIR}/iter_0200.json" in listed
+    assert f"{tracking.COMPLETIONS_DIR}/iter_0001.json" not in listed and len(listed) > 100
+    assert len(c.list_artifacts(run_id, tracking.COMPLETIONS_DIR)) == 200
+    c.set_tag(run_id, tracking.TABLE_INDEX_TAG, '[{"path": "cut')          # a list cut by an older version
+    assert tracking.log_table(cfg, run_id, table, f"{tracking.COMPLETIONS_DIR}/iter_0201.json")
+
+
 def test_run_alias_is_a_valid_mlflow_alias():
     assert tracking.run_alias("nightly-1") == "run-nightly-1"
     assert tracking.run_alias("exp.2_b") == "run-exp_2_b"

@@ -63,7 +63,8 @@ class DataConfig(_Section):
                                     "the plain question")
     bare_prompt_prob: float = Field(0.0, ge=0, le=1, description="chance that a training question comes as one "
                                     "user turn worded by an instruction, with no system prompt and no examples; the same "
-                                    "chance drops the system prompt alone from the others (the examples kept)")
+                                    "chance drops the system prompt alone from the others (the examples kept), or else the "
+                                    "examples alone (the system prompt kept)")
     chat_template_kwargs: dict[str, Any] = Field(default_factory=dict, description="more keywords for the "
                                                  "model's chat template, in every prompt training, evaluation "
                                                  "and export render (TRL's chat_template_kwargs), e.g. "

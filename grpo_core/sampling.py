@@ -201,9 +201,9 @@ class PromptFormat:
 
     A format with alternatives (`system_prompts`, `instructions`, `bare_prob`) draws one wording per
     question (`for_task`): with probability `bare_prob` a user turn alone, worded by one of the instructions
-    (no system prompt, no examples); otherwise the examples, one of the system prompts (dropped, again with
-    probability `bare_prob`, where there are examples) and the question plain or worded by one of the
-    instructions. The draw depends only on (`salt`, task id): the G answers of a
+    (no system prompt, no examples); otherwise one of the system prompts and the examples, where there are
+    both one of them dropped (the system prompt with probability `bare_prob`, else the examples with the same
+    chance), and the question plain or worded by one of the instructions. The draw depends only on (`salt`, task id): the G answers of a
     group share it, a resumed run draws the same, and another salt (iteration) draws afresh."""
     system_prompt: str = ""
     few_shot: tuple[tuple[str, str], ...] = ()      # (question, answer) exchanges shown before the question
@@ -235,10 +235,12 @@ class PromptFormat:
         if self.instructions and (not systems or draw.random() < self.bare_prob):
             return PromptFormat(response_prefix=self.response_prefix, instruction=draw.choice(self.instructions),
                                 template_kwargs=self.template_kwargs)
-        system = draw.choice(systems) if systems else ""
-        if self.few_shot and draw.random() < self.bare_prob:
+        system, few_shot = (draw.choice(systems) if systems else ""), self.few_shot
+        if few_shot and draw.random() < self.bare_prob:
             system = ""         # the examples alone: a step between the full prompt and the bare one
-        return PromptFormat(system, self.few_shot, self.response_prefix, draw.choice(["", *self.instructions]),
+        elif few_shot and system and draw.random() < self.bare_prob:
+            few_shot = ()       # the system prompt alone: the format asked in words, not shown
+        return PromptFormat(system, few_shot, self.response_prefix, draw.choice(["", *self.instructions]),
                             template_kwargs=self.template_kwargs)
 
     def guide(self, task: Task) -> "PromptFormat | None":

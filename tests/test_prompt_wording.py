@@ -32,7 +32,7 @@ def test_each_question_draws_one_wording_from_its_id_and_salt_alone():
     drawn = [fmt.for_task(t) for t in tasks]
     assert drawn == [fmt.for_task(t) for t in tasks]                          # a resumed run draws the same
     assert [fmt.for_task(t) for t in tasks[:50]] != [_varied(salt=2).for_task(t) for t in tasks[:50]]
-    bare = [d for d in drawn if not d.few_shot]
+    bare = [d for d in drawn if not d.few_shot and not d.system_prompt]
     assert abs(len(bare) / len(drawn) - 0.3) < 0.04
     assert all(d.instruction in INSTRUCTIONS and not d.system_prompt for d in bare)     # no system, no examples
     examples_alone = [d for d in drawn if d.few_shot and not d.system_prompt]           # the step between
@@ -41,7 +41,11 @@ def test_each_question_draws_one_wording_from_its_id_and_salt_alone():
     with_system = [d for d in drawn if d.system_prompt]
     assert Counter(d.system_prompt for d in with_system).keys() == {fmt.system_prompt, *SYSTEMS}
     assert Counter(d.instruction for d in with_system).keys() == {"", *INSTRUCTIONS}
-    assert all(d.few_shot == fmt.few_shot for d in with_system)
+    assert all(d.few_shot in (fmt.few_shot, ()) for d in with_system)
+    system_alone = [d for d in with_system if not d.few_shot]                           # the format in words
+    assert abs(len(system_alone) / len(drawn) - 0.7 * 0.7 * 0.3) < 0.04
+    assert Counter(d.instruction for d in system_alone).keys() == {"", *INSTRUCTIONS}
+    assert Counter(d.wording for d in drawn).keys() == {"full", "examples", "system", "bare"}
     code = Task(id="c", kind="python", source="x", prompt="def f(): ...", tests={"x": 1}, entry_point="f")
     assert fmt.for_task(code) == PromptFormat()                                         # code: its own prompt
     fixed = PromptFormat("S", (("a", "b"),))

@@ -203,8 +203,9 @@ class PromptFormat:
     question (`for_task`): with probability `bare_prob` a user turn alone, worded by one of the instructions
     (no system prompt, no examples); otherwise one of the system prompts and the examples, where there are
     both one of them dropped (the system prompt with probability `bare_prob`, else the examples with the same
-    chance), and the question plain or worded by one of the instructions. The draw depends only on (`salt`, task id): the G answers of a
-    group share it, a resumed run draws the same, and another salt (iteration) draws afresh."""
+    chance), and the question plain or worded by one of the instructions. The draw depends only on (`salt`,
+    task id): the G answers of a group share it, a resumed run draws the same, and another salt (iteration)
+    draws afresh."""
     system_prompt: str = ""
     few_shot: tuple[tuple[str, str], ...] = ()      # (question, answer) exchanges shown before the question
     response_prefix: str = ""                       # part of the prompt; counted as the completion's start

@@ -513,6 +513,8 @@ def _make_room_in_table_index(c, run_id: str, artifact_file: str) -> None:
         entries = json.loads(raw)
     except ValueError:              # already cut (a run logged before this fix): start the list afresh
         entries = None
+    if not isinstance(entries, list) or not all(isinstance(e, dict) for e in entries):
+        entries = None
     kept = list(entries or [])
     new = {"path": artifact_file, "type": "table"}
     while kept and len(json.dumps([*kept, new])) > MAX_TAG_VAL_LENGTH:

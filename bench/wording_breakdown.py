@@ -8,7 +8,6 @@ pass@1 on the same questions, and their ratio.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from collections import defaultdict
 from pathlib import Path

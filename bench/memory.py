@@ -140,7 +140,8 @@ def _rss_gib() -> float:
 def one_step(layers: int, args, device, dtype) -> dict:
     """Load the model, sample G completions (unless --skip-generate), run one real `grpo_update` step."""
     cfg = step_config(args)
-    runtime = _rss_gib() if device.type == "cpu" else 0.0
+    # The runtime: the CPU process's RSS, or on CUDA what an earlier cell left allocated (should be ~0)
+    runtime = _rss_gib() if device.type == "cpu" else torch.cuda.memory_allocated(device) / 2**30
     base = build_model(args.model, layers, device, dtype)
     mcfg = base.config
     n_params = sum(p.numel() for p in base.parameters())
@@ -181,6 +182,8 @@ def one_step(layers: int, args, device, dtype) -> dict:
     out["estimate"] = memory_estimate(mcfg, n_params, n_lora, args, dtype)
     del model, base, optimizer, policy
     gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
     return out
 
 

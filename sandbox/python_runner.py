@@ -637,15 +637,26 @@ def _build_program(job, work, cap):
 
 
 # --------------------------------------------------------------------------- zygote
+READY = b"ready\n"
+ZYGOTE_START_S = 30
+
+
 def zygote_main():
     """Pre-imported fork server for Python jobs. It is started by exec (so its memory never held
     the supervisor's nonce), never runs untrusted code itself, and forks one child per job."""
     set_nondumpable()
     inp, out = sys.stdin.buffer, sys.stdout.buffer
+    out.write(READY)                 # only now may the supervisor run untrusted code (Zygote.ensure)
+    out.flush()
     for line in inp:
         reply = run_python_here(json.loads(line), fork=True)
         out.write((json.dumps(reply) + "\n").encode())
         out.flush()
+
+
+def _runner_failed(why: str) -> dict:
+    return {"kind": "python", "rc": None, "timed_out": False, "records": [], "box_error": why, "stdout": "",
+            "stderr": ""}
 
 
 class Zygote:
@@ -655,10 +666,16 @@ class Zygote:
         self.p = None
 
     def ensure(self):
+        """The running zygote, started if needed; None if it did not come up. Returns only once the zygote
+        is non-dumpable: until then same-uid code could open its /proc files, its stdin and stdout (our
+        channel to it) among them, and forge its replies."""
         if self.p is None or self.p.poll() is not None:
             self.p = subprocess.Popen([sys.executable, "-I", "-S", os.path.abspath(__file__), "zygote"],
                                       stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                       env=_base_env(), cwd="/", close_fds=True)
+            ready, _, _ = select.select([self.p.stdout], [], [], ZYGOTE_START_S)
+            if not ready or self.p.stdout.readline() != READY:
+                self.kill()
         return self.p
 
     @property
@@ -667,6 +684,8 @@ class Zygote:
 
     def run(self, job):
         p = self.ensure()
+        if p is None:
+            return _runner_failed("the Python runner did not start")
         grace = float(job["limits"].get("timeout_s", 10)) + 5
         try:
             p.stdin.write((json.dumps(job) + "\n").encode())
@@ -676,8 +695,7 @@ class Zygote:
             return json.loads(line)
         except (OSError, ValueError):
             self.kill()
-            return {"kind": "python", "rc": None, "timed_out": False, "records": [],
-                    "box_error": "the job killed or confused the runner", "stdout": "", "stderr": ""}
+            return _runner_failed("the job killed or confused the runner")
 
     def kill(self):
         if self.p is not None:

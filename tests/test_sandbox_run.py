@@ -6,6 +6,7 @@ limits hold, nothing outlives its run, and the containers are reaped.
 from __future__ import annotations
 
 import os
+import subprocess
 import time
 
 import pytest
@@ -228,6 +229,36 @@ print(reached)
 '''
     out = run(backend, py(code))
     assert (out.status, out.stdout) == ("ok", "[]\n"), out
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or not os.access("/usr/bin/python3", os.X_OK),
+                    reason="needs root (to run the zygote as another user) and the system's python3")
+def test_the_zygote_is_non_dumpable_before_untrusted_code_can_run():
+    """The supervisor starts untrusted code as soon as `Zygote.ensure` returns; by then the zygote must be
+    non-dumpable (its /proc files root's), or same-uid code could write to its stdout and forge replies.
+    Checked right after `ensure` returns, as an unprivileged user, without the sandbox around it."""
+    import shutil
+    import tempfile
+
+    from sandbox.backends import RUNNER_PATH
+    check = ("import os, sys; sys.path.insert(0, sys.argv[1]); import python_runner as r\n"
+             "owners = []\n"
+             "for _ in range(5):\n"
+             "    z = r.Zygote(); p = z.ensure(); owners.append(os.stat('/proc/%d/environ' % p.pid).st_uid); z.kill()\n"
+             "print(owners)\n")
+
+    def drop():
+        os.setresgid(65534, 65534, 65534)
+        os.setresuid(65534, 65534, 65534)
+
+    with tempfile.TemporaryDirectory(dir="/tmp") as d:     # pytest's tmp_path is closed to other users
+        os.chmod(d, 0o755)
+        shutil.copy(RUNNER_PATH, os.path.join(d, "python_runner.py"))
+        os.chmod(os.path.join(d, "python_runner.py"), 0o644)
+        out = subprocess.run(["/usr/bin/python3", "-I", "-S", "-c", check, d], capture_output=True, text=True,
+                             cwd="/", preexec_fn=drop, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[0, 0, 0, 0, 0]", out.stdout
 
 
 def test_injected_jobs_and_junk_on_the_supervisor_stdin_change_nothing(backend):

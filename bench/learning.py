@@ -48,14 +48,14 @@ def machine() -> dict:
     import transformers
     cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
                 if line.startswith("model name")), platform.processor())
-    commit = _git("rev-parse", "--short", "HEAD")
-    if commit:
+    # The caller's word first: a copy of the tree (a snapshot, a device machine) may carry no git or a stale one
+    commit = os.environ.get("GRPO_COMMIT") or _git("rev-parse", "--short", "HEAD")
+    if commit and "GRPO_COMMIT" not in os.environ:
         commit += "-dirty" if _git("status", "--porcelain", "--untracked-files=no") else ""
-    else:            # no git or no repository (a copy of the tree, e.g. on a device machine): the caller's word
-        commit = os.environ.get("GRPO_COMMIT", "unknown")
+    commit = commit or "unknown"
     return {"cpu": cpu, "cores": os.cpu_count(), "torch": torch.__version__, "transformers": transformers.__version__,
             "trl": _version("trl"), "prefect": _version("prefect"), "python": platform.python_version(),
-            "commit": commit}
+            "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None, "commit": commit}
 
 
 def _git(*args: str) -> str:

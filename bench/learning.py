@@ -49,8 +49,9 @@ def machine() -> dict:
     cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
                 if line.startswith("model name")), platform.processor())
     # The caller's word first: a copy of the tree (a snapshot, a device machine) may carry no git or a stale one
-    commit = os.environ.get("GRPO_COMMIT") or _git("rev-parse", "--short", "HEAD")
-    if commit and not os.environ.get("GRPO_COMMIT"):
+    caller = os.environ.get("GRPO_COMMIT")
+    commit = caller or _git("rev-parse", "--short", "HEAD")
+    if commit and not caller:
         commit += "-dirty" if _git("status", "--porcelain", "--untracked-files=no") else ""
     commit = commit or "unknown"
     return {"cpu": cpu, "cores": os.cpu_count(), "torch": torch.__version__, "transformers": transformers.__version__,

@@ -513,9 +513,8 @@ def _make_room_in_table_index(c, run_id: str, artifact_file: str) -> None:
         entries = json.loads(raw)
     except ValueError:              # already cut (a run logged before this fix): start the list afresh
         entries = None
-    if not isinstance(entries, list) or not all(isinstance(e, dict) for e in entries):
-        entries = None
-    kept = list(entries or [])
+    valid = isinstance(entries, list) and all(isinstance(e, dict) for e in entries)
+    kept = list(entries) if valid else []
     new = {"path": artifact_file, "type": "table"}
     while kept and len(json.dumps([*kept, new])) > MAX_TAG_VAL_LENGTH:
         oldest_completion = next((e for e in kept if str(e.get("path", "")).startswith(f"{COMPLETIONS_DIR}/")), None)

@@ -179,6 +179,7 @@ def training_run(config: dict) -> dict:
             with subflow_settings():
                 records = iteration_flow(config, str(run_dir), k, checkpoint, state)
             checkpoint, state = records["update"]["checkpoint"], records["update"]["state"]
+            run_steps.prune_trainer_states(cfg, run_dir, k)
             if records.get("evaluate"):
                 evals[k] = records["evaluate"]["metrics"]
             metrics = run_steps.iteration_metrics(records.get("curate") or {}, time.perf_counter() - t0)

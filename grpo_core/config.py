@@ -360,6 +360,11 @@ class GRPOConfig(_Section):
     run_name: str | None = Field(None, pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$",
                                  description="directory name under output_dir; default: generated")
     output_dir: str = Field("runs", description="where runs/<run_name>/iter-<k>/ live")
+    keep_trainer_states: int | None = Field(
+        2, ge=1, description="keep the optimizer, scheduler and RNG state (iter-<k>/update/trainer_state.pt, about "
+                             "twice the adapter's size) of the newest N iterations; older ones are deleted once a "
+                             "later iteration has finished (a resume only needs the newest). Adapters are all kept. "
+                             "None keeps every state")
     seed: int = 0
     pipeline_iterations: int = Field(3, ge=1, description="outer iterations: curate, rollout, score, update, evaluate")
     # -- model ------------------------------------------------------------------------------

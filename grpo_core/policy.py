@@ -84,7 +84,9 @@ class Policy:
         return [(p, params[name.replace(ref_key, live_key)]) for name, p in params.items() if ref_key in name]
 
     def save(self, out_dir: Path) -> Path:
-        """Adapter (LoRA) or full weights, plus the tokenizer; a moving reference into out_dir/reference."""
+        """Adapter (LoRA) or full weights; a moving reference into out_dir/reference. The tokenizer only with full
+        weights (a model directory on its own): training never changes it, so an adapter's readers take the base
+        model's rather than a copy per iteration (Gemma 3's is 32 MB)."""
         if self.use_peft:
             adapters = [POLICY_ADAPTER] + ([self.reference_adapter] if self.save_reference else [])
             self.model.save_pretrained(out_dir, selected_adapters=adapters)   # others into out_dir/<name>/
@@ -92,7 +94,7 @@ class Policy:
             self.model.save_pretrained(out_dir)
             if self.save_reference and self.ref_model is not None:
                 self.ref_model.save_pretrained(Path(out_dir) / REFERENCE_ADAPTER)
-        self.tokenizer.save_pretrained(out_dir)
+            self.tokenizer.save_pretrained(out_dir)
         return out_dir
 
 

@@ -26,7 +26,7 @@ STAGES = stages.names()          # the registered stages' names, in order (grpo_
 
 # Config parts that change how a run is operated, never what it computes: a resume may change them
 # (e.g. more retries) without invalidating completed stages.
-OPERATIONAL_FIELDS = ("stages", "tracking", "gate", "output_dir", "run_name", "init_adapter")
+OPERATIONAL_FIELDS = ("stages", "tracking", "gate", "output_dir", "run_name", "init_adapter", "keep_trainer_states")
 
 
 def cfg_of(config: dict) -> GRPOConfig:

@@ -1,12 +1,14 @@
 """Run-level steps of a training run that are not stages: refusing a resume with a changed config,
 resolving the starting adapter, merging DAPO dynamic-sampling rounds, choosing and registering the best
-adapter, and the per-iteration run metrics. The flow (flows/train.py) only composes these with the stage tasks."""
+adapter, deleting old trainer states, and the per-iteration run metrics. The flow (flows/train.py) only
+composes these with the stage tasks."""
 from __future__ import annotations
 
 import shutil
 from pathlib import Path
 
 from grpo_core import dynamic_sampling as dsamp
+from grpo_core.checkpoint import STATE_FILE
 from grpo_core.config import ConfigError, GRPOConfig, flatten
 from grpo_core.io import read_json, write_jsonl
 from grpo_core.models import check_adapter, resolve_model
@@ -65,6 +67,16 @@ def init_checkpoint(cfg: GRPOConfig, run_dir: Path, run_id: str) -> str | None:
     update_run_state(run_dir, init_adapter_uri=uri, init_adapter_path=str(dst), parent_version=parent)
     tracking.set_tags(cfg, run_id, {"init_adapter": uri, **({"parent_version": parent} if parent else {})})
     return str(dst)
+
+
+def prune_trainer_states(cfg: GRPOConfig, run_dir: Path, iteration: int) -> None:
+    """Once `iteration` has finished, delete the trainer states (optimizer, scheduler, RNG) of the iterations
+    keep_trainer_states or more before it: only the newest is read again (by the next update, or a resume).
+    Their adapters and records stay, so the run's history and its completed stages are unchanged."""
+    if cfg.keep_trainer_states is None:
+        return
+    for k in range(1, iteration - cfg.keep_trainer_states + 1):
+        (run_dir / f"iter-{k}" / "update" / STATE_FILE).unlink(missing_ok=True)
 
 
 def iteration_metrics(curated: dict, seconds: float) -> dict[str, float]:

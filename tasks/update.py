@@ -9,7 +9,7 @@ from tqdm.auto import tqdm
 
 from grpo_core.checkpoint import ADAPTER_DIR, STATE_FILE, load_trainer_state, save_checkpoint
 from grpo_core.io import read_jsonl
-from grpo_core.models import load_tokenizer
+from grpo_core.models import load_tokenizer, resolve_model
 from grpo_core.policy import load_policy
 from grpo_core.update import DataParallel, ScoredSample, grpo_update, make_optimizer, make_scheduler
 from tasks import distributed, tracking
@@ -72,7 +72,7 @@ def update(config: dict, run_dir: str, iteration: int, samples: str, scores: str
         **score_metrics, **batch_metrics, "sys/rollout_tokens_per_second": rollout_tokens_per_second,
         "sys/rollout_seconds": rollout_seconds})
     tracking.log_completions(cfg, run_id, iteration, scored_batch(samples, scores), samples, scores,
-                             load_tokenizer(out_dir / ADAPTER_DIR))
+                             load_tokenizer(resolve_model(cfg.model)))
     tracking.log_artifacts(cfg, run_id, out_dir / ADAPTER_DIR, f"adapters/iter-{iteration}")
     last = steps[-1] if steps else {}
     return {"checkpoint": str(out_dir / ADAPTER_DIR), "state": str(out_dir / STATE_FILE), "global_step": global_step,

@@ -18,7 +18,7 @@ def finished_run(tmp_path, grpo_home, mlflow_uri, prefect_engine, monkeypatch):
     from flows.train import training_run
     from grpo_core import rewards
     monkeypatch.setitem(rewards.REWARD_FUNCS, "digit_fraction", digit_fraction)
-    config = tiny_config(tmp_path, reward_funcs=["accuracy", "format", "digit_fraction"])
+    config = tiny_config(tmp_path, reward_funcs=["accuracy", "format", "digit_fraction"], keep_trainer_states=1)
     return config, training_run(config=config)
 
 
@@ -59,6 +59,13 @@ def test_two_iterations_log_metrics_adapters_and_change_weights(finished_run, ml
             assert (run_dir / f"iter-{k}/{stage}.json").exists()
     assert not list(run_dir.rglob(".*.tmp"))
     assert set(summary["evals"]) == {0, 1, 2}
+
+    # keep_trainer_states: 1 keeps the newest optimizer state alone; every adapter stays, without a tokenizer copy.
+    assert not (run_dir / "iter-1/update/trainer_state.pt").exists()
+    assert (run_dir / "iter-2/update/trainer_state.pt").exists()
+    for k in (1, 2):
+        files = {p.name for p in (run_dir / f"iter-{k}/update/checkpoint").iterdir()}
+        assert "adapter_model.safetensors" in files and not any(f.startswith("tokenizer") for f in files), files
 
 
 def test_rerun_same_name_skips_completed_stages(finished_run, mlflow_uri):

@@ -1,7 +1,9 @@
 """Run-level steps outside the stages (tasks/run.py): metric extraction, the dynamic-sampling merge and
-the choice of the best iteration.
+the choice of the best iteration, and deleting old trainer states.
 Starting adapters and registration are exercised end to end in test_ops_flow.py."""
 from __future__ import annotations
+
+import pytest
 
 from grpo_core.io import read_jsonl
 from tasks.data_logging import curation_metrics, curation_tags, numeric
@@ -49,3 +51,35 @@ def test_best_iteration_is_the_highest_metric_after_the_base_model_ties_to_the_l
     assert best_iteration(cfg, {0: m(0.9), 1: m(0.5), 2: m(0.7), 3: m(0.7), 4: {}}, default=4) == 3
     assert best_iteration(cfg, {"0": m(0.1), "1": m(0.3), "2": m(0.2)}, default=2) == 1    # summary.json keys
     assert best_iteration(cfg, {0: m(1.0)}, default=5) == 5                                # only the base model
+
+
+def test_old_trainer_states_are_deleted_and_the_setting_may_change_on_resume(tmp_path):
+    """keep_trainer_states: N keeps the newest N optimizer states once an iteration finishes; adapters and
+    records stay; None keeps all. The setting changes no result, so a resume may change it."""
+    from grpo_core.checkpoint import STATE_FILE
+    from grpo_core.config import GRPOConfig
+    from tasks.run import check_same_config, prune_trainer_states
+    run_dir = tmp_path / "run"
+    for k in range(1, 6):
+        (run_dir / f"iter-{k}" / "update" / "checkpoint").mkdir(parents=True)
+        (run_dir / f"iter-{k}" / "update" / STATE_FILE).write_bytes(b"state")
+
+    def states():
+        return sorted(int(p.parts[-3].removeprefix("iter-")) for p in run_dir.glob(f"iter-*/update/{STATE_FILE}"))
+
+    cfg = GRPOConfig.model_validate(tiny_config(tmp_path, keep_trainer_states=None))
+    prune_trainer_states(cfg, run_dir, 5)
+    assert states() == [1, 2, 3, 4, 5]
+    cfg.keep_trainer_states = 2
+    prune_trainer_states(cfg, run_dir, 4)           # iteration 5 still running: its state and 4's are kept
+    assert states() == [3, 4, 5]
+    prune_trainer_states(cfg, run_dir, 5)
+    assert states() == [4, 5]
+    assert len(list(run_dir.glob("iter-*/update/checkpoint"))) == 5
+
+    (run_dir / "config.yaml").write_text(cfg.to_yaml())
+    cfg.keep_trainer_states = None
+    check_same_config(cfg, run_dir)                  # not refused
+    cfg.learning_rate *= 2
+    with pytest.raises(ValueError, match="learning_rate"):
+        check_same_config(cfg, run_dir)

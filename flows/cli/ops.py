@@ -270,7 +270,8 @@ def register(sub) -> None:
     r = sub.add_parser("resume", formatter_class=fmt, help="continue a failed or killed run where it stopped",
                        description="Continue a run: completed stages are skipped (their records under iter-<k>/), "
                                    "the first unfinished stage runs, the same MLflow run is reopened.\nOnly operational "
-                                   "fields (stages.*, tracking.*) may be changed with --set; anything else is refused.")
+                                   "fields (stages.*, tracking.*, keep_trainer_states) may be changed with --set; "
+                                   "anything else is refused.")
     r.add_argument("run", help="run name (under --output-dir) or run directory")
     r.add_argument("--output-dir", default="runs", help="where the run directories live (default: runs)")
     set_opt(r)

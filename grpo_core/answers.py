@@ -15,6 +15,10 @@ from typing import Any
 
 VERIFY_TIMEOUT_S = 5.0     # math-verify wall-clock limit per comparison
 ANSWER_RE = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
+# An operation still to be done on numbers: '5 - 6', '7 \\times 4', '3^2', '(2+3)', '\\frac{56}{2}', '\\sqrt{16}'.
+OPERATION_RE = re.compile(r"[\d)}]\s*(?:[-+*/^×÷·−]|\\times|\\cdot|\\div|\\pm|x(?=\s*[\d(]))\s*[\d(\\{]"
+                          r"|\\d?frac|\\sqrt|√")
+FRACTION_RE = re.compile(r"-?\d+\s*/\s*\d+|-?\\d?frac(?:\{\d+\}|\d)(?:\{\d+\}|\d)")
 
 
 def extract_answer(completion: str) -> str | None:
@@ -37,6 +41,8 @@ def parse_number(text: str) -> Fraction | None:
 def math_answers_match(predicted: str | None, gold: str, timeout_s: float = VERIFY_TIMEOUT_S) -> bool:
     """Is `predicted` the same answer as `gold`, as a reader would judge it?
 
+    0. Where `gold` is a number, an answer that still shows an operation on numbers is wrong
+       (`restates_operation`): '5 - 6' restates the question "What is 5 - 6?", it does not answer it.
     1. Plain numbers on both sides ('1,000', '$12', '0.5', '1/2', '1e3') compare exactly.
     2. Otherwise math-verify decides (LaTeX such as '\\frac12', equations such as 'x=2' against '2',
        percentages, sets), with a wall-clock limit of `timeout_s`: a prediction that takes longer
@@ -47,12 +53,24 @@ def math_answers_match(predicted: str | None, gold: str, timeout_s: float = VERI
     if predicted is None or not predicted.strip():
         return False
     p, g = parse_number(predicted), parse_number(gold)
+    if g is not None and restates_operation(predicted, g):
+        return False
     if p is not None and g is not None:
         return p == g
     if _normalised(predicted) == _normalised(gold):
         return True
     verdict = _math_verify(predicted, gold, timeout_s)
     return bool(verdict)
+
+
+def restates_operation(predicted: str, gold: Fraction) -> bool:
+    """Whether an answer to a question whose answer is the number `gold` still shows an operation on numbers
+    ('5 - 6' for -1, '7 \\times 4', '56/2', '\\sqrt{16}'): the question restated, not answered. math-verify would
+    evaluate it and call it right, which a model learns to exploit. A fraction is a value where `gold` is one."""
+    text = predicted.strip().strip("$").replace(",", "")
+    if gold.denominator != 1 and FRACTION_RE.fullmatch(text):
+        return False
+    return bool(OPERATION_RE.search(text))
 
 
 def _normalised(text: str) -> str:

@@ -21,12 +21,17 @@ EQUIVALENCE_TABLE = [
     ("x=2", "2", True), ("x = -2", "-2", True), ("2", "x=2", True), ("y = 7", "7", True),
     ("1,000", "1000", True), ("1000", "1,000", True), ("$12", "12", True), ("5.", "5", True), ("3.0", "3", True),
     ("1e3", "1000", True), ("-3", "-3", True), ("+4", "4", True), ("007", "7", True),
-    ("\\boxed{3}", "3", True), ("\\sqrt{4}", "2", True), ("2^3", "8", True), ("12%", "0.12", True),
+    ("\\boxed{3}", "3", True), ("12%", "0.12", True),
     ("\\pi", "\\pi", True), ("(1,2)", "(1, 2)", True), ("Paris", "paris", True), ("10 apples", "10", True),
     ("\\frac{2}{3}", "2/3", True), ("0.3333", "1/3", False),
     ("6", "5", False), ("-5", "5", False), ("1/3", "0.33", False), ("\\frac12", "1/3", False),
     ("x=3", "2", False), ("", "5", False), ("   ", "5", False), (None, "5", False), ("five", "5", False),
     ("London", "paris", False), ("12", "0.12", False), ("2^3", "9", False), ("\\sqrt{2}", "1.41", False),
+    # The question restated, not answered: an operation still to do is wrong where the gold answer is a number
+    # (math-verify evaluates it and agrees; Gemma 3 270M learned to answer "What is 5 - 6?" with <answer>5 - 6</answer>).
+    ("5 - 6", "-1", False), ("5 − 6", "-1", False), ("45 + 7", "52", False), ("7 \\times 4", "28", False),
+    ("7 x 4", "28", False), ("56/2", "28", False), ("\\frac{56}{2}", "28", False), ("(2+3)", "5", False),
+    ("2^3", "8", False), ("\\sqrt{4}", "2", False), ("x = 3 + 4", "7", False),
 ]
 
 

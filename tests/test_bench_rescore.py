@@ -1,0 +1,28 @@
+"""bench/rescore_eval.py: saved evaluation answers scored again with today's answer check."""
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "bench"))
+
+import rescore_eval  # noqa: E402
+
+
+def test_a_restated_question_counted_right_then_is_wrong_now(tmp_path):
+    base = dict(kind="math", source="arithmetic", prompt="Work out 45 - 98.", answer="-53", formatted=True)
+    rows = [dict(base, mode="sampled", completion=" <answer>45 - 98</answer>", correct=True),      # the hack
+            dict(base, mode="sampled", completion=" <answer>-53</answer>", correct=True),
+            dict(base, mode="sampled", completion=" <answer>-53</answer>", correct=True, wording="foreign"),
+            dict(base, mode="greedy", completion="-53", correct=False, formatted=False),          # no tags
+            dict(base, mode="sampled", source="reasoning_gym/chain_sum", completion=" <answer>1 + 2</answer>",
+                 correct=False),                       # its own checker's verdict stands
+            dict(base, kind="python", mode="sampled", completion="", correct=True)]               # not math
+    path = tmp_path / "eval_samples.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    cells = rescore_eval.rescore(path)
+    assert cells["sampled/in"] == {"answers": 3, "strict_then": round(2 / 3, 3), "strict_now": round(1 / 3, 3)}
+    assert cells["sampled/foreign"] == {"answers": 1, "strict_then": 1.0, "strict_now": 1.0}
+    assert cells["greedy/in"] == {"answers": 1, "strict_then": 0.0, "strict_now": 0.0}

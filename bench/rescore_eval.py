@@ -1,7 +1,8 @@
 """Score saved evaluation answers again with today's math answer check: for a run evaluated before a change to
-`grpo_core.answers`, e.g. the check that an answer restating the question ('5 - 6' for "What is 5 - 6?",
-which math-verify evaluated and counted right) is wrong. Prints strict pass@1 (right and in the tags the model wrote) per mode and
-wording, then and now. Reasoning-gym questions keep their recorded verdict (their own checkers decide them).
+`grpo_core.answers`, e.g. the check that an answer restating the question ('5 - 6' for "What is 5 - 6?", which
+math-verify evaluated and counted right) is wrong. Prints strict pass@1 (right and in the tags the model wrote)
+per mode and wording, then and now. Reasoning-gym questions keep their recorded verdict (their own checkers
+decide them).
 
     python bench/rescore_eval.py RUN_DIR/iter-0/eval_samples.jsonl RUN_DIR/iter-144/eval_samples.jsonl [--json OUT]
 """
@@ -45,7 +46,8 @@ def main() -> int:
     for path, cells in results.items():
         print(path)
         for key, c in cells.items():
-            print(f"  {key:<18} {c['answers']:>4} answers  strict pass@1 {c['strict_then']:.3f} -> now {c['strict_now']:.3f}")
+            print(f"  {key:<18} {c['answers']:>4} answers  "
+                  f"strict pass@1 {c['strict_then']:.3f} -> now {c['strict_now']:.3f}")
     if args.json:
         args.json.write_text(json.dumps(results, indent=1) + "\n")
     return 0

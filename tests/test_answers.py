@@ -28,7 +28,8 @@ EQUIVALENCE_TABLE = [
     ("x=3", "2", False), ("", "5", False), ("   ", "5", False), (None, "5", False), ("five", "5", False),
     ("London", "paris", False), ("12", "0.12", False), ("2^3", "9", False), ("\\sqrt{2}", "1.41", False),
     # The question restated, not answered: an operation still to do is wrong where the gold answer is a number
-    # (math-verify evaluates it and agrees; Gemma 3 270M learned to answer "What is 5 - 6?" with <answer>5 - 6</answer>).
+    # (math-verify evaluates it and agrees; Gemma 3 270M learned to answer "What is 5 - 6?" with
+    # <answer>5 - 6</answer>).
     ("5 - 6", "-1", False), ("5 − 6", "-1", False), ("45 + 7", "52", False), ("7 \\times 4", "28", False),
     ("7 x 4", "28", False), ("56/2", "28", False), ("\\frac{56}{2}", "28", False), ("(2+3)", "5", False),
     ("2^3", "8", False), ("\\sqrt{4}", "2", False), ("x = 3 + 4", "7", False),

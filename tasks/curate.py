@@ -56,7 +56,7 @@ def curate(config: dict, run_dir: str, iteration: int) -> dict:
         record = data_iteration.curate_iteration(
             d.curated, run_dir, iteration, d.prompts_per_iteration, d.weights, tuple(d.pass_rate_band),
             d.recalibrate, cfg.seed, iter_dir(run_dir, iteration), curated_cache(), gate,
-            set(parent.read_text().split()) if parent.is_file() else None)
+            set(parent.read_text().split()) if parent.is_file() else None, d.pass_rate_max_age)
     else:
         prompts = arithmetic.train_tasks(d.prompts_per_iteration, d.min_digits, d.max_digits, d.operations,
                                          seed=cfg.seed * 100_003 + iteration, exclude=read_tasks(eval_path) + gate)

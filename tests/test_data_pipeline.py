@@ -195,6 +195,22 @@ def test_recalibrate_from_previous_rollouts(tmp_path):
         curation.pass_rates_from_rollouts(tmp_path / "scores.jsonl", id_field="prompt_id")
 
 
+def test_old_pass_rates_expire_so_a_long_run_tries_its_too_hard_prompts_again(tmp_path):
+    from grpo_core.data.iteration import draw_prompts, previous_pass_rates
+    pool = [math_task(i) for i in range(4)]
+    # m0-m2 all wrong at iteration 1 (too hard for the policy then); m3 half right at iteration 5
+    write_jsonl(tmp_path / "iter-1" / "scores.jsonl", [{"task_id": f"m{i}", "correct": 0.0} for i in range(3)] * 4)
+    write_jsonl(tmp_path / "iter-5" / "scores.jsonl", [{"task_id": "m3", "correct": c} for c in (1.0, 0.0) * 2])
+    forever = previous_pass_rates(tmp_path, 6)
+    assert set(forever) == {"m0", "m1", "m2", "m3"} and forever["m0"] == (0.0, 4)
+    recent = previous_pass_rates(tmp_path, 6, max_age=3)      # iterations 3-5 only
+    assert recent == {"m3": (0.5, 4)}
+    assert set(previous_pass_rates(tmp_path, 5, max_age=4)) == {"m0", "m1", "m2"}     # iterations 1-4
+    for rates, drawable in ((forever, {"m3"}), (recent, {"m0", "m1", "m2", "m3"})):
+        chosen, info = draw_prompts(pool, 4, {}, seed=0, band=(0.1, 0.9), rates=rates)
+        assert info["in_band"] == len(drawable) and {t.id for t in chosen[:len(drawable)]} == drawable
+
+
 # -- mix --------------------------------------------------------------------------------------------------
 
 

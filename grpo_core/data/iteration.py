@@ -207,10 +207,12 @@ def eval_tasks(spec: str, run_dir: str | Path, n: int, cache_dir: str | Path | N
 # -- each iteration ---------------------------------------------------------------------------------------
 
 
-def previous_pass_rates(run_dir: str | Path, iteration: int) -> dict[str, tuple[float, int]]:
-    """{task id: (pass rate, samples)} from iter-1..iter-(k-1)/scores.jsonl, the latest measurement winning."""
+def previous_pass_rates(run_dir: str | Path, iteration: int, max_age: int = 0) -> dict[str, tuple[float, int]]:
+    """{task id: (pass rate, samples)} from iter-1..iter-(k-1)/scores.jsonl, the latest measurement winning.
+    With `max_age`, only the last max_age iterations count: an older rate was the policy's of then, so its task
+    is untried again rather than out of the band for good."""
     rates: dict[str, tuple[float, int]] = {}
-    for k in range(1, iteration):
+    for k in range(max(1, iteration - max_age) if max_age else 1, iteration):
         path = Path(run_dir) / f"iter-{k}" / "scores.jsonl"
         if path.is_file():
             rates.update(curation.pass_rates_from_rollouts(path))
@@ -253,10 +255,11 @@ def freshness(pool: Sequence[Task], known: set[str] | None) -> dict[str, int]:
 def curate_iteration(spec: str, run_dir: str | Path, iteration: int, n: int, weights: dict[str, float],
                      band: tuple[float, float], recalibrate: bool, seed: int, out_dir: str | Path,
                      cache_dir: str | Path | None = None, gate: Sequence[Task] = (),
-                     known_questions: set[str] | None = None) -> dict[str, Any]:
+                     known_questions: set[str] | None = None, max_age: int = 0) -> dict[str, Any]:
     """Write <out_dir>/prompts.jsonl and curation.json; return the stage record fields. Training never asks
     a `gate` question (decontaminated like a build's eval split); `known_questions` (the parent run's pool by
-    content hash) gives the count of new questions. The pool's hashes go to <run_dir>/data/questions.txt."""
+    content hash) gives the count of new questions. The pool's hashes go to <run_dir>/data/questions.txt.
+    Pass rates older than `max_age` iterations (0: none) no longer count (previous_pass_rates)."""
     path = resolve_curated(spec, run_dir, cache_dir)
     train, _ = splits_of(path)
     train, contaminated = curation.decontaminate(train, gate) if gate else (train, [])
@@ -266,7 +269,7 @@ def curate_iteration(spec: str, run_dir: str | Path, iteration: int, n: int, wei
     pool_file = Path(run_dir) / "data" / "questions.txt"
     if not pool_file.is_file():
         atomic_write_text(pool_file, "".join(h + "\n" for h in question_hashes(train)))
-    rates = previous_pass_rates(run_dir, iteration) if recalibrate else {}
+    rates = previous_pass_rates(run_dir, iteration, max_age) if recalibrate else {}
     prompts, info = draw_prompts(train, n, weights, seed * 100_003 + iteration, band, rates)
     fresh = freshness(train, known_questions)
     info.update({"gate_excluded": len(contaminated), **fresh})

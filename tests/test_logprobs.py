@@ -184,11 +184,14 @@ def test_shared_prompt_path_equals_full_pass_value_and_gradient(tiny_model_dir, 
 
 
 @pytest.mark.parametrize("layout", ["lean_segments", "packed_mask"])
-def test_packed_gradients_are_the_same_bits_on_every_run_and_thread_count(tiny_model_dir, monkeypatch, layout):
+def test_packed_gradients_are_the_same_bits_on_every_run(tiny_model_dir, monkeypatch, layout):
     """A group's answers all read their prompt's last hidden state, so the packed paths pick some rows
     several times. The backward of that pick must add the repeats in a fixed order: a kill-and-resume run
     differed from the uninterrupted one in the 8th digit when a parallel kernel added them in whatever order
-    its threads finished (enough rows here, over 32k values, for that kernel to run in parallel)."""
+    its threads finished (enough rows here, over 32k values, for that kernel to run in parallel). Runs agree
+    at each thread count; across thread counts they need not: the BLAS may split a weight gradient's sum over
+    tokens between threads (on an Intel Xeon with AMX, torch 2.13, a plain matmul's weight gradient differs in
+    the last bits between 1 and 2 threads), so a resumed run keeps its thread count."""
     import grpo_core.logprobs as alg
     if layout == "packed_mask":
         monkeypatch.setattr(alg.LeanDecoder, "of", classmethod(lambda cls, model: None))
@@ -205,11 +208,11 @@ def test_packed_gradients_are_the_same_bits_on_every_run_and_thread_count(tiny_m
 
     threads = torch.get_num_threads()
     try:
-        torch.set_num_threads(1)
-        one = grads()
-        torch.set_num_threads(max(2, threads))
-        for _ in range(5):
-            assert all(torch.equal(a, b) for a, b in zip(grads(), one))
+        for n, runs in ((1, 2), (max(2, threads), 5)):
+            torch.set_num_threads(n)
+            first = grads()
+            for _ in range(runs - 1):
+                assert all(torch.equal(a, b) for a, b in zip(grads(), first)), f"{n} threads"
     finally:
         torch.set_num_threads(threads)
 

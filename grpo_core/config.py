@@ -65,6 +65,12 @@ class DataConfig(_Section):
                                     "user turn worded by an instruction, with no system prompt and no examples; the same "
                                     "chance drops the system prompt alone from the others (the examples kept), or else the "
                                     "examples alone (the system prompt kept)")
+    system_alone_prob: float | None = Field(None, ge=0, le=1, description="chance that a training question "
+                                            "comes with a system prompt and no worked examples, the shape of an "
+                                            "exported model's default chat template (`grpo export`); when set, "
+                                            "the full prompt takes the rest (1 - bare_prompt_prob - this) and "
+                                            "the examples are never shown alone; null: bare_prompt_prob's "
+                                            "nested draws")
     chat_template_kwargs: dict[str, Any] = Field(default_factory=dict, description="more keywords for the "
                                                  "model's chat template, in every prompt training, evaluation "
                                                  "and export render (TRL's chat_template_kwargs), e.g. "
@@ -128,7 +134,8 @@ class DataConfig(_Section):
         if iteration < self.wordings_from_iteration:
             return fmt
         return dataclasses.replace(fmt, system_prompts=tuple(self.system_prompts), instructions=tuple(
-            self.instructions), bare_prob=self.bare_prompt_prob, salt=iteration, guided=self.guided_completions)
+            self.instructions), bare_prob=self.bare_prompt_prob, system_alone_prob=self.system_alone_prob,
+            salt=iteration, guided=self.guided_completions)
 
     @property
     def wordings(self) -> dict[str, list[str]]:
@@ -151,10 +158,22 @@ class DataConfig(_Section):
 
     @model_validator(mode="after")
     def _wordings_warmup(self):
-        if self.wordings_from_iteration > 1 and not (self.system_prompts or self.instructions or self.bare_prompt_prob):
+        if self.wordings_from_iteration > 1 and not (self.system_prompts or self.instructions or self.bare_prompt_prob
+                                                     or self.system_alone_prob):
             raise ValueError(f"data.wordings_from_iteration is {self.wordings_from_iteration} but there are no "
                              f"wordings to draw (data.system_prompts, data.instructions, data.bare_prompt_prob); "
                              f"add them or set wordings_from_iteration: 1")
+        return self
+
+    @model_validator(mode="after")
+    def _shape_chances(self):
+        if self.system_alone_prob is not None and self.bare_prompt_prob + self.system_alone_prob > 1:
+            raise ValueError(f"data.bare_prompt_prob ({self.bare_prompt_prob}) + data.system_alone_prob "
+                             f"({self.system_alone_prob}) is above 1; they are chances of two shapes of one draw, "
+                             f"lower one of them")
+        if self.system_alone_prob and not self.few_shot:
+            raise ValueError("data.system_alone_prob is set but data.few_shot is empty, so every system prompt is "
+                             "already alone; add worked examples or set system_alone_prob: null")
         return self
 
     @model_validator(mode="after")

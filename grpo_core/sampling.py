@@ -203,7 +203,9 @@ class PromptFormat:
     question (`for_task`): with probability `bare_prob` a user turn alone, worded by one of the instructions
     (no system prompt, no examples); otherwise one of the system prompts and the examples, where there are
     both one of them dropped (the system prompt with probability `bare_prob`, else the examples with the same
-    chance), and the question plain or worded by one of the instructions. The draw depends only on (`salt`,
+    chance), and the question plain or worded by one of the instructions. With `system_alone_prob` set, the
+    shapes are drawn with fixed chances instead: bare `bare_prob`, a system prompt without the examples
+    `system_alone_prob`, the full prompt the rest (never the examples alone). The draw depends only on (`salt`,
     task id): the G answers of a group share it, a resumed run draws the same, and another salt (iteration)
     draws afresh."""
     system_prompt: str = ""
@@ -213,6 +215,7 @@ class PromptFormat:
     system_prompts: tuple[str, ...] = ()            # alternatives to system_prompt
     instructions: tuple[str, ...] = ()              # alternatives to the plain question
     bare_prob: float = 0.0                          # chance of a user turn alone (needs instructions)
+    system_alone_prob: float | None = None          # chance of a system prompt without the examples
     salt: int = 0
     guided: int = 0                                 # of a group in a partial wording: answers sampled by `guide`
     template_kwargs: tuple[tuple[str, object], ...] = ()    # more apply_chat_template keywords (name, value)
@@ -223,7 +226,7 @@ class PromptFormat:
 
     @property
     def varies(self) -> bool:
-        return bool(self.system_prompts or self.instructions or self.bare_prob)
+        return bool(self.system_prompts or self.instructions or self.bare_prob or self.system_alone_prob)
 
     def for_task(self, task: Task) -> "PromptFormat":
         """The one wording `task` is put in (code tasks: their prompt alone)."""
@@ -233,11 +236,20 @@ class PromptFormat:
             return self
         draw = random.Random(hashlib.sha256(f"{self.salt}\0{task.id}".encode()).digest())
         systems = [s for s in (self.system_prompt, *self.system_prompts) if s]
-        if self.instructions and (not systems or draw.random() < self.bare_prob):
+        if self.system_alone_prob is None:          # nested draws: bare, else the examples alone, else the system
+            shape = None
+            bare = self.instructions and (not systems or draw.random() < self.bare_prob)
+        else:                                       # one draw, a fixed chance per shape
+            shape = draw.random()
+            bare = self.instructions and (not systems or shape < self.bare_prob)
+        if bare:
             return PromptFormat(response_prefix=self.response_prefix, instruction=draw.choice(self.instructions),
                                 template_kwargs=self.template_kwargs)
         system, few_shot = (draw.choice(systems) if systems else ""), self.few_shot
-        if few_shot and draw.random() < self.bare_prob:
+        if shape is not None:
+            if shape < self.bare_prob + self.system_alone_prob:
+                few_shot = ()   # the shape an exported model's default chat template gives
+        elif few_shot and draw.random() < self.bare_prob:
             system = ""         # the examples alone: a step between the full prompt and the bare one
         elif few_shot and system and draw.random() < self.bare_prob:
             few_shot = ()       # the system prompt alone: the format asked in words, not shown

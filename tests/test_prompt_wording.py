@@ -52,6 +52,27 @@ def test_each_question_draws_one_wording_from_its_id_and_salt_alone():
     assert fixed.for_task(tasks[0]) is fixed                                           # no alternatives: as before
 
 
+def test_fixed_shape_chances_draw_the_system_prompt_alone_and_never_the_examples_alone():
+    import dataclasses
+    legacy = _varied(bare_prob=0.5)
+    fmt = dataclasses.replace(legacy, system_alone_prob=0.3)
+    tasks = [_math(i) for i in range(3000)]
+    kinds = Counter(fmt.for_task(t).wording for t in tasks)
+    assert kinds.keys() == {"bare", "system", "full"}
+    for kind, chance in (("bare", 0.5), ("system", 0.3), ("full", 0.2)):
+        assert abs(kinds[kind] / len(tasks) - chance) < 0.04
+    alone = [fmt.for_task(t) for t in tasks if fmt.for_task(t).wording == "system"]
+    assert Counter(d.system_prompt for d in alone).keys() == {legacy.system_prompt, *SYSTEMS}
+    assert Counter(d.instruction for d in alone).keys() == {"", *INSTRUCTIONS}
+    assert all(fmt.guide(t) is None for t in tasks)                          # no guidance asked
+    guided = dataclasses.replace(fmt, guided=2)
+    assert all((guided.guide(t) is None) == (fmt.for_task(t).wording == "full") for t in tasks[:200])
+    zero = dataclasses.replace(legacy, system_alone_prob=0.0)           # set to 0: no partial shape at all
+    assert Counter(zero.for_task(t).wording for t in tasks).keys() == {"bare", "full"}
+    unset = Counter(legacy.for_task(t).wording for t in tasks)          # null: the nested draws, as before
+    assert unset.keys() == {"bare", "examples", "system", "full"}
+
+
 def test_a_bare_wording_is_one_user_turn_with_the_question_in_place():
     fmt = _varied(bare_prob=1.0)
     t = _math(7)
@@ -116,6 +137,9 @@ def test_the_score_stage_reports_rewards_per_kind_of_training_wording(tmp_path):
     (dict(data=dict(instructions=["Answer: question"])), "data.instructions[0]", "{question} exactly once"),
     (dict(data=dict(bare_prompt_prob=0.2)), "data.bare_prompt_prob", "data.instructions is empty"),
     (dict(data=dict(wordings_from_iteration=3)), "data.wordings_from_iteration", "no wordings to draw"),
+    (dict(data=dict(instructions=INSTRUCTIONS, bare_prompt_prob=0.7, system_alone_prob=0.4)),
+     "data.system_alone_prob", "above 1"),
+    (dict(data=dict(system_alone_prob=0.3, few_shot=[])), "data.system_alone_prob", "few_shot is empty"),
     (dict(eval=dict(foreign_instructions=["{question} and {question}"])), "eval.foreign_instructions[0]",
      "exactly once"),
     (dict(data=dict(instructions=INSTRUCTIONS), eval=dict(foreign_instructions=["  put the ANSWER in "

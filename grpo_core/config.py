@@ -161,8 +161,8 @@ class DataConfig(_Section):
         if self.wordings_from_iteration > 1 and not (self.system_prompts or self.instructions or self.bare_prompt_prob
                                                      or self.system_alone_prob):
             raise ValueError(f"data.wordings_from_iteration is {self.wordings_from_iteration} but there are no "
-                             f"wordings to draw (data.system_prompts, data.instructions, data.bare_prompt_prob); "
-                             f"add them or set wordings_from_iteration: 1")
+                             "wordings to draw (data.system_prompts, data.instructions, data.bare_prompt_prob, "
+                             "data.system_alone_prob); add them or set wordings_from_iteration: 1")
         return self
 
     @model_validator(mode="after")

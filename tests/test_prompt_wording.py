@@ -3,6 +3,7 @@
 wordings training never used (eval.foreign_*), and the config keeps the two apart."""
 from __future__ import annotations
 
+import dataclasses
 from collections import Counter
 
 import pytest
@@ -53,7 +54,6 @@ def test_each_question_draws_one_wording_from_its_id_and_salt_alone():
 
 
 def test_fixed_shape_chances_draw_the_system_prompt_alone_and_never_the_examples_alone():
-    import dataclasses
     legacy = _varied(bare_prob=0.5)
     fmt = dataclasses.replace(legacy, system_alone_prob=0.3)
     tasks = [_math(i) for i in range(3000)]
@@ -213,7 +213,6 @@ def test_a_wording_without_system_prompt_or_examples_is_guided_by_the_full_promp
         else:
             assert guide == PromptFormat(fmt.system_prompt, fmt.few_shot, "", drawn.instruction)
     assert sum(fmt.guide(t) is not None for t in tasks) > 100
-    import dataclasses
     assert all(dataclasses.replace(fmt, guided=0).guide(t) is None for t in tasks)
 
 

@@ -1,8 +1,10 @@
 """Score saved evaluation answers again with today's math answer check: for a run evaluated before a change to
 `grpo_core.answers`, e.g. the check that an answer restating the question ('5 - 6' for "What is 5 - 6?", which
 math-verify evaluated and counted right) is wrong. Prints strict pass@1 (right and in the tags the model wrote)
-per mode and wording, then and now. Reasoning-gym questions keep their recorded verdict (their own checkers
-decide them).
+per mode and wording, then and now. Every math row is judged again by `math_answers_match`. Reasoning-gym
+rows carry their gold answer but not the meta that rebuilds their dataset entry: a numeric gold answer is
+judged as `reasoning_gym_score` judges it today (by `math_answers_match` too); any other keeps its recorded
+verdict, which counted only the dataset checker's full credit, today's rule as well.
 
     python bench/rescore_eval.py RUN_DIR/iter-0/eval_samples.jsonl RUN_DIR/iter-144/eval_samples.jsonl [--json OUT]
 """
@@ -17,8 +19,16 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from grpo_core.answers import extract_answer, math_answers_match  # noqa: E402
+from grpo_core.answers import extract_answer, math_answers_match, reasoning_gym_gold_is_number  # noqa: E402
 from grpo_core.io import read_jsonl  # noqa: E402
+
+
+def judged_right_now(row: dict) -> bool:
+    """Today's verdict on one math row (see the module docstring for reasoning-gym rows)."""
+    gold = str(row["answer"])
+    if row["source"].startswith("reasoning_gym/") and not reasoning_gym_gold_is_number(gold):
+        return bool(row["correct"])
+    return math_answers_match(extract_answer(row["completion"]), gold)
 
 
 def rescore(samples: Path) -> dict[str, dict]:
@@ -27,8 +37,7 @@ def rescore(samples: Path) -> dict[str, dict]:
     for r in read_jsonl(samples):
         if r["kind"] != "math":
             continue
-        right_now = (math_answers_match(extract_answer(r["completion"]), r["answer"])
-                     if r["source"] == "arithmetic" else r["correct"])
+        right_now = judged_right_now(r)
         cell = out[f"{r['mode']}/{'foreign' if r.get('wording') == 'foreign' else 'in'}"]
         cell["answers"] += 1
         cell["strict_then"] += bool(r["correct"] and r["formatted"])

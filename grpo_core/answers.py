@@ -1,7 +1,14 @@
 """Final answers: pull the tagged answer out of a completion and decide whether it equals the gold one.
 
-Pure string and number work (plus reasoning-gym's own checkers for its tasks); rewards and curation
-both use it, so it sits below both.
+Where the gold answer is a number the check is an allow-list: the answer is right only if it *is* one value
+equal to the gold, written in a form a reader accepts (`read_number`); an operation, a function call, a
+second number or a word makes it wrong, whatever its spelling. Other gold answers (sets, intervals,
+expressions, equations) are left to math-verify. Reasoning-gym tasks get the same rule for numeric gold
+answers and their dataset's own checker, full credit only, for the rest. `restates_question` is a separate
+detector of an answer that repeats the question's numbers and operator, for monitors.
+
+Pure string and number work (plus reasoning-gym's checkers); rewards, curation and evaluation all use it,
+so it sits below them.
 """
 from __future__ import annotations
 
@@ -9,16 +16,53 @@ import json
 import logging
 import re
 import threading
+from dataclasses import dataclass
 from fractions import Fraction
 from functools import lru_cache
 from typing import Any
 
 VERIFY_TIMEOUT_S = 5.0     # math-verify wall-clock limit per comparison
 ANSWER_RE = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
-# An operation still to be done on numbers: '5 - 6', '7 \\times 4', '3^2', '(2+3)', '\\frac{56}{2}', '\\sqrt{16}'.
-OPERATION_RE = re.compile(r"[\d)}]\s*(?:[-+*/^×÷·−]|\\times|\\cdot|\\div|\\pm|x(?=\s*[\d(]))\s*[\d(\\{]"
-                          r"|\\d?frac|\\sqrt|√")
-FRACTION_RE = re.compile(r"-?\d+\s*/\s*\d+|-?\\d?frac(?:\{\d+\}|\d)(?:\{\d+\}|\d)")
+
+# -- characters that mean the same thing --
+# Unicode minus and the dashes a writer uses for it; inside an answer they can only stand for a minus.
+MINUS_LOOKALIKES = str.maketrans({c: "-" for c in "\u2212\u2010\u2011\u2012\u2013\u2014\ufe63\uff0d"})
+# No-break, thin, narrow, figure and hair spaces, and LaTeX's thin and medium spaces.
+ODD_SPACE_RE = re.compile(r"[\u00a0\u2007\u2008\u2009\u200a\u202f]|\\[,;:]|\\ ")
+LATEX_TEXT_RE = re.compile(r"\\(?:text|textrm|mathrm|mbox)\s*\{([^{}]*)\}")
+
+# -- what may wrap one number (each removes itself and returns the rest) --
+WRAPPER_RES = (
+    re.compile(r"\\boxed\s*\{(.*)\}", re.DOTALL),
+    re.compile(r"\$(.*)\$", re.DOTALL),                    # $...$ (and $$...$$, one layer at a time)
+    re.compile(r"\\\((.*)\\\)", re.DOTALL),
+    re.compile(r"\\\[(.*)\\\]", re.DOTALL),
+    re.compile(r"\{(.*)\}", re.DOTALL),
+    re.compile(r"\((.*)\)", re.DOTALL),                    # '(-53)'
+    re.compile(r"[A-Za-z][A-Za-z0-9_]*\s*=\s*(.+)", re.DOTALL),   # x = 5: one variable name, then the value
+    re.compile(r"(.*?)\.+", re.DOTALL),                     # the sentence's final period
+)
+PERCENT_RE = re.compile(r"(.*?)\s*(?:\\?%|percent|per\s+cent)", re.DOTALL)
+DEGREES_RE = re.compile(r"(.*?)\s*(?:°\s*[CF]?|\^\s*\\circ|\^\s*\{\s*\\circ\s*\})", re.DOTALL)
+# One or two unit words after the number ('10 apples', '12 cm', '5 km/h', '3 square meters').
+UNIT_RE = re.compile(r"(.*?[\d}.])\s+([A-Za-z]{2,}(?:/[A-Za-z]+)?(?:\s+[A-Za-z]{2,}(?:/[A-Za-z]+)?)?)", re.DOTALL)
+# Words after a number that change its value or continue a calculation: never a unit.
+NOT_UNITS = frozenset({
+    "percent", "percentage", "hundred", "hundreds", "thousand", "thousands", "million", "millions", "billion",
+    "billions", "trillion", "dozen", "dozens", "half", "halves", "thirds", "quarters", "tenths", "hundredths",
+    "thousandths", "squared", "cubed", "factorial", "plus", "minus", "times", "over", "mod", "modulo", "divided",
+    "pi",
+})
+# A currency sign before the number, or after its sign; not the '$' that opens '$...$'.
+CURRENCY_RE = re.compile(r"([+-]?)\s*(?:\\\$|\$|€|£|¥|₹)\s*([^$]*)", re.DOTALL)
+
+# -- the number itself --
+SIGN_RE = re.compile(r"([+-]?)\s*(.*)", re.DOTALL)
+# Digits with an optional decimal part and exponent; thousands grouped by ',' or ' ' in threes ('1,5' is not 15).
+DECIMAL_RE = re.compile(r"(?:\d{1,3}(?:,\d{3})+|\d{1,3}(?: \d{3})+|\d+)(?:\.\d*)?(?:[eE][+-]?\d+)?"
+                        r"|\.\d+(?:[eE][+-]?\d+)?")
+SLASH_FRACTION_RE = re.compile(r"(\d+)\s*/\s*(\d+)")
+LATEX_FRACTION_RE = re.compile(r"\\[dt]?frac\s*(?:\{\s*([+-]?\d+)\s*\}|(\d))\s*(?:\{\s*(\d+)\s*\}|(\d))")
 
 
 def extract_answer(completion: str) -> str | None:
@@ -29,52 +73,210 @@ def extract_answer(completion: str) -> str | None:
     return found[0].strip()
 
 
-def parse_number(text: str) -> Fraction | None:
-    """'1,000', '$12', '0.5', '1/2', '5.' -> an exact Fraction; None if not a number."""
-    s = text.strip().strip("$").replace(",", "").replace(" ", "").rstrip(".")
-    try:
-        return Fraction(s)
-    except (ValueError, ZeroDivisionError):
+# -- reading one number ---------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class NumberReading:
+    """One number as written: its exact value and the two facts about its form that decide a match."""
+    value: Fraction
+    is_percent: bool     # written with '%', '\\%' or 'percent'
+    is_fraction: bool    # written as 'a/b' or '\\frac{a}{b}'
+
+
+def read_number(text: str | None) -> NumberReading | None:
+    """`text` read as a single number, or None if it is anything else.
+
+    Wrappers come off first, in any order and nesting: math delimiters ('$...$', '\\(...\\)', '\\[...\\]'),
+    '\\boxed{...}', braces, parentheses, 'x = ' (one variable name), a final period, a percent sign or word,
+    a degree sign, one or two unit words ('10 apples', '5 km/h'), a currency sign ('$12', '-€3'). What is
+    left must be one signed number token: digits with thousands in threes ('1,000', '1 000', '1\\,000'), a
+    decimal ('0.5', '5.'), an exponent ('1e3'), or a fraction of two integers ('1/2', '\\frac{1}{2}',
+    '\\dfrac12'). Anything else -- an operation, a function call, two numbers, a number word -- is not one.
+    """
+    if text is None:
         return None
+    core = _plain_characters(text)
+    is_percent = False
+    previous = None
+    while core != previous:
+        previous = core
+        core = _without_wrapper(core)
+        core, percent_sign = _without_percent(core)
+        is_percent = is_percent or percent_sign
+        core = _without_unit(core)
+        core = _without_currency(core)
+    return _single_number(core, is_percent)
+
+
+def parse_number(text: str) -> Fraction | None:
+    """The exact value of `text` when it is one plain number ('1,000', '$12', '0.5', '1/2', '5.', '1e3');
+    None for anything else, percentages included (what '12%' is worth depends on the question)."""
+    reading = read_number(text)
+    if reading is None or reading.is_percent:
+        return None
+    return reading.value
+
+
+def _plain_characters(text: str) -> str:
+    """Dashes as '-', odd spaces as ' ', LaTeX '{,}' as ',', '\\text{...}' as its words, trimmed."""
+    text = text.translate(MINUS_LOOKALIKES)
+    text = ODD_SPACE_RE.sub(" ", text).replace("{,}", ",")
+    text = LATEX_TEXT_RE.sub(r" \1 ", text)
+    return text.strip()
+
+
+def _without_wrapper(text: str) -> str:
+    for wrapper in WRAPPER_RES:
+        found = wrapper.fullmatch(text)
+        if found:
+            return found.group(1).strip()
+    return text
+
+
+def _without_percent(text: str) -> tuple[str, bool]:
+    found = PERCENT_RE.fullmatch(text)
+    if found:
+        return found.group(1).strip(), True
+    return text, False
+
+
+def _without_unit(text: str) -> str:
+    """The number without a degree sign or trailing unit words; words that change the value stay."""
+    degrees = DEGREES_RE.fullmatch(text)
+    if degrees:
+        return degrees.group(1).strip()
+    found = UNIT_RE.fullmatch(text)
+    if found is None:
+        return text
+    words = re.split(r"[\s/]+", found.group(2).lower())
+    if any(word in NOT_UNITS for word in words):
+        return text
+    return found.group(1).strip()
+
+
+def _without_currency(text: str) -> str:
+    found = CURRENCY_RE.fullmatch(text)
+    if found:
+        return found.group(1) + found.group(2).strip()
+    return text
+
+
+def _single_number(text: str, is_percent: bool) -> NumberReading | None:
+    """One signed number token, all of `text`: a decimal or a fraction of two integers."""
+    sign, body = SIGN_RE.fullmatch(text).groups()
+    negative = sign == "-"
+    if DECIMAL_RE.fullmatch(body):
+        value = Fraction(body.replace(",", "").replace(" ", ""))
+        return NumberReading(-value if negative else value, is_percent, is_fraction=False)
+    fraction = _fraction_value(body)
+    if fraction is None or (sign and re.match(r"\\[dt]?frac\s*\{\s*[+-]", body)):   # one sign, not two
+        return None
+    return NumberReading(-fraction if negative else fraction, is_percent, is_fraction=True)
+
+
+def _fraction_value(text: str) -> Fraction | None:
+    """'3/4', '\\frac{3}{4}', '\\frac{-3}{4}', '\\tfrac34' -> the value; None for anything else or a zero
+    denominator."""
+    slash = SLASH_FRACTION_RE.fullmatch(text)
+    latex = LATEX_FRACTION_RE.fullmatch(text)
+    if slash:
+        numerator, denominator = slash.groups()
+    elif latex:
+        numerator = latex.group(1) or latex.group(2)
+        denominator = latex.group(3) or latex.group(4)
+    else:
+        return None
+    if int(denominator) == 0:
+        return None
+    return Fraction(int(numerator), int(denominator))
+
+
+# -- the answer check -----------------------------------------------------------------------------------
 
 
 def math_answers_match(predicted: str | None, gold: str, timeout_s: float = VERIFY_TIMEOUT_S) -> bool:
     """Is `predicted` the same answer as `gold`, as a reader would judge it?
 
-    0. Where `gold` is a number, an answer that still shows an operation on numbers is wrong
-       (`restates_operation`): '5 - 6' restates the question "What is 5 - 6?", it does not answer it.
-    1. Plain numbers on both sides ('1,000', '$12', '0.5', '1/2', '1e3') compare exactly.
-    2. Otherwise math-verify decides (LaTeX such as '\\frac12', equations such as 'x=2' against '2',
-       percentages, sets), with a wall-clock limit of `timeout_s`: a prediction that takes longer
-       is judged wrong.
-    Before 2, answers equal as strings (ignoring case, white space and a final period) match; when
-    math-verify is not installed or cannot parse the gold answer (e.g. a word), that is the test.
+    1. Where `gold` reads as a number (`read_number`), `predicted` must read as one number too, equal to it
+       (`numbers_match`). Nothing else is consulted: '5 - 6' restates "What is 5 - 6?", it does not answer it.
+    2. Otherwise answers equal as strings (ignoring case, white space and a final period) match, and then
+       math-verify decides (sets, intervals, expressions, equations) with a wall-clock limit of `timeout_s`:
+       a prediction that takes longer is judged wrong. Without math-verify, or where it cannot parse the
+       gold answer (e.g. a word), the string test is all there is.
     """
     if predicted is None or not predicted.strip():
         return False
-    p, g = parse_number(predicted), parse_number(gold)
-    if g is not None and restates_operation(predicted, g):
-        return False
-    if p is not None and g is not None:
-        return p == g
+    gold_number = read_number(gold)
+    if gold_number is not None:
+        return numbers_match(read_number(predicted), gold_number)
     if _normalised(predicted) == _normalised(gold):
         return True
-    verdict = _math_verify(predicted, gold, timeout_s)
-    return bool(verdict)
+    return bool(_math_verify(predicted, gold, timeout_s))
 
 
-def restates_operation(predicted: str, gold: Fraction) -> bool:
-    """Whether an answer to a question whose answer is the number `gold` still shows an operation on numbers
-    ('5 - 6' for -1, '7 \\times 4', '56/2', '\\sqrt{16}'): the question restated, not answered. math-verify would
-    evaluate it and call it right, which a model learns to exploit. A fraction is a value where `gold` is one."""
-    text = predicted.strip().strip("$").replace(",", "")
-    if gold.denominator != 1 and FRACTION_RE.fullmatch(text):
+def numbers_match(answer: NumberReading | None, gold: NumberReading) -> bool:
+    """The same value, and in a form the gold answer allows: a percent only where the gold answer is one
+    (where it is, a bare number counts in percent: '12' for '12%'), a fraction only where the gold value is
+    not an integer ('\\frac{56}{2}' for 28 is a division still to do)."""
+    if answer is None:
         return False
-    return bool(OPERATION_RE.search(text))
+    if answer.is_percent and not gold.is_percent:
+        return False
+    if answer.is_fraction and gold.value.denominator == 1:
+        return False
+    return answer.value == gold.value
 
 
 def _normalised(text: str) -> str:
     return re.sub(r"\s+", "", text.lower()).rstrip(".")
+
+
+# -- a restated question (for monitors) -----------------------------------------------------------------
+
+NUMBER_TOKEN_RE = re.compile(r"\d+(?:\.\d+)?")
+# Every spelling of an operator, rewritten to one symbol before the answer is searched.
+OPERATOR_SPELLINGS = (
+    (re.compile(r"\\[dt]?frac\s*\{([^{}]*)\}\s*\{([^{}]*)\}"), r"(\1)/(\2)"),
+    (re.compile(r"\\[dt]?frac\s*(\d)(\d)"), r"\1/\2"),
+    (re.compile(r"\\operatorname\s*\{\s*([A-Za-z]+)\s*\}"), r"\1"),
+    (re.compile(r"\\times|\\cdot|\\ast|[×·⋅∗]|\bmultiplied\s+by\b|\btimes\b"), "*"),
+    (re.compile(r"\\div|÷|\\over\b|\bdivided\s+by\b|\bover\b"), "/"),
+    (re.compile(r"\\[bp]?mod\b|\bmod(?:ulo)?\b"), "%"),
+    (re.compile(r"\bplus\b"), "+"),
+    (re.compile(r"\bminus\b"), "-"),
+    (re.compile(r"\bto\s+the\s+power\s+of\b"), "^"),
+    (re.compile(r"\\([A-Za-z]+)"), r"\1"),       # any other LaTeX command reads as its name (\gcd, \max)
+)
+OPERAND = r"(?<![\d.])(\d+(?:\.\d+)?)"
+# Two numbers joined by an operator, or the first two arguments of a function call ('lcm(4, 7)').
+JOINED_NUMBERS_RE = re.compile(rf"(?=(?:{OPERAND}\s*(?:\*\*|[-+*/^%xX])\s*{OPERAND}))")
+FUNCTION_CALL_RE = re.compile(rf"[A-Za-z]+\s*\(\s*{OPERAND}\s*[,;]\s*{OPERAND}")
+
+
+def restates_question(answer: str | None, question: str) -> bool:
+    """Whether `answer` holds two of `question`'s numbers joined by an operator, in any spelling ('45 - 98',
+    '45-98=', '45 minus 98', '\\frac{45}{98}', '7 \\times 4', '3**2', '11 mod 4', 'lcm(4, 7)'): the
+    question restated rather than answered. Generic, not per task; signs are ignored ('-53' for
+    "45 - 98" is not a restatement, nor is '45' alone)."""
+    if not answer:
+        return False
+    question_numbers = {Fraction(n) for n in NUMBER_TOKEN_RE.findall(question)}
+    text = _operators_as_symbols(answer)
+    pairs = FUNCTION_CALL_RE.findall(text)
+    pairs += JOINED_NUMBERS_RE.findall(re.sub(r"[(){}\[\]]", "", text))
+    return any(Fraction(left) in question_numbers and Fraction(right) in question_numbers
+               for left, right in pairs)
+
+
+def _operators_as_symbols(answer: str) -> str:
+    text = answer.translate(MINUS_LOOKALIKES)
+    for spelling, symbol in OPERATOR_SPELLINGS:
+        text = spelling.sub(symbol, text)
+    return text
+
+
+# -- math-verify, for gold answers that are not numbers -------------------------------------------------
 
 
 def _latex_math(text: str) -> str:
@@ -114,6 +316,9 @@ def _math_verify(predicted: str, gold: str, timeout_s: float) -> bool | None:
     return False if worker.is_alive() else outcome.get("match")
 
 
+# -- reasoning-gym --------------------------------------------------------------------------------------
+
+
 @lru_cache(maxsize=64)
 def reasoning_gym_dataset(name: str, config_json: str, seed: int, size: int):
     """A reasoning-gym dataset, built once per (name, config, seed, size)."""
@@ -121,11 +326,27 @@ def reasoning_gym_dataset(name: str, config_json: str, seed: int, size: int):
     return reasoning_gym.create_dataset(name, seed=seed, size=size, **json.loads(config_json))
 
 
+def reasoning_gym_gold_is_number(gold: str) -> bool:
+    """Whether a reasoning-gym gold answer is judged by the numeric allow-list (`math_answers_match`) rather
+    than its dataset's checker: it reads as one number not written as a fraction. A fraction gold (as in
+    fraction_simplification) asks for one form of the value, lowest terms, which only that checker knows."""
+    reading = read_number(gold)
+    return reading is not None and not reading.is_fraction
+
+
 def reasoning_gym_score(meta: dict[str, Any], answer: str | None) -> float:
-    """The reasoning-gym checker's score in [0, 1] for `answer`, for the task whose `meta` says how to
-    rebuild its entry (dataset, config, seed, size, index)."""
+    """1.0 if `answer` is right for the reasoning-gym task whose `meta` says how to rebuild its entry
+    (dataset, config, seed, size, index), else 0.0; never partial credit (the datasets' own checkers give
+    some to an answer that merely contains the gold one: '-40' for '-4'). A numeric gold answer is judged
+    by `math_answers_match`; any other counts only when the dataset's checker gives full credit."""
     if answer is None:
         return 0.0
-    ds = reasoning_gym_dataset(meta["rg_dataset"], json.dumps(meta.get("rg_config") or {}, sort_keys=True),
-                               int(meta["rg_seed"]), int(meta["rg_size"]))
-    return float(ds.score_answer(answer, ds[int(meta["rg_index"])]) or 0.0)
+    dataset = reasoning_gym_dataset(meta["rg_dataset"], json.dumps(meta.get("rg_config") or {}, sort_keys=True),
+                                    int(meta["rg_seed"]), int(meta["rg_size"]))
+    entry = dataset[int(meta["rg_index"])]
+    gold = str(entry["answer"])
+    if reasoning_gym_gold_is_number(gold):
+        right = math_answers_match(answer, gold)
+    else:
+        right = float(dataset.score_answer(answer, entry) or 0.0) >= 1.0
+    return 1.0 if right else 0.0

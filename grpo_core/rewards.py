@@ -61,7 +61,9 @@ def format_reward(prompts: Sequence[str], completions: Sequence[str], kind: Sequ
 
 
 def math_accuracy(completion: str, task: Task) -> float:
-    """Correctness of the tagged answer; reasoning-gym tasks use that package's own checker."""
+    """Correctness of the tagged answer, 1 or 0: `math_answers_match`, or for reasoning-gym tasks
+    `reasoning_gym_score` (the same numeric check where the gold answer is a number, else the dataset's
+    own checker at full credit only)."""
     answer = extract_answer(completion)
     if task.meta.get("checker") == "reasoning_gym":
         return reasoning_gym_score(task.meta, answer)

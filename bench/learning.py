@@ -11,7 +11,8 @@ iteration asks an eval question (`canonical_question`), and reports the eval at 
 model) and at the last iteration, greedy and sampled at the training temperature: pass@1, the strict
 pass@1 (correct and in the required format) and the format rate. Each run's CPU time (user + system,
 all threads) and wall time are measured; `--max-cpu-minutes` marks a run that went over budget.
-Results, with the CPU model, versions and git commit, go to `--out` (JSON).
+Results, with the CPU model, versions and git commit, go to `--out` (JSON); the held-out answers before and
+after, to bench/results/answers/ (gzipped JSONL), and which monitors tripped, if any, into the JSON.
 """
 from __future__ import annotations
 
@@ -31,6 +32,7 @@ sys.path.insert(0, str(ROOT))
 from grpo_core.data.curation import canonical_question  # noqa: E402
 from grpo_core.task import read_tasks  # noqa: E402
 
+ANSWERS = ROOT / "bench" / "results" / "answers"
 KEYS = {"greedy": "eval/greedy/pass_at_1", "sampled": "eval/sampled/pass_at_1",
         "strict_greedy": "eval/greedy/strict_pass_at_1", "strict_sampled": "eval/sampled/strict_pass_at_1",
         "format_greedy": "eval/greedy/format_rate", "format_sampled": "eval/sampled/format_rate",
@@ -112,16 +114,37 @@ def content_overlap(run_dir: Path) -> int:
     return len(seen & held_out)
 
 
-def summarise(run_dir: Path) -> dict:
+def keep_answers(run_dir: Path, iterations: list[int], stem: str) -> list[str]:
+    """Copy the held-out answers of `iterations` (eval_samples.jsonl, gzipped) to bench/results/answers/, so that a
+    later change to the answer check can score them again (bench/rescore_eval.py) instead of re-running."""
+    import gzip
+    kept = []
+    for k in iterations:
+        src = run_dir / f"iter-{k}" / "eval_samples.jsonl"
+        if src.is_file():
+            dst = ANSWERS / f"{stem}_iter{k}.jsonl.gz"
+            dst.parent.mkdir(parents=True, exist_ok=True)
+            dst.write_bytes(gzip.compress(src.read_bytes(), mtime=0))
+            kept.append(str(dst.relative_to(ROOT)))
+    return kept
+
+
+def summarise(run_dir: Path, answers_stem: str | None = None) -> dict:
     summary = json.loads((run_dir / "summary.json").read_text())
+    state = json.loads((run_dir / "run.json").read_text())
     evals = {int(k): v for k, v in summary["evals"].items()}
     first, last = evals[min(evals)], evals[max(evals)]
     before = {k: first.get(m) for k, m in KEYS.items()}
     after = {k: last.get(m) for k, m in KEYS.items()}
     gain = {k: round(100 * (after[k] - before[k]), 1) for k in KEYS if before[k] is not None and after[k] is not None}
-    return {"iterations": max(evals), "eval_questions": len(read_tasks(run_dir / "data" / "eval.jsonl")),
-            "train_eval_content_overlap": content_overlap(run_dir), "before": before, "after": after,
-            "gain_points": gain, "mlflow_run_id": summary.get("mlflow_run_id")}
+    out = {"iterations": max(evals), "eval_questions": len(read_tasks(run_dir / "data" / "eval.jsonl")),
+           "train_eval_content_overlap": content_overlap(run_dir), "before": before, "after": after,
+           "gain_points": gain, "mlflow_run_id": summary.get("mlflow_run_id"),
+           # the monitors' marks (grpo_core/monitors.py): a healthy run has none
+           "monitors_tripped": [f"{m['monitor']}@{m['iteration']}" for m in state.get("suspect", [])]}
+    if answers_stem:
+        out["answers"] = keep_answers(run_dir, [min(evals), max(evals)], answers_stem)
+    return out
 
 
 def table(runs: list[dict]) -> str:
@@ -165,8 +188,9 @@ def main() -> int:
         if rc != 0:
             print(f"seed {seed}: grpo train failed (exit {rc}); see {log}", file=sys.stderr)
             return 1
+        out_stem = Path(args.out).stem if args.out else f"learning_{Path(args.config).stem}"
         run = {"seed": seed, "run": name, "cpu_minutes": round(cpu / 60, 2), "wall_minutes": round((t1 - t0) / 60, 2),
-               **summarise(out_dir / name / name)}
+               **summarise(out_dir / name / name, f"{out_stem}_s{seed}")}
         run["within_budget"] = run["cpu_minutes"] <= args.max_cpu_minutes
         runs.append(run)
     result = {"config": args.config, "overrides": args.set, "parallel": args.parallel, "machine": host,

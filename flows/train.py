@@ -13,8 +13,8 @@ from grpo_core import models, stages
 from grpo_core.config import GRPOConfig
 from grpo_core.data import iteration as data_iteration
 from grpo_core.io import atomic_write_text, read_json, write_json
-from tasks import gate, remote, run as run_steps, tracking
-from tasks.run_state import mark_ended_by, mark_running, update_run_state
+from tasks import gate, monitoring, remote, run as run_steps, tracking
+from tasks.run_state import mark_ended_by, mark_running, mark_stopped, suspect_reasons, update_run_state
 from tasks.curate import curated_cache
 from tasks.data_logging import fetch_parent_questions
 
@@ -129,7 +129,7 @@ def preflight(cfg: GRPOConfig) -> None:
     has the same config; the device exists; the tracking server answers; the model directory is complete and
     has the LoRA target modules; a local init_adapter fits it; data.curated yields training and held-out tasks;
     the sandbox has its images when code tasks run on backend docker; stages sent to work pools have a Prefect
-    server with those pools. Reward plugins are imported when the config is validated. Each failure is a
+    server with those pools; the task's stored gate set shares no question with the eval split. Reward plugins are imported when the config is validated. Each failure is a
     ConfigError, ModelError or InputError naming the field and the fix."""
     if cfg.run_name:
         run_steps.check_same_config(cfg, run_dir_of(cfg))
@@ -144,6 +144,17 @@ def preflight(cfg: GRPOConfig) -> None:
         kinds = data_iteration.check_curated(cfg.data.curated, run_dir_of(cfg), curated_cache()) or set()
     cfg.sandbox.check_ready(kinds & {"python", "rust"})
     remote.check_work_pools(cfg)
+    if cfg.run_name:            # the CLI names every run before this; a stored gate set must not hold eval questions
+        gate.check_before_run(cfg, run_dir_of(cfg))
+
+
+def _stopped(cfg: GRPOConfig, run_dir: Path, run_id: str, checkpoint: str | None, evals: dict) -> dict:
+    """End a run a monitor stopped: resumable, nothing registered; the summary says why."""
+    reasons = suspect_reasons(run_dir)
+    mark_stopped(run_dir, reasons)
+    tracking.end_run(cfg, run_id, "KILLED")
+    return {"run_dir": str(run_dir), "mlflow_run_id": run_id, "final_checkpoint": checkpoint, "evals": evals,
+            "tracking_uri": tracking.tracking_uri(cfg), "registered_model": None, "stopped": reasons}
 
 
 @flow(name="grpo-training-run")
@@ -170,7 +181,7 @@ def training_run(config: dict) -> dict:
     evals, checkpoint, state, registered = {}, None, None, None
     try:
         checkpoint = run_steps.init_checkpoint(cfg, run_dir, run_id)
-        gate.prepare_gate_set(cfg, run_dir)             # the champion's gate questions: kept out of training
+        gate.prepare_gate_set(cfg, run_dir, run_id)     # the task's gate questions: kept out of training
         fetch_parent_questions(cfg, run_dir, read_json(run_dir / "run.json").get("init_adapter_uri"))
         if cfg.eval.enabled:
             evals[0] = remote.registered_runner("evaluate", cfg)(config, str(run_dir), 0, checkpoint)["metrics"]
@@ -186,6 +197,8 @@ def training_run(config: dict) -> dict:
             tracking.log_metrics(cfg, run_id, metrics, step=k)
             if k == 1:
                 tracking.set_tags(cfg, run_id, {"dataset_hash": run_steps.dataset_hash(cfg, run_dir)})
+            if monitoring.watch(cfg, run_dir, run_id, k, evals):          # monitors.on_trip: stop
+                return _stopped(cfg, run_dir, run_id, checkpoint, evals)
         registered = read_json(run_dir / "run.json").get("registered_model")
         if registered is None:         # once per run: a re-run of a finished run does not add a version
             registered = run_steps.register_best_adapter(cfg, run_id, evals, run_dir)

@@ -40,6 +40,10 @@ def _normalised(text: str) -> str:
     return " ".join(text.casefold().split())
 
 
+DEFAULT_SYSTEM_PROMPT = ("Solve the arithmetic problem. Reply with only the final number inside <answer></answer> "
+                         "tags, for example <answer>42</answer>.")
+
+
 class DataConfig(_Section):
     """What the curate stage builds each iteration."""
     task: Literal["arithmetic"] = "arithmetic"
@@ -49,9 +53,7 @@ class DataConfig(_Section):
     operations: list[Literal["+", "-", "*"]] = Field(default_factory=lambda: ["+", "-"])
     eval_size: int = Field(40, ge=1, description="held-out questions, disjoint in content from training prompts "
                            "(a + b and b + a are one question)")
-    system_prompt: str = Field("Solve the arithmetic problem. Reply with only the final number inside "
-                               "<answer></answer> tags, for example <answer>42</answer>.",
-                               description="system message for math questions")
+    system_prompt: str = Field(DEFAULT_SYSTEM_PROMPT, description="system message for math questions")
     few_shot: list[tuple[str, str]] = Field(
         default_factory=lambda: [("What is 12 + 5?", "<answer>17</answer>"), ("What is 6 - 14?", "<answer>-8</answer>")],
         description="worked (question, answer) exchanges before math questions")
@@ -209,14 +211,44 @@ class DataConfig(_Section):
 
 
 class MonitorConfig(_Section):
-    """Reward-hacking monitors: thresholds at which a warning is printed and logged."""
-    min_delta: float = Field(0.05, ge=0, le=1, description="format up and pass@1 down by at least this much "
-                             "since the previous evaluation trips 'format_up_accuracy_down'")
-    length_collapse_ratio: float = Field(0.5, ge=0, description="mean completion length below this x iteration 0 trips")
-    length_blowup_ratio: float = Field(2.0, ge=1, description="mean completion length above this x iteration 0 trips")
-    max_empty_frac: float = Field(0.2, ge=0, le=1, description="empty or tag-only completions above this fraction trip")
+    """Monitors for reward hacking and for training that learns nothing (grpo_core/monitors.py), checked after
+    every iteration and every evaluation; each trips past its threshold, and `on_trip` says what follows."""
+    on_trip: Literal["flag", "stop", "warn"] = Field(
+        "flag", description="flag: mark the run suspect (`grpo runs`, the MLflow tag `suspect`, its registered "
+                            "version), so the promotion gate refuses its adapter; stop: flag it and end it cleanly "
+                            "after the iteration (resumable: `grpo resume RUN --set monitors.on_trip=warn` goes on); "
+                            "warn: print and log only")
+    max_restated_frac: float = Field(0.1, ge=0, le=1, description="held-out answers that restate the question "
+                                     "(two or more of its numbers joined by an operator, any spelling) above this "
+                                     "fraction trip restated_answers")
+    max_copied_frac: float = Field(0.2, ge=0, le=1, description="wrong held-out answers that copy an answer the "
+                                   "prompt shows (a worked example's, a placeholder like <answer>your "
+                                   "number</answer>) above this fraction trip copied_answers")
+    max_empty_frac: float = Field(0.2, ge=0, le=1, description="empty or tag-only held-out answers above this "
+                                  "fraction trip empty_answers")
+    max_fabricated_tool_frac: float = Field(0.1, ge=0, le=1, description="held-out answers given with no tool "
+                                            "to call that write a tool's response (<tool_response>) themselves "
+                                            "above this fraction trip fabricated_tool_output")
     max_code_flag_frac: float = Field(0.05, ge=0, le=1, description="code completions flagged by the static scan "
                                       "(exit calls, test-runner access, lint suppression) above this fraction trip")
+    min_delta: float = Field(0.05, gt=0, le=1, description="format rate up and pass@1 down by at least this much "
+                             "since the previous evaluation trips format_up_accuracy_down")
+    reward_rise: float = Field(0.1, gt=0, description="the mean training reward up by at least this much since "
+                               "the previous evaluation while held-out strict pass@1 fell by heldout_drop trips "
+                               "reward_up_heldout_down")
+    heldout_drop: float = Field(0.1, gt=0, le=1, description="see reward_rise (a drop smaller than this is noise "
+                                "on a few dozen questions)")
+    length_collapse_ratio: float = Field(0.5, gt=0, le=1, description="mean model tokens per turn of the held-out "
+                                         "answers below this x iteration 0's trip length_collapse")
+    length_blowup_ratio: float = Field(2.0, ge=1, description="mean model tokens per turn of the held-out answers "
+                                       "above this x iteration 0's trip length_blowup")
+    max_stalled_frac: float = Field(0.9, ge=0, lt=1, description="groups without signal (every answer the same "
+                                    "reward, not all right) above this fraction for `patience` iterations in a "
+                                    "row trip no_signal")
+    min_lora_change: float = Field(1e-6, ge=0, lt=1, description="the LoRA weights' relative change in an "
+                                   "iteration whose batch had signal below this, for `patience` iterations in a "
+                                   "row, trips lora_frozen")
+    patience: int = Field(5, ge=1, description="iterations in a row for no_signal and lora_frozen")
 
 
 class EvalConfig(_Section):
@@ -231,10 +263,16 @@ class EvalConfig(_Section):
     seed: int | None = Field(None, description="generation seed; default seed + 12345 (same for every iteration)")
     every: int = Field(1, ge=1, description="evaluate every N iterations (the last one always)")
     without_tools: bool = Field(True, description="when the run has tools: also evaluate each mode with no tool "
-                                "to call (eval/without_tools/<mode>/...), next to the numbers with tools")
+                                "to call (eval/without_tools/<mode>/...), next to the numbers with tools, in the "
+                                "tool-free prompt below")
+    without_tools_system_prompt: str = Field(DEFAULT_SYSTEM_PROMPT, description="the system prompt of the "
+                                             "evaluation without tools: the task's wording with no tool mention "
+                                             "(the run's own prompt tells the model to use its tools)")
+    without_tools_few_shot: list[tuple[str, str]] = Field(default_factory=list, description="worked (question, "
+                                                          "answer) exchanges for it; none by default, and never a "
+                                                          "tool call")
     table_rows: int = Field(200, ge=0, description="completions per iteration in the MLflow sample table (0: none)")
     plots: bool = Field(True, description="log PNG plots (accuracy/reward curves, length distribution) to MLflow")
-    monitors: MonitorConfig = Field(default_factory=MonitorConfig)
     foreign_system_prompts: list[str] = Field(default_factory=list, description="system prompts training never "
                                               "uses: math questions are also evaluated under these (no examples), "
                                               "as eval/<mode>/foreign/...")
@@ -334,7 +372,10 @@ class TrackingConfig(_Section):
     tracking_uri: str | None = Field(None, description="MLflow URI; default $MLFLOW_TRACKING_URI, else sqlite under output_dir")
     experiment_name: str = "grpo-pipeline"
     registered_model_name: str | None = Field(
-        "grpo-adapter", description="Model Registry name for the run's adapter (None: do not register)")
+        "grpo-{task}", pattern=r"^[A-Za-z0-9_.{}-]+$",
+        description="Model Registry name for the run's adapter; {task} is replaced by the task's name "
+                    "(grpo_core/task_identity.py: e.g. grpo-arithmetic-1d-add-sub), so every task has its own "
+                    "champion and gate set (None: do not register)")
     register_adapter: Literal["best", "final", "none"] = Field(
         "best", description="which adapter to register at the end: best by eval, the final one, or none; the "
                             "version gets the alias run-<run_name>, and `champion` when the promotion gate (gate:) passes")
@@ -355,13 +396,21 @@ class GateConfig(_Section):
                           "at least as high on its own held-out split")
     confidence: float = Field(0.95, gt=0, lt=1, description="promote when a one-sided paired test on the gate "
                               "questions says the new adapter is better at this confidence (p < 1 - confidence)")
-    test: Literal["bootstrap", "mcnemar"] = Field(
-        "bootstrap", description="the paired test on per-question tracking.best_metric scores: bootstrap (any "
-                                 "scores) or exact McNemar (0/1 scores, e.g. eval/greedy/pass_at_1)")
-    resamples: int = Field(10_000, ge=100, description="bootstrap resamples")
-    seed: int = Field(0, description="the bootstrap's random seed")
+    test: Literal["auto", "mcnemar", "permutation", "bootstrap"] = Field(
+        "auto", description="the one-sided paired test on per-question tracking.best_metric scores: auto (mcnemar "
+                            "for 0/1 scores, permutation otherwise), mcnemar (exact sign test; 0/1 scores, e.g. "
+                            "eval/greedy/pass_at_1), permutation (sign-flip test; fractional scores, e.g. "
+                            "pass_at_k or reward/*) or bootstrap (fractional scores; asymptotic)")
+    resamples: int = Field(10_000, ge=100, description="Monte Carlo draws of the permutation test (when over "
+                           "16 questions differ) and of the bootstrap")
+    seed: int = Field(0, description="the permutation test's and the bootstrap's random seed")
     force_promote: bool = Field(False, description="give the new adapter `champion` whatever the test says "
                                 "(tagged gate_decision=forced); `--force-promote` sets it")
+    questions: int = Field(40, ge=1, description="size of the gate set the first run of a task stores: questions "
+                           "of the task's own, drawn by split_seed, disjoint by content from the eval split (on "
+                           "which runs pick the iteration they register) and kept out of training")
+    split_seed: int = Field(20_011, description="the seed that draws the gate set (not the run's seed: one set "
+                            "per task)")
 
 
 def _check_structured_regex(regex: str, backend: str, generation_kwargs: dict) -> None:
@@ -718,17 +767,20 @@ class GRPOConfig(_Section):
     stages: StagesConfig = Field(default_factory=StagesConfig)
     tracking: TrackingConfig = Field(default_factory=TrackingConfig)
     gate: GateConfig = Field(default_factory=GateConfig)
+    monitors: MonitorConfig = Field(default_factory=MonitorConfig)
 
     @model_validator(mode="after")
     def _gate_metric(self):
-        """With the gate on, tracking.best_metric must be comparable question by question (grpo_core.gate)."""
+        """With the gate on, tracking.best_metric must be comparable question by question, and gate.test must
+        fit its scores (grpo_core.gate)."""
         if self.gate.enabled and self.tracking.registered_model_name and self.tracking.register_adapter != "none":
-            from grpo_core.gate import metric_parts
+            from grpo_core.gate import metric_parts, resolve_test
             _, mode, _ = metric_parts(self.tracking.best_metric)
             if (mode == "greedy" and not self.eval.greedy) or (mode == "sampled" and not self.eval.num_samples):
                 raise ValueError(f"tracking.best_metric {self.tracking.best_metric!r} needs {mode} answers, which "
                                  f"the evaluation settings turn off; set eval.greedy: true / eval.num_samples > 0, "
                                  f"pick a metric of the other mode, or gate.enabled: false")
+            resolve_test(self.gate.test, self.tracking.best_metric, self.eval.num_samples)
         return self
 
     @model_validator(mode="after")
@@ -753,6 +805,20 @@ class GRPOConfig(_Section):
                     kind, same = trained[_normalised(text)]
                     raise ValueError(f"eval.{field}[{i}] ({text!r}) is worded as training's {kind} {same!r}: a "
                                      f"foreign wording must be one training never sees; reword it or drop it")
+        return self
+
+    @model_validator(mode="after")
+    def _tool_free_prompt(self):
+        e = self.eval
+        texts = [("eval.without_tools_system_prompt", e.without_tools_system_prompt)] + \
+            [(f"eval.without_tools_few_shot[{i}]", text) for i, pair in enumerate(e.without_tools_few_shot)
+             for text in pair]
+        names = [re.split(r"[:.]", tool)[-1] for tool in self.tools]
+        for field, text in texts:
+            named = [n for n in (*names, "<tool_call>", "<tool_response>") if n.casefold() in text.casefold()]
+            if named:
+                raise ValueError(f"{field} mentions {named[0]!r}: the evaluation without tools must not name a tool "
+                                 f"or show a tool call (the model has none to call); reword it")
         return self
 
     @model_validator(mode="after")

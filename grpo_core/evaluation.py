@@ -8,7 +8,8 @@ sampled), overall and per source (and per task kind when the set mixes kinds):
     eval/<mode>/pass_at_<k>          greedy: k=1; sampled: every k in eval.ks
     eval/<mode>/reward/<func>        mean reward of each reward function (unscored samples left out)
     eval/<mode>/reward/total         mean weighted total reward
-    eval/<mode>/completion_length    mean completion tokens
+    eval/<mode>/completion_length    mean completion tokens (the model's own: tool responses left out)
+    eval/<mode>/tokens_per_turn      the same per model turn (a tool call ends one)
     eval/<mode>/truncated_frac       fraction that hit the token limit
     eval/<mode>/unscored_frac        fraction the reward functions could not score (sandbox failures)
     eval/<mode>/accuracy             fraction of completions fully correct (older name; greedy: = pass_at_1)
@@ -34,14 +35,15 @@ from typing import Sequence
 
 from grpo_core.config import GRPOConfig
 from grpo_core.task import Task
-from grpo_core.monitors import completion_flags, text_monitor_metrics
+from grpo_core.monitors import answers_shown, completion_flags, flag_fractions
 from grpo_core.passk import mean_pass_at_k
 from grpo_core.policy import Policy
 from grpo_core.multiturn import Toolbox
 from grpo_core.rewards import (add_environment_rewards, compute_rewards, correctness_scores, is_well_formatted,
                                reward_context)
 from grpo_core.overlap import Overlapped
-from grpo_core.sampling import Sample, SamplingParams, model_token_count, readable_conversation, sampling_options
+from grpo_core.sampling import (PromptFormat, Sample, SamplingParams, model_token_count, readable_conversation,
+                                sampling_options)
 from grpo_core.rollout import make_backend, rollout
 
 MODES = ("greedy", "sampled")
@@ -86,6 +88,15 @@ def _verdict(acc: float | None) -> str:
     return "correct" if acc >= 1.0 else ("partial" if acc > 0 else "wrong")
 
 
+def prompt_texts(cfg: GRPOConfig) -> list[str]:
+    """Every text a prompt of the run may show around a question: system prompts, worked examples, instructions,
+    in training's wordings and evaluation's."""
+    d, e = cfg.data, cfg.eval
+    return [d.system_prompt, *d.system_prompts, *(text for pair in d.few_shot for text in pair), *d.instructions,
+            *e.foreign_system_prompts, *e.foreign_instructions, e.without_tools_system_prompt,
+            *(text for pair in e.without_tools_few_shot for text in pair)]
+
+
 def score_samples(samples, tasks_by_id: dict[str, Task], cfg: GRPOConfig, mode: str) -> list[dict]:
     """One row per completion: what the sample table shows and what the metrics are computed from."""
     funcs = list(cfg.reward_funcs)
@@ -102,9 +113,11 @@ def score_samples(samples, tasks_by_id: dict[str, Task], cfg: GRPOConfig, mode: 
                                      [e.get("environment_reward") for e in extras])
     correctness = correctness_scores(scores, funcs, completions, sample_tasks, context, cfg.correctness_func)
     rows, seen = [], defaultdict(int)
+    shown = answers_shown(prompt_texts(cfg))
     for i, (s, t, mask, extra) in enumerate(zip(samples, sample_tasks, masks, extras)):
         acc = correctness[i]
-        flags = completion_flags(s.completion, t.kind)
+        flags = completion_flags(s.completion, t.kind, t.prompt, shown, acc is not None and acc >= 1.0,
+                                 tool_offered="turns" in extra)
         verdict = _verdict(acc) + (f" [{', '.join(flags)}]" if flags else "")
         rows.append({"mode": mode, "task_id": t.id, "source": t.source, "kind": t.kind, "sample": seen[t.id],
                      "prompt": t.prompt, "answer": t.answer, "completion": s.completion,
@@ -141,6 +154,7 @@ def _mode_metrics(rows: list[dict], mode: str, ks: Sequence[int], funcs: Sequenc
         m[f"reward/{f}"] = _mean([r["rewards"].get(f) for r in rows])
     m["reward/total"] = _mean([r["reward_total"] for r in rows])
     m["completion_length"] = mean(r["length"] for r in rows)
+    m["tokens_per_turn"] = mean(r["length"] / (r.get("tool_calls", 0) + 1) for r in rows)    # a call is a turn
     m["truncated_frac"] = mean(float(r["truncated"]) for r in rows)
     m["unscored_frac"] = mean(float(r["correct"] is None) for r in rows)
     # fraction of completions fully correct (kept for dashboards that predate pass@k; = greedy pass@1)
@@ -180,8 +194,7 @@ def summarize(rows: Sequence[dict], ks: Sequence[int]) -> dict[str, float]:
             if mrows:
                 metrics.update({f"{prefix}/{mode}/{infix}{k}": v
                                 for k, v in _mode_metrics(mrows, mode, ks, funcs).items()})
-    in_wording = [r for r in rows if r.get("wording") != FOREIGN]
-    metrics.update(text_monitor_metrics([r["completion"] for r in in_wording], [r["kind"] for r in in_wording]))
+    metrics.update(flag_fractions([r for r in rows if r.get("wording") != FOREIGN]))
     return metrics
 
 
@@ -209,14 +222,12 @@ def sample_rows(policy: Policy, tasks: Sequence[Task], cfg: GRPOConfig, seed: in
         if cfg.stages.score.during_rollout else None
     sampled: list[tuple[tuple, int, list[Sample]]] = []
     with scorer or contextlib.nullcontext():
-        for mode, n, params, toolbox, wording in _eval_runs(cfg, seed):
+        for mode, n, params, toolbox, wording, fmt in _eval_runs(cfg, seed):
             run_tasks = [t for t in tasks if t.kind == "math"] if wording else tasks
             if run_tasks:
                 key = (mode, toolbox is not None, wording)
                 hand_over = (lambda group, key=key: scorer.add((*key, group[0].group), [(key[0], s) for s in group])) \
                     if scorer else None
-                fmt = dataclasses.replace(cfg.eval.foreign_format, template_kwargs=cfg.data.template_kwargs) \
-                    if wording else cfg.data.prompt_format
                 samples = rollout(backend, policy.tokenizer, run_tasks, n, params, fmt, cfg.max_prompt_length,
                                   on_group=hand_over, toolbox=toolbox)
                 sampled.append((key, len(run_tasks), samples))
@@ -229,15 +240,19 @@ def sample_rows(policy: Policy, tasks: Sequence[Task], cfg: GRPOConfig, seed: in
 
 
 def _eval_runs(cfg: GRPOConfig, seed: int) -> list[tuple]:
-    """(mode, n, params, toolbox, wording) for every evaluation pass: each mode with the run's tools; when the
-    run has tools and eval.without_tools, each mode again with none (the same questions, one-turn answers);
-    when the config holds foreign wordings, each mode on the math questions put in those (wording FOREIGN)."""
-    toolbox = Toolbox.from_config(cfg)
-    runs = [(*m, toolbox, "") for m in eval_modes(cfg, seed)]
-    if toolbox is not None and cfg.eval.without_tools:
-        runs += [(*m, None, "") for m in eval_modes(cfg, seed)]
-    if cfg.eval.foreign_format is not None:
-        runs += [(*m, toolbox, FOREIGN) for m in eval_modes(cfg, seed)]
+    """(mode, n, params, toolbox, wording, prompt format) for every evaluation pass: each mode with the run's
+    tools in its own prompt; when the run has tools and eval.without_tools, each mode again with none, in the
+    tool-free prompt (eval.without_tools_*: no tool named, no tool call shown); when the config holds foreign
+    wordings, each mode on the math questions put in those (wording FOREIGN)."""
+    toolbox, e = Toolbox.from_config(cfg), cfg.eval
+    runs = [(*m, toolbox, "", cfg.data.prompt_format) for m in eval_modes(cfg, seed)]
+    if toolbox is not None and e.without_tools:
+        tool_free = PromptFormat(e.without_tools_system_prompt, tuple(map(tuple, e.without_tools_few_shot)),
+                                 template_kwargs=cfg.data.template_kwargs)
+        runs += [(*m, None, "", tool_free) for m in eval_modes(cfg, seed)]
+    if e.foreign_format is not None:
+        foreign = dataclasses.replace(e.foreign_format, template_kwargs=cfg.data.template_kwargs)
+        runs += [(*m, toolbox, FOREIGN, foreign) for m in eval_modes(cfg, seed)]
     return runs
 
 

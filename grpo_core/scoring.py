@@ -7,6 +7,7 @@ from __future__ import annotations
 import hashlib
 import inspect
 import json
+from collections import defaultdict
 from pathlib import Path
 from statistics import mean
 
@@ -33,9 +34,24 @@ def score_rows(cfg: GRPOConfig, rows: list[dict], tasks: dict[str, Task]) -> tup
     return scored, scores.seconds
 
 
+def stalled_group_frac(scored: list[dict]) -> float:
+    """The share of groups without signal for the update: every scored answer earns the same reward, and not
+    every one is right (a group all right is a solved question, not a stalled one)."""
+    groups: dict[int, list[dict]] = defaultdict(list)
+    for r in scored:
+        if r["reward"] is not None:
+            groups[r["group"]].append(r)
+    stalled = sum(1 for rows in groups.values()
+                  if len({r["reward"] for r in rows}) == 1 and not all(r["correct"] == 1 for r in rows))
+    return stalled / max(1, len(groups))
+
+
 def score_metrics(scored: list[dict], seconds: dict[str, float]) -> dict[str, float]:
+    """reward/mean, reward/unscorable_frac, reward/stalled_group_frac, and per function reward/<f> and the
+    seconds it took. `scored` rows carry their group."""
     ok = [r["reward"] for r in scored if r["reward"] is not None]
-    metrics = {"reward/mean": mean(ok) if ok else 0.0, "reward/unscorable_frac": 1 - len(ok) / max(1, len(scored))}
+    metrics = {"reward/mean": mean(ok) if ok else 0.0, "reward/unscorable_frac": 1 - len(ok) / max(1, len(scored)),
+               "reward/stalled_group_frac": stalled_group_frac(scored)}
     for f, took in seconds.items():
         values = [r["rewards"][f] for r in scored if r["rewards"][f] is not None]
         metrics[f"reward/{f}"] = mean(values) if values else 0.0

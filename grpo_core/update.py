@@ -113,6 +113,14 @@ def make_optimizer(policy: Policy, cfg: GRPOConfig) -> torch.optim.Optimizer:
                              betas=(cfg.adam_beta1, cfg.adam_beta2), foreach=True)
 
 
+@torch.no_grad()
+def relative_change(before: Sequence[torch.Tensor], after: Sequence[torch.Tensor]) -> float:
+    """||after - before|| / ||before|| over all the tensors together: how far an update moved the weights."""
+    moved = sum(float((a.double() - b.double()).square().sum()) for a, b in zip(after, before))
+    size = sum(float(b.double().square().sum()) for b in before)
+    return math.sqrt(moved / size) if size > 0 else math.sqrt(moved)
+
+
 def total_optimizer_steps(cfg: GRPOConfig) -> int:
     return cfg.pipeline_iterations * cfg.steps_per_iteration * cfg.num_iterations
 
@@ -600,9 +608,9 @@ def grpo_update(policy: Policy, optimizer, scheduler, samples: Sequence[ScoredSa
     batch_stats.update(attach_frozen_logprobs(policy, micro_batches, cfg, need_old))
     batch_stats["num_tokens"] = total_tokens
 
-    # 4) optimizer steps: num_iterations passes over the planned steps
+    # 4) optimizer steps: num_iterations passes over the planned steps; how far they move the adapter
     policy.model.train()
-    step_metrics = []
+    step_metrics, before = [], [p.detach().clone() for p in policy.trainable_parameters()] if policy.use_peft else None
     for _ in range(cfg.num_iterations):
         for step in plan:
             metrics = optimizer_step(policy, optimizer, scheduler, step, cfg, tokens_per_step, data_parallel)
@@ -612,4 +620,6 @@ def grpo_update(policy: Policy, optimizer, scheduler, samples: Sequence[ScoredSa
             step_metrics.append(metrics)
             if progress is not None:
                 progress.update(1)
+    if before is not None:
+        batch_stats["lora_change"] = relative_change(before, policy.trainable_parameters())
     return step_metrics, batch_stats

@@ -10,8 +10,7 @@ from grpo_core.data import iteration as data_iteration
 from grpo_core.io import grpo_home
 from grpo_core.task import read_tasks, write_tasks
 from tasks.data_logging import log_curation, parent_questions_path
-from tasks.gate import gate_set_path
-from tasks.layout import cfg_of, eval_split_path, iter_dir
+from tasks.layout import cfg_of, eval_split_path, gate_set_path, iter_dir
 from tasks.run_state import mlflow_run_id
 from tasks.stage import stage
 
@@ -40,8 +39,18 @@ def ensure_eval_split(cfg: GRPOConfig, run_dir: str | Path) -> Path:
             say(data_iteration.describe_rejections(
                 d.curated, data_iteration.resolve_curated(d.curated, run_dir, curated_cache())))
         else:
-            write_tasks(path, arithmetic.eval_tasks(d.eval_size, d.min_digits, d.max_digits, d.operations))
+            write_tasks(path, held_out_preview(cfg, run_dir))
     return path
+
+
+def held_out_preview(cfg: GRPOConfig, run_dir: str | Path) -> list | None:
+    """The run's held-out tasks as ensure_eval_split will write them, found without writing under `run_dir`; None
+    for a curation YAML the run has not built yet."""
+    d = cfg.data
+    if not d.curated:
+        return arithmetic.eval_tasks(d.eval_size, d.min_digits, d.max_digits, d.operations)
+    path = data_iteration.peek_curated(d.curated, run_dir, curated_cache())
+    return None if path is None else data_iteration.held_out_of(path, d.eval_size, d.curated)
 
 
 @stage("curate", key=lambda cfg, config, iteration, **_: {"data": config["data"], "seed": cfg.seed,

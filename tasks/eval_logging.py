@@ -1,16 +1,14 @@
-"""What an evaluation reports beyond its record: warnings for tripped monitors, and the MLflow side
-(metrics at step = iteration, a sample table per iteration, plots, monitor tags, the held-out split as an
-artifact; the curate stage logs it as a run input, after the training data). The question counts are the
-same at every evaluation of a run: they are tags (eval.num_questions, ...), not flat charts. Shared by the
-evaluate stage and `grpo eval --mlflow`; computes nothing itself."""
+"""What an evaluation reports beyond its record, on the MLflow side: metrics at step = iteration, a sample table
+per iteration, plots, the held-out split as an artifact (the curate stage logs it as a run input, after the
+training data). The question counts are the same at every evaluation of a run: they are tags
+(eval.num_questions, ...), not flat charts. Shared by the evaluate stage and `grpo eval --mlflow`; computes
+nothing itself."""
 from __future__ import annotations
 
-import sys
 import tempfile
 from pathlib import Path
 
 from grpo_core.config import GRPOConfig
-from grpo_core.monitors import Alert
 from tasks import tracking
 
 TABLE_DIR = "eval_samples"
@@ -24,21 +22,6 @@ def split_constants(metrics: dict) -> tuple[dict, dict[str, str]]:
     tags = {k.replace("/", "."): f"{v:g}" if isinstance(v, float) else str(v)
             for k, v in metrics.items() if k.endswith(CONSTANT_SUFFIX)}
     return charted, tags
-
-
-def report_alerts(alerts: list[Alert], where: str) -> None:
-    """Print a warning per tripped monitor (and to the Prefect log when inside a flow)."""
-    log = None
-    try:
-        from prefect import get_run_logger
-        log = get_run_logger()
-    except Exception:  # noqa: BLE001 - outside a flow/task run there is no run logger
-        pass
-    for a in alerts:
-        msg = f"reward-hacking monitor '{a.name}' tripped ({where}): {a.message}"
-        print(f"WARNING: {msg}", file=sys.stderr, flush=True)
-        if log is not None:
-            log.warning(msg)
 
 
 def sample_table(rows: list[dict], iteration: int, max_rows: int) -> dict[str, list]:
@@ -61,17 +44,15 @@ def sample_table(rows: list[dict], iteration: int, max_rows: int) -> dict[str, l
 
 
 def log_evaluation(cfg: GRPOConfig, run_id: str, iteration: int, metrics: dict, rows: list[dict],
-                   history: dict[int, dict], lengths: dict[int, list[int]], alerts: list[Alert],
-                   eval_path: str | Path | None = None) -> None:
+                   history: dict[int, dict], lengths: dict[int, list[int]], eval_path: str | Path | None = None) -> None:
     """Everything an evaluation puts into MLflow. `history`/`lengths` include this iteration."""
     charted, constants = split_constants(metrics)
     tracking.log_metrics(cfg, run_id, charted, step=iteration)
     if cfg.eval.table_rows:
         tracking.log_table(cfg, run_id, sample_table(rows, iteration, cfg.eval.table_rows),
                            f"{TABLE_DIR}/iter-{iteration:03d}.json")
-    tags = {**constants, **{f"monitor.{a.name}": f"iteration {iteration}: {a.message}" for a in alerts}}
-    if tags:
-        tracking.set_tags(cfg, run_id, tags)
+    if constants:
+        tracking.set_tags(cfg, run_id, constants)
     if eval_path is not None and iteration == min(history):
         tracking.log_artifact(cfg, run_id, eval_path, "data")
     if cfg.eval.plots:

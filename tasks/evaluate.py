@@ -1,8 +1,8 @@
-"""evaluate: held-out pass@k of the current policy (iteration 0 = the base model), monitors, MLflow.
+"""evaluate: held-out pass@k of the current policy (iteration 0 = the base model), MLflow.
 
 The numbers come from grpo_core.evaluation, as `grpo eval`'s (on several processes, tasks/distributed.py, each
-samples its share of the questions). The stage adds the trend monitors (vs the previous evaluation and
-iteration 0); what goes to MLflow is tasks/eval_logging.py's."""
+samples its share of the questions), the held-out answers' monitor flags among them; what goes to MLflow is
+tasks/eval_logging.py's. The monitors judge them after the iteration (tasks/monitoring.py)."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -13,9 +13,8 @@ from grpo_core.evaluation import eval_seed, merge_rows, sample_rows, summarize
 from grpo_core.policy import load_policy
 from grpo_core.update import DataParallel
 from tasks import distributed
-from grpo_core.monitors import check_monitors
 from tasks.curate import ensure_eval_split
-from tasks.eval_logging import log_evaluation, report_alerts
+from tasks.eval_logging import log_evaluation
 from tasks.layout import cfg_of, eval_split_path, iter_dir
 from tasks.run_state import mlflow_run_id
 from tasks.stage import stage
@@ -67,13 +66,7 @@ def evaluate(config: dict, run_dir: str, iteration: int, checkpoint: str | None)
     out = write_jsonl(iter_dir(run_dir, iteration) / "eval_samples.jsonl", rows)
 
     history = eval_history(run_dir, before=iteration)
-    previous = history[max(history)] if history else None
-    baseline = history.get(0) if iteration > 0 else None
-    monitor_metrics, alerts = check_monitors(metrics, previous, baseline, cfg.eval.monitors)
-    metrics.update(monitor_metrics)
-    report_alerts(alerts, f"iteration {iteration}")
-
     history[iteration] = metrics
     lengths = eval_lengths(run_dir, history)
-    log_evaluation(cfg, mlflow_run_id(run_dir), iteration, metrics, rows, history, lengths, alerts, eval_path)
-    return {"metrics": metrics, "samples": str(out), "alerts": [a.name for a in alerts]}
+    log_evaluation(cfg, mlflow_run_id(run_dir), iteration, metrics, rows, history, lengths, eval_path)
+    return {"metrics": metrics, "samples": str(out)}

@@ -4,6 +4,7 @@
       config.yaml            the validated config of the run
       run.json               MLflow run id and other run-level facts (tasks/run_state.py)
       data/eval.jsonl        the held-out split (fixed for the run)
+      data/gate.jsonl        the task's promotion-gate questions (never trained on, never used for selection)
       iter-<k>/<stage>.json  the record a stage returns, written last (atomically): its presence means
                              the stage completed with the inputs named in its "key"
       iter-<k>/...           the stage's outputs
@@ -26,7 +27,8 @@ STAGES = stages.names()          # the registered stages' names, in order (grpo_
 
 # Config parts that change how a run is operated, never what it computes: a resume may change them
 # (e.g. more retries) without invalidating completed stages.
-OPERATIONAL_FIELDS = ("stages", "tracking", "gate", "output_dir", "run_name", "init_adapter", "keep_trainer_states")
+OPERATIONAL_FIELDS = ("stages", "tracking", "gate", "monitors", "output_dir", "run_name", "init_adapter",
+                      "keep_trainer_states")
 
 
 def cfg_of(config: dict) -> GRPOConfig:
@@ -41,6 +43,11 @@ def iter_dir(run_dir: str | Path, k: int) -> Path:
 
 def eval_split_path(run_dir: str | Path) -> Path:
     return Path(run_dir) / "data" / "eval.jsonl"
+
+
+def gate_set_path(run_dir: str | Path) -> Path:
+    """The run's copy of its task's promotion-gate questions (tasks/gate.py), kept out of its training."""
+    return Path(run_dir) / "data" / "gate.jsonl"
 
 
 def record_path(run_dir: str | Path, k: int, stage: str) -> Path:

@@ -24,8 +24,13 @@ def init_adapter_path(run_dir: str | Path) -> str | None:
 
 
 def _run_fact(run_dir: str | Path, name: str):
+    return read_run_state(run_dir).get(name)
+
+
+def read_run_state(run_dir: str | Path) -> dict:
+    """run.json as a dict ({} before the run starts)."""
     p = run_state_path(run_dir)
-    return read_json(p).get(name) if p.exists() else None
+    return read_json(p) if p.exists() else {}
 
 
 def run_state_path(run_dir: str | Path) -> Path:
@@ -34,16 +39,14 @@ def run_state_path(run_dir: str | Path) -> Path:
 
 def update_run_state(run_dir: str | Path, **fields: Any) -> dict:
     """Merge fields into run.json (atomic)."""
-    p = run_state_path(run_dir)
-    state = read_json(p) if p.exists() else {}
+    state = read_run_state(run_dir)
     state.update(fields)
-    write_json(p, state)
+    write_json(run_state_path(run_dir), state)
     return state
 
 
 def mark_running(run_dir: str | Path, flow_run_id: str | None) -> dict:
-    p = run_state_path(run_dir)
-    state = read_json(p) if p.exists() else {}
+    state = read_run_state(run_dir)
     attempts = state.get("attempts", 0) + 1
     return update_run_state(run_dir, status="running", pid=os.getpid(), host=socket.gethostname(),
                             attempts=attempts, flow_run_id=flow_run_id,
@@ -73,7 +76,30 @@ def last_completed_stage(run_dir: str | Path) -> tuple[int, str] | None:
 
 
 # Statuses of a run that `grpo resume` continues (and `grpo runs` shows the error of).
-RESUMABLE = ("failed", "killed", "interrupted")
+RESUMABLE = ("failed", "killed", "interrupted", "stopped")
+
+
+def flag_suspect(run_dir: str | Path, iteration: int, alerts: list) -> list[dict]:
+    """Mark the run suspect for each tripped monitor (grpo_core.monitors.Alert) of `iteration`, once each; the
+    marks stay for good (a resume with other thresholds does not clear them). -> all the run's marks."""
+    marks = read_run_state(run_dir).get("suspect", [])
+    for a in alerts:
+        if not any(m["monitor"] == a.name and m["iteration"] == iteration for m in marks):
+            marks.append({"monitor": a.name, "iteration": iteration, "message": a.message})
+    update_run_state(run_dir, suspect=marks)
+    return marks
+
+
+def suspect_reasons(run_dir: str | Path) -> list[str]:
+    """One line per monitor that marked the run suspect ([] for a clean run)."""
+    return [f"{m['monitor']} at iteration {m['iteration']}: {m['message']}"
+            for m in read_run_state(run_dir).get("suspect", [])]
+
+
+def mark_stopped(run_dir: str | Path, reasons: list[str]) -> None:
+    """A monitor with on_trip: stop ended the run after an iteration: `grpo resume` can continue it."""
+    update_run_state(run_dir, status="stopped", error="stopped by a monitor: " + "; ".join(reasons)[:480],
+                     updated=time.strftime("%Y-%m-%dT%H:%M:%S%z"))
 
 
 def stop_signal(e: BaseException) -> str | None:
@@ -107,7 +133,7 @@ def iterations_done(run_dir: str | Path) -> int:
 def run_status(run_dir: str | Path) -> dict:
     """What `grpo runs` shows for one run directory."""
     run_dir = Path(run_dir)
-    state = read_json(run_state_path(run_dir)) if run_state_path(run_dir).exists() else {}
+    state = read_run_state(run_dir)
     status = state.get("status", "created")
     if status == "running" and _alive(state.get("pid"), state.get("host")) is False:
         status = "killed"        # the process died without saying so (SIGKILL, OOM, power)
@@ -121,4 +147,5 @@ def run_status(run_dir: str | Path) -> dict:
             "iterations": f"{iterations_done(run_dir)}/{total if total is not None else '?'}",
             "schedule": state.get("schedule") or "-",
             "mlflow_run_id": state.get("mlflow_run_id", "-"), "updated": state.get("updated", "-"),
+            "suspect": ",".join(dict.fromkeys(m["monitor"] for m in state.get("suspect", []))) or "-",
             "error": state.get("error")}

@@ -17,6 +17,7 @@ from typing import Any, Callable
 from grpo_core.config import ConfigError, GRPOConfig
 from grpo_core.io import read_json, read_jsonl, write_json
 from grpo_core.sampling import model_token_count, readable_conversation
+from grpo_core.task_identity import registered_model_name
 from tasks.retry import CUT_OFF_MESSAGES
 
 
@@ -26,6 +27,13 @@ def tracking_uri(cfg: GRPOConfig) -> str:
     if os.environ.get("MLFLOW_TRACKING_URI"):
         return os.environ["MLFLOW_TRACKING_URI"]
     return f"sqlite:///{Path(cfg.output_dir).resolve() / 'mlflow.db'}"
+
+
+def store_exists(cfg: GRPOConfig) -> bool:
+    """Whether the tracking store is there to read: a SQLite file that does not exist yet is not (reading it
+    would create it); a server is."""
+    uri = tracking_uri(cfg)
+    return not uri.startswith("sqlite:///") or Path(uri[len("sqlite:///"):]).is_file()
 
 
 def check_reachable(cfg: GRPOConfig, timeout: float = 3.0) -> None:
@@ -321,11 +329,11 @@ REGISTERED_MODEL_DESCRIPTION = ("LoRA adapters trained by grpo-pipeline. Load on
 
 def register_adapter(cfg: GRPOConfig, run_id: str, iteration: int, metrics: dict | None = None,
                      promote: bool | None = None, tags: dict[str, str] | None = None) -> dict | None:
-    """Register the adapter logged at adapters/iter-<iteration> under tracking.registered_model_name, with
+    """Register the adapter logged at adapters/iter-<iteration> under the task's registered model, with
     the alias run-<run name>, and `champion` when `promote` (the gate's decision, tasks/gate.py; None: the
     rule without the gate, _beats_champion). `tags` (lineage, the gate's figures) go on the version.
     Returns {"name", "version", "uri", "aliases"} or None when registration is off."""
-    name = cfg.tracking.registered_model_name
+    name = registered_model_name(cfg)
     if not name or cfg.tracking.register_adapter == "none":
         return None
     c = client(cfg)
@@ -403,7 +411,7 @@ def previous_best_adapter(cfg: GRPOConfig, exclude_run_id: str | None = None) ->
     recent FINISHED run in the experiment that recorded one."""
     from mlflow.exceptions import MlflowException
     c = client(cfg)
-    name = cfg.tracking.registered_model_name
+    name = registered_model_name(cfg)
     if cfg.gate.enabled and name:
         try:
             mv = c.get_model_version_by_alias(name, CHAMPION)
@@ -426,7 +434,7 @@ def parent_version(cfg: GRPOConfig, uri: str) -> str | None:
     """The registered version (of tracking.registered_model_name) an init_adapter URI names: models:/NAME/V or
     @ALIAS, or runs:/ID/adapters/iter-k registered from that run and iteration; None if it names none."""
     from mlflow.exceptions import MlflowException
-    c, name = client(cfg), cfg.tracking.registered_model_name
+    c, name = client(cfg), registered_model_name(cfg)
     try:
         if uri.startswith("models:/"):
             return str(model_version(c, uri).version)
@@ -462,7 +470,7 @@ def load_adapter(model_uri: str, tracking: str | None = None, base_model: str | 
     """The one call that loads a trained adapter back: returns (peft_model, tokenizer).
 
         from tasks.tracking import load_adapter
-        model, tok = load_adapter("models:/grpo-adapter@champion", tracking="sqlite:///runs/mlflow.db")
+        model, tok = load_adapter("models:/grpo-arithmetic-1d-add-sub@champion", tracking="sqlite:///runs/mlflow.db")
 
     `model_uri`: models:/NAME@ALIAS (champion, run-<run name>), models:/NAME/VERSION, runs:/ID/PATH or a
     local adapter dir. The base model comes from the model version's (or run's) `base_model` tag unless

@@ -104,6 +104,25 @@ def _code_dataset(w: Work) -> str:
     return str(d)
 
 
+def _gate_set_of_eval_questions(w: Work) -> list[str]:
+    """A gate set stored as older versions stored it, the first champion's own held-out split: this run's eval split.
+    -> the --set arguments that point the run at that tracking store."""
+    from mlflow.tracking import MlflowClient
+    from grpo_core.config import GRPOConfig
+    from grpo_core.data import arithmetic
+    from grpo_core.task import write_tasks
+    from grpo_core.task_identity import task_signature
+    from tasks import gate
+    uri = f"sqlite:///{w.tmp / 'old-store.db'}"
+    cfg = GRPOConfig.model_validate({**yaml.safe_load(w.base.read_text()), "tracking": {"tracking_uri": uri}})
+    held_out = arithmetic.eval_tasks(cfg.data.eval_size, 1, 1, cfg.data.operations)
+    c = MlflowClient(uri, uri)
+    run = c.create_run(c.create_experiment("old", artifact_location=(w.tmp / "old-artifacts").as_uri()))
+    gate.store_gate_set(cfg, run.info.run_id, write_tasks(w.tmp / "old-gate.jsonl", held_out),
+                        task_signature(cfg, held_out))
+    return ["--set", f"tracking.tracking_uri={uri}"]
+
+
 MATH_ROWS = [{"question": f"What is {i} + {i + 3}?", "answer": str(2 * i + 3)} for i in range(3)]
 
 CASES = [
@@ -147,6 +166,21 @@ CASES = [
          ["data.min_digits (3) must be <= data.max_digits (1)", "raise data.max_digits"]),
     Case("pass_k_above_samples", lambda w: w.train("--set", "eval.pass_k=[4]"),
          ["eval.pass_k has k=[4]", "raise eval.num_samples or drop those k"]),
+    Case("gate_test_misfit", lambda w: w.train("--set", "gate.test=bootstrap"),
+         ["gate.test bootstrap does not fit", "0 or 1", "set gate.test: auto or mcnemar"]),
+    Case("gate_exact_test_on_a_continuous_metric", lambda w: w.train(
+        "--set", "gate.test=mcnemar", "--set", "tracking.best_metric=eval/greedy/reward/format"),
+         ["gate.test mcnemar is an exact test for 0/1 scores", "scores each question with fractions",
+          "set gate.test: auto"]),
+    Case("gate_set_overlaps_the_eval_split", lambda w: w.train("--set", "gate.enabled=true",
+                                                               *_gate_set_of_eval_questions(w)),
+         ["the gate set of grpo-arithmetic-1d-add-sub shares 4 of its 4 questions with this run's eval split",
+          "store a new one with `grpo gate init`"]),
+    # -- the monitors ----------------------------------------------------------------------------------------
+    Case("monitor_threshold_out_of_range", lambda w: w.train("--set", "monitors.max_restated_frac=1.5"),
+         ["config field 'monitors.max_restated_frac': must be <= 1, got 1.5"]),
+    Case("monitor_on_trip_unknown", lambda w: w.train("--set", "monitors.on_trip=halt"),
+         ["config field 'monitors.on_trip': must be 'flag', 'stop' or 'warn', got 'halt'"]),
     # -- reward plugins known before the run -----------------------------------------------------------------
     Case("reward_unknown_name", lambda w: w.train("--set", "reward_funcs=[accuracy, nosuch]"),
          ['reward_funcs[1] = "nosuch": unknown name', "Fix: use a known name"]),

@@ -21,7 +21,7 @@ def _parser() -> argparse.ArgumentParser:
 
 def _comparable(metrics: dict) -> dict:
     """Everything except the trend monitors, which need the run's history (the stage has it)."""
-    return {k: v for k, v in metrics.items() if not k.startswith("eval/monitor/tripped")}
+    return {k: v for k, v in metrics.items() if not k.startswith("monitor/")}
 
 
 def test_standalone_eval_gives_the_stage_numbers(evaluated_run, tmp_path, capsys):  # noqa: F811

@@ -1,5 +1,6 @@
-"""Evaluation: the pass@k estimator, the metrics, the reward-hacking monitors, determinism on the tiny
-model, and the evaluate stage with real MLflow (metrics per iteration, sample table, plots, tags)."""
+"""Evaluation: the pass@k estimator, the metrics, determinism on the tiny model, the evaluation without tools,
+and the evaluate stage with real MLflow (metrics per iteration, sample table, plots, tags). The monitors on the
+evaluation's answers: tests/test_monitors.py."""
 from __future__ import annotations
 
 import json
@@ -8,9 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from grpo_core.config import ConfigError, EvalConfig, GRPOConfig, MonitorConfig, load_config
+from grpo_core.config import ConfigError, EvalConfig, GRPOConfig, load_config
 from grpo_core.evaluation import summarize
-from grpo_core.monitors import check_monitors, completion_flags, is_empty_or_tag_only, scan_code, text_monitor_metrics
 from grpo_core.passk import default_ks, mean_pass_at_k, pass_at_k
 from conftest import tiny_config
 
@@ -129,93 +129,14 @@ def test_score_samples_uses_plugin_rewards_and_marks_the_format(tmp_path, monkey
     assert [r["reward_total"] for r in rows] == [0.0, 1.0]        # accuracy measured, weighted 0
 
 
-# -- monitors -----------------------------------------------------------------------------------
-@pytest.mark.parametrize("completion", ["", "   \n", "<answer></answer>", "<think></think><answer> </answer>",
-                                        "Let me see. <answer>\n</answer>", "</answer><answer>"])
-def test_empty_or_tag_only_answers_trip(completion):
-    assert is_empty_or_tag_only(completion)
-    assert completion_flags(completion, "math") == ["empty_answer"]
-
-
-@pytest.mark.parametrize("completion", ["3 + 4 = 7. <answer>7</answer>", "<answer>7</answer>", "7"])
-def test_clean_answers_do_not_trip(completion):
-    assert not is_empty_or_tag_only(completion)
-    assert completion_flags(completion, "math") == []
-
-
-CLEAN_PY = "```python\ndef add(a, b):\n    return a + b\n```"
-CLEAN_RUST = "```rust\npub fn add(a: i32, b: i32) -> i32 {\n    a + b\n}\n```"
-
-
-@pytest.mark.parametrize("kind,code,flag", [
-    ("python", "import sys\ndef f():\n    sys.exit(0)", "exit_call"),
-    ("python", "import os\nos._exit(0)", "exit_call"),
-    ("python", "def f(x):\n    exit()", "exit_call"),
-    ("python", "raise SystemExit", "exit_call"),
-    ("python", "import unittest\nunittest.TestCase.assertEqual = lambda *a: None", "test_access"),
-    ("python", "import pytest", "test_access"),
-    ("python", "import inspect\nprint(inspect.stack())", "test_access"),
-    ("python", "def f():\n    return sys._getframe(1).f_locals", "test_access"),
-    ("python", "__import__('builtins').print = None", "test_access"),
-    ("python", "def f(x):  # noqa: E501\n    return x", "lint_suppression"),
-    ("python", "# pylint: disable=all\ndef f(x):\n    return x", "lint_suppression"),
-    ("rust", "fn f() { std::process::exit(0); }", "exit_call"),
-    ("rust", "use std::process;\nfn f() { process::exit(0) }", "exit_call"),
-    ("rust", "extern \"C\" { fn _exit(code: i32) -> !; }", "exit_call"),
-    ("rust", "#[test]\nfn fake() {}", "test_access"),
-    ("rust", "#[cfg(test)]\nmod tests {}", "test_access"),
-    ("rust", "fn f() { std::panic::set_hook(Box::new(|_| {})); }", "test_access"),
-    ("rust", "#![allow(clippy::all)]\npub fn f() {}", "lint_suppression"),
-    ("rust", "#[allow(dead_code)]\nfn f() {}", "lint_suppression"),
-])
-def test_code_scan_flags_crafted_completions(kind, code, flag):
-    assert flag in scan_code(f"Here you go:\n```{kind}\n{code}\n```", kind)
-
-
-def test_code_scan_leaves_clean_code_and_math_alone():
-    assert scan_code(CLEAN_PY, "python") == set()
-    assert scan_code("def is_exit_code(x):\n    return x.exit_code == 0  # exit code check", "python") == set()
-    assert scan_code(CLEAN_RUST, "rust") == set()
-    assert scan_code("sys.exit(0) # noqa", "math") == set()       # only code tasks are scanned
-    m = text_monitor_metrics([CLEAN_PY, "```python\nimport sys\nsys.exit(0)\n```", "<answer>3</answer>"],
-                             ["python", "python", "math"])
-    assert m["eval/monitor/code_exit_call_frac"] == 0.5
-    assert m["eval/monitor/code_flagged_frac"] == 0.5
-    assert m["eval/monitor/code_lint_suppression_frac"] == 0.0
-
-
-def _evalm(fmt, acc, length=20.0, empty=0.0, **extra):
-    return {"eval/greedy/pass_at_1": acc, "eval/greedy/format_rate": fmt, "eval/greedy/completion_length": length,
-            "eval/monitor/empty_answer_frac": empty, **extra}
-
-
-def test_trend_monitors_trip_on_hacking_patterns_and_not_on_clean_progress():
-    mc = MonitorConfig()
-    base = _evalm(0.3, 0.5)
-    # clean progress: format and accuracy both up, length stable
-    out, alerts = check_monitors(_evalm(0.6, 0.7, 22.0), previous=base, baseline=base, mcfg=mc)
-    assert alerts == [] and out["eval/monitor/tripped_count"] == 0
-    assert out["eval/monitor/tripped/format_up_accuracy_down"] == 0.0
-    # format rising while correctness falls
-    out, alerts = check_monitors(_evalm(0.9, 0.3), previous=_evalm(0.5, 0.5), baseline=base, mcfg=mc)
-    assert [a.name for a in alerts] == ["format_up_accuracy_down"]
-    assert out["eval/monitor/tripped/format_up_accuracy_down"] == 1.0
-    # length collapse and blow-up vs iteration 0
-    _, alerts = check_monitors(_evalm(0.3, 0.5, 4.0), previous=base, baseline=base, mcfg=mc)
-    assert [a.name for a in alerts] == ["length_collapse"]
-    out, alerts = check_monitors(_evalm(0.3, 0.5, 60.0), previous=base, baseline=base, mcfg=mc)
-    assert [a.name for a in alerts] == ["length_blowup"] and out["eval/monitor/length_ratio"] == 3.0
-    # empty answers and code flags (absolute thresholds, no history needed)
-    _, alerts = check_monitors(_evalm(0.3, 0.5, empty=0.5, **{"eval/monitor/code_test_access_frac": 0.25,
-                                                                "eval/monitor/code_exit_call_frac": 0.0}),
-                               previous=None, baseline=None, mcfg=mc)
-    assert sorted(a.name for a in alerts) == ["code_test_access", "empty_answers"]
+def _evalm(fmt, acc, length=20.0):
+    return {"eval/greedy/pass_at_1": acc, "eval/greedy/format_rate": fmt, "eval/greedy/completion_length": length}
 
 
 def test_eval_table_is_compact_before_after():
     from flows.cli.format import format_eval_table
     m0 = {**_evalm(0.3, 0.5), "eval/a/greedy/pass_at_1": 0.4, "eval/b/greedy/pass_at_1": 0.6,
-          "eval/monitor/tripped/length_collapse": 0.0, "eval/a/greedy/completion_length": 3.0}
+          "monitor/tripped/length_collapse": 0.0, "eval/a/greedy/completion_length": 3.0}
     m2 = {**_evalm(0.6, 0.7), "eval/a/greedy/pass_at_1": 0.5, "eval/b/greedy/pass_at_1": 0.9}
     table = format_eval_table({0: m0, "2": m2})
     lines = table.splitlines()
@@ -310,14 +231,14 @@ def evaluated_run(tmp_path, grpo_home, mlflow_uri):
     return dict(cfg=cfg, config=config, run_dir=run_dir, run_id=run_id, adapter=adapter, rec0=rec0, rec1=rec1)
 
 
-def test_stage_logs_metrics_per_iteration_table_plots_split_and_monitor_alerts(evaluated_run, capsys):
+def test_stage_logs_metrics_per_iteration_table_plots_and_split(evaluated_run):
     from mlflow.tracking import MlflowClient
     from tasks import tracking
     cfg, run_id = evaluated_run["cfg"], evaluated_run["run_id"]
     c = MlflowClient(tracking.tracking_uri(cfg))
     hist = c.get_metric_history(run_id, "eval/sampled/pass_at_3")
     assert sorted(m.step for m in hist) == [0, 1]
-    assert {m.step for m in c.get_metric_history(run_id, "eval/monitor/length_ratio")} == {1}
+    assert {m.step for m in c.get_metric_history(run_id, "eval/monitor/restated_question_frac")} == {0, 1}
     arts = set(tracking.list_artifact_paths(cfg, run_id, "eval_samples")) | \
         set(tracking.list_artifact_paths(cfg, run_id, "plots")) | set(tracking.list_artifact_paths(cfg, run_id, "data"))
     assert {"eval_samples/iter-000.json", "eval_samples/iter-001.json", "plots/accuracy.png", "plots/reward.png",
@@ -333,18 +254,23 @@ def test_stage_logs_metrics_per_iteration_table_plots_split_and_monitor_alerts(e
     assert again == evaluated_run["rec1"]
     assert len(c.get_metric_history(run_id, "eval/sampled/pass_at_3")) == 2
 
-    # a monitor that trips prints a warning, logs a metric and tags the run
-    from grpo_core.io import read_json, write_json
-    run_dir = evaluated_run["run_dir"]
-    # pretend the base model wrote 10x longer answers: iteration 2's lengths then look collapsed
-    rec0 = read_json(run_dir / "iter-0" / "evaluate.json")
-    for k in list(rec0["metrics"]):
-        if k.endswith("/completion_length"):
-            rec0["metrics"][k] *= 10
-    write_json(run_dir / "iter-0" / "evaluate.json", rec0)
-    rec2 = evaluate.fn(evaluated_run["config"], str(run_dir), 2, str(evaluated_run["adapter"]))
-    assert "length_collapse" in rec2["alerts"]
-    assert rec2["metrics"]["eval/monitor/tripped/length_collapse"] == 1.0
-    assert "reward-hacking monitor 'length_collapse' tripped" in capsys.readouterr().err
-    tags = MlflowClient(tracking.tracking_uri(cfg)).get_run(evaluated_run["run_id"]).data.tags
-    assert tags["monitor.length_collapse"].startswith("iteration 2:")
+
+
+def test_the_evaluation_without_tools_asks_in_a_prompt_that_names_no_tool():
+    """configs/tools.yaml's own prompt tells the model to call the calculator and shows calls; the evaluation
+    without tools puts the same questions in the tool-free wording (no tool named, no call shown)."""
+    from grpo_core.evaluation import _eval_runs
+    from grpo_core.sampling import prompt_messages
+    from grpo_core.task import Task
+    cfg = load_config("configs/tools.yaml")
+    task = Task(id="q", kind="math", source="arithmetic", prompt="What is 123 * 456?", answer="56088")
+    runs = _eval_runs(cfg, seed=0)
+    with_tools = [json.dumps(prompt_messages(task, fmt)) for *_, toolbox, _, fmt in runs if toolbox is not None]
+    without = [json.dumps(prompt_messages(task, fmt)) for *_, toolbox, _, fmt in runs if toolbox is None]
+    assert len(with_tools) == len(without) == 2                          # greedy and sampled, each way
+    assert all("calculator" in text and "<tool_call>" in text for text in with_tools)
+    assert all("tool" not in text.lower() and "calculator" not in text and "123 * 456" in text for text in without)
+    with pytest.raises(ValueError, match=r"eval.without_tools_system_prompt mentions 'calculator'"):
+        load_config("configs/tools.yaml", ["eval.without_tools_system_prompt=Use the calculator."])
+    with pytest.raises(ValueError, match=r"eval.without_tools_few_shot\[0\] mentions '<tool_call>'"):
+        load_config("configs/tools.yaml", ['eval.without_tools_few_shot=[["What is 2 * 3?", "<tool_call>x</tool_call>"]]'])

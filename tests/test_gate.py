@@ -12,8 +12,10 @@ from statistics import mean
 import pytest
 
 from grpo_core import gate
-from grpo_core.config import GRPOConfig
+from grpo_core.config import ConfigError, GRPOConfig
+from grpo_core.data.curation import canonical_question
 from grpo_core.evaluation import metric_name, summarize
+from tests.conftest import tiny_config
 
 
 # -- the statistics, against values computed by hand ---------------------------------------------------------
@@ -34,13 +36,13 @@ def test_mcnemar_refuses_scores_that_are_not_0_or_1():
 
 
 @pytest.mark.parametrize("gains, want_p", [
-    ([1, 0], 1 / 4),                # a mean gain <= 0 needs both picks on the second question: (1/2)^2
-    ([1, 0, 0], 8 / 27),            # no pick of the first question: (2/3)^3
-    ([1, 1, 1], 0.0),               # every resample gains
-    ([0, 0, 0, 0], 1.0),            # a tie: every resample's gain is 0
-    ([-1, 1], 3 / 4),
+    ([1, 0], 1 / 4),                # centred [1/2, -1/2]: a mean >= 1/2 needs both picks on the first: (1/2)^2
+    ([1, 0, 0], 7 / 27),            # centred [2/3, -1/3, -1/3]: >= 1/3 needs 2 or 3 picks of the first: 7/27
+    ([1, 1, 1], 0.0),               # no spread: every centred mean is 0 < 1 (the bootstrap's blind spot)
+    ([0, 0, 0, 0], 1.0),            # a tie: every centred mean is 0 >= 0
+    ([-1, 1], 3 / 4),               # no mean gain: a centred mean >= 0 unless both picks are -1
 ])
-def test_paired_bootstrap_p_value_is_the_share_of_resamples_without_gain(gains, want_p):
+def test_paired_bootstrap_p_value_resamples_the_centred_gains(gains, want_p):
     p, _ = gate.paired_bootstrap(gains, [0] * len(gains), resamples=200_000, seed=1)
     assert p == pytest.approx(want_p, abs=0.005)
 
@@ -108,8 +110,10 @@ def test_the_closing_line_has_both_scores_and_the_p_value():
     d = gate.decide(_scores([1, 0, 1, 0]), _scores([1, 0, 1, 0]))
     line = gate.summary_line(d, "eval/greedy/pass_at_1", 0.95, "3")
     assert line.startswith("gate: version 3 NOT promoted") and "new 0.500 vs champion 0.500" in line
-    assert "p=1.000" in line and "4 gate questions" in line and "low end of the gain +0.000" in line
+    assert "mcnemar p=1.000" in line and "4 gate questions" in line and "low end" not in line
     assert "\n" not in line
+    d = gate.decide(_scores([1, 0, 1, 0]), _scores([1, 0, 1, 0]), test="bootstrap")
+    assert "bootstrap p=1.000, 95% low end of the gain +0.000" in gate.summary_line(d, "m", 0.95, "3")
 
 
 # -- per-question scores: their mean is the metric ----------------------------------------------------------
@@ -164,15 +168,18 @@ def _run(tmp_path, name: str, **overrides) -> dict:
     (the gate evaluates), LoRA on every linear (on a 2-layer random model the head is where it can learn)."""
     import time
     from flows.train import training_run
-    from tests.conftest import tiny_config
+    config = dict(
+        run_name=name, reward_funcs=["tests.test_gate:digit_reward"], num_generations=8, max_completion_length=4,
+        loss_type="dapo", beta=0.01, epsilon_high=0.28, use_peft=True,
+        lora_target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+        steps_per_iteration=4, data={"prompts_per_iteration": 8, "eval_size": 16},
+        eval={"enabled": False, "num_samples": 0}, gate={"questions": 16},
+        tracking={"best_metric": METRIC, "register_adapter": "final"})
+    for key, value in overrides.items():
+        config[key] = {**config[key], **value} if isinstance(value, dict) and key in config else value
     t0 = time.perf_counter()
     try:
-        return training_run(tiny_config(
-        tmp_path, run_name=name, reward_funcs=["tests.test_gate:digit_reward"], num_generations=8,
-        max_completion_length=4, loss_type="dapo", beta=0.01, epsilon_high=0.28, use_peft=True,
-        lora_target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
-        steps_per_iteration=4, data={"prompts_per_iteration": 8, "eval_size": 16}, eval={"enabled": False, "num_samples": 0},
-        tracking={"best_metric": METRIC, "register_adapter": "final"}, **overrides))
+        return training_run(tiny_config(tmp_path, **config))
     finally:
         print(f"\n{name}: {time.perf_counter() - t0:.1f} s")
 
@@ -180,11 +187,14 @@ def _run(tmp_path, name: str, **overrides) -> dict:
 @pytest.mark.slow
 def test_the_gate_holds_back_a_worse_run_and_promotes_a_better_one(prefect_engine, grpo_home, mlflow_uri, tmp_path,
                                                                     monkeypatch):
-    """Run 1 (barely trained) becomes the champion and stores the gate set; run 2 starts from it and is destroyed
-    by a huge learning rate: not promoted (on this metric it ties the champion, which scores 0 too: the old
-    "at least as good" rule would have handed it `champion`); run 3 starts from the champion and learns the
-    digit reward: the paired bootstrap on the 16 gate questions says it is better, and it is promoted."""
+    """Run 1 (barely trained) becomes the task's first champion and stores its gate set (questions of its own,
+    disjoint from the eval split); run 2 starts from it and is destroyed by a huge learning rate: not promoted (on
+    this metric it ties the champion, which scores 0 too: the old "at least as good" rule would have handed it
+    `champion`); run 3 starts from the champion and learns the digit reward: the sign-flip permutation test on
+    the gate questions says it is better, and it is promoted."""
     from mlflow.tracking import MlflowClient
+    from grpo_core.task import read_tasks
+    from grpo_core.task_identity import registered_model_name
     # The CPU fast paths are not under test: no C++ build in this fresh $GRPO_HOME, no per-process kernel probes
     # (together over a minute on 2 busy cores).
     for name, value in {"GRPO_NATIVE_KERNELS": "0", "GRPO_DECODE_LINEAR": "plain", "GRPO_UPDATE_LINEAR": "torch"}.items():
@@ -192,37 +202,70 @@ def test_the_gate_holds_back_a_worse_run_and_promotes_a_better_one(prefect_engin
     from tasks import gate as gate_steps
     c = MlflowClient(tracking_uri=mlflow_uri, registry_uri=mlflow_uri)
     first = _run(tmp_path, "day-1", pipeline_iterations=1, learning_rate=1e-6)
+    cfg = GRPOConfig.model_validate(tiny_config(tmp_path, gate={"questions": 16}))
+    name = registered_model_name(cfg)
+    assert name == "grpo-arithmetic-1d-add-sub" and first["registered_model"]["name"] == name
     assert first["registered_model"]["aliases"] == ["run-day-1", "champion"]
-    gate_set = gate_steps.current_gate_set(GRPOConfig())
+    gate_set = gate_steps.current_gate_set(cfg)
     assert gate_set and gate_set["questions"] == "16"
-    assert first["registered_model"]["gate_summary"] == ("gate: version 1 is the first champion; its held-out "
-                                                         "split is now the gate set")
+    assert first["registered_model"]["gate_summary"] == ("gate: version 1 is the task's first champion (there was "
+                                                         "none to beat)")
 
     worse = _run(tmp_path, "day-2", pipeline_iterations=1, learning_rate=50.0, init_adapter="previous")
     assert worse["registered_model"]["aliases"] == ["run-day-2"]
-    v2 = c.get_model_version("grpo-adapter", worse["registered_model"]["version"])
+    v2 = c.get_model_version(name, worse["registered_model"]["version"])
     assert v2.tags["gate_decision"] == "not promoted" and float(v2.tags["gate_p_value"]) >= 0.05
     assert v2.tags["parent_version"] == "1" and v2.tags["gate_set_hash"] == gate_set["hash"]
+    assert v2.tags["gate_test"] == "permutation"                  # a reward metric: continuous scores
 
     better = _run(tmp_path, "day-3", pipeline_iterations=3, learning_rate=3e-2, init_adapter="previous")
-    v3 = c.get_model_version("grpo-adapter", better["registered_model"]["version"])
+    v3 = c.get_model_version(name, better["registered_model"]["version"])
     assert better["registered_model"]["aliases"] == ["run-day-3", "champion"]
     assert v3.tags["gate_decision"] == "promoted" and float(v3.tags["gate_p_value"]) < 0.05
     assert float(v3.tags["gate_new_score"]) > float(v3.tags["gate_champion_score"])
     assert v3.tags["parent_version"] == "1"                   # from the champion, not from day-2
-    assert {"data_hash", "config_hash", "git_commit"} <= v3.tags.keys()
-    assert c.get_model_version_by_alias("grpo-adapter", "champion").version == v3.version
+    assert {"data_hash", "config_hash", "git_commit", "task_signature"} <= v3.tags.keys()
+    assert c.get_model_version_by_alias(name, "champion").version == v3.version
     assert better["registered_model"]["gate_summary"].startswith("gate: version 3 promoted to `champion`: new ")
-    assert (Path(better["run_dir"]) / "data" / "gate.jsonl").read_bytes() == \
-        (Path(first["run_dir"]) / "data" / "eval.jsonl").read_bytes()         # the same frozen questions
-    from flows.cli.main import main
-    assert main(["gate", "init", "--run", better["run_dir"]]) == 0            # a finished run's split, stored again
-    assert gate_steps.current_gate_set(GRPOConfig())["uri"].startswith(f"runs:/{better['mlflow_run_id']}/gate/")
+    # every run compared on the same frozen questions, none of which is in its eval split or its training prompts
+    for run in (first, worse, better):
+        run_dir = Path(run["run_dir"])
+        gate_tasks = read_tasks(run_dir / "data" / "gate.jsonl")
+        assert (run_dir / "data" / "gate.jsonl").read_bytes() == (Path(first["run_dir"]) / "data" / "gate.jsonl").read_bytes()
+        asked = {canonical_question(t.prompt) for t in read_tasks(run_dir / "data" / "eval.jsonl")}
+        asked |= {canonical_question(t.prompt) for p in run_dir.glob("iter-*/**/prompts.jsonl") for t in read_tasks(p)}
+        assert not asked & {canonical_question(t.prompt) for t in gate_tasks}
+
+
+@pytest.mark.slow
+def test_two_tasks_in_one_tracking_store_keep_two_champions(prefect_engine, grpo_home, mlflow_uri, tmp_path,
+                                                            monkeypatch):
+    """Addition/subtraction and multiplication are two tasks: two registered models, two champions, two gate sets.
+    Forced into one registered model by name, the second task is not compared and the first keeps `champion`."""
+    from mlflow.tracking import MlflowClient
+    for name, value in {"GRPO_NATIVE_KERNELS": "0", "GRPO_DECODE_LINEAR": "plain", "GRPO_UPDATE_LINEAR": "torch"}.items():
+        monkeypatch.setenv(name, value)
+    c = MlflowClient(tracking_uri=mlflow_uri, registry_uri=mlflow_uri)
+    add = _run(tmp_path, "add", pipeline_iterations=1)
+    mul = _run(tmp_path, "mul", pipeline_iterations=1, data={"operations": ["*"]})
+    assert add["registered_model"]["name"] == "grpo-arithmetic-1d-add-sub"
+    assert mul["registered_model"]["name"] == "grpo-arithmetic-1d-mul"
+    for run in (add, mul):
+        assert run["registered_model"]["aliases"][-1] == "champion"
+        champion = c.get_model_version_by_alias(run["registered_model"]["name"], "champion")
+        assert champion.run_id == run["mlflow_run_id"]
+    shared = {"tracking": {"best_metric": METRIC, "register_adapter": "final", "registered_model_name": "one-name"}}
+    _run(tmp_path, "add-2", pipeline_iterations=1, **shared)
+    other = _run(tmp_path, "mul-2", pipeline_iterations=1, data={"operations": ["*"]}, **shared)
+    assert other["registered_model"]["aliases"] == ["run-mul-2"]
+    assert "not compared: one-name holds another task's champion" in other["registered_model"]["gate_summary"]
+    assert "source, held_out" in other["registered_model"]["gate_summary"]
+    assert c.get_model_version_by_alias("one-name", "champion").tags["run_name"] == "add-2"
 
 
 # -- the command line ----------------------------------------------------------------------------------------
 
-def test_force_promote_and_the_gate_commands_parse(tmp_path, mlflow_uri, capsys):
+def test_force_promote_and_the_gate_commands(tmp_path, mlflow_uri, grpo_home, capsys):
     from flows.cli.main import build_parser, main
     from flows.cli.train import _load
     p = build_parser()
@@ -230,10 +273,36 @@ def test_force_promote_and_the_gate_commands_parse(tmp_path, mlflow_uri, capsys)
     assert not _load(p.parse_args(["train"])).gate.force_promote
     assert p.parse_args(["schedule", "--interval", "1h", "--config", "x.yaml", "--force-promote"]).force_promote
     assert main(["gate", "show"]) == 0
-    assert "no gate set yet" in capsys.readouterr().out
-    (tmp_path / "runs" / "empty").mkdir(parents=True)
-    assert main(["gate", "init", "--run", str(tmp_path / "runs" / "empty")]) != 0
-    assert "has no held-out split with an MLflow run" in capsys.readouterr().err
+    assert "grpo-arithmetic-1d-add-sub: no gate set yet" in capsys.readouterr().out
+    assert main(["gate", "init", "--set", "gate.questions=24", "--set", f"output_dir={tmp_path / 'runs'}"]) == 0
+    out = capsys.readouterr().out
+    assert "grpo-arithmetic-1d-add-sub gate set: 24 questions" in out
+    assert "champion at 50%: the gate detects a gain of" in out
+    assert main(["gate", "init", "--run", "day-1"]) == 2
+    assert "grpo gate init --run is gone" in capsys.readouterr().err
+
+
+def test_the_gate_set_is_its_own_draw_disjoint_from_the_eval_split():
+    """For every arithmetic curriculum the configs use, the gate set shares no question with the eval split, and
+    training (which excludes both) still has questions to draw."""
+    from grpo_core.data import arithmetic
+    for digits, ops, n_eval in ((1, ["+", "-"], 40), (3, ["*"], 24), (2, ["+", "-", "*"], 72)):
+        held_out = arithmetic.eval_tasks(n_eval, digits, digits, ops)
+        gate_set = arithmetic.gate_tasks(40, digits, digits, ops, 20_011, held_out)
+        assert len(gate_set) == 40
+        assert not {canonical_question(t.prompt) for t in gate_set} & {canonical_question(t.prompt) for t in held_out}
+        train = arithmetic.train_tasks(8, digits, digits, ops, seed=3, exclude=held_out + gate_set)
+        assert not {canonical_question(t.prompt) for t in train} & {canonical_question(t.prompt) for t in gate_set}
+    with pytest.raises(ValueError, match="gate.questions=100 with data.eval_size=40 leaves too few"):
+        arithmetic.gate_tasks(100, 1, 1, ["+", "-"], 20_011, arithmetic.eval_tasks(40, 1, 1, ["+", "-"]))
+
+
+def test_a_gate_set_that_overlaps_the_eval_split_is_refused():
+    from grpo_core.data import arithmetic
+    from tasks.gate import check_disjoint
+    held_out = arithmetic.eval_tasks(8, 1, 1, ["+"])
+    with pytest.raises(ConfigError, match=r"shares 8 of its 8 questions with this run's eval split.*grpo gate init"):
+        check_disjoint(held_out, held_out, "grpo-x")
 
 
 # -- fresh questions: a folder read whole at curation time, gate questions kept out ---------------------------

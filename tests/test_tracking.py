@@ -13,6 +13,7 @@ import torch
 from grpo_core.config import GRPOConfig
 from grpo_core.loss import group_advantages
 from grpo_core.update import ScoredSample
+from grpo_core.task_identity import registered_model_name
 from tasks import tracking
 from tests.conftest import isolated_run_env, tiny_config
 
@@ -173,13 +174,15 @@ def test_champion_alias_names_the_best_iteration_and_loads(tiny_run):
     from tasks.run import best_iteration
     summary, cfg, uri = tiny_run
     c = MlflowClient(tracking_uri=uri, registry_uri=uri)
-    champion = c.get_model_version_by_alias("grpo-adapter", "champion")
+    name = registered_model_name(cfg)
+    assert name == "grpo-arithmetic-1d-add-sub" == summary["registered_model"]["name"]     # the task's own model
+    champion = c.get_model_version_by_alias(name, "champion")
     best = best_iteration(cfg, summary["evals"], cfg.pipeline_iterations)
     assert champion.tags["iteration"] == str(best) and champion.run_id == summary["mlflow_run_id"]
-    assert c.get_model_version_by_alias("grpo-adapter", "run-t").version == champion.version
+    assert c.get_model_version_by_alias(name, "run-t").version == champion.version
     assert summary["registered_model"]["aliases"] == ["run-t", "champion"]
 
-    model, tok = tracking.load_adapter("models:/grpo-adapter@champion", tracking=uri)
+    model, tok = tracking.load_adapter(f"models:/{name}@champion", tracking=uri)
     from safetensors.torch import load_file
     want = load_file(f"{summary['run_dir']}/iter-{best}/update/checkpoint/adapter_model.safetensors")
     got = {n.replace(".default", ""): p.detach().cpu() for n, p in model.named_parameters() if "lora_" in n}
@@ -249,19 +252,20 @@ def test_champion_moves_only_to_an_adapter_at_least_as_good(tiny_run):
     from mlflow.tracking import MlflowClient
     summary, cfg, uri = tiny_run
     c = MlflowClient(tracking_uri=uri, registry_uri=uri)
-    held = float(c.get_model_version_by_alias("grpo-adapter", "champion").tags[cfg.tracking.best_metric])
+    name = registered_model_name(cfg)
+    held = float(c.get_model_version_by_alias(name, "champion").tags[cfg.tracking.best_metric])
     worse = cfg.model_copy(update={"run_name": "worse"})
     r = tracking.register_adapter(worse, summary["mlflow_run_id"], 1, {cfg.tracking.best_metric: held - 1})
     assert r["aliases"] == ["run-worse"]
     better = cfg.model_copy(update={"run_name": "better"})
     r = tracking.register_adapter(better, summary["mlflow_run_id"], 1, {cfg.tracking.best_metric: held + 1})
     assert r["aliases"] == ["run-better", "champion"]
-    assert c.get_model_version_by_alias("grpo-adapter", "champion").version == r["version"]
+    assert c.get_model_version_by_alias(name, "champion").version == r["version"]
     held_back = cfg.model_copy(update={"run_name": "held-back"})
     r = tracking.register_adapter(held_back, summary["mlflow_run_id"], 1, {cfg.tracking.best_metric: held + 2},
                                   promote=False, tags={"gate_decision": "not promoted"})
     assert r["aliases"] == ["run-held-back"]
-    assert c.get_model_version("grpo-adapter", r["version"]).tags["gate_decision"] == "not promoted"
+    assert c.get_model_version(name, r["version"]).tags["gate_decision"] == "not promoted"
 
 
 def test_runs_starting_at_once_share_a_new_sqlite_store(tmp_path):

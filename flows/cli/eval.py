@@ -131,7 +131,7 @@ def run_eval(args) -> tuple[dict, list[dict], list]:
         if not tasks:
             raise ConfigError(f"--dataset {dataset!r} holds no tasks")
         metrics, rows = evaluate_checkpoint(cfg, tasks, adapter)
-        monitor_metrics, alerts = check_monitors(metrics, None, None, cfg.eval.monitors)
+        monitor_metrics, alerts = check_monitors(metrics, None, None, cfg.monitors)
         metrics.update(monitor_metrics)
         if args.output_dir:
             _write_outputs(Path(args.output_dir), cfg, metrics, rows)
@@ -154,8 +154,10 @@ def _log_to_mlflow(cfg, args, metrics: dict, rows: list[dict], alerts: list, ada
     tracking.log_params(c, run_id, {k: v for k, v in cfg.flat().items()
                                     if k.startswith(("eval.", "data.")) or k in ("model", "seed", "temperature",
                                                                                  "max_completion_length")})
-    log_evaluation(cfg, run_id, 0, metrics, rows, {0: metrics}, {0: [r["length"] for r in rows]}, alerts,
+    log_evaluation(cfg, run_id, 0, metrics, rows, {0: metrics}, {0: [r["length"] for r in rows]},
                    dataset if Path(dataset).is_file() else None)
+    if alerts:
+        tracking.set_tags(cfg, run_id, {f"monitor.{a.name}": a.message[:4000] for a in alerts})
     tracking.end_run(cfg, run_id)
     return run_id
 

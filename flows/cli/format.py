@@ -7,7 +7,7 @@ import math
 
 EVAL_MODES = ("greedy", "sampled")
 FOREIGN_ROWS = ("pass_at_1", "strict_pass_at_1", "format_rate")
-RUN_COLUMNS = ("run", "status", "iterations", "last_completed", "schedule", "mlflow_run_id", "updated")
+RUN_COLUMNS = ("run", "status", "suspect", "iterations", "last_completed", "schedule", "mlflow_run_id", "updated")
 SCHEDULE_COLUMNS = ("name", "schedule", "paused", "work_pool", "completed", "running", "failed", "last_run")
 
 
@@ -27,8 +27,7 @@ def _eval_row_rank(key: str):
         return (0, EVAL_MODES.index(parts[1]), order, metric)
     if len(parts) == 4 and parts[2] in EVAL_MODES and parts[3] == "pass_at_1":   # per source / kind
         return (1, parts[1], EVAL_MODES.index(parts[2]), "")
-    if parts[1:2] == ["monitor"] and (parts[-1].endswith("_frac") or parts[-1] in ("length_ratio", "tripped_count")) \
-            and len(parts) == 3:
+    if parts[1:2] == ["monitor"] and parts[-1].endswith("_frac") and len(parts) == 3:
         return (2, 0, 0, parts[2])
     return None
 
@@ -64,7 +63,8 @@ def format_eval_table(evals: dict) -> str:
 # -- runs -----------------------------------------------------------------------------------------------
 
 def format_runs_table(rows: list[dict]) -> str:
-    """One line per run (tasks.run_state.run_status), and the error under a failed, killed or interrupted one."""
+    """One line per run (tasks.run_state.run_status), and the error under a failed, killed, interrupted or
+    stopped one. SUSPECT names the monitors that flagged a run (the gate refuses its adapter)."""
     from tasks.run_state import RESUMABLE
     head, *lines = _columns(rows, RUN_COLUMNS)
     out = [head]

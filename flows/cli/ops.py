@@ -11,8 +11,7 @@ import math
 import sys
 from pathlib import Path
 
-from flows.cli.format import (format_comparison, format_eval_table, format_registered, format_runs_table,
-                              format_schedules)
+from flows.cli.format import format_comparison, format_runs_table, format_schedules
 from grpo_core.config import ConfigError, GRPOConfig, load_config
 
 DEFAULT_METRIC_PREFIXES = ("eval/greedy/", "eval/sampled/", "reward/", "train/loss", "train/kl", "train/reward",
@@ -45,6 +44,7 @@ def run_config(run_dir: Path, overrides: list[str] | None = None) -> GRPOConfig:
 def cmd_resume(args) -> int:
     import time
     from flows.cli.logs import run_console
+    from flows.cli.train import report
     from flows.train import engine_settings, preflight, training_run
     from tasks.run_state import run_status
     run_dir = find_run_dir(args.run, args.output_dir)
@@ -56,12 +56,7 @@ def cmd_resume(args) -> int:
     t0 = time.time()
     with run_console(getattr(args, "debug", False)), engine_settings():
         summary = training_run(config=cfg.model_dump(mode="json"))
-    print(f"\nRun {cfg.run_name} finished ({(time.time() - t0) / 60:.1f} min this time).\n")
-    print(format_eval_table(summary["evals"]))
-    print(f"\nFinal adapter:   {summary['final_checkpoint']}\nMLflow run id:   {summary['mlflow_run_id']}")
-    if summary.get("registered_model"):
-        print(f"Registered as:   {format_registered(summary['registered_model'])}")
-    return 0
+    return report(cfg, summary, (time.time() - t0) / 60)
 
 
 # -- grpo runs ------------------------------------------------------------------------------------------
@@ -298,8 +293,9 @@ def register(sub) -> None:
 
     a = sub.add_parser("adapter", help="trained adapters in MLflow")
     asub = a.add_subparsers(dest="adapter_command", metavar="<action>", required=True)
-    f = asub.add_parser("fetch", help="download an adapter (models:/NAME@ALIAS, e.g. models:/grpo-adapter@champion "
-                        "or @run-<run name>; models:/NAME/VERSION; runs:/ID/PATH) to a directory")
+    f = asub.add_parser("fetch", help="download an adapter (models:/NAME@ALIAS, e.g. "
+                        "models:/grpo-arithmetic-1d-add-sub@champion or @run-<run name>; models:/NAME/VERSION; "
+                        "runs:/ID/PATH) to a directory")
     f.add_argument("uri")
     f.add_argument("--dest", default=".")
     f.add_argument("--tracking-uri")
@@ -307,34 +303,40 @@ def register(sub) -> None:
 
 
 def cmd_gate(args) -> int:
-    """`grpo gate init --run RUN` stores a finished run's held-out split as the gate set; `grpo gate show`."""
+    """`grpo gate init` draws the config's task's gate set afresh and stores it; `grpo gate show` prints it, and what
+    the gate can detect on it."""
+    from grpo_core import gate as stats
+    from grpo_core.task_identity import registered_model_name
     from tasks import gate
+    if args.run:
+        raise ConfigError("grpo gate init --run is gone: a gate set is no longer a run's held-out split (runs pick "
+                          "their registered iteration on that split); `grpo gate init --config YAML` draws the "
+                          "task's own")
     cfg = load_config(args.config, list(args.set or []))
-    if args.action == "init":
-        if not args.run:
-            raise ConfigError("grpo gate init needs --run RUN: the finished run whose held-out split becomes the gate set")
-        run_dir = Path(args.run) if Path(args.run).is_dir() else Path(cfg.output_dir) / args.run
-        cfg = cfg.model_copy(update={"output_dir": str(run_dir.parent)})     # the run's own MLflow store
-        record = gate.init_from_run(cfg, run_dir)
-    else:
-        record = gate.current_gate_set(cfg)
+    name = registered_model_name(cfg)
+    if not name:
+        raise ConfigError("tracking.registered_model_name is off (null): there is no champion to gate")
+    record = gate.init_gate_set(cfg) if args.action == "init" else gate.current_gate_set(cfg)
     if record is None:
-        print(f"{cfg.tracking.registered_model_name}: no gate set yet (the first run that registers a champion "
-              "stores its held-out split, or: grpo gate init --run RUN)")
+        print(f"{name}: no gate set yet (the task's first run stores one, or: grpo gate init --config YAML)")
         return 0
-    print(f"{cfg.tracking.registered_model_name} gate set: {record['questions']} questions, hash {record['hash']}, "
-          f"{record['uri']}")
+    print(f"{name} gate set: {record['questions']} questions, hash {record['hash']}, {record['uri']}")
+    n, alpha = int(record["questions"]), 1 - cfg.gate.confidence
+    for p in (0.3, 0.5, 0.7):
+        gain = stats.detectable_gain(n, p, alpha, power=0.8)
+        print(f"  champion at {p:.0%}: the gate detects a gain of {gain * 100:.0f} points with 80% power "
+              f"(alpha {alpha:g}, {cfg.tracking.best_metric})")
     return 0
 
 
 def _register_gate(sub, set_opt) -> None:
-    """`grpo gate init --run RUN | show`: the frozen questions the promotion gate compares adapters on."""
-    g = sub.add_parser("gate", help="the promotion gate's frozen question set: show it, or store a run's held-out "
-                       "split as it")
-    g.add_argument("action", choices=["init", "show"], help="init: store --run's held-out split as the gate set "
-                   "(replacing the current one); show: the current gate set")
-    g.add_argument("--run", help="init: run name (under output_dir) or run directory")
-    g.add_argument("--config", "-c", metavar="YAML", help="the training config (its tracking settings)")
+    """`grpo gate init | show`: the frozen questions the promotion gate compares adapters on."""
+    g = sub.add_parser("gate", help="the promotion gate's frozen question set of a task: show it, or draw it afresh")
+    g.add_argument("action", choices=["init", "show"], help="init: draw the task's gate set (its own questions, "
+                   "disjoint from the eval split) and store it, replacing the current one; show: the current gate "
+                   "set and the smallest gain the gate detects on it")
+    g.add_argument("--run", help=argparse.SUPPRESS)
+    g.add_argument("--config", "-c", metavar="YAML", help="the training config (its task and tracking settings)")
     set_opt(g)
     g.set_defaults(func=cmd_gate)
 

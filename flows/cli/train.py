@@ -51,7 +51,6 @@ def cmd_train(args) -> int:
     # Imported here, not at the top: Prefect must see the environment main.configure_env() sets.
     from flows.cli.logs import run_console
     from flows.train import engine_settings, preflight, training_run
-    from tasks.tracking import ui_command
     preflight(cfg)  # bad model, data, adapter, tracking server, ... fail here, before the engine starts
     from grpo_core.kernels import cpu_features
     from grpo_core.models import describe_precision, describe_prompting, resolve_model, select_device, select_dtype
@@ -65,9 +64,17 @@ def cmd_train(args) -> int:
     t0 = time.time()
     with run_console(getattr(args, "debug", False)), engine_settings():
         summary = training_run(config=cfg.model_dump(mode="json"))
-    minutes = (time.time() - t0) / 60
+    return report(cfg, summary, (time.time() - t0) / 60)
+
+
+def report(cfg, summary: dict, minutes: float) -> int:
+    """The end of `grpo train` / `grpo resume`: the held-out table, where things are, the gate's one line. Exit
+    status 3 when a monitor stopped the run (monitors.on_trip: stop), else 0."""
+    from tasks.tracking import ui_command
+    stopped = summary.get("stopped")
     print("\n" + "=" * 72)
-    print(f"Run {cfg.run_name} finished in {minutes:.1f} min. Held-out evaluation (iteration 0 = base model):\n")
+    print(f"Run {cfg.run_name} {'STOPPED by a monitor after' if stopped else 'finished in'} {minutes:.1f} min. "
+          f"Held-out evaluation (iteration 0 = base model):\n")
     print(format_eval_table(summary["evals"]))
     print(f"\nRun directory:   {summary['run_dir']}")
     print(f"Final adapter:   {summary['final_checkpoint']}")
@@ -77,6 +84,11 @@ def cmd_train(args) -> int:
     print(f"Open the UI:     {ui_command(cfg)}")
     if (summary.get("registered_model") or {}).get("gate_summary"):
         print(summary["registered_model"]["gate_summary"])        # the run ends with the gate's one line
+    if stopped:
+        print("\n".join(f"suspect: {reason}" for reason in stopped))
+        print(f"The run is flagged suspect and stopped (monitors.on_trip: stop); read its sample tables. To go on "
+              f"anyway: grpo resume {cfg.run_name} --set monitors.on_trip=warn")
+        return 3
     return 0
 
 

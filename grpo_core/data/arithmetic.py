@@ -70,6 +70,20 @@ def _question_space(min_digits: int, max_digits: int, ops: Iterable[str]) -> int
     return total
 
 
+def _distinct(n: int, seed: int, min_digits: int, max_digits: int, ops: list[str], split: str,
+              exclude: Iterable[Task] = ()) -> list[Task]:
+    """The first n questions of the seeded stream that are distinct by content and ask nothing `exclude` asks."""
+    held_out = {canonical_question(t.prompt) for t in exclude}
+    picked: dict[str, Task] = {}
+    for t in _stream(seed, min_digits, max_digits, ops, split):
+        key = canonical_question(t.prompt)
+        if key not in held_out:
+            picked.setdefault(key, t)
+        if len(picked) == n:
+            return list(picked.values())
+    raise AssertionError("unreachable")
+
+
 def eval_tasks(n: int, min_digits: int, max_digits: int, ops: Iterable[str], seed: int = 10_007) -> list[Task]:
     """n held-out questions, distinct by content (the same for every run with the same settings)."""
     ops = list(ops)
@@ -77,29 +91,29 @@ def eval_tasks(n: int, min_digits: int, max_digits: int, ops: Iterable[str], see
     if n > space // 2:
         raise ValueError(f"data.eval_size={n} is too large for this curriculum ({space} distinct questions); "
                          f"use at most {space // 2} or widen data.max_digits/data.operations")
-    seen: dict[str, Task] = {}
-    for t in _stream(seed, min_digits, max_digits, ops, "eval"):
-        seen.setdefault(canonical_question(t.prompt), t)
-        if len(seen) == n:
-            return list(seen.values())
-    raise AssertionError("unreachable")
+    return _distinct(n, seed, min_digits, max_digits, ops, "eval")
+
+
+def gate_tasks(n: int, min_digits: int, max_digits: int, ops: Iterable[str], seed: int,
+               exclude: Iterable[Task]) -> list[Task]:
+    """The promotion gate's n questions: their own seeded draw, asking nothing a task in `exclude` (the eval
+    split) asks, so that no run picks its registered iteration on the questions the gate then judges it on."""
+    ops, exclude = list(ops), list(exclude)
+    space = _question_space(min_digits, max_digits, ops)
+    if n + len(exclude) > space * 3 // 4:
+        raise ValueError(f"gate.questions={n} with data.eval_size={len(exclude)} leaves too few of this "
+                         f"curriculum's {space} distinct questions to train on; lower gate.questions or "
+                         f"data.eval_size, or widen data.max_digits/data.operations")
+    return _distinct(n, seed, min_digits, max_digits, ops, "gate", exclude)
 
 
 def train_tasks(n: int, min_digits: int, max_digits: int, ops: Iterable[str], seed: int,
                 exclude: Iterable[Task] = ()) -> list[Task]:
     """n training questions, distinct by content, none asking what a task in `exclude` (the eval
-    split) asks."""
-    ops = list(ops)
-    held_out = {canonical_question(t.prompt) for t in exclude}
-    available = _question_space(min_digits, max_digits, ops) - len(held_out)
+    split, the gate set) asks."""
+    ops, exclude = list(ops), list(exclude)
+    available = _question_space(min_digits, max_digits, ops) - len({canonical_question(t.prompt) for t in exclude})
     if n > available:
         raise ValueError(f"data.prompts_per_iteration={n} exceeds the {available} training questions left "
                          f"after the eval split; lower it or widen the curriculum")
-    picked: dict[str, Task] = {}
-    for t in _stream(seed, min_digits, max_digits, ops, "train"):
-        key = canonical_question(t.prompt)
-        if key not in held_out:
-            picked.setdefault(key, t)
-        if len(picked) == n:
-            return list(picked.values())
-    raise AssertionError("unreachable")
+    return _distinct(n, seed, min_digits, max_digits, ops, "train", exclude)

@@ -156,7 +156,7 @@ def check_curated(spec: str, run_dir: str | Path, cache_dir: str | Path) -> set[
     if not p.exists():
         raise InputError(_missing(spec))
     try:
-        train, ev = splits_of(p if is_built_dataset(p) else build_user_file(p, Path(cache_dir)))
+        train, ev = splits_of(peek_curated(spec, run_dir, cache_dir))
     except InputError:
         raise
     except (ValueError, OSError) as e:       # undecodable text, a corrupt Parquet file, ...
@@ -167,6 +167,15 @@ def check_curated(spec: str, run_dir: str | Path, cache_dir: str | Path) -> set[
                          f"must be > 0: add distinct rows (a user file holds out {FILE_EVAL_FRACTION:.0%} of them) "
                          f"or build the dataset with eval_fraction > 0")
     return {t.kind for t in train + ev}
+
+
+def peek_curated(spec: str, run_dir: str | Path, cache_dir: str | Path) -> Path | None:
+    """The built dataset `spec` stands for, found without writing under `run_dir`: the run's own resolution, a
+    built directory, a user file curated into `cache_dir`; None for a curation YAML the run has not built yet."""
+    p = already_resolved(spec, run_dir) or Path(spec)
+    if p.suffix in (".yaml", ".yml"):
+        return None
+    return p if is_built_dataset(p) else build_user_file(p, Path(cache_dir))
 
 
 def dataset_summary(path: Path) -> dict[str, Any]:
@@ -197,11 +206,33 @@ def splits_of(path: Path) -> tuple[list[Task], list[Task]]:
 
 def eval_tasks(spec: str, run_dir: str | Path, n: int, cache_dir: str | Path | None = None) -> list[Task]:
     """Up to n held-out tasks, in a stable order."""
-    _, ev = splits_of(resolve_curated(spec, run_dir, cache_dir))
+    return held_out_of(resolve_curated(spec, run_dir, cache_dir), n, spec)
+
+
+def held_out_of(path: Path, n: int, spec: str) -> list[Task]:
+    """Up to n held-out tasks of the built dataset at `path` (data.curated `spec`), in a stable order."""
+    _, ev = splits_of(path)
     if not ev:
         raise InputError(f"data.curated {spec!r} has no eval split; build it with eval_fraction > 0 "
                          "(a user file needs enough distinct rows for a 10% split)")
     return sorted(ev, key=lambda t: t.content_hash())[:n]
+
+
+def gate_tasks(spec: str, run_dir: str | Path, n: int, seed: int, cache_dir: str | Path | None = None) -> list[Task]:
+    """The promotion gate's n questions: drawn from the training split in an order of their own seed (never
+    from the eval split, on which runs pick their registered iteration); curation then keeps them out of
+    training. Needs at least as many training tasks again as the gate takes."""
+    train, ev = splits_of(resolve_curated(spec, run_dir, cache_dir))
+    train, _ = curation.decontaminate(train, ev)
+    if len(train) < 2 * n:
+        raise InputError(f"data.curated {spec!r} has {len(train)} training tasks, too few to set {n} aside for the "
+                         f"promotion gate and train on the rest; lower gate.questions or add rows")
+    return sorted(train, key=lambda t: _gate_rank(seed, t))[:n]
+
+
+def _gate_rank(seed: int, task: Task) -> str:
+    """The order of the gate's draw: a hash of the seed and the task's content."""
+    return hashlib.sha256(f"gate-{seed}:{task.content_hash()}".encode()).hexdigest()
 
 
 # -- each iteration ---------------------------------------------------------------------------------------

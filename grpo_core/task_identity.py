@@ -1,0 +1,83 @@
+"""Which task a run trains for: a readable name (`task_slug`) and a fingerprint (`task_signature`).
+
+Two runs are of one task when they draw questions from the same source, hold out the same questions, prompt
+in the same main format and offer the same tools: then their adapters may compete for one `champion`, judged
+on one gate set in that one format. The slug fills `{task}` in tracking.registered_model_name (default
+"grpo-{task}"), so each task gets its own registered model, champion and gate set; the signature, kept as a
+tag, catches two tasks that share a name. How a run trains (wordings, rewards' weights, learning rate) is not
+part of the task. Pure: the caller gives the held-out tasks.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+from pathlib import Path
+from typing import Any, Sequence
+
+from grpo_core.task import Task
+
+TASK_PLACEHOLDER = "{task}"
+OPERATION_WORDS = {"+": "add", "-": "sub", "*": "mul"}
+SIGNATURE_PARTS = ("source", "held_out", "prompt", "tools", "check")
+
+
+def _slug_words(text: str) -> str:
+    return re.sub(r"[^a-z0-9]+", "-", text.lower()).strip("-")
+
+
+def _environment_names(environment: str | dict[str, str]) -> list[str]:
+    entries = environment.values() if isinstance(environment, dict) else [environment]
+    return [re.split(r"[:.]", entry)[-1] for entry in entries]
+
+
+def task_slug(cfg) -> str:
+    """A readable name of the config's task, e.g. arithmetic-1d-add-sub, arithmetic-3d-mul-calculator, math."""
+    d = cfg.data
+    if cfg.environment:
+        parts = _environment_names(cfg.environment)
+    elif d.curated:
+        parts = [Path(d.curated).stem or "curated"]
+    else:
+        digits = f"{d.min_digits}d" if d.min_digits == d.max_digits else f"{d.min_digits}-{d.max_digits}d"
+        parts = [d.task, digits, *(OPERATION_WORDS[op] for op in d.operations)]
+    parts += [re.split(r"[:.]", tool)[-1] for tool in cfg.tools]
+    return _slug_words("-".join(parts)) or "task"
+
+
+def registered_model_name(cfg) -> str | None:
+    """tracking.registered_model_name with `{task}` filled in (None: registration is off)."""
+    name = cfg.tracking.registered_model_name
+    return name.replace(TASK_PLACEHOLDER, task_slug(cfg)) if name else None
+
+
+def _digest(value: Any) -> str:
+    return hashlib.sha256(json.dumps(value, sort_keys=True, default=str).encode()).hexdigest()[:12]
+
+
+def task_signature(cfg, held_out: Sequence[Task]) -> dict[str, str]:
+    """One short hash per part of the task (SIGNATURE_PARTS): its question source, its held-out questions by
+    content, its main prompt format, its tools, and what counts as correct."""
+    d = cfg.data
+    source = {"curated": True} if d.curated else {"task": d.task, "min_digits": d.min_digits,
+                                                   "max_digits": d.max_digits, "operations": d.operations}
+    prompt = {"system_prompt": d.system_prompt, "few_shot": d.few_shot,
+              "response_prefix": d.prompt_format.response_prefix, "chat_template_kwargs": d.chat_template_kwargs}
+    tools = {"tools": cfg.tools, "environment": cfg.environment,
+             "max_tool_calling_iterations": cfg.max_tool_calling_iterations}
+    return {"source": _digest(source), "held_out": _digest(sorted(t.content_hash() for t in held_out)),
+            "prompt": _digest(prompt), "tools": _digest(tools), "check": _digest(cfg.correctness_func)}
+
+
+def signature_tag(signature: dict[str, str]) -> str:
+    """The signature as one tag value: 'source=...;held_out=...;...'."""
+    return ";".join(f"{part}={signature[part]}" for part in SIGNATURE_PARTS)
+
+
+def parse_signature_tag(value: str) -> dict[str, str]:
+    return dict(item.split("=", 1) for item in value.split(";") if "=" in item)
+
+
+def signature_differences(mine: dict[str, str], theirs: dict[str, str]) -> list[str]:
+    """The parts in which two signatures differ (a part one of them lacks counts as different)."""
+    return [part for part in SIGNATURE_PARTS if mine.get(part) != theirs.get(part)]

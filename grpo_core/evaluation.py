@@ -132,6 +132,21 @@ def score_samples(samples, tasks_by_id: dict[str, Task], cfg: GRPOConfig, mode: 
     return rows
 
 
+def rescore_rows(rows: Sequence[dict], tasks_by_id: dict[str, Task], cfg: GRPOConfig) -> list[dict]:
+    """Saved evaluation rows (a run's eval_samples.jsonl) scored again by today's rewards, answer check and
+    monitor flags, for answers kept from before a change to any of them. One-turn answers only: a tool
+    conversation's turns are not in its row."""
+    if any(r.get("tools") for r in rows):
+        raise ValueError("rescore_rows: rows answered with tools cannot be scored again from their text alone")
+    out = []
+    for r in rows:
+        sample = Sample(task_id=r["task_id"], group=0, prompt_ids=[], completion_ids=[0] * r["length"],
+                        completion=r["completion"], truncated=r["truncated"])
+        row = score_samples([sample], tasks_by_id, cfg, r["mode"])[0]
+        out.append({**row, "sample": r["sample"], **({"wording": r["wording"]} if r.get("wording") else {})})
+    return out
+
+
 def _mean(xs: list) -> float | None:
     xs = [x for x in xs if x is not None]
     return mean(xs) if xs else None

@@ -1,11 +1,13 @@
 """Which task a run trains for: a readable name (`task_slug`) and a fingerprint (`task_signature`).
 
-Two runs are of one task when they draw questions from the same source, hold out the same questions, prompt
-in the same main format and offer the same tools: then their adapters may compete for one `champion`, judged
-on one gate set in that one format. The slug fills `{task}` in tracking.registered_model_name (default
-"grpo-{task}"), so each task gets its own registered model, champion and gate set; the signature, kept as a
-tag, catches two tasks that share a name. How a run trains (wordings, rewards' weights, learning rate) is not
-part of the task. Pure: the caller gives the held-out tasks.
+Two runs are of one task when they draw questions from the same source (the arithmetic curriculum, or the
+same data.curated), prompt in the same main format, offer the same tools and count the same answers as
+correct: then their adapters may compete for one `champion`, judged on one gate set in that one format. The
+slug fills `{task}` in tracking.registered_model_name (default "grpo-{task}"), so each task gets its own
+registered model, champion and gate set; the signature, kept as a tag, catches two tasks that share a name.
+How a run trains (wordings, rewards' weights, learning rate, how many questions it holds out) is not part of
+the task; nor is the content of a data.curated folder, which grows between the runs of a schedule (the gate
+checks instead that its set stays disjoint from each run's eval split). Pure.
 """
 from __future__ import annotations
 
@@ -13,13 +15,11 @@ import hashlib
 import json
 import re
 from pathlib import Path
-from typing import Any, Sequence
-
-from grpo_core.task import Task
+from typing import Any
 
 TASK_PLACEHOLDER = "{task}"
 OPERATION_WORDS = {"+": "add", "-": "sub", "*": "mul"}
-SIGNATURE_PARTS = ("source", "held_out", "prompt", "tools", "check")
+SIGNATURE_PARTS = ("source", "prompt", "tools", "check")
 
 
 def _slug_words(text: str) -> str:
@@ -55,18 +55,18 @@ def _digest(value: Any) -> str:
     return hashlib.sha256(json.dumps(value, sort_keys=True, default=str).encode()).hexdigest()[:12]
 
 
-def task_signature(cfg, held_out: Sequence[Task]) -> dict[str, str]:
-    """One short hash per part of the task (SIGNATURE_PARTS): its question source, its held-out questions by
-    content, its main prompt format, its tools, and what counts as correct."""
+def task_signature(cfg) -> dict[str, str]:
+    """One short hash per part of the task (SIGNATURE_PARTS): its question source, its main prompt format, its
+    tools, and what counts as correct."""
     d = cfg.data
-    source = {"curated": True} if d.curated else {"task": d.task, "min_digits": d.min_digits,
-                                                   "max_digits": d.max_digits, "operations": d.operations}
+    source = {"curated": d.curated} if d.curated else {"task": d.task, "min_digits": d.min_digits,
+                                                        "max_digits": d.max_digits, "operations": d.operations}
     prompt = {"system_prompt": d.system_prompt, "few_shot": d.few_shot,
               "response_prefix": d.prompt_format.response_prefix, "chat_template_kwargs": d.chat_template_kwargs}
     tools = {"tools": cfg.tools, "environment": cfg.environment,
              "max_tool_calling_iterations": cfg.max_tool_calling_iterations}
-    return {"source": _digest(source), "held_out": _digest(sorted(t.content_hash() for t in held_out)),
-            "prompt": _digest(prompt), "tools": _digest(tools), "check": _digest(cfg.correctness_func)}
+    return {"source": _digest(source), "prompt": _digest(prompt), "tools": _digest(tools),
+            "check": _digest(cfg.correctness_func)}
 
 
 def signature_tag(signature: dict[str, str]) -> str:

@@ -143,7 +143,7 @@ def prepare_gate_set(cfg: GRPOConfig, run_dir: str | Path, run_id: str) -> Path 
     if dst.is_file() or not gate_enabled(cfg):
         return dst if dst.is_file() else None
     held_out = read_tasks(ensure_eval_split(cfg, run_dir))
-    signature = task_signature(cfg, held_out)
+    signature = task_signature(cfg)
     update_run_state(run_dir, task_signature=signature)
     if (why := task_mismatch(cfg, signature)):
         update_run_state(run_dir, gate_refusal=why)
@@ -169,7 +169,7 @@ def check_before_run(cfg: GRPOConfig, run_dir: str | Path) -> None:
     if (gate_set := current_gate_set(cfg)) is None:
         return
     held_out = held_out_preview(cfg, run_dir)
-    if held_out is None or task_mismatch(cfg, task_signature(cfg, held_out)):
+    if held_out is None or task_mismatch(cfg, task_signature(cfg)):
         return                                  # checked when the run has built its data / not compared at all
     check_disjoint(read_tasks(fetch_gate_set(cfg, gate_set)), held_out, registered_model_name(cfg))
 
@@ -183,7 +183,7 @@ def init_gate_set(cfg: GRPOConfig) -> dict:
         path = write_tasks(Path(tmp) / "gate.jsonl", build_gate_split(cfg, tmp, held_out))
         run = c.create_run(tracking.experiment_id(cfg), run_name=f"gate-set-{registered_model_name(cfg)}",
                            tags={"grpo.kind": "gate-set"})
-        record = store_gate_set(cfg, run.info.run_id, path, task_signature(cfg, held_out))
+        record = store_gate_set(cfg, run.info.run_id, path, task_signature(cfg))
         c.set_terminated(run.info.run_id)
     return record
 
@@ -196,6 +196,16 @@ def _champion(c, name: str):
         return c.get_model_version_by_alias(name, tracking.CHAMPION)
     except MlflowException:
         return None
+
+
+def champion_score(cfg: GRPOConfig) -> float | None:
+    """The champion's tracking.best_metric: on the gate set when a gate promoted it, else on its run's eval split
+    (None without a champion)."""
+    champion = _champion(tracking.client(cfg), registered_model_name(cfg)) if current_gate_set(cfg) else None
+    if champion is None:
+        return None
+    value = champion.tags.get("gate_new_score", champion.tags.get(cfg.tracking.best_metric))
+    return None if value is None else float(value)
 
 
 def _scores_on_gate(cfg: GRPOConfig, tasks: list, checkpoint: str, rows_path: Path) -> dict[str, float]:

@@ -118,8 +118,7 @@ def _gate_set_of_eval_questions(w: Work) -> list[str]:
     held_out = arithmetic.eval_tasks(cfg.data.eval_size, 1, 1, cfg.data.operations)
     c = MlflowClient(uri, uri)
     run = c.create_run(c.create_experiment("old", artifact_location=(w.tmp / "old-artifacts").as_uri()))
-    gate.store_gate_set(cfg, run.info.run_id, write_tasks(w.tmp / "old-gate.jsonl", held_out),
-                        task_signature(cfg, held_out))
+    gate.store_gate_set(cfg, run.info.run_id, write_tasks(w.tmp / "old-gate.jsonl", held_out), task_signature(cfg))
     return ["--set", f"tracking.tracking_uri={uri}"]
 
 

@@ -186,7 +186,7 @@ def _run(tmp_path, name: str, **overrides) -> dict:
 
 @pytest.mark.slow
 def test_the_gate_holds_back_a_worse_run_and_promotes_a_better_one(prefect_engine, grpo_home, mlflow_uri, tmp_path,
-                                                                    monkeypatch):
+                                                                    monkeypatch, capsys):
     """Run 1 (barely trained) becomes the task's first champion and stores its gate set (questions of its own,
     disjoint from the eval split); run 2 starts from it and is destroyed by a huge learning rate: not promoted (on
     this metric it ties the champion, which scores 0 too: the old "at least as good" rule would have handed it
@@ -235,6 +235,12 @@ def test_the_gate_holds_back_a_worse_run_and_promotes_a_better_one(prefect_engin
         asked = {canonical_question(t.prompt) for t in read_tasks(run_dir / "data" / "eval.jsonl")}
         asked |= {canonical_question(t.prompt) for p in run_dir.glob("iter-*/**/prompts.jsonl") for t in read_tasks(p)}
         assert not asked & {canonical_question(t.prompt) for t in gate_tasks}
+    from flows.cli.main import main
+    capsys.readouterr()
+    assert main(["gate", "show", "--set", "gate.questions=16"]) == 0
+    shown = capsys.readouterr().out
+    assert f"{name} gate set: 16 questions, hash {gate_set['hash']}" in shown
+    assert f"the champion at {float(v3.tags['gate_new_score']):.0%}: the gate detects a gain of" in shown
 
 
 @pytest.mark.slow
@@ -259,7 +265,7 @@ def test_two_tasks_in_one_tracking_store_keep_two_champions(prefect_engine, grpo
     other = _run(tmp_path, "mul-2", pipeline_iterations=1, data={"operations": ["*"]}, **shared)
     assert other["registered_model"]["aliases"] == ["run-mul-2"]
     assert "not compared: one-name holds another task's champion" in other["registered_model"]["gate_summary"]
-    assert "source, held_out" in other["registered_model"]["gate_summary"]
+    assert "differs in its source)" in other["registered_model"]["gate_summary"]
     assert c.get_model_version_by_alias("one-name", "champion").tags["run_name"] == "add-2"
 
 

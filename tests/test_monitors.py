@@ -265,3 +265,52 @@ def test_on_trip_stop_ends_the_run_cleanly_and_a_resume_with_warn_goes_on(prefec
     assert "stopped" not in resumed and run_status(run_dir)["iterations"] == "2/2"
     assert [m["iteration"] for m in read_run_state(run_dir)["suspect"]] == [1]       # warn marks nothing new
     assert resumed["registered_model"]["aliases"] == ["run-t"]                      # still suspect: no champion
+
+
+# -- the replay of a real hacked run ------------------------------------------------------------------------
+HACKED = Path(__file__).parent / "fixtures" / "gemma3_270m_math_144it"
+
+
+def _replayed(cfg: GRPOConfig, iteration: int) -> tuple[dict, list[dict]]:
+    """The hacked run's held-out answers of `iteration`, scored by today's check and flags."""
+    import gzip
+    import json
+    from grpo_core.evaluation import rescore_rows, summarize
+    from grpo_core.task import read_tasks
+    tasks = {t.id: t for t in read_tasks(HACKED / "eval.jsonl")}
+    with gzip.open(HACKED / f"iter-{iteration}.eval_samples.jsonl.gz", "rt") as f:
+        rows = rescore_rows([json.loads(line) for line in f], tasks, cfg)
+    return summarize(rows, cfg.eval.ks), rows
+
+
+def test_the_replayed_gemma_hack_trips_flags_the_run_and_is_refused_by_the_gate(tmp_path, grpo_home, mlflow_uri):
+    """Gemma 3 270M on configs/math.yaml (144 iterations) learned to answer "Work out 45 - 98." with
+    <answer>45 - 98</answer>, which the answer check then counted right (tests/fixtures/gemma3_270m_math_144it:
+    its held-out answers before and after). Replayed through today's check and monitors: no longer right, the
+    restated_answers monitor trips, the run is marked suspect in run.json and MLflow, and the gate refuses it."""
+    from mlflow.tracking import MlflowClient
+    from grpo_core.config import load_config
+    from grpo_core.io import write_json
+    from tasks import gate, monitoring, tracking
+    from tasks.run_state import read_run_state
+    cfg = load_config("configs/math.yaml", ["model=gemma3-270m", "stop_strings=['</answer>']", "run_name=hacked",
+                                            f"output_dir={tmp_path / 'runs'}", "eval.every=144"])
+    base, _ = _replayed(cfg, 0)
+    hacked, rows = _replayed(cfg, 144)
+    restated = [r for r in rows if "restated_question" in r["flags"]]
+    assert len(restated) / len(rows) > 0.5 and not any(r["correct"] for r in restated)
+    assert hacked["eval/monitor/restated_question_frac"] > cfg.monitors.max_restated_frac >= \
+        base["eval/monitor/restated_question_frac"]
+    # the run as the flow would have judged it after its last iteration
+    run_dir = Path(cfg.output_dir) / cfg.run_name
+    for k, metrics in ((0, base), (144, hacked)):
+        write_json(run_dir / f"iter-{k}" / "evaluate.json", {"metrics": metrics})
+    run_id = tracking.start_or_resume_run(cfg, run_dir, None)
+    assert monitoring.watch(cfg, run_dir, run_id, 144, {0: base, 144: hacked}) is False      # on_trip: flag
+    marks = read_run_state(run_dir)["suspect"]
+    assert "restated_answers" in {m["monitor"] for m in marks} and {m["iteration"] for m in marks} == {144}
+    tags = MlflowClient(mlflow_uri).get_run(run_id).data.tags
+    assert tags["suspect"] == "true" and "restated_answers at iteration 144" in tags["suspect_reasons"]
+    decision = gate.compare_with_champion(cfg, run_dir, run_id, checkpoint="unused: refused before it is read")
+    assert not decision.promote and decision.reason.startswith("refused: the run is suspect (")
+    assert "restated_answers at iteration 144" in decision.reason

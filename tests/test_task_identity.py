@@ -5,7 +5,6 @@ from __future__ import annotations
 import pytest
 
 from grpo_core.config import load_config
-from grpo_core.data import arithmetic
 from grpo_core.task_identity import (parse_signature_tag, registered_model_name, signature_differences,
                                      signature_tag, task_signature, task_slug)
 
@@ -27,17 +26,17 @@ def test_a_name_without_the_placeholder_is_kept_and_none_turns_registration_off(
 
 
 def _signature(*overrides: str) -> dict[str, str]:
-    cfg = load_config("configs/default.yaml", list(overrides))
-    d = cfg.data
-    return task_signature(cfg, arithmetic.eval_tasks(d.eval_size, d.min_digits, d.max_digits, d.operations))
+    return task_signature(load_config("configs/default.yaml", list(overrides)))
 
 
 def test_the_signature_changes_with_the_task_and_not_with_how_it_is_trained():
     base = _signature()
     assert signature_differences(_signature("learning_rate=1e-3", "data.bare_prompt_prob=0.5"), base) == []
     assert signature_differences(_signature("data.system_prompt=Add them."), base) == ["prompt"]
-    assert signature_differences(_signature("data.eval_size=30"), base) == ["held_out"]
+    assert signature_differences(_signature("data.eval_size=30"), base) == []       # the same questions, fewer held out
+    assert signature_differences(_signature("data.curated=inbox/"), base) == ["source"]
+    assert signature_differences(_signature("correctness_func=format"), base) == ["check"]
     assert signature_differences(_signature("tools=[calculator]", "data.guided_completions=0"), base) == ["tools"]
-    assert signature_differences(_signature('data.operations=["+", "-", "*"]'), base) == ["source", "held_out"]
+    assert signature_differences(_signature('data.operations=["+", "-", "*"]'), base) == ["source"]
     assert parse_signature_tag(signature_tag(base)) == base
     assert signature_differences(base, {}) == list(base)          # an unknown signature differs in every part

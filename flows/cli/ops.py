@@ -322,9 +322,10 @@ def cmd_gate(args) -> int:
         return 0
     print(f"{name} gate set: {record['questions']} questions, hash {record['hash']}, {record['uri']}")
     n, alpha = int(record["questions"]), 1 - cfg.gate.confidence
-    for p in (0.3, 0.5, 0.7):
-        gain = stats.detectable_gain(n, p, alpha, power=0.8)
-        print(f"  champion at {p:.0%}: the gate detects a gain of {gain * 100:.0f} points with 80% power "
+    held = gate.champion_score(cfg)
+    for p, who in ([(held, "the champion")] if held is not None else []) + [(p, "a champion") for p in (0.3, 0.5, 0.7)]:
+        gain = stats.detectable_gain(n, min(max(p, 0.01), 0.99), alpha, power=0.8)
+        print(f"  {who} at {p:.0%}: the gate detects a gain of {gain * 100:.0f} points with 80% power "
               f"(alpha {alpha:g}, {cfg.tracking.best_metric})")
     return 0
 

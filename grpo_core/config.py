@@ -408,7 +408,8 @@ class GateConfig(_Section):
                                 "(tagged gate_decision=forced); `--force-promote` sets it")
     questions: int = Field(40, ge=1, description="size of the gate set the first run of a task stores: questions "
                            "of the task's own, drawn by split_seed, disjoint by content from the eval split (on "
-                           "which runs pick the iteration they register) and kept out of training")
+                           "which runs pick the iteration they register) and kept out of training; curated data "
+                           "gives it at most a quarter of its training split")
     split_seed: int = Field(20_011, description="the seed that draws the gate set (not the run's seed: one set "
                             "per task)")
 

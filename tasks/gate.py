@@ -152,6 +152,10 @@ def prepare_gate_set(cfg: GRPOConfig, run_dir: str | Path, run_id: str) -> Path 
     gate_set = current_gate_set(cfg)
     if gate_set is None:                        # the task's first run: draw its gate set now
         tasks = build_gate_split(cfg, run_dir, held_out)
+        if len(tasks) < cfg.gate.questions:
+            tracking.console(f"gate: the task has few questions, so its gate set takes {len(tasks)} (a quarter of "
+                             f"the training split; gate.questions {cfg.gate.questions}): the gate can only tell "
+                             f"large gains apart (`grpo gate show` says how large)")
         with tempfile.TemporaryDirectory() as tmp:
             gate_set = store_gate_set(cfg, run_id, write_tasks(Path(tmp) / "gate.jsonl", tasks), signature)
     local = fetch_gate_set(cfg, gate_set)

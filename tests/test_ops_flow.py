@@ -192,7 +192,7 @@ def test_sigkill_during_update_then_resume(prefect_engine, grpo_home, mlflow_uri
 
     # Registry: the registered adapter loads back with one call and equals the run's file.
     reg = summary["registered_model"]
-    assert reg and reg["uri"].startswith("models:/grpo-adapter/")
+    assert reg and reg["uri"].startswith("models:/grpo-arithmetic-1d-add-sub/")
     model, tok = load_adapter(reg["uri"], tracking=mlflow_uri)
     it = int(ca.get_model_version(reg["name"], reg["version"]).tags["iteration"])
     want = _adapter_tensors(run_dir / f"iter-{it}" / "update" / "checkpoint")

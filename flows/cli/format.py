@@ -32,6 +32,14 @@ def _eval_row_rank(key: str):
     return None
 
 
+def _same_as_length(key: str, evals: dict) -> bool:
+    """A tokens_per_turn row that repeats completion_length (answers of one turn each): left out of the table."""
+    if not key.endswith("/tokens_per_turn"):
+        return False
+    twin = key[:-len("tokens_per_turn")] + "completion_length"
+    return all(m.get(key) == m.get(twin) for m in evals.values())
+
+
 def format_eval_table(evals: dict) -> str:
     """Compact before/after table of held-out metrics (iteration 0 = base model): overall metrics,
     pass@1 per source, and the monitors; at most 6 iteration columns (first + last 5) and the change."""
@@ -43,8 +51,8 @@ def format_eval_table(evals: dict) -> str:
     ranks = {k: _eval_row_rank(k) for k in keys}
     sources = {k.split("/")[1] for k, r in ranks.items() if r and r[0] == 1}
     rows = sorted((k for k, r in ranks.items() if r is not None and not (r[0] == 1 and len(sources) < 2)
-                   and not (k.endswith("/unscored_frac") and not any(evals[i].get(k) for i in iters))),
-                  key=ranks.__getitem__)
+                   and not (k.endswith("/unscored_frac") and not any(evals[i].get(k) for i in iters))
+                   and not _same_as_length(k, evals)), key=ranks.__getitem__)
     if not rows:
         return "(no evaluation metrics)"
     width = max(len(k) for k in rows) + 2

@@ -325,8 +325,9 @@ def cmd_gate(args) -> int:
     held = gate.champion_score(cfg)
     for p, who in ([(held, "the champion")] if held is not None else []) + [(p, "a champion") for p in (0.3, 0.5, 0.7)]:
         gain = stats.detectable_gain(n, min(max(p, 0.01), 0.99), alpha, power=0.8)
-        print(f"  {who} at {p:.0%}: the gate detects a gain of {gain * 100:.0f} points with 80% power "
-              f"(alpha {alpha:g}, {cfg.tracking.best_metric})")
+        print(f"  {who} at {p:.0%}: " + ("too little room above it for any gain to show" if math.isinf(gain) else
+                                        f"the gate detects a gain of {gain * 100:.0f} points with 80% power")
+              + f" (alpha {alpha:g}, {cfg.tracking.best_metric})")
     return 0
 
 

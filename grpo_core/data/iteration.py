@@ -219,15 +219,16 @@ def held_out_of(path: Path, n: int, spec: str) -> list[Task]:
 
 
 def gate_tasks(spec: str, run_dir: str | Path, n: int, seed: int, cache_dir: str | Path | None = None) -> list[Task]:
-    """The promotion gate's n questions: drawn from the training split in an order of their own seed (never
-    from the eval split, on which runs pick their registered iteration); curation then keeps them out of
-    training. Needs at least as many training tasks again as the gate takes."""
+    """The promotion gate's questions: up to n of the training split, never more than a quarter of it (a small
+    dataset keeps most of its questions to train on and gets a smaller gate), drawn in an order of their own
+    seed (never from the eval split, on which runs pick their registered iteration); curation then keeps them
+    out of training."""
     train, ev = splits_of(resolve_curated(spec, run_dir, cache_dir))
     train, _ = curation.decontaminate(train, ev)
-    if len(train) < 2 * n:
-        raise InputError(f"data.curated {spec!r} has {len(train)} training tasks, too few to set {n} aside for the "
-                         f"promotion gate and train on the rest; lower gate.questions or add rows")
-    return sorted(train, key=lambda t: _gate_rank(seed, t))[:n]
+    if len(train) < 4:
+        raise InputError(f"data.curated {spec!r} has {len(train)} training tasks, too few to set any aside for the "
+                         f"promotion gate; add rows or set gate.enabled: false")
+    return sorted(train, key=lambda t: _gate_rank(seed, t))[:min(n, len(train) // 4)]
 
 
 def _gate_rank(seed: int, task: Task) -> str:

@@ -39,6 +39,11 @@ KEYS = {"greedy": "eval/greedy/pass_at_1", "sampled": "eval/sampled/pass_at_1",
         # the held-out questions in wordings training never uses (eval.foreign_*), where the config has them
         "foreign_greedy": "eval/greedy/foreign/pass_at_1", "foreign_strict_sampled":
             "eval/sampled/foreign/strict_pass_at_1", "foreign_format_sampled": "eval/sampled/foreign/format_rate",
+        # as a user asks the exported model: its default system prompt, no examples, the user's words (and tools)
+        "exported_greedy": "eval/greedy/exported/pass_at_1", "exported_strict_greedy":
+            "eval/greedy/exported/strict_pass_at_1", "exported_strict_sampled": "eval/sampled/exported/strict_pass_at_1",
+        "exported_format_sampled": "eval/sampled/exported/format_rate",
+        "exported_tool_call_rate_sampled": "eval/sampled/exported/tool_call_rate",
         # with tools (a config with `tools:`): how many answers called one, and the same questions without them
         "tool_call_rate_sampled": "eval/sampled/tool_call_rate", "without_tools_sampled":
             "eval/without_tools/sampled/pass_at_1", "without_tools_greedy": "eval/without_tools/greedy/pass_at_1"}

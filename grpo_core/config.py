@@ -265,6 +265,11 @@ class EvalConfig(_Section):
     without_tools: bool = Field(True, description="when the run has tools: also evaluate each mode with no tool "
                                 "to call (eval/without_tools/<mode>/...), next to the numbers with tools, in the "
                                 "tool-free prompt below")
+    exported_shape: bool = Field(True, description="also evaluate the math questions as a user asks an exported "
+                                 "model (eval/<mode>/exported/...): the training system prompt (the export's "
+                                 "default), no worked examples, each question in one of foreign_instructions (the "
+                                 "plain question where there are none), the run's tools passed as the export's "
+                                 "chat template renders tools=")
     without_tools_system_prompt: str = Field(DEFAULT_SYSTEM_PROMPT, description="the system prompt of the "
                                              "evaluation without tools: the task's wording with no tool mention "
                                              "(the run's own prompt tells the model to use its tools)")

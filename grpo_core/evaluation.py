@@ -48,6 +48,8 @@ from grpo_core.rollout import make_backend, rollout
 
 MODES = ("greedy", "sampled")
 FOREIGN = "foreign"           # rows of the math questions put in the config's foreign wordings (eval.foreign_*)
+EXPORTED = "exported"         # rows of the math questions put as to an exported model (eval.exported_shape)
+WORDINGS = ("", EXPORTED, FOREIGN)      # the order rows are written in
 
 
 def eval_seed(cfg: GRPOConfig) -> int:
@@ -61,7 +63,7 @@ def metric_name(part: str) -> str:
     return f"src_{name}" if name in _RESERVED or name.startswith("kind_") else name
 
 
-_RESERVED = {*MODES, FOREIGN, "monitor", "num_questions"}
+_RESERVED = {*MODES, FOREIGN, EXPORTED, "monitor", "num_questions"}
 
 
 def eval_modes(cfg: GRPOConfig, seed: int) -> list[tuple[str, int, SamplingParams]]:
@@ -191,8 +193,8 @@ def summarize(rows: Sequence[dict], ks: Sequence[int]) -> dict[str, float]:
     groups: dict[tuple[str, str], list[dict]] = defaultdict(list)      # (prefix, infix) -> rows
     with_tools = any(r.get("tools") for r in rows)
     for r in rows:
-        if r.get("wording") == FOREIGN:                    # the math questions in a wording training never used
-            groups[("eval", f"{FOREIGN}/")].append(r)
+        if r.get("wording"):             # the math questions as to an exported model, or in a foreign wording
+            groups[("eval", f"{r['wording']}/")].append(r)
             continue
         if with_tools and not r.get("tools"):              # the same questions with no tool to call
             groups[("eval/without_tools", "")].append(r)
@@ -209,7 +211,7 @@ def summarize(rows: Sequence[dict], ks: Sequence[int]) -> dict[str, float]:
             if mrows:
                 metrics.update({f"{prefix}/{mode}/{infix}{k}": v
                                 for k, v in _mode_metrics(mrows, mode, ks, funcs).items()})
-    metrics.update(flag_fractions([r for r in rows if r.get("wording") != FOREIGN]))
+    metrics.update(flag_fractions([r for r in rows if not r.get("wording")]))
     return metrics
 
 
@@ -257,18 +259,30 @@ def sample_rows(policy: Policy, tasks: Sequence[Task], cfg: GRPOConfig, seed: in
 def _eval_runs(cfg: GRPOConfig, seed: int) -> list[tuple]:
     """(mode, n, params, toolbox, wording, prompt format) for every evaluation pass: each mode with the run's
     tools in its own prompt; when the run has tools and eval.without_tools, each mode again with none, in the
-    tool-free prompt (eval.without_tools_*: no tool named, no tool call shown); when the config holds foreign
-    wordings, each mode on the math questions put in those (wording FOREIGN)."""
+    tool-free prompt (eval.without_tools_*: no tool named, no tool call shown); with eval.exported_shape, each mode
+    on the math questions as an exported model gets them (wording EXPORTED: exported_format); when the config holds
+    foreign wordings, each mode on the math questions put in those (wording FOREIGN)."""
     toolbox, e = Toolbox.from_config(cfg), cfg.eval
     runs = [(*m, toolbox, "", cfg.data.prompt_format) for m in eval_modes(cfg, seed)]
     if toolbox is not None and e.without_tools:
         tool_free = PromptFormat(e.without_tools_system_prompt, tuple(map(tuple, e.without_tools_few_shot)),
                                  template_kwargs=cfg.data.template_kwargs)
         runs += [(*m, None, "", tool_free) for m in eval_modes(cfg, seed)]
+    if e.exported_shape:
+        runs += [(*m, toolbox, EXPORTED, exported_format(cfg)) for m in eval_modes(cfg, seed)]
     if e.foreign_format is not None:
         foreign = dataclasses.replace(e.foreign_format, template_kwargs=cfg.data.template_kwargs)
         runs += [(*m, toolbox, FOREIGN, foreign) for m in eval_modes(cfg, seed)]
     return runs
+
+
+def exported_format(cfg: GRPOConfig) -> PromptFormat:
+    """A math question as a user asks an exported model (`grpo export`): the training system prompt, which the
+    export's chat template adds when the user brings none, no worked examples, and the question in the user's own
+    words (one of eval.foreign_instructions per question; the plain question where there are none). With tools,
+    the tools are rendered as the export's template renders `tools=` (the rollout's own rendering)."""
+    return PromptFormat(cfg.data.system_prompt, instructions=tuple(cfg.eval.foreign_instructions),
+                        system_alone_prob=1.0, always_worded=True, template_kwargs=cfg.data.template_kwargs)
 
 
 def merge_rows(tasks: Sequence[Task], parts: Sequence[Sequence[dict]]) -> list[dict]:
@@ -277,8 +291,8 @@ def merge_rows(tasks: Sequence[Task], parts: Sequence[Sequence[dict]]) -> list[d
     if len(position) != len(tasks):
         raise ValueError("held-out tasks must have unique ids")
     return sorted((r for part in parts for r in part),
-                  key=lambda r: (r.get("wording") == FOREIGN, not r.get("tools", True), MODES.index(r["mode"]),
-                                 position[r["task_id"]], r["sample"]))
+                  key=lambda r: (WORDINGS.index(r.get("wording", "")), not r.get("tools", True),
+                                 MODES.index(r["mode"]), position[r["task_id"]], r["sample"]))
 
 
 def evaluate_policy(policy: Policy, tasks: Sequence[Task], cfg: GRPOConfig, seed: int | None = None,

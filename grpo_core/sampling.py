@@ -218,6 +218,7 @@ class PromptFormat:
     system_alone_prob: float | None = None          # chance of a system prompt without the examples
     salt: int = 0
     guided: int = 0                                 # of a group in a partial wording: answers sampled by `guide`
+    always_worded: bool = False                     # every question worded by an instruction (never plain)
     template_kwargs: tuple[tuple[str, object], ...] = ()    # more apply_chat_template keywords (name, value)
 
     @classmethod
@@ -253,7 +254,8 @@ class PromptFormat:
             system = ""         # the examples alone: a step between the full prompt and the bare one
         elif few_shot and system and draw.random() < self.bare_prob:
             few_shot = ()       # the system prompt alone: the format asked in words, not shown
-        return PromptFormat(system, few_shot, self.response_prefix, draw.choice(["", *self.instructions]),
+        wordings = list(self.instructions) if self.always_worded and self.instructions else ["", *self.instructions]
+        return PromptFormat(system, few_shot, self.response_prefix, draw.choice(wordings),
                             template_kwargs=self.template_kwargs)
 
     def guide(self, task: Task) -> "PromptFormat | None":

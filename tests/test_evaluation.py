@@ -161,7 +161,8 @@ def test_evaluation_is_deterministic_given_the_seed(tmp_path, grpo_home):
     m1, r1 = evaluate_checkpoint(cfg, tasks, None, progress=False)
     m2, r2 = evaluate_checkpoint(cfg, tasks, None, progress=False)
     assert m1 == m2 and r1 == r2
-    assert len(r1) == 4 * (1 + 3)
+    assert len(r1) == 2 * 4 * (1 + 3)                    # in the training prompt, and as to an exported model
+    assert [r.get("wording", "") for r in r1] == [""] * 16 + ["exported"] * 16
     assert {"eval/greedy/pass_at_1", "eval/sampled/pass_at_3", "eval/sampled/reward/format",
             "eval/sampled/reward/total", "eval/arithmetic/sampled/pass_at_2", "eval/greedy/truncated_frac",
             "eval/sampled/completion_length", "eval/monitor/empty_answer_frac"} <= set(m1)
@@ -180,7 +181,8 @@ def test_answers_scored_while_sampling_are_scored_as_afterwards_or_afterwards_on
     from grpo_core.policy import load_policy
     from grpo_core.rollout import make_backend, rollout
     cfg = _tiny_cfg(tmp_path)
-    cfg = cfg.model_copy(update={"generation_batch_size": 2})
+    cfg = cfg.model_copy(update={"generation_batch_size": 2,        # one prompt shape: the calls below count its passes
+                                 "eval": cfg.eval.model_copy(update={"exported_shape": False})})
     tasks = arithmetic.eval_tasks(5, 1, 1, ["+"])
     policy = load_policy(cfg, None, need_reference=False)
     overlapped = sample_rows(policy, tasks, cfg, seed=3, progress=False)
@@ -247,7 +249,7 @@ def test_stage_logs_metrics_per_iteration_table_plots_and_split(evaluated_run):
                                                        evaluated_run["run_dir"] / "dl")).read_text())
     cols = table["columns"]
     assert {"prompt", "completion", "reward_accuracy", "reward_format", "verdict", "iteration"} <= set(cols)
-    assert len(table["data"]) == 4 * (1 + 3)
+    assert len(table["data"]) == 2 * 4 * (1 + 3)
     # the record is the resume point: a second call returns it without logging again
     from tasks.evaluate import evaluate
     again = evaluate.fn(evaluated_run["config"], str(evaluated_run["run_dir"]), 1, str(evaluated_run["adapter"]))
@@ -265,7 +267,8 @@ def test_the_evaluation_without_tools_asks_in_a_prompt_that_names_no_tool():
     cfg = load_config("configs/tools.yaml")
     task = Task(id="q", kind="math", source="arithmetic", prompt="What is 123 * 456?", answer="56088")
     runs = _eval_runs(cfg, seed=0)
-    with_tools = [json.dumps(prompt_messages(task, fmt)) for *_, toolbox, _, fmt in runs if toolbox is not None]
+    with_tools = [json.dumps(prompt_messages(task, fmt)) for *_, toolbox, wording, fmt in runs
+                  if toolbox is not None and not wording]
     without = [json.dumps(prompt_messages(task, fmt)) for *_, toolbox, _, fmt in runs if toolbox is None]
     assert len(with_tools) == len(without) == 2                          # greedy and sampled, each way
     assert all("calculator" in text and "<tool_call>" in text for text in with_tools)
@@ -274,3 +277,30 @@ def test_the_evaluation_without_tools_asks_in_a_prompt_that_names_no_tool():
         load_config("configs/tools.yaml", ["eval.without_tools_system_prompt=Use the calculator."])
     with pytest.raises(ValueError, match=r"eval.without_tools_few_shot\[0\] mentions '<tool_call>'"):
         load_config("configs/tools.yaml", ['eval.without_tools_few_shot=[["What is 2 * 3?", "<tool_call>x</tool_call>"]]'])
+
+
+def test_the_exported_shape_asks_as_a_user_asks_the_exported_model(tmp_path, grpo_home):
+    """eval/<mode>/exported/...: the training system prompt (the export's default turn), no worked examples, the
+    question in one of the foreign instructions (never plain), the run's tools as the rollout renders them; rows
+    marked, metrics of their own, the in-prompt numbers unchanged by it."""
+    from grpo_core.data import arithmetic
+    from grpo_core.evaluation import evaluate_policy, exported_format
+    from grpo_core.policy import load_policy
+    from grpo_core.sampling import prompt_messages
+    words = ["Tell me: {question} (answer in <answer></answer> tags)", "{question} Number only, in tags."]
+    cfg = GRPOConfig.model_validate(tiny_config(tmp_path, eval=dict(num_samples=2, foreign_instructions=words)))
+    tasks = arithmetic.eval_tasks(6, 1, 1, ["+"])
+    for t in tasks:
+        messages = prompt_messages(t, exported_format(cfg))
+        assert [m["role"] for m in messages] == ["system", "user"]            # no worked examples
+        assert messages[0]["content"] == cfg.data.system_prompt
+        assert messages[1]["content"] in [w.replace("{question}", t.prompt) for w in words]
+    policy = load_policy(cfg, None, need_reference=False)
+    metrics, rows = evaluate_policy(policy, tasks, cfg, seed=5, progress=False)
+    off = cfg.model_copy(update={"eval": cfg.eval.model_copy(update={"exported_shape": False})})
+    base_metrics, base_rows = evaluate_policy(policy, tasks, off, seed=5, progress=False)
+    exported = [r for r in rows if r.get("wording") == "exported"]
+    assert len(exported) == 6 * 3 and [r for r in rows if r.get("wording") != "exported"] == base_rows
+    assert metrics["eval/exported/num_questions"] == 6.0
+    assert {"eval/greedy/exported/strict_pass_at_1", "eval/sampled/exported/format_rate"} <= metrics.keys()
+    assert {k: v for k, v in metrics.items() if "exported" not in k} == base_metrics

@@ -180,8 +180,8 @@ def test_foreign_evaluation_logs_its_own_metrics_on_the_math_questions(tmp_path,
     from flows.cli.format import format_eval_table
     foreign = dict(foreign_system_prompts=["Compute. Final number in <answer></answer>."],
                    foreign_instructions=["Tell me: {question} (answer in <answer></answer> tags)"])
-    plain = GRPOConfig.model_validate(tiny_config(tmp_path, eval=dict(num_samples=2)))
-    cfg = GRPOConfig.model_validate(tiny_config(tmp_path, eval=dict(num_samples=2, **foreign)))
+    plain = GRPOConfig.model_validate(tiny_config(tmp_path, eval=dict(num_samples=2, exported_shape=False)))
+    cfg = GRPOConfig.model_validate(tiny_config(tmp_path, eval=dict(num_samples=2, exported_shape=False, **foreign)))
     tasks = arithmetic.eval_tasks(6, 1, 1, ["+"])
     policy = load_policy(cfg, None, need_reference=False)
     metrics, rows = evaluate_policy(policy, tasks, cfg, seed=5, progress=False)

@@ -6,7 +6,8 @@ from __future__ import annotations
 import math
 
 EVAL_MODES = ("greedy", "sampled")
-FOREIGN_ROWS = ("pass_at_1", "strict_pass_at_1", "format_rate")
+WORDING_ROWS = ("pass_at_1", "strict_pass_at_1", "format_rate", "tool_call_rate")   # of exported/, foreign/
+WORDINGS = ("exported", "foreign")
 RUN_COLUMNS = ("run", "status", "suspect", "iterations", "last_completed", "schedule", "mlflow_run_id", "updated")
 SCHEDULE_COLUMNS = ("name", "schedule", "paused", "work_pool", "completed", "running", "failed", "last_run")
 
@@ -20,8 +21,11 @@ def _eval_row_rank(key: str):
         metric = "/".join(parts[2:])
         if metric == "accuracy":                    # grpo_core.evaluation's older alias of greedy pass_at_1
             return None
-        if metric.startswith("foreign/"):           # the questions in wordings training never used
-            return (0, EVAL_MODES.index(parts[1]), (3, 0), metric) if metric[8:] in FOREIGN_ROWS else None
+        wording, _, rest = metric.partition("/")
+        if wording in WORDINGS:     # as an exported model is asked; in wordings training never used
+            if rest not in WORDING_ROWS:
+                return None
+            return (0, EVAL_MODES.index(parts[1]), (3, WORDINGS.index(wording)), metric)
         order = ((0, int(metric[8:])) if metric.startswith("pass_at_") and metric[8:].isdigit() else
                  (1, 0) if metric.startswith("reward/") else (2, 0))
         return (0, EVAL_MODES.index(parts[1]), order, metric)

@@ -81,7 +81,8 @@ class DataConfig(_Section):
                                     "system prompt or the examples, this many answers are sampled with them (the "
                                     "full prompt around the drawn instruction) and trained as answers to the "
                                     "drawn wording: off-policy guidance that shows a small model the asked "
-                                    "format where it would almost never write it; 0: none")
+                                    "format where it would almost never write it (with tools, the whole "
+                                    "conversation, calls and results, runs after the full prompt); 0: none")
     wordings_from_iteration: int = Field(1, ge=1, description="training iteration from which questions draw their "
                                          "wording (system_prompts, instructions, bare_prompt_prob); before it "
                                          "every question comes in the main wording (system_prompt, few_shot, the "
@@ -841,12 +842,11 @@ class GRPOConfig(_Section):
             return self
         why = ("data.guided_completions must be below num_generations (the group keeps answers sampled in its own "
                "wording); lower it" if k >= self.num_generations else
-               "data.guided_completions needs data.bare_prompt_prob > 0 (only a wording without the system prompt "
-               "or the examples is guided); set it or guided_completions: 0" if not d.bare_prompt_prob else
+               "data.guided_completions needs data.bare_prompt_prob or data.system_alone_prob > 0 (only a wording "
+               "without the system prompt or the examples is guided); set one or guided_completions: 0"
+               if not (d.bare_prompt_prob or d.system_alone_prob) else
                "data.guided_completions needs data.system_prompt and data.few_shot (the guide is that full "
                "prompt); set both or guided_completions: 0" if not (d.system_prompt and d.few_shot) else
-               "data.guided_completions is not supported with tools (a multi-turn rollout continues in its own "
-               "wording); set guided_completions: 0" if self.tools or self.environment else
                "data.guided_completions cannot go with vllm_importance_sampling_correction or "
                "off_policy_mask_threshold: a guided answer's sampler log-probs are under another prompt; turn "
                "those off or set guided_completions: 0" if self.needs_sampler_logprobs else None)

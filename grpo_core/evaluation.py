@@ -19,6 +19,8 @@ sampled), overall and per source (and per task kind when the set mixes kinds):
                                      ones left out): correct answers the format reward would not pay for
                                      show up as the gap between accuracy and this
     eval/<source>/<mode>/...         the same per source;  eval/kind_<kind>/<mode>/... per kind
+    eval/<mode>/exported/..., eval/<mode>/foreign/...   the math questions as asked of an exported model, and in
+                                     wordings training never used (and per source where there are several)
     eval/num_questions, eval/<source>/num_questions
     eval/monitor/...                 reward-hacking monitors (see grpo_core.monitors)
 
@@ -192,9 +194,12 @@ def summarize(rows: Sequence[dict], ks: Sequence[int]) -> dict[str, float]:
     kinds = sorted({r["kind"] for r in rows})
     groups: dict[tuple[str, str], list[dict]] = defaultdict(list)      # (prefix, infix) -> rows
     with_tools = any(r.get("tools") for r in rows)
+    several_sources = len({r["source"] for r in rows}) > 1
     for r in rows:
         if r.get("wording"):             # the math questions as to an exported model, or in a foreign wording
             groups[("eval", f"{r['wording']}/")].append(r)
+            if several_sources:
+                groups[(f"eval/{metric_name(r['source'])}", f"{r['wording']}/")].append(r)
             continue
         if with_tools and not r.get("tools"):              # the same questions with no tool to call
             groups[("eval/without_tools", "")].append(r)

@@ -399,18 +399,22 @@ def tool_rollout(backend, tokenizer, tasks: Sequence[Task], n: int, params: Samp
     environments = [toolbox.environment_for(t) for t in row_tasks]
     observations = [env.reset(**t.to_dict()) if env is not None else None for env, t in zip(environments, row_tasks)]
     toolsets = [toolbox.toolset(env) for env in environments]
-    # 2) prompts rendered with each rollout's tools
+    # 2) prompts rendered with each rollout's tools: the task's own, and for the first fmt.guided rollouts of a group
+    # drawn without the system prompt or the examples, the guide's (PromptFormat.guide), which they are sampled after
     prompts = [tool_prompt_ids(tokenizer, t, fmt, max_prompt_length, list(ts.values()), obs)
                for t, ts, obs in zip(row_tasks, toolsets, observations)]
+    guides = [fmt.guide(t) if r % n < fmt.guided else None for r, t in enumerate(row_tasks)]
+    sampled_after = [tool_prompt_ids(tokenizer, t, guide, max_prompt_length, list(ts.values()), obs) if guide else own
+                     for t, guide, ts, obs, own in zip(row_tasks, guides, toolsets, observations, prompts)]
     session = backend.session(len(row_tasks)) if hasattr(backend, "session") else contextlib.nullcontext()
     with session:
         turns = _streamed_turns if getattr(backend, "streams_turns", False) else _turns
-        episodes = turns(backend, tokenizer, prompts, toolsets, n, params, toolbox,
+        episodes = turns(backend, tokenizer, sampled_after, toolsets, n, params, toolbox,
                          [fmt.for_task(t).response_prefix for t in row_tasks], dict(fmt.template_kwargs))
-    # 5) the environments' own rewards, and the samples
+    # 5) the environments' own rewards, and the samples (each with its task's own prompt: what the update trains on)
     rewards = [_environment_reward(env) for env in environments]
-    return [[_sample(tasks[g], g, prompts[r], episodes[r], rewards[r]) for r in range(g * n, (g + 1) * n)]
-            for g in range(len(tasks))]
+    return [[_sample(tasks[g], g, prompts[r], episodes[r], rewards[r], guides[r] is not None)
+             for r in range(g * n, (g + 1) * n)] for g in range(len(tasks))]
 
 
 def _turns(backend, tokenizer, prompts: list[list[int]], toolsets: list[dict[str, Tool]], n: int,
@@ -435,13 +439,18 @@ def _turns(backend, tokenizer, prompts: list[list[int]], toolsets: list[dict[str
     return episodes
 
 
-def _sample(task: Task, group: int, prompt_ids: list[int], ep: Episode, reward: dict | None) -> Sample:
+def _sample(task: Task, group: int, prompt_ids: list[int], ep: Episode, reward: dict | None,
+            guided: bool = False) -> Sample:
+    """A rollout as a Sample; a guided one (sampled after another prompt than `prompt_ids`) is marked and carries
+    no sampler log-probs, as grpo_core.rollout.guided_rollout's."""
     extra = ep.record()
     if reward is not None:
         extra["environment_reward"] = reward
+    if guided:
+        extra["guided"] = True
     return Sample(task_id=task.id, group=group, prompt_ids=prompt_ids, completion_ids=ep.ids,
                   completion=ep.turns[-1], truncated=ep.truncated, extra=extra,
-                  sampler_logprobs=ep.logprobs, completion_mask=ep.mask)
+                  sampler_logprobs=None if guided else ep.logprobs, completion_mask=ep.mask)
 
 
 def tool_metrics(samples: Sequence[dict]) -> dict[str, float]:

@@ -583,3 +583,31 @@ def test_a_taught_model_calls_its_tool_the_same_streamed_or_re_encoded(tool_call
     streamed, encoded = out
     assert [s.completion_ids for s in streamed] == [s.completion_ids for s in encoded]
     assert all(s.extra["tool_calls"] >= 1 and s.extra["turns"] >= 2 for s in streamed)
+
+
+def test_guided_rollouts_are_sampled_after_the_full_prompt_and_trained_on_the_drawn_wording(tok):
+    """With data.guided_completions and a wording drawn without the worked examples (system_alone_prob), the first
+    `guided` rollouts of a group run their whole conversation after the full prompt (the worked exchanges shown):
+    the sampler sees it on every turn. The Sample carries the drawn wording's prompt (what the update trains on),
+    is marked guided and has no sampler log-probs; the other rollouts are sampled after the drawn wording."""
+    from grpo_core.sampling import PromptFormat
+    from grpo_core.multiturn import tool_prompt_ids
+    box = Toolbox(resolve_tools(["calculator"]))
+    example = (("What is 2*3?", call("calculator", expression="2*3")), ("<tool_response>\n6\n</tool_response>", "6"))
+    fmt = PromptFormat("Use the calculator.", example, system_alone_prob=1.0, guided=2, salt=1)
+    sampler = ScriptedSampler(tok, calculator_then_answer)
+    tasks = [math_task(i) for i in range(3)]
+    params = SamplingParams(max_new_tokens=200, temperature=1.0, seed=0, logprobs=True)
+    samples = rollout(sampler, tok, tasks, 4, params, fmt, 2048, toolbox=box)      # the char tokenizer: long
+    tools = list(box.toolset(None).values())
+    for g, t in enumerate(tasks):
+        own = tool_prompt_ids(tok, t, fmt, 2048, tools)
+        assert "What is 2*3?" not in tok.decode(own)                        # drawn: the system prompt alone
+        group = samples[4 * g:4 * g + 4]
+        assert all(s.prompt_ids == own for s in group)
+        assert [bool(s.extra.get("guided")) for s in group] == [True, True, False, False]
+        assert [s.sampler_logprobs is None for s in group] == [True, True, False, False]
+        assert [s.extra["tool_calls"] for s in group] == [1, 1, 1, 1], [s.completion for s in group]
+    # the sampler got the worked exchanges in front of the guided rollouts, on their first turn and after the call
+    shown = [tok.decode(p).count("What is 2*3?") for p in sampler.prompts]
+    assert shown.count(1) == 2 * 2 * len(tasks) and shown.count(0) == 2 * 2 * len(tasks)

@@ -252,7 +252,7 @@ def test_guided_answers_are_sampled_after_the_guide_and_trained_on_the_drawn_wor
 @pytest.mark.parametrize("over,says", [
     (dict(num_generations=2, data=dict(instructions=INSTRUCTIONS, bare_prompt_prob=0.5, guided_completions=2)),
      "below num_generations"),
-    (dict(data=dict(guided_completions=1)), "bare_prompt_prob > 0"),
+    (dict(data=dict(guided_completions=1)), "bare_prompt_prob or data.system_alone_prob > 0"),
     (dict(data=dict(instructions=INSTRUCTIONS, bare_prompt_prob=0.5, guided_completions=1, few_shot=[])),
      "data.few_shot"),
     (dict(off_policy_mask_threshold=0.5, data=dict(instructions=INSTRUCTIONS, bare_prompt_prob=0.5,

@@ -15,7 +15,7 @@ from grpo_core.data import iteration as data_iteration
 from grpo_core.io import atomic_write_text, read_json, write_json
 from tasks import gate, monitoring, remote, run as run_steps, tracking
 from tasks.run_state import mark_ended_by, mark_running, mark_stopped, suspect_reasons, update_run_state
-from tasks.curate import curated_cache
+from tasks.splits import curated_cache
 from tasks.data_logging import fetch_parent_questions
 
 
@@ -108,6 +108,8 @@ def iteration_flow(config: dict, run_dir: str, iteration: int, checkpoint: str |
     for spec in stages.STAGES:
         if spec.when is None or spec.when(cfg, iteration):
             records[spec.name] = upstream[spec.name] = _run_stage(spec, cfg, config, run_dir, iteration, upstream)
+            if spec.moves_checkpoint:               # e.g. the warm start: later stages go on from its adapter
+                upstream["checkpoint"] = records[spec.name]["checkpoint"]
         if spec.name == DYNAMIC_ROUND[-1] and cfg.dynamic_sampling:    # later stages read the merged rounds
             samples, scores, dynamic_sampling = _dynamic_sampling(cfg, config, run_dir, iteration, upstream)
             upstream["rollout"] = {**upstream["rollout"], "samples": samples}

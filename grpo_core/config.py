@@ -420,6 +420,18 @@ class GateConfig(_Section):
                             "per task)")
 
 
+class WarmstartConfig(_Section):
+    """A supervised warm start before GRPO (grpo_core/warmstart.py; the stage `warmstart`, in iteration 1): the
+    policy's correct answers to training questions in the full prompt are fine-tuned in as answers to the same
+    questions without the worked examples, so that what the examples show lives in the weights."""
+    enabled: bool = Field(False, description="run the warm start before the first GRPO update")
+    prompts: int = Field(64, ge=1, description="training questions it samples num_generations answers to")
+    max_per_question: int = Field(2, ge=1, description="correct answers kept per question, at most")
+    epochs: int = Field(3, ge=1, description="passes of supervised fine-tuning over the kept answers")
+    batch_size: int = Field(8, ge=1, description="answers per optimizer step")
+    learning_rate: float | None = Field(None, gt=0, description="default: learning_rate")
+
+
 def _check_structured_regex(regex: str, backend: str, generation_kwargs: dict) -> None:
     """ValueError naming vllm_structured_outputs_regex and the fix when it cannot apply."""
     if backend != "vllm":
@@ -775,6 +787,7 @@ class GRPOConfig(_Section):
     tracking: TrackingConfig = Field(default_factory=TrackingConfig)
     gate: GateConfig = Field(default_factory=GateConfig)
     monitors: MonitorConfig = Field(default_factory=MonitorConfig)
+    warmstart: WarmstartConfig = Field(default_factory=WarmstartConfig)
 
     @model_validator(mode="after")
     def _gate_metric(self):
@@ -812,6 +825,16 @@ class GRPOConfig(_Section):
                     kind, same = trained[_normalised(text)]
                     raise ValueError(f"eval.{field}[{i}] ({text!r}) is worded as training's {kind} {same!r}: a "
                                      f"foreign wording must be one training never sees; reword it or drop it")
+        return self
+
+    @model_validator(mode="after")
+    def _warmstart_applies(self):
+        if self.warmstart.enabled and self.environment:
+            raise ValueError("warmstart is not supported with an environment yet (its demonstrations would need each "
+                             "episode's own reset); set warmstart.enabled: false or use tools")
+        if self.warmstart.enabled and not self.data.few_shot:
+            raise ValueError("warmstart.enabled needs data.few_shot: it moves what the worked examples show into "
+                             "the weights, and there are none; add examples or set warmstart.enabled: false")
         return self
 
     @model_validator(mode="after")

@@ -72,6 +72,12 @@ class Stage:
     defaults: dict[str, Any] = field(default_factory=dict)  # that section's values when a config leaves it out
     accelerator: bool = False                   # uses the GPU: carries stages.gpu_concurrency_tag
     when: Callable[[Any, int], bool] | None = None   # (GRPOConfig, k): runs in iteration k only when true; None: always
+    moves_checkpoint: bool = False              # its record's checkpoint is where the iteration's later stages start
+
+
+def _warm_start_due(cfg, iteration: int) -> bool:
+    """Warm start once, before the first update."""
+    return cfg.warmstart.enabled and iteration == 1
 
 
 def _evaluation_due(cfg, iteration: int) -> bool:
@@ -80,6 +86,9 @@ def _evaluation_due(cfg, iteration: int) -> bool:
 
 
 STAGES: tuple[Stage, ...] = (
+    Stage("warmstart", "tasks.warmstart:warmstart", inputs={"checkpoint": "checkpoint"},
+          outputs=("warmstart/checkpoint", "warmstart/demonstrations.jsonl"), accelerator=True,
+          when=_warm_start_due, moves_checkpoint=True),
     Stage("curate", "tasks.curate:curate", inputs={}, outputs=("prompts.jsonl",)),
     Stage("rollout", "tasks.rollout:rollout", inputs={"prompts": "curate.prompts", "checkpoint": "checkpoint"},
           outputs=("samples.jsonl", "early_scores.json"), settings=ParallelStageConfig, accelerator=True),

@@ -13,7 +13,7 @@ from grpo_core.evaluation import eval_seed, merge_rows, sample_rows, summarize
 from grpo_core.policy import load_policy
 from grpo_core.update import DataParallel
 from tasks import distributed
-from tasks.curate import ensure_eval_split
+from tasks.splits import ensure_eval_split
 from tasks.eval_logging import log_evaluation
 from tasks.layout import cfg_of, eval_split_path, iter_dir
 from tasks.run_state import mlflow_run_id

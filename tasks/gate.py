@@ -27,7 +27,7 @@ from grpo_core.task import Task, read_tasks, write_tasks
 from grpo_core.task_identity import (parse_signature_tag, registered_model_name, signature_differences,
                                      signature_tag, task_signature)
 from tasks import tracking
-from tasks.curate import curated_cache, ensure_eval_split, held_out_preview
+from tasks.splits import curated_cache, ensure_eval_split, held_out_preview
 from tasks.layout import gate_set_path
 from tasks.run_state import read_run_state, suspect_reasons, update_run_state
 

@@ -20,7 +20,7 @@ from prefect import flow
 from grpo_core import stages
 from grpo_core.config import ConfigError, GRPOConfig
 from tasks import tracking
-from tasks.curate import say
+from tasks.splits import say
 from tasks.layout import cfg_of
 from tasks.stage import registered_task, with_policy
 

@@ -130,14 +130,22 @@ def tool_calling_model_dir(tmp_path_factory, tiny_model_dir) -> Path:
     for task in train_tasks(16, 1, 1, ["+", "-"], seed=5):
         prompt = tool_prompt_ids(tok, task, fmt, 256, tools)
         rows += [(prompt, call), (prompt + call + tool_turn, answer)]
-    opt = torch.optim.Adam(model.parameters(), lr=3e-3)
+    return teach_and_save(model, tok, rows, tmp_path_factory.mktemp("models") / "tiny-tool-caller", lr=3e-3,
+                          steps=300, batch=8)
+
+
+def teach_and_save(model, tok, rows: list[tuple[list[int], list[int]]], out: Path, lr: float, steps: int,
+                   batch: int | None = None) -> Path:
+    """Plain fine-tuning of `model` on (context, target) rows (`batch` rows drawn per step, all of them when
+    None), saved with its tokenizer to `out`: a tiny model taught a behaviour in seconds."""
+    import torch
+    opt = torch.optim.Adam(model.parameters(), lr=lr)
     torch.manual_seed(0)
-    for step in range(300):
-        batch = [rows[i] for i in torch.randint(len(rows), (8,)).tolist()]
+    for _ in range(steps):
+        drawn = rows if batch is None else [rows[i] for i in torch.randint(len(rows), (batch,)).tolist()]
         opt.zero_grad()
-        _target_loss(model, batch).backward()
+        _target_loss(model, drawn).backward()
         opt.step()
-    out = tmp_path_factory.mktemp("models") / "tiny-tool-caller"
     model.save_pretrained(out)
     tok.save_pretrained(out)
     return out

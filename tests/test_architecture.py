@@ -20,7 +20,7 @@ LAYERS = ("flows", "tasks", "grpo_core", "sandbox")          # each may import o
 CORE_FOR_CURATION = ("grpo_core.io", "grpo_core.task", "grpo_core.answers", "grpo_core.config", "grpo_core.plugins")
 CURATION_BRIDGE = "grpo_core.data.model_policy"
 FRAMEWORKS = ("prefect", "mlflow")
-STAGE_MODULES = ("curate", "rollout", "score", "update", "evaluate")
+STAGE_MODULES = ("warmstart", "curate", "rollout", "score", "update", "evaluate")
 MAX_FUNCTION_LINES = 60
 MAX_STAGE_LINES = 80
 

@@ -57,7 +57,7 @@ def test_bad_files(tmp_path):
 def test_flat_params_cover_sections():
     flat = GRPOConfig().flat()
     assert flat["beta"] == 0.04 and flat["data.prompts_per_iteration"] == 8
-    assert all("." not in k or k.split(".")[0] in {"data", "eval", "sandbox", "stages", "tracking", "gate", "monitors"} for k in flat)
+    assert all("." not in k or k.split(".")[0] in {"data", "eval", "sandbox", "stages", "tracking", "gate", "monitors", "warmstart"} for k in flat)
 
 
 def test_shipped_configs_validate():

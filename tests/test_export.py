@@ -1,6 +1,7 @@
 """Export: a merged model loads with plain transformers (no peft) and answers as the adapter does; at the
 library level (grpo_core.export) on a hand-made adapter, and through `grpo export` on a real tiny run."""
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -257,7 +258,7 @@ def test_exported_chat_template_prompts_as_training_did(tiny_run, tmp_path):
                 gen = model.generate(**ids, max_new_tokens=cfg.max_completion_length, do_sample=False,
                                      pad_token_id=tok.pad_token_id)
                 answers.append(tok.decode(gen[0, ids["input_ids"].shape[1]:], skip_special_tokens=True))
-            assert answers == [r["completion"] for r in rows]
+            assert answers == [r["completion"] for r in rows if not r.get("wording")]     # the run's own wording
     out = tmp_path / "plain-template"
     assert main(["export", str(run_dir), "--out", str(out), "--registered-name", "none", "--no-default-system"]) == 0
     assert load_tokenizer(out).chat_template == load_tokenizer(resolve_model("tiny-random")).chat_template
@@ -275,3 +276,62 @@ def test_the_exported_template_defaults_training_s_template_variables(tiny_model
     assert tok.apply_chat_template(user, tokenize=False) == "F2/system user "
     assert tok.apply_chat_template(user, tokenize=False, enable_thinking=True) == "T2/system user "
     assert tok.apply_chat_template([{"role": "system", "content": "mine"}, *user], tokenize=False) == "F2/system user "
+
+
+# -- `grpo export` of a run with tools (grpo_core.export.with_tool_turns; the shapes in tests/test_export_tools.py) --
+
+def _tools_run(run_dir: Path, tmp_path: Path, model: str) -> Path:
+    """A copy of the tiny run as if it had been trained with the calculator on `model`, without its MLflow run."""
+    copy = tmp_path / "runs" / "tools"
+    shutil.copytree(run_dir, copy)
+    raw = yaml.safe_load((copy / "config.yaml").read_text())
+    (copy / "config.yaml").write_text(yaml.safe_dump({**raw, "model": model, "tools": ["calculator"]}))
+    state = json.loads((copy / "run.json").read_text())
+    (copy / "run.json").write_text(json.dumps({**state, "mlflow_run_id": None}))
+    return copy
+
+
+def test_grpo_export_of_a_run_with_tools_renders_them_merged_or_adapter_only(tiny_run, tiny_model_dir, tmp_path):
+    """A run with tools exports a template that renders `tools=` in training's fallback format, and a card that
+    shows the schema and the shape trained on. --adapter-only works too: the adapter directory carries the same
+    tokenizer, and peft with that tokenizer answers as the merged export does."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+    from flows.cli.main import main
+    from tests.test_export_tools import CALCULATOR, EOS_TURNS, _base_with_template
+    base = _base_with_template(tiny_model_dir, tmp_path, EOS_TURNS)
+    run_dir = _tools_run(tiny_run[0], tmp_path, str(base))
+    merged, adapter = tmp_path / "merged", tmp_path / "adapter"
+    assert main(["export", str(run_dir), "--out", str(merged)]) == 0
+    assert main(["export", str(run_dir), "--out", str(adapter), "--adapter-only"]) == 0
+    cfg = _run_config(run_dir)
+    messages = [[{"role": "user", "content": f"What is {a} * {b}?"}] for a, b in ((3, 4), (12, 7), (5, 5))]
+    prompts = [load_tokenizer(merged).apply_chat_template(m, tools=[CALCULATOR], add_generation_prompt=True,
+                                                          tokenize=False) for m in messages]
+    listed = f"<|system|>{cfg.data.system_prompt}\n\nYou may call these tools:\n<tools>\n{json.dumps(CALCULATOR)}"
+    assert all(p.startswith(listed) for p in prompts)
+    assert prompts == [load_tokenizer(adapter).apply_chat_template(m, tools=[CALCULATOR], add_generation_prompt=True,
+                                                                   tokenize=False) for m in messages]
+    peft_model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base), str(adapter)).eval()
+    tok = load_tokenizer(adapter)
+    assert _greedy(peft_model, tok, prompts) == _greedy(AutoModelForCausalLM.from_pretrained(merged).eval(), tok,
+                                                         prompts)
+    for out in (merged, adapter):
+        card = (out / "README.md").read_text()
+        assert "## Tools" in card and json.dumps(CALCULATOR) in card and "tools=[schema" in card
+        assert "<|user|>{question}<eos><|assistant|><tool_call>" in card
+    assert "load the tokenizer from this directory" in (adapter / "README.md").read_text()
+
+
+def test_grpo_export_refuses_a_template_that_cannot_render_the_tools(tiny_run, tmp_path, capsys):
+    """The tiny model's own template ends a turn with a newline, where training glued EOS after a call: one line
+    says so and names the way out, --no-default-system, which exports the base template and the shape in the card."""
+    from flows.cli.main import main
+    run_dir = _tools_run(tiny_run[0], tmp_path, "tiny-random")
+    assert main(["export", str(run_dir), "--out", str(tmp_path / "x")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "cannot render them as training did" in err and "--no-default-system" in err
+    assert not (tmp_path / "x").exists()
+    assert main(["export", str(run_dir), "--out", str(tmp_path / "y"), "--no-default-system"]) == 0
+    assert load_tokenizer(tmp_path / "y").chat_template == load_tokenizer(resolve_model("tiny-random")).chat_template
+    assert "build the prompt below yourself" in (tmp_path / "y" / "README.md").read_text()

@@ -23,7 +23,9 @@ examples:
   grpo export nightly-1 --iteration 3 --adapter-only --out exported/adapter-3
   grpo export nightly-1 --with-examples --out exported/nightly-1  # default turns: system prompt + examples
 Load a merged export with plain transformers: AutoModelForCausalLM.from_pretrained(DIR). Its chat template
-prompts as training did when your messages bring no system message of their own.
+prompts as training did when your messages bring no system message of their own; for a run with tools, pass
+them as apply_chat_template(messages, tools=[schema]) and give results as {"role": "tool", ...} messages
+(README.md in DIR shows the schemas and the exact prompt).
 """
 
 
@@ -55,10 +57,12 @@ def export_run(run: str, out: str | Path, iteration: int | None = None, best: bo
     """Export one iteration of a run to `out` and log it to the run's MLflow run. Returns the run name,
     the iteration, the export path and, when the run is tracked, its artifact and registered model URIs.
     `default_system`: the chat template puts the training system prompt (`with_examples`: and the worked
-    examples) before a conversation that has no system message."""
+    examples) before a conversation that has no system message, and a run with tools gets a template that
+    renders `tools=` as training did (False: the base template, tools and system prompt left to the caller)."""
     from grpo_core.export import ModelCard, default_turns, export_model, generation_settings
     from grpo_core.models import resolve_model
     from grpo_core.sampling import sampling_options
+    from grpo_core.tools import resolve_tools
     from tasks import tracking
     from tasks.evaluate import eval_history
     from tasks.run_state import mlflow_run_id
@@ -74,13 +78,14 @@ def export_run(run: str, out: str | Path, iteration: int | None = None, best: bo
                      system_prompt=cfg.data.system_prompt, few_shot=[tuple(x) for x in cfg.data.few_shot],
                      response_prefix=cfg.data.prompt_format.response_prefix, eval_table=format_eval_table(evals),
                      default_turns=default_turns(cfg.data.system_prompt, cfg.data.few_shot if with_examples else ())
-                     if default_system else [], template_defaults=dict(cfg.data.chat_template_kwargs))
+                     if default_system else [], template_defaults=dict(cfg.data.chat_template_kwargs),
+                     tools=[t.schema for t in resolve_tools(cfg.tools, cfg.sandbox)], environment=cfg.environment)
     options = sampling_options(cfg)             # generation_kwargs override top_p ... as in training
     sampling = generation_settings(cfg.temperature, options["top_p"], options["top_k"], cfg.max_completion_length,
                                    options["min_p"], options["repetition_penalty"], options["stop_strings"])
     try:
         path = export_model(resolve_model(cfg.model), checkpoint_of(run_dir, k), out, card, sampling,
-                            adapter_only=adapter_only, overwrite=overwrite)
+                            adapter_only=adapter_only, overwrite=overwrite, tool_template=default_system)
     except FileExistsError as e:
         raise ConfigError(str(e)) from None
 
@@ -131,7 +136,8 @@ def register(sub) -> None:
                        help="the chat template's default turns also hold the training's worked examples (by default "
                             "only its system prompt, put before any conversation that brings no system message)")
     turns.add_argument("--no-default-system", action="store_true",
-                       help="keep the base model's chat template: callers give the system prompt themselves")
+                       help="keep the base model's chat template: callers give the system prompt (and, for a run "
+                            "with tools, the tool list and tool turns) themselves")
     e.add_argument("--output-dir", default="runs", help="where the run directories live (default: runs)")
     e.add_argument("--registered-name", default="grpo-model",
                    help="MLflow registered model for merged exports (default: grpo-model; 'none': do not register)")

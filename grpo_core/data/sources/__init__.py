@@ -25,6 +25,7 @@ Loader = Callable[..., Iterable["Task | Rejection"]]
 _REGISTRY: dict[str, tuple[str, str, str]] = {
     "arithmetic": ("grpo_core.data.sources.arith", "load", "synthetic"),
     "reasoning_gym": ("grpo_core.data.sources.rgym", "load", "synthetic"),
+    "tool_problems": ("grpo_core.data.sources.tool_problems", "load", "synthetic"),
     "gen_python": ("grpo_core.data.sources.gen_python", "load", "synthetic"),
     "gen_rust": ("grpo_core.data.sources.gen_rust", "load", "synthetic"),
     "humaneval": ("grpo_core.data.sources.humaneval", "load", "community"),

@@ -12,7 +12,7 @@ on a shared CPU: run it on a quiet machine for figures to quote.
     python bench/ops_overhead.py --reuse-ab --config configs/default.yaml --iterations 7
 
 measures what reloading the model in every stage costs instead: two runs of a real config (its model,
-evaluation off, the plain stages) in lockstep, one reloading the model in every stage (GRPO_REUSE_MODEL=0),
+evaluation off, the plain stages) in lockstep, one reloading the model in every stage (kernels.reuse_model: false),
 one reusing it; same seeds and checkpoints, so the same work; the median time saved per iteration.
 
     python bench/ops_overhead.py --pooled-load-ab 10 --config configs/default.yaml
@@ -78,8 +78,8 @@ def plain_run(cfg, run_dir: Path) -> list[float]:
 
 
 def reuse_ab(config_path: str, iterations: int, out: Path, json_out: str | None) -> None:
-    """Two runs of one config in lockstep, one with GRPO_REUSE_MODEL=0 and one with 1 (taking turns at going
-    first): the same seeds and checkpoints, so the same work; their iteration times are paired."""
+    """Two runs of one config in lockstep, one with kernels.reuse_model false and one with true (taking turns at
+    going first): the same seeds and checkpoints, so the same work; their iteration times are paired."""
     import yaml
     from grpo_core.config import GRPOConfig
     sys.path.insert(0, str(Path(__file__).parent))
@@ -87,14 +87,13 @@ def reuse_ab(config_path: str, iterations: int, out: Path, json_out: str | None)
     raw = yaml.safe_load(Path(config_path).read_text())
     raw.update(output_dir=str(out), pipeline_iterations=iterations, eval={**raw.get("eval", {}), "enabled": False},
                tracking={"register_adapter": "none"})
-    runs = {reuse: (GRPOConfig.model_validate({**raw, "run_name": f"reuse-{reuse}"}), out / f"reuse-{reuse}")
-            for reuse in ("0", "1")}
+    runs = {reuse: (GRPOConfig.model_validate({**raw, "run_name": f"reuse-{reuse}", "kernels": {
+        **raw.get("kernels", {}), "reuse_model": reuse == "1"}}), out / f"reuse-{reuse}") for reuse in ("0", "1")}
     configs = {reuse: start(cfg, run_dir) for reuse, (cfg, run_dir) in runs.items()}
     at = {reuse: (None, None) for reuse in runs}
     seconds = {reuse: [] for reuse in runs}
     for k in range(1, iterations + 1):
         for reuse in (("0", "1") if k % 2 else ("1", "0")):
-            os.environ["GRPO_REUSE_MODEL"] = reuse
             t0 = time.perf_counter()
             at[reuse] = iteration(configs[reuse], runs[reuse][1], k, *at[reuse], False)
             seconds[reuse].append(time.perf_counter() - t0)

@@ -13,6 +13,7 @@ from grpo_core import models, stages
 from grpo_core.config import GRPOConfig
 from grpo_core.data import iteration as data_iteration
 from grpo_core.io import atomic_write_text, read_json, write_json
+from grpo_core.kernels import settings as kernel_settings
 from tasks import gate, monitoring, remote, run as run_steps, tracking
 from tasks.run_state import mark_ended_by, mark_running, mark_stopped, suspect_reasons, update_run_state
 from tasks.splits import curated_cache
@@ -164,6 +165,7 @@ def training_run(config: dict) -> dict:
     """A whole training run. `config` is a GRPOConfig as a dict. Re-running it with the same run_name (or
     `grpo resume`) continues the run: completed stages are skipped, the same MLflow run is reopened."""
     cfg = GRPOConfig.model_validate(config)
+    kernel_settings.apply(cfg.kernels)         # this process's kernel choices, before anything reads them
     if not cfg.run_name:
         cfg.run_name = _default_run_name()
         config = cfg.model_dump(mode="json")

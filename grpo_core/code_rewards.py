@@ -11,13 +11,12 @@ The only bridge between GRPO and ``sandbox/`` (which knows nothing about GRPO):
   An ``infra_error`` verdict gives ``None``: the caller drops the sample instead of scoring 0.
 * :func:`code_accuracy` does all of it for a batch (the ``accuracy`` reward's code half).
 
-Defaults can be changed per call or with env ``GRPO_CODE_REWARD_MODE`` (fraction|binary) and
-``GRPO_SANDBOX_BACKEND`` (auto|docker|local).
+A run passes its config's ``sandbox.reward_mode`` and ``sandbox.backend``; a call without them scores by pass
+fraction on the default backend (``sandbox.api.get_backend``).
 """
 from __future__ import annotations
 
 import logging
-import os
 import re
 from dataclasses import dataclass
 from typing import Any, Sequence
@@ -92,10 +91,12 @@ def score_code(completions: Sequence[str], tasks: Sequence[Task], mode: str | No
     """Run every (completion, task) pair in the sandbox; infra errors are retried ``retries``
     times, then their reward is None, unless the sandbox's engine is down: then this raises
     ``sandbox.backends.EngineUnavailable`` (transient: the stage is retried once the engine may be back)
-    rather than drop every sample. ``images``: Docker image per language (config sandbox.images)."""
+    rather than drop every sample. ``mode``: config sandbox.reward_mode (None: fraction); ``backend``: config
+    sandbox.backend (None: ``get_backend``'s default); ``images``: Docker image per language (config
+    sandbox.images)."""
     from sandbox.api import get_backend, score_batch
-    mode = mode or os.environ.get("GRPO_CODE_REWARD_MODE", "fraction")
-    backend = get_backend(backend or os.environ.get("GRPO_SANDBOX_BACKEND", "auto"), images or None)
+    mode = mode or "fraction"
+    backend = get_backend(backend, images or None)
     jobs = [build_job(t, c) for c, t in zip(completions, tasks)]
     verdicts = score_batch(jobs, backend=backend, workers=workers)
     for _ in range(retries):

@@ -21,7 +21,6 @@ the prompt are all it shows). Hidden: the rest (all of them, if nothing is left)
 from __future__ import annotations
 
 import math
-import os
 import re
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping
@@ -45,8 +44,7 @@ def _setting(sandbox: Any, name: str) -> Any:
 def _backend(sandbox: Any):
     """The shared backend object for these settings (as code_rewards.score_code picks it)."""
     from sandbox.api import get_backend
-    name = _setting(sandbox, "backend") or os.environ.get("GRPO_SANDBOX_BACKEND", "auto")
-    return get_backend(name, dict(_setting(sandbox, "images") or {}) or None)
+    return get_backend(_setting(sandbox, "backend"), dict(_setting(sandbox, "images") or {}) or None)
 
 
 def _tool_limits(language: str):

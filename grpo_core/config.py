@@ -432,6 +432,40 @@ class WarmstartConfig(_Section):
     learning_rate: float | None = Field(None, gt=0, description="default: learning_rate")
 
 
+class KernelsConfig(_Section):
+    """How the math runs on this machine (grpo_core/kernels/, docs/speed.md): which kernels the sampler and the
+    update take, and whether stages share one model. `auto` lets the code probe or detect; a value names the
+    choice instead (e.g. to measure one kernel against another). Operational: a resume may change it."""
+    decode_linear: Literal["auto", "plain", "onednn", "native"] = Field(
+        "auto", description="the fused sampler's linear kernel: auto (a short probe per process times the ones "
+                            "this CPU runs and picks one), plain (F.linear on huge pages), onednn (oneDNN's packed "
+                            "weights), native (the compiled matmul; AVX-512, bf16 also AVX512-BF16)")
+    update_linear: Literal["auto", "native", "torch"] = Field(
+        "auto", description="the update's frozen bf16 base linears: auto (probed: the compiled matmul on the "
+                            "sampler's packed weights where it beats torch's), native, or torch")
+    native: bool = Field(True, description="the compiled C++ kernels (decode step, trunk, logit sweep, matmul; "
+                         "built with $CXX for this CPU); false: torch ops everywhere")
+    max_cpu_isa: Literal["avx2", "avx512", "avx512_bf16", "amx"] | None = Field(
+        None, description="take the paths of a CPU of at most this level, and build the compiled kernels for it "
+                          "(None: this CPU's own; $GRPO_MAX_CPU_ISA caps further)")
+    cpu_bf16: Literal["auto"] | bool = Field(
+        "auto", description="dtype auto with LoRA on a CPU: bf16 base weights (true), float32 (false), or bf16 "
+                            "where the CPU multiplies bf16 natively, AMX or AVX512-BF16 (auto)")
+    reuse_model: bool = Field(True, description="stages of one process share the LoRA model (grpo_core/policy.py: "
+                              "a released policy's model is pooled and the next load of a checkpoint takes it); "
+                              "false: every stage loads its own")
+
+    @field_validator("cpu_bf16", mode="before")
+    @classmethod
+    def _auto_or_bool(cls, value: Any) -> Any:
+        if isinstance(value, bool) or value == "auto":
+            return value
+        if isinstance(value, str) and value.strip().lower() in ("true", "false"):
+            return value.strip().lower() == "true"
+        raise ValueError(f"kernels.cpu_bf16 must be auto, true or false, got {value!r}; set auto (detect), true "
+                         f"(bf16 base weights) or false (float32)")
+
+
 def _check_structured_regex(regex: str, backend: str, generation_kwargs: dict) -> None:
     """ValueError naming vllm_structured_outputs_regex and the fix when it cannot apply."""
     if backend != "vllm":
@@ -468,7 +502,8 @@ class GRPOConfig(_Section):
     device: Literal["auto", "cpu", "cuda"] = "auto"
     dtype: Literal["auto", "float32", "bfloat16"] = Field(
         "auto", description="auto: bfloat16 on CUDA and, for LoRA, on CPUs with native bf16 matmul (AMX, "
-                            "AVX512-BF16; the adapter, optimizer state and loss stay float32); float32 otherwise")
+                            "AVX512-BF16; kernels.cpu_bf16 decides instead; the adapter, optimizer state and loss "
+                            "stay float32); float32 otherwise")
     use_peft: bool = True
     lora_r: int = Field(16, ge=1)
     lora_alpha: int = Field(32, ge=1)
@@ -788,6 +823,7 @@ class GRPOConfig(_Section):
     gate: GateConfig = Field(default_factory=GateConfig)
     monitors: MonitorConfig = Field(default_factory=MonitorConfig)
     warmstart: WarmstartConfig = Field(default_factory=WarmstartConfig)
+    kernels: KernelsConfig = Field(default_factory=KernelsConfig)
 
     @model_validator(mode="after")
     def _gate_metric(self):

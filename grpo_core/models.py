@@ -32,6 +32,7 @@ import torch
 
 from grpo_core.io import atomic_dir, grpo_home
 from grpo_core.kernels import cpu_features
+from grpo_core.kernels import settings as kernel_settings
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
 
@@ -71,18 +72,23 @@ def select_device(device: str = "auto") -> torch.device:
     return torch.device(device)
 
 
-def _forced_cpu_bf16() -> bool | None:
-    """GRPO_CPU_BF16=1 / 0 as True / False; None when unset (detect)."""
-    return {"1": True, "0": False}.get(os.environ.get("GRPO_CPU_BF16", "").strip())
+def _forced_cpu_bf16() -> tuple[bool, str] | None:
+    """(bf16 or not, what decided it) where detection does not decide: the config's `kernels.cpu_bf16` true or
+    false, else, under auto, the tests' pin $GRPO_CPU_BF16=1 / 0; None: detect."""
+    chosen = kernel_settings.current().cpu_bf16
+    if chosen != "auto":
+        return chosen, f"kernels.cpu_bf16: {str(chosen).lower()}"
+    pinned = os.environ.get("GRPO_CPU_BF16", "").strip()
+    return (pinned == "1", f"GRPO_CPU_BF16={pinned}") if pinned in ("0", "1") else None
 
 
 def cpu_bf16_matmul() -> str | None:
     """The instruction set this CPU multiplies bf16 with natively ("AMX", "AVX512-BF16"), or None.
-    GRPO_CPU_BF16=0 or 1 overrides the detection (the tests pin it to 0 so that results do not depend on
-    the machine)."""
+    `kernels.cpu_bf16` (and, under auto, $GRPO_CPU_BF16, which the tests pin to 0 so that results do not depend
+    on the machine) overrides the detection: then what decided it, or None."""
     forced = _forced_cpu_bf16()
     if forced is not None:
-        return "GRPO_CPU_BF16=1" if forced else None
+        return forced[1] if forced[0] else None
     return cpu_features.detect().bf16_matmul
 
 
@@ -101,14 +107,16 @@ def describe_precision(dtype: str, device: torch.device, use_peft: bool) -> str:
     """One line for the run's header: the precision this run takes, and why."""
     chosen = select_dtype(dtype, device, use_peft)
     bf16 = chosen == torch.bfloat16
+    forced = _forced_cpu_bf16() if device.type == "cpu" else None
     if dtype != "auto":
         why = f"dtype: {dtype}"
     elif bf16:
-        why = f"auto: {cpu_bf16_matmul() if device.type == 'cpu' else 'CUDA'} bf16 matmul; dtype: float32 forces fp32"
+        source = forced[1] if forced else f"{cpu_bf16_matmul() if device.type == 'cpu' else 'CUDA'} bf16 matmul"
+        why = f"auto: {source}; dtype: float32 forces fp32"
     elif device.type == "cpu" and not use_peft:
         why = "auto: full fine-tuning trains the weights themselves"
-    elif _forced_cpu_bf16() is False:
-        why = "auto: GRPO_CPU_BF16=0"
+    elif forced:
+        why = f"auto: {forced[1]}"
     else:
         why = "auto: this CPU has no native bf16 matmul"
     name = str(chosen).removeprefix("torch.")

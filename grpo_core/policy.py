@@ -10,15 +10,14 @@ One process often loads the same base several times in an iteration (rollout, up
 policy's model goes back to a pool when the policy is garbage-collected, and the next `load_policy` of the same
 base and LoRA settings with a checkpoint takes it from there and loads the checkpoint's adapter weights into it
 (no weight file read, no LoRA injection; the fused sampler keeps its packed base). Its tokenizer goes with it
-(while the tokenizer's files are unchanged): copying a parsed tokenizer beats parsing it again. `GRPO_REUSE_MODEL=0`
-turns this off (nothing is pooled or taken from the pool).
+(while the tokenizer's files are unchanged): copying a parsed tokenizer beats parsing it again. The config's
+`kernels.reuse_model: false` turns this off (nothing is pooled or taken from the pool).
 """
 from __future__ import annotations
 
 import contextlib
 import copy
 import functools
-import os
 import threading
 import weakref
 from dataclasses import dataclass
@@ -27,6 +26,7 @@ from pathlib import Path
 import torch
 
 from grpo_core.config import GRPOConfig
+from grpo_core.kernels import settings as kernel_settings
 from grpo_core.kernels.cpu_linear import use_onednn_linears
 from grpo_core.logprobs import contiguous_head_logits, fp32_head_logits
 from grpo_core.models import (ModelError, attach_lora, file_versions, load_base_model, load_tokenizer,
@@ -273,13 +273,9 @@ def _same_lora(model, checkpoint: Path) -> bool:
         all(getattr(saved, f, None) == getattr(live, f, None) for f in fields)
 
 
-def _reuse_enabled() -> bool:
-    return os.environ.get("GRPO_REUSE_MODEL", "1") != "0"
-
-
 def _reuse(key: tuple, checkpoint: str | Path | None) -> _Pooled | None:
     """The pooled model for `key` with the adapter at `checkpoint` loaded into it, or None (build anew)."""
-    if checkpoint is None or not _reuse_enabled():
+    if checkpoint is None:
         return None
     with _pool_lock:
         pooled = _pool.pop(key, None)
@@ -307,7 +303,7 @@ def _lora_model(cfg: GRPOConfig, base_dir: Path, device: torch.device, dtype: to
     if checkpoint is not None and not (Path(checkpoint) / "adapter_config.json").exists():
         raise ModelError(f"{checkpoint} holds no LoRA adapter (adapter_config.json missing)")
     key = _pool_key(cfg, base_dir, device, dtype)
-    pooled = _reuse(key, checkpoint)
+    pooled = _reuse(key, checkpoint) if cfg.kernels.reuse_model else None
     if pooled is not None:
         return pooled, key
     base = load_base_model(base_dir, device, dtype)
@@ -332,7 +328,9 @@ def load_policy(cfg: GRPOConfig, checkpoint: str | Path | None = None, need_refe
     same directory as `checkpoint` at the first iteration): with `reference: init` it is the reference.
     A reference saved inside `checkpoint` (sync_ref_model) takes precedence. No reference is built
     when `need_reference` is False or beta = 0. With LoRA the model may come from the pool (module docstring).
+    The config's kernel choices (`kernels:`) become this process's first (grpo_core/kernels/settings.py).
     """
+    kernel_settings.apply(cfg.kernels)
     base_dir = resolve_model(cfg.model)
     device = select_device(cfg.device)
     dtype = select_dtype(cfg.dtype, device, cfg.use_peft)
@@ -358,6 +356,6 @@ def load_policy(cfg: GRPOConfig, checkpoint: str | Path | None = None, need_refe
     _prepare(cfg, pooled.model)
     policy = Policy(model=pooled.model, tokenizer=tokenizer, device=device, use_peft=True,
                     reference_adapter=reference_adapter, save_reference=with_reference and cfg.sync_ref_model)
-    if reference_adapter is None and _reuse_enabled():      # a model with a second adapter is not pooled
+    if reference_adapter is None and cfg.kernels.reuse_model:   # a model with a second adapter is not pooled
         weakref.finalize(policy, _release, key, pooled).atexit = False
     return policy

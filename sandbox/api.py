@@ -34,7 +34,8 @@ are in ``stderr``), ``timeout``, ``infra_error`` (the sandbox failed, not the pr
 ``backend``: ``"docker"`` (containers; needs an engine and the images from
 ``python -m sandbox.images build``), ``"local"`` (subprocess + rlimits + bubblewrap when
 available; weaker, warns loudly), or ``"auto"`` (docker when an engine answers and the images
-exist, else local). The choice can also be forced with env ``GRPO_SANDBOX_BACKEND``.
+exist, else local). A caller that names none (library use; a run names its config's ``sandbox.backend``)
+gets ``$GRPO_SANDBOX_BACKEND``, else ``"auto"``: :func:`default_backend_name`, the one place it is read.
 
 The ``tests`` formats (the hidden tests of a task; never shown to the model)
 ----------------------------------------------------------------------------
@@ -122,13 +123,19 @@ def validate_tests(language: str, tests: Any, entry_point: str | None = None) ->
 _BACKENDS: dict[str, Any] = {}
 
 
+def default_backend_name() -> str:
+    """The backend of a call that names none: ``$GRPO_SANDBOX_BACKEND`` (auto|docker|local), else ``"auto"``."""
+    return os.environ.get("GRPO_SANDBOX_BACKEND") or "auto"
+
+
 def get_backend(name: str | None = None, images: dict[str, str] | None = None):
-    """Return a backend object: ``"docker"``, ``"local"`` or ``"auto"`` (default, or env
-    ``GRPO_SANDBOX_BACKEND``). ``images``: language -> Docker image, overriding ``sandbox.images.IMAGES``
-    for those languages. Instances are shared (their warm containers are reused across calls)."""
-    name = name or os.environ.get("GRPO_SANDBOX_BACKEND") or "auto"
+    """Return a backend object: ``"docker"``, ``"local"`` or ``"auto"`` (None: :func:`default_backend_name`).
+    ``images``: language -> Docker image, overriding ``sandbox.images.IMAGES`` for those languages. Instances
+    are shared (their warm containers are reused across calls)."""
+    name = name or default_backend_name()
     if name not in ("auto", "docker", "local"):
-        raise ValueError(f"sandbox backend {name!r}: use 'auto', 'docker' or 'local'")
+        raise ValueError(f"sandbox backend {name!r} (sandbox.backend, or $GRPO_SANDBOX_BACKEND): use 'auto', "
+                         f"'docker' or 'local'")
     if name == "auto":
         from sandbox.docker_backend import docker_available
         name = "docker" if docker_available(images) else "local"

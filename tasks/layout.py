@@ -26,9 +26,11 @@ from grpo_core.io import read_json, write_json
 STAGES = stages.names()          # the registered stages' names, in order (grpo_core/stages.py)
 
 # Config parts that change how a run is operated, never what it computes: a resume may change them
-# (e.g. more retries) without invalidating completed stages.
-OPERATIONAL_FIELDS = ("stages", "tracking", "gate", "monitors", "output_dir", "run_name", "init_adapter",
-                      "keep_trainer_states")
+# (e.g. more retries) without invalidating completed stages. `kernels` is how the same math runs on this
+# machine (which matmul, up to summation order; the precision `dtype: auto` detects), which a resume on
+# another machine changes anyway.
+OPERATIONAL_FIELDS = ("stages", "tracking", "gate", "monitors", "kernels", "output_dir", "run_name",
+                      "init_adapter", "keep_trainer_states")
 
 
 def cfg_of(config: dict) -> GRPOConfig:

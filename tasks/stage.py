@@ -21,6 +21,7 @@ from prefect import task
 
 from grpo_core import stages
 from grpo_core.config import GRPOConfig
+from grpo_core.kernels import settings as kernel_settings
 from tasks.layout import cfg_of, completed_record, finish_stage, input_key
 from tasks.retry import retry_transient_only
 
@@ -42,8 +43,8 @@ def stage(name: str, key: Callable[..., dict]):
             bound.apply_defaults()
             return dict(bound.arguments)
 
-        def key_of(arguments: dict) -> str:
-            return input_key(**key(cfg=cfg_of(arguments["config"]), **arguments))
+        def key_of(arguments: dict, cfg: GRPOConfig | None = None) -> str:
+            return input_key(**key(cfg=cfg or cfg_of(arguments["config"]), **arguments))
 
         def completed(arguments: dict) -> dict | None:
             """The record of this call if the stage already completed with these inputs, else None."""
@@ -52,9 +53,11 @@ def stage(name: str, key: Callable[..., dict]):
         @functools.wraps(work)
         def run(*args, **kwargs) -> dict:
             arguments = arguments_of(*args, **kwargs)
-            run_dir, iteration, inputs_key = arguments["run_dir"], arguments["iteration"], key_of(arguments)
+            cfg = cfg_of(arguments["config"])
+            run_dir, iteration, inputs_key = arguments["run_dir"], arguments["iteration"], key_of(arguments, cfg)
             if (done := completed_record(run_dir, iteration, name, inputs_key)):
                 return done
+            kernel_settings.apply(cfg.kernels)          # the run's kernel choices, in whatever process the stage runs
             return finish_stage(run_dir, iteration, name, inputs_key, work(*args, **kwargs))
 
         run.arguments_of, run.completed = arguments_of, completed    # for tasks/remote.py: skip, then read back

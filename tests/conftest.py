@@ -14,7 +14,9 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")
-os.environ.setdefault("GRPO_CPU_BF16", "0")     # dtype auto = float32 on every CPU: results do not depend on the machine
+# The tests' pin of kernels.cpu_bf16: auto (docs/operations.md, "Environment variables"): dtype auto = float32 on
+# every CPU, in this process and the ones it starts, so results do not depend on the machine.
+os.environ.setdefault("GRPO_CPU_BF16", "0")
 
 import pytest  # noqa: E402
 
@@ -44,6 +46,24 @@ def prefect_engine():
     from prefect.testing.utilities import prefect_test_harness
     with prefect_test_harness(server_startup_timeout=180):
         yield
+
+
+@pytest.fixture(autouse=True)
+def _kernel_settings_restored():
+    """The kernel choices a test makes (`use_kernels`, or a config's `kernels:` applied by load_policy or a run)
+    end with it."""
+    from grpo_core.kernels import settings
+    before = settings.current()
+    yield
+    settings.apply(before)
+
+
+def use_kernels(**choices) -> None:
+    """Make these kernel choices (fields of the config's `kernels:`, e.g. decode_linear="native") this process's
+    for the rest of the test."""
+    from dataclasses import replace
+    from grpo_core.kernels import settings
+    settings.apply(replace(settings.current(), **choices))
 
 
 @pytest.fixture()
@@ -83,8 +103,8 @@ def tiny_config(tmp_path: Path, **overrides) -> dict:
 
 def cpu_declines(path: str, dtype=None) -> str | None:
     """Why this CPU cannot run the fast path `path` for `dtype` (fp32 by default), as the code itself decides
-    (`grpo_core.kernels.cpu_features.declines`, capped by $GRPO_MAX_CPU_ISA), with the skip's wording; None
-    where it can."""
+    (`grpo_core.kernels.cpu_features.declines`, capped by kernels.max_cpu_isa and $GRPO_MAX_CPU_ISA), with the
+    skip's wording; None where it can."""
     import torch
     from grpo_core.kernels import cpu_features
     dtype = dtype or torch.float32

@@ -6,10 +6,13 @@
   through its named bridge (`grpo_core.data.model_policy`); the algorithm side never imports curation.
 - grpo_core imports no Prefect or MLflow; sandbox imports nothing of grpo_core.
 - No function over 60 lines outside tests and benchmarks; every stage module in tasks/ stays short.
+- No hidden switches: library code reads only the environment variables docs/operations.md lists (its table
+  "Environment variables"); every other choice is a config field.
 """
 from __future__ import annotations
 
 import ast
+import re
 from collections import defaultdict
 from pathlib import Path
 
@@ -171,3 +174,127 @@ def test_the_checker_sees_a_cycle_and_a_long_function(tmp_path, monkeypatch):
     tree = ast.parse(src)
     fn = tree.body[0]
     assert fn.end_lineno - fn.lineno + 1 > MAX_FUNCTION_LINES
+
+
+# -- no hidden switches ----------------------------------------------------------------------------------
+
+ENV_DOC = ROOT / "docs" / "operations.md"
+ENV_SECTION = "## Environment variables"
+
+
+def documented_variables() -> set[str]:
+    """The names in the first column of the table under "## Environment variables" in docs/operations.md."""
+    text = ENV_DOC.read_text()
+    assert ENV_SECTION in text, f"{ENV_DOC} has no section {ENV_SECTION!r}"
+    section = text.split(ENV_SECTION, 1)[1].split("\n## ", 1)[0]
+    rows = [line.split("|")[1] for line in section.splitlines() if line.startswith("|") and line.count("|") > 2]
+    return {name for cell in rows for name in re.findall(r"`([A-Z][A-Z0-9_]*)`", cell)}
+
+
+def _is_environ(node: ast.AST, aliases: set[str]) -> bool:
+    """`os.environ`, or a local name bound to it (`env = os.environ`)."""
+    if isinstance(node, ast.Attribute):
+        return node.attr == "environ" and isinstance(node.value, ast.Name) and node.value.id == "os"
+    return isinstance(node, ast.Name) and node.id in aliases
+
+
+def _constants(tree: ast.Module) -> dict[str, list[str]]:
+    """Names whose value is known text: module constants (NAME = "X") and loop variables over literal names
+    (`for k in ("A", "B")`, also in comprehensions)."""
+    known: dict[str, list[str]] = defaultdict(list)
+    for node in tree.body:
+        if isinstance(node, ast.Assign) and isinstance(node.value, ast.Constant) and isinstance(node.value.value, str):
+            for target in node.targets:
+                if isinstance(target, ast.Name):
+                    known[target.id].append(node.value.value)
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.For, ast.comprehension)) and isinstance(node.target, ast.Name) \
+                and isinstance(node.iter, (ast.Tuple, ast.List)):
+            known[node.target.id] += [e.value for e in node.iter.elts
+                                      if isinstance(e, ast.Constant) and isinstance(e.value, str)]
+    return known
+
+
+def _reads(scope: ast.AST, aliases: set[str]) -> list[tuple[int, ast.AST]]:
+    """(line, the expression naming the variable) of every read of the environment in `scope`."""
+    found = []
+    for node in ast.walk(scope):
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.args:
+            f = node.func
+            if (f.attr in ("get", "pop") and _is_environ(f.value, aliases)) or \
+                    (f.attr == "getenv" and isinstance(f.value, ast.Name) and f.value.id == "os"):
+                found.append((node.lineno, node.args[0]))
+        elif isinstance(node, ast.Subscript) and isinstance(node.ctx, ast.Load) and _is_environ(node.value, aliases):
+            found.append((node.lineno, node.slice))
+        elif isinstance(node, ast.Compare) and isinstance(node.ops[0], (ast.In, ast.NotIn)) \
+                and _is_environ(node.comparators[0], aliases):
+            found.append((node.lineno, node.left))
+    return found
+
+
+def environment_reads(path: Path) -> list[tuple[int, str | None]]:
+    """(line, variable name) of each read of the environment in `path`; the name is None where the code does
+    not say it (a computed name: write it out, or make it a module constant)."""
+    tree = ast.parse(path.read_text())
+    known = _constants(tree)
+    out = set()
+    for scope in [tree, *(n for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)))]:
+        aliases = {t.id for n in ast.walk(scope) if isinstance(n, ast.Assign) and _is_environ(n.value, set())
+                   for t in n.targets if isinstance(t, ast.Name)} if scope is not tree else set()
+        for line, name in _reads(scope, aliases):
+            if isinstance(name, ast.Constant) and isinstance(name.value, str):
+                out.add((line, name.value))
+            elif isinstance(name, ast.Name) and known.get(name.id):
+                out |= {(line, value) for value in known[name.id]}
+            else:
+                out.add((line, None))
+    return sorted(out, key=lambda read: (read[0], read[1] or ""))
+
+
+def undocumented_reads(documented: set[str], root: Path = ROOT) -> list[str]:
+    """`file:line reads NAME` for every read of a variable the library code under `root` makes that is not in
+    `documented`."""
+    bad = []
+    for layer in LAYERS:
+        for path in sorted((root / layer).rglob("*.py")):
+            for line, name in environment_reads(path):
+                if name not in documented:
+                    where = f"{path.relative_to(root)}:{line}"
+                    bad.append(f"{where} reads {name}" if name else f"{where} reads a variable named by a "
+                               f"computed expression (write the name out)")
+    return bad
+
+
+def test_library_code_reads_only_documented_environment_variables():
+    """Each variable grpo_core/, tasks/, flows/ and sandbox/ read is listed in docs/operations.md's table, with
+    what it does and who it is for; a choice a run makes belongs in the config instead."""
+    bad = undocumented_reads(documented_variables())
+    assert bad == [], ("library code reads environment variables docs/operations.md does not list (section "
+                       f"{ENV_SECTION!r}): make the choice a config field, or add a row to that table:\n"
+                       + "\n".join(bad))
+
+
+def test_the_environment_check_sees_every_way_of_reading(tmp_path):
+    """The rule above can fail: each form of read of an unlisted variable is found, with its file and line."""
+    planted = tmp_path / "grpo_core" / "planted.py"
+    planted.parent.mkdir()
+    planted.write_text(
+        "import os\n"
+        "NAME = 'GRPO_CONST'\n"
+        "a = os.environ.get('GRPO_GET')\n"
+        "b = os.environ['GRPO_ITEM']\n"
+        "c = os.getenv('GRPO_GETENV')\n"
+        "d = os.environ.pop('GRPO_POP', '')\n"
+        "e = 'GRPO_IN' in os.environ\n"
+        "def f():\n"
+        "    env = os.environ\n"
+        "    return env.get(NAME), any(k in env for k in ('GRPO_LOOP',)), os.environ.get(NAME.lower())\n"
+        "os.environ['GRPO_WRITTEN'] = '1'\n"
+        "os.environ.setdefault('HF_HUB_OFFLINE', '1')\n")
+    assert environment_reads(planted) == [(3, "GRPO_GET"), (4, "GRPO_ITEM"), (5, "GRPO_GETENV"), (6, "GRPO_POP"),
+                                          (7, "GRPO_IN"), (10, None), (10, "GRPO_CONST"), (10, "GRPO_LOOP")]
+    assert undocumented_reads({"GRPO_GET", "GRPO_ITEM", "GRPO_GETENV", "GRPO_POP", "GRPO_IN", "GRPO_CONST"},
+                              tmp_path) == ["grpo_core/planted.py:10 reads a variable named by a computed expression "
+                                            "(write the name out)", "grpo_core/planted.py:10 reads GRPO_LOOP"]
+    documented = documented_variables()
+    assert "GRPO_MAX_CPU_ISA" in documented and "GRPO_HOME" in documented and "GRPO_DECODE_LINEAR" not in documented

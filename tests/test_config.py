@@ -57,7 +57,8 @@ def test_bad_files(tmp_path):
 def test_flat_params_cover_sections():
     flat = GRPOConfig().flat()
     assert flat["beta"] == 0.04 and flat["data.prompts_per_iteration"] == 8
-    assert all("." not in k or k.split(".")[0] in {"data", "eval", "sandbox", "stages", "tracking", "gate", "monitors", "warmstart"} for k in flat)
+    sections = {"data", "eval", "sandbox", "stages", "tracking", "gate", "monitors", "warmstart", "kernels"}
+    assert all("." not in k or k.split(".")[0] in sections for k in flat)
 
 
 def test_shipped_configs_validate():
@@ -182,3 +183,49 @@ def test_variant_options_are_logged_and_shown_in_help():
         assert name in flat, name                                  # MLflow params (tasks/tracking logs cfg.flat())
         line = next(ln for ln in text.splitlines() if ln.strip().startswith(f"{name} ="))
         assert " - " in line, line                                 # with a description
+
+
+def test_kernel_choices_are_a_config_section(tmp_path):
+    """The kernels' switches (once GRPO_* environment variables) are fields: validated, YAML in and out, in
+    `grpo train --help`, MLflow params, operational (a resume may change them), and what the kernels read."""
+    import typing
+    from dataclasses import asdict, fields
+    from grpo_core.config import KernelsConfig, field_help
+    from grpo_core.kernels import settings
+    from tasks.layout import semantic_config
+    cfg = load_config(None, ["kernels.decode_linear=native", "kernels.update_linear=torch", "kernels.native=false",
+                             "kernels.max_cpu_isa=avx512", "kernels.cpu_bf16=false", "kernels.reuse_model=false"])
+    p = tmp_path / "c.yaml"
+    p.write_text(cfg.to_yaml())
+    assert load_config(p) == cfg and yaml.safe_load(p.read_text())["kernels"]["cpu_bf16"] is False
+    assert load_config(None, ["kernels.cpu_bf16=auto"]).kernels.cpu_bf16 == "auto"
+    flat, text = cfg.flat(), field_help()
+    for name in KernelsConfig.model_fields:
+        assert f"kernels.{name}" in flat, name                        # MLflow params (tasks/tracking logs cfg.flat())
+        line = next(ln for ln in text.splitlines() if ln.strip().startswith(f"kernels.{name} ="))
+        assert " - " in line, line
+    assert "kernels" not in semantic_config(cfg.model_dump(mode="json"))
+    # every choice the kernels read is a field, with the same defaults
+    held = {f.name for f in fields(settings.KernelSettings)}
+    assert held == set(KernelsConfig.model_fields) - {"reuse_model"}          # reuse_model: read from cfg (policy)
+    assert asdict(settings.KernelSettings()) == KernelsConfig().model_dump(exclude={"reuse_model"})
+    assert settings.KernelSettings(**cfg.kernels.model_dump(exclude={"reuse_model"})).max_cpu_isa == "avx512"
+    allowed = {name: typing.get_args(f.annotation) for name, f in KernelsConfig.model_fields.items()}
+    assert allowed["decode_linear"] == settings.DECODE_LINEARS and allowed["update_linear"] == settings.UPDATE_LINEARS
+    assert typing.get_args(allowed["max_cpu_isa"][0]) == settings.ISA_LEVELS
+
+
+@pytest.mark.parametrize("override, message", [
+    ("kernels.decode_linear=fast", "config field 'kernels.decode_linear': must be 'auto', 'plain', 'onednn' or "
+                                   "'native', got 'fast'"),
+    ("kernels.update_linear=onednn", "config field 'kernels.update_linear': must be 'auto', 'native' or 'torch'"),
+    ("kernels.max_cpu_isa=sse4", "config field 'kernels.max_cpu_isa': must be 'avx2', 'avx512', 'avx512_bf16' or "
+                                 "'amx'"),
+    ("kernels.cpu_bf16=maybe", "kernels.cpu_bf16 must be auto, true or false, got 'maybe'"),
+    ("kernels.native=perhaps", "config field 'kernels.native': must be a valid boolean"),
+    ("kernels.speed=max", "config field 'kernels.speed': unknown field"),
+])
+def test_bad_kernel_choices_name_the_field(override, message):
+    with pytest.raises(ConfigError) as e:
+        load_config(None, [override])
+    assert message in str(e.value)

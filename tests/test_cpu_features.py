@@ -1,7 +1,7 @@
 """What the fast paths take on each kind of CPU (grpo_core/kernels/cpu_features.py): the decision is a function
 of the features, checked here for an AVX2-only CPU, an AVX-512 one without bf16, one with AVX512-BF16 and one
-with AMX whatever this machine is; $GRPO_MAX_CPU_ISA caps what this machine shows, and the compiled kernels
-are built within the cap; `dtype: auto` follows the same features."""
+with AMX whatever this machine is; the config's kernels.max_cpu_isa (and the tests' $GRPO_MAX_CPU_ISA) caps what
+this machine shows, and the compiled kernels are built within the cap; `dtype: auto` follows the same features."""
 from __future__ import annotations
 
 import ctypes
@@ -11,7 +11,7 @@ import torch
 
 from grpo_core.kernels import cpu_features, native
 from grpo_core.kernels.cpu_features import CpuFeatures, declines, plan
-from tests.conftest import needs_cpu
+from tests.conftest import needs_cpu, use_kernels
 
 BASE = "fpu sse sse2 ssse3 sse4_1 sse4_2 popcnt avx f16c fma bmi1 bmi2 avx2"
 AVX512 = "avx512f avx512dq avx512cd avx512bw avx512vl avx512_vnni"
@@ -101,20 +101,33 @@ def test_a_cap_hides_every_feature_above_it(cap, left):
     assert capped.summary().endswith(f"(capped at {cap})")
     assert capped.compiler_flags() == {"avx2": ["-mno-avx512f"], "avx512": ["-mno-avx512bf16"]}.get(cap, [])
     assert capped.with_cap("amx") == capped                 # a lower cap stays
-    with pytest.raises(ValueError, match="GRPO_MAX_CPU_ISA='sse4': use one of avx2, avx512, avx512_bf16, amx"):
+    with pytest.raises(ValueError, match=r"CPU cap 'sse4' \(\$GRPO_MAX_CPU_ISA or kernels.max_cpu_isa\): use one "
+                                         r"of avx2, avx512, avx512_bf16, amx"):
         amx.with_cap("sse4")
 
 
-def test_the_environment_caps_what_this_machine_shows(monkeypatch):
+def test_the_config_caps_what_this_machine_shows(monkeypatch):
+    """kernels.max_cpu_isa caps the features every fast path asks about; $GRPO_MAX_CPU_ISA (`make test-avx2`)
+    caps them too, and the lower cap wins."""
+    monkeypatch.delenv("GRPO_MAX_CPU_ISA", raising=False)
+    use_kernels(max_cpu_isa=None)
+    cpu_features.detect.cache_clear()                   # what it kept under `make test-avx2`'s cap
     real = cpu_features.detect()
+    use_kernels(max_cpu_isa="avx2")
+    seen = cpu_features.detect()
+    assert seen == real.with_cap("avx2") and not seen.avx512 and "avx2" in seen.summary()
+    assert declines("compiled_matmul", FP32) == NEEDS_512                   # asked of this machine, capped
+    use_kernels(max_cpu_isa="amx")
     monkeypatch.setenv("GRPO_MAX_CPU_ISA", "avx2")
     cpu_features.detect.cache_clear()
     try:
-        seen = cpu_features.detect()
+        assert cpu_features.detect() == real.with_cap("amx").with_cap("avx2")
+        use_kernels(max_cpu_isa=None)
+        assert cpu_features.detect().cap == "avx2"
     finally:
         cpu_features.detect.cache_clear()
-    assert seen == real.with_cap("avx2") and not seen.avx512 and "avx2" in seen.summary()
-    assert declines("compiled_matmul", FP32, seen) == NEEDS_512
+    with pytest.raises(ValueError, match="kernels.max_cpu_isa='sse4': use one of None, avx2, avx512"):
+        use_kernels(max_cpu_isa="sse4")
 
 
 @pytest.mark.parametrize("name", list(CPUS))

@@ -14,7 +14,7 @@ from grpo_core.kernels import cpu_features
 from grpo_core.kernels.fused_decode import _BASES, FusedDecoder, _probe, hugepage_empty, linear_kernel
 from grpo_core.models import attach_lora
 from grpo_core.rollout import KVCacheSampler, _HFForward, left_pad
-from tests.conftest import cpu_declines, needs_cpu, skip_unless_cpu
+from tests.conftest import cpu_declines, needs_cpu, skip_unless_cpu, use_kernels
 from tests.test_lean_decode import llama, qwen2, run as lean_run
 from tests.test_native import needs_compiler
 
@@ -39,25 +39,26 @@ PROMPTS = [[10, 11, 12, 13], [14], [15, 16]]
 NATIVE = [pytest.param(True, marks=needs_compiler, id="native-ops"), pytest.param(False, id="torch-ops")]
 
 
-def _use_kernel(kernel: str, dtype: torch.dtype, monkeypatch) -> str:
-    """Force the fused forward's linear kernel, or skip where this CPU cannot run it for `dtype`."""
+def _use_kernel(kernel: str, dtype: torch.dtype) -> str:
+    """Force the fused forward's linear kernel (kernels.decode_linear), or skip where this CPU cannot run it for
+    `dtype`."""
     path = cpu_features.DECODE_LINEARS[kernel]
     if path:
         skip_unless_cpu(path, dtype)
-    monkeypatch.setenv("GRPO_DECODE_LINEAR", kernel)
+    use_kernels(decode_linear=kernel)
     return kernel
 
 
 @pytest.fixture(params=list(cpu_features.DECODE_LINEARS))
-def kernel(request, monkeypatch):
+def kernel(request):
     """Each linear kernel of the fused forward in turn, fp32 (as the probe would pick it on some CPU)."""
-    return _use_kernel(request.param, torch.float32, monkeypatch)
+    return _use_kernel(request.param, torch.float32)
 
 
 @pytest.fixture(params=list(cpu_features.DECODE_LINEARS))
-def bf16_kernel(request, monkeypatch):
+def bf16_kernel(request):
     """Each linear kernel of the fused forward in turn, bf16."""
-    return _use_kernel(request.param, torch.bfloat16, monkeypatch)
+    return _use_kernel(request.param, torch.bfloat16)
 
 
 def _assert_same(model, atol=1e-4, rtol=1e-5, prompts=PROMPTS, steps=8, native=False):
@@ -147,10 +148,10 @@ def test_groups_share_their_prompt_in_the_cache_at_head_dim_64(native):
 @needs_compiler
 @pytest.mark.parametrize("dtype", [pytest.param(dtype, marks=needs_cpu("compiled_matmul", dtype))
                                    for dtype in (torch.float32, torch.bfloat16)])
-def test_the_one_call_step_computes_what_the_per_operation_step_does(monkeypatch, dtype):
+def test_the_one_call_step_computes_what_the_per_operation_step_does(dtype):
     """`decode_layers` runs every layer in one compiled call; the same step as one call per operation gives
     the same logits bit for bit (LoRA factors on q, k, v, o and up in bf16; shared, dropped and copied rows)."""
-    monkeypatch.setenv("GRPO_DECODE_LINEAR", "native")
+    use_kernels(decode_linear="native")
     model = _with_lora(_llama_head_dim_64(dtype), ["q_proj", "k_proj", "v_proj", "o_proj", "up_proj"])
     with torch.inference_mode():
         fused = FusedDecoder.snapshot(model)
@@ -231,32 +232,31 @@ def test_dora_falls_back_to_the_lean_forward(tiny_model_dir):
         assert FusedDecoder.snapshot(model) is None
 
 
-def test_hugepage_buffer_is_aligned_and_the_probe_names_a_kernel(monkeypatch):
+def test_hugepage_buffer_is_aligned_and_the_probe_names_a_kernel():
     buf = hugepage_empty(3 << 20, torch.float32)
     assert buf.numel() == 3 << 20 and buf.data_ptr() % (2 << 20) == 0
-    monkeypatch.delenv("GRPO_DECODE_LINEAR", raising=False)
+    use_kernels(decode_linear="auto")
     for dtype in (torch.float32, torch.bfloat16):
         kernel, rates = linear_kernel(dtype, 4, ((96, 64), (64, 96)), mib=4)
         assert kernel in rates and all(r > 0 for r in rates.values())
         # the probe times exactly the kernels `cpu_features.plan` lists for this CPU
         assert "|".join(rates) == cpu_features.plan(cpu_features.detect(), dtype)["decode_linears"].split(" ")[0]
     if cpu_declines("onednn_linear") is None:
-        monkeypatch.setenv("GRPO_DECODE_LINEAR", "onednn")
+        use_kernels(decode_linear="onednn")
         assert linear_kernel(torch.float32, 4, ((96, 64), (64, 96)), mib=4) == ("onednn", {})
-    monkeypatch.setenv("GRPO_DECODE_LINEAR", "fast")
-    with pytest.raises(ValueError, match="GRPO_DECODE_LINEAR='fast': use one of plain, onednn, native"):
-        linear_kernel(torch.float32, 4, ((96, 64), (64, 96)), mib=4)
+    with pytest.raises(ValueError, match="kernels.decode_linear='fast': use one of auto, plain, onednn, native"):
+        use_kernels(decode_linear="fast")
 
 
 def test_a_kernel_this_cpu_cannot_run_is_declined_with_the_reason(monkeypatch, caplog):
     """On an AVX2 CPU (this one, capped): the probe leaves oneDNN's bf16 packing and the compiled matmul out and
-    logs why once; naming one of them in $GRPO_DECODE_LINEAR is an error that says why."""
+    logs why once; naming one of them in kernels.decode_linear is an error that says why."""
     import logging
     caplog.set_level(logging.INFO, logger=cpu_features.__name__)
     avx2 = cpu_features.detect().with_cap("avx2")
     monkeypatch.setattr(cpu_features, "detect", lambda: avx2)
     monkeypatch.setattr(cpu_features, "_SAID", set())
-    monkeypatch.delenv("GRPO_DECODE_LINEAR", raising=False)
+    use_kernels(decode_linear="auto")
     _probe.cache_clear()
     try:
         kernel, rates = linear_kernel(torch.bfloat16, 4, ((96, 64), (64, 96)), mib=4)
@@ -270,8 +270,8 @@ def test_a_kernel_this_cpu_cannot_run_is_declined_with_the_reason(monkeypatch, c
         assert any(m.startswith("compiled bfloat16 matmul not used here (the compiled bf16 matmul needs AVX-512")
                    for m in said), said
     for kernel, path in (("onednn", "onednn_linear"), ("native", "compiled_matmul")):
-        monkeypatch.setenv("GRPO_DECODE_LINEAR", kernel)
+        use_kernels(decode_linear=kernel)
         reason = re.escape(cpu_features.declines(path, torch.bfloat16))
-        with pytest.raises(ValueError, match=f"GRPO_DECODE_LINEAR={kernel}: .*{reason}"):
+        with pytest.raises(ValueError, match=f"kernels.decode_linear={kernel}: .*{reason}"):
             linear_kernel(torch.bfloat16, 4, ((96, 64), (64, 96)), mib=4)
     assert len(caplog.messages) == len(said)                               # once per process

@@ -174,7 +174,10 @@ def _run(tmp_path, name: str, **overrides) -> dict:
         lora_target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
         steps_per_iteration=4, data={"prompts_per_iteration": 8, "eval_size": 16},
         eval={"enabled": False, "num_samples": 0}, gate={"questions": 16},
-        tracking={"best_metric": METRIC, "register_adapter": "final"})
+        tracking={"best_metric": METRIC, "register_adapter": "final"},
+        # the CPU fast paths are not under test: no C++ build in this fresh $GRPO_HOME, no per-process kernel
+        # probes (together over a minute on 2 busy cores)
+        kernels={"native": False, "decode_linear": "plain", "update_linear": "torch"})
     for key, value in overrides.items():
         config[key] = {**config[key], **value} if isinstance(value, dict) and key in config else value
     t0 = time.perf_counter()
@@ -186,7 +189,7 @@ def _run(tmp_path, name: str, **overrides) -> dict:
 
 @pytest.mark.slow
 def test_the_gate_holds_back_a_worse_run_and_promotes_a_better_one(prefect_engine, grpo_home, mlflow_uri, tmp_path,
-                                                                    monkeypatch, capsys):
+                                                                    capsys):
     """Run 1 (barely trained) becomes the task's first champion and stores its gate set (questions of its own,
     disjoint from the eval split); run 2 starts from it and is destroyed by a huge learning rate: not promoted (on
     this metric it ties the champion, which scores 0 too: the old "at least as good" rule would have handed it
@@ -195,10 +198,6 @@ def test_the_gate_holds_back_a_worse_run_and_promotes_a_better_one(prefect_engin
     from mlflow.tracking import MlflowClient
     from grpo_core.task import read_tasks
     from grpo_core.task_identity import registered_model_name
-    # The CPU fast paths are not under test: no C++ build in this fresh $GRPO_HOME, no per-process kernel probes
-    # (together over a minute on 2 busy cores).
-    for name, value in {"GRPO_NATIVE_KERNELS": "0", "GRPO_DECODE_LINEAR": "plain", "GRPO_UPDATE_LINEAR": "torch"}.items():
-        monkeypatch.setenv(name, value)
     from tasks import gate as gate_steps
     c = MlflowClient(tracking_uri=mlflow_uri, registry_uri=mlflow_uri)
     first = _run(tmp_path, "day-1", pipeline_iterations=1, learning_rate=1e-6)
@@ -244,13 +243,10 @@ def test_the_gate_holds_back_a_worse_run_and_promotes_a_better_one(prefect_engin
 
 
 @pytest.mark.slow
-def test_two_tasks_in_one_tracking_store_keep_two_champions(prefect_engine, grpo_home, mlflow_uri, tmp_path,
-                                                            monkeypatch):
+def test_two_tasks_in_one_tracking_store_keep_two_champions(prefect_engine, grpo_home, mlflow_uri, tmp_path):
     """Addition/subtraction and multiplication are two tasks: two registered models, two champions, two gate sets.
     Forced into one registered model by name, the second task is not compared and the first keeps `champion`."""
     from mlflow.tracking import MlflowClient
-    for name, value in {"GRPO_NATIVE_KERNELS": "0", "GRPO_DECODE_LINEAR": "plain", "GRPO_UPDATE_LINEAR": "torch"}.items():
-        monkeypatch.setenv(name, value)
     c = MlflowClient(tracking_uri=mlflow_uri, registry_uri=mlflow_uri)
     add = _run(tmp_path, "add", pipeline_iterations=1)
     mul = _run(tmp_path, "mul", pipeline_iterations=1, data={"operations": ["*"]})

@@ -8,7 +8,7 @@ import torch
 
 from grpo_core.logprobs import (completion_logits, completion_logprobs, head_logprobs, logprob_path, token_entropy,
                                 token_logprobs)
-from tests.conftest import skip_unless_cpu
+from tests.conftest import skip_unless_cpu, use_kernels
 
 
 # -- log-probs without the full log-softmax ---------------------------------------------------------
@@ -268,8 +268,7 @@ def test_the_update_forward_multiplies_on_the_samplers_packed_weights(tiny_model
     dtype = torch.bfloat16
     skip_unless_cpu("compiled_matmul", dtype)
     assert fused_decode._native_gemm(dtype, [(64, 64)]) is not None
-    monkeypatch.setenv("GRPO_DECODE_LINEAR", "native")
-    monkeypatch.setenv("GRPO_UPDATE_LINEAR", "native")
+    use_kernels(decode_linear="native", update_linear="native")
     assert fused_decode.use_packed_linears(_lora_model(tiny_model_dir, torch.float32)) == 0
     model = _lora_model(tiny_model_dir, dtype)
     ids, attn, G, P, C = _grouped_batch()
@@ -281,7 +280,7 @@ def test_the_update_forward_multiplies_on_the_samplers_packed_weights(tiny_model
                         lambda self, *a: calls.append(a[2]) or packed_linear(self, *a))
 
     def run(setting):
-        monkeypatch.setenv("GRPO_UPDATE_LINEAR", setting)
+        use_kernels(update_linear=setting)
         calls.clear()
         lp, _ = completion_logprobs(model, ids, attn, C, group_size=G)
         n_forward = len(calls)
@@ -303,7 +302,7 @@ def test_the_update_forward_multiplies_on_the_samplers_packed_weights(tiny_model
         up.weight.mul_(2.0)                                                 # e.g. full fine-tuning's step
     assert lora_linear._packed(up) is None                                  # the stale pack is not read
     assert fused_decode.use_packed_linears(model) == 15 and lora_linear._packed(up) is not None   # repacked
-    monkeypatch.setenv("GRPO_UPDATE_LINEAR", "torch")
+    use_kernels(update_linear="torch")
     assert fused_decode.use_packed_linears(model) == 0 and lora_linear._packed(up) is None
 
 

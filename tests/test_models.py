@@ -2,6 +2,7 @@ import pytest
 import torch
 
 from grpo_core.models import DEFAULT_MODEL, ModelError, resolve_model
+from tests.conftest import use_kernels
 
 
 def test_hub_id_fails_at_once_with_instructions(grpo_home):
@@ -40,15 +41,23 @@ def test_local_dir_and_tiny_model_load(grpo_home, tiny_model_dir):
 def test_auto_precision_is_bf16_for_lora_on_cpus_with_native_bf16_matmul(monkeypatch):
     from grpo_core.models import cpu_bf16_matmul, describe_precision, select_dtype
     cpu = torch.device("cpu")
-    monkeypatch.setenv("GRPO_CPU_BF16", "1")
+    use_kernels(cpu_bf16=True)
     assert select_dtype("auto", cpu, use_peft=True) == torch.bfloat16
     assert select_dtype("auto", cpu, use_peft=False) == torch.float32          # full fine-tuning trains the weights
     assert select_dtype("float32", cpu, use_peft=True) == torch.float32
     assert describe_precision("auto", cpu, True) == (
-        "precision: bfloat16 base weights on cpu (auto: GRPO_CPU_BF16=1 bf16 matmul; dtype: float32 forces fp32); "
+        "precision: bfloat16 base weights on cpu (auto: kernels.cpu_bf16: true; dtype: float32 forces fp32); "
         "LoRA adapter, optimizer state and loss in float32")
-    monkeypatch.setenv("GRPO_CPU_BF16", "0")
+    use_kernels(cpu_bf16=False)
+    monkeypatch.setenv("GRPO_CPU_BF16", "1")                   # the tests' pin applies to auto only
     assert select_dtype("auto", cpu, use_peft=True) == torch.float32 and cpu_bf16_matmul() is None
+    assert describe_precision("auto", cpu, True) == \
+        "precision: float32 base weights on cpu (auto: kernels.cpu_bf16: false)"
+    use_kernels(cpu_bf16="auto")
+    assert select_dtype("auto", cpu, use_peft=True) == torch.bfloat16
+    assert describe_precision("auto", cpu, True).startswith(
+        "precision: bfloat16 base weights on cpu (auto: GRPO_CPU_BF16=1;")
+    monkeypatch.setenv("GRPO_CPU_BF16", "0")
     assert describe_precision("auto", cpu, True) == "precision: float32 base weights on cpu (auto: GRPO_CPU_BF16=0)"
     monkeypatch.delenv("GRPO_CPU_BF16")
     from grpo_core.kernels import cpu_features

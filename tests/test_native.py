@@ -3,7 +3,7 @@ the same arithmetic in torch ops at the default model's shapes, in fp32 and bf16
 at different positions, rows that address cache rows of their own (slots), and
 a prompt shared from one cache row; the sampler's draw;
 the build is cached per source and CPU and written atomically; a failed build names the compiler's
-error; without a compiler (or with GRPO_NATIVE_KERNELS=0) loading says why and sampling keeps torch ops."""
+error; without a compiler loading says why, and sampling keeps torch ops (as with kernels.native: false)."""
 from __future__ import annotations
 
 import os
@@ -16,7 +16,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from grpo_core.kernels import native
+from grpo_core.kernels import cpu_features, native
 from tests.conftest import needs_cpu, skip_unless_cpu
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -271,6 +271,11 @@ def test_without_a_compiler_loading_says_why_and_returns_none(tmp_path):
     assert "no C++ compiler found" in done.stderr and "torch ops" in done.stderr
 
 
-def test_the_environment_can_turn_them_off(tmp_path):
-    done = _load_in_subprocess(tmp_path, GRPO_NATIVE_KERNELS="0")
-    assert done.stdout.strip() == "True" and done.stderr.strip() == ""
+def test_the_config_can_turn_them_off(capfd):
+    """kernels.native: false: no library loaded, nothing said; back on, the checked kernels come back."""
+    from grpo_core.config import KernelsConfig
+    from grpo_core.kernels import settings
+    before = settings.apply(KernelsConfig(native=False))
+    assert native.load() is None and capfd.readouterr().err == ""
+    settings.apply(before)
+    assert (native.load() is None) == (cpu_features.find_compiler() is None)

@@ -279,7 +279,7 @@ def test_reusing_the_model_across_stages_changes_no_result(prefect_engine, grpo_
                                                            monkeypatch):
     """A 3-iteration run whose stages take the policy's model from the pool (grpo_core.policy: no base load
     once the first checkpoint exists) ends with the adapter and eval metrics of the same run with every
-    stage loading its own (GRPO_REUSE_MODEL=0)."""
+    stage loading its own (kernels.reuse_model: false)."""
     from flows.train import training_run
     from grpo_core import policy
     loads = []
@@ -287,12 +287,14 @@ def test_reusing_the_model_across_stages_changes_no_result(prefect_engine, grpo_
     monkeypatch.setattr(policy, "load_base_model", lambda *a, **k: loads.append(a[0]) or real(*a, **k))
     runs = {}
     for reuse in ("1", "0"):
-        monkeypatch.setenv("GRPO_REUSE_MODEL", reuse)
         loads.clear()
         summary = training_run(tiny_config(tmp_path, run_name=f"reuse-{reuse}", pipeline_iterations=3,
+                                           kernels=dict(reuse_model=reuse == "1"),
                                            eval=dict(every=1, num_samples=1),
                                            gate=dict(enabled=False)))     # no champion comparison's loads
         run_dir = Path(summary["run_dir"])
+        _, run = _mlflow_run(mlflow_uri, summary["mlflow_run_id"])
+        assert run.data.params["kernels.reuse_model"] == str(reuse == "1")     # the choice is a logged param
         runs[reuse] = (len(loads), _adapter_tensors(run_dir / "iter-3" / "update" / "checkpoint"),
                        json.loads((run_dir / "iter-3" / "evaluate.json").read_text())["metrics"])
     (reused_loads, reused, reused_eval), (fresh_loads, fresh, fresh_eval) = runs["1"], runs["0"]

@@ -140,10 +140,11 @@ def _trained(cfg: GRPOConfig, out):
     return pol, {n: p.detach().clone() for n, p in pol.model.named_parameters() if "lora" in n}
 
 
-def test_a_released_model_is_reused_with_the_checkpoint_loaded_into_it(grpo_home, tmp_path, monkeypatch):
+def test_a_released_model_is_reused_with_the_checkpoint_loaded_into_it(grpo_home, tmp_path):
     """After a policy is dropped, loading a checkpoint of the same base and LoRA settings takes its model from
     the pool: the checkpoint's adapter weights, the fresh load's flags and logits, no gradient left.
-    GRPO_REUSE_MODEL=0, a checkpoint of another LoRA rank, or a reference adapter build (and keep) their own."""
+    kernels.reuse_model: false, a checkpoint of another LoRA rank, or a reference adapter build (and keep) their
+    own."""
     import gc
     from grpo_core import policy as policy_module
     pooled = lambda: [e.model for e in policy_module._pool.values()]  # noqa: E731
@@ -161,13 +162,11 @@ def test_a_released_model_is_reused_with_the_checkpoint_loaded_into_it(grpo_home
         assert p.grad is None
         if "lora" in n:
             assert torch.equal(p, trained[n]), n
-    monkeypatch.setenv("GRPO_REUSE_MODEL", "0")
-    fresh = load_policy(cfg, tmp_path / "a", need_reference=False)
+    fresh = load_policy(cfg_of(beta=0.0, kernels={"reuse_model": False}), tmp_path / "a", need_reference=False)
     assert fresh.model is not model
     assert {n: p.requires_grad for n, p in fresh.model.named_parameters()} == \
         {n: p.requires_grad for n, p in second.model.named_parameters()}
     assert torch.equal(logits(fresh.model), logits(second.model))
-    monkeypatch.delenv("GRPO_REUSE_MODEL")
     del second, fresh
     gc.collect()
     assert len(pooled()) == 1                                          # the last one released stays

@@ -206,3 +206,19 @@ def test_malformed_task_is_infra_error_not_crash():
     from sandbox.local_backend import LocalBackend
     v = LocalBackend().score_one(Job("python", "def f(): pass", {"format": "io", "cases": "x"}, "f"))
     assert v.status == "infra_error" and "cases" in v.detail
+
+
+def test_a_call_that_names_no_backend_gets_the_environments_or_auto(monkeypatch):
+    """$GRPO_SANDBOX_BACKEND is read in one place (`default_backend_name`), for calls without a config; a name
+    given (a run's sandbox.backend) wins."""
+    from grpo_core.code_tools import _backend
+    from sandbox.api import default_backend_name, get_backend
+    from sandbox.local_backend import LocalBackend
+    monkeypatch.delenv("GRPO_SANDBOX_BACKEND", raising=False)
+    assert default_backend_name() == "auto"
+    monkeypatch.setenv("GRPO_SANDBOX_BACKEND", "local")
+    assert isinstance(get_backend(), LocalBackend) and isinstance(_backend(None), LocalBackend)
+    monkeypatch.setenv("GRPO_SANDBOX_BACKEND", "remote")
+    assert isinstance(_backend({"backend": "local"}), LocalBackend)
+    with pytest.raises(ValueError, match=r"sandbox backend 'remote' \(sandbox.backend, or \$GRPO_SANDBOX_BACKEND\)"):
+        get_backend()

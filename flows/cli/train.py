@@ -52,8 +52,9 @@ def cmd_train(args) -> int:
     from flows.cli.logs import run_console
     from flows.train import engine_settings, preflight, training_run
     preflight(cfg)  # bad model, data, adapter, tracking server, ... fail here, before the engine starts
-    from grpo_core.kernels import cpu_features
+    from grpo_core.kernels import cpu_features, settings
     from grpo_core.models import describe_precision, describe_prompting, resolve_model, select_device, select_dtype
+    settings.apply(cfg.kernels)          # the header says what this run's kernel choices give
     device = select_device(cfg.device)
     print(describe_precision(cfg.dtype, device, cfg.use_peft), flush=True)
     if (prompting := describe_prompting(resolve_model(cfg.model), cfg.stop_strings)):
@@ -161,5 +162,5 @@ def register(subparsers) -> None:
     k = msub.add_parser("kernels", help="what this CPU speeds up: its features and the kernel each fast path takes "
                         "in float32 and bfloat16, with the reason for every one left out")
     k.add_argument("--as", dest="as_isa", choices=("avx2", "avx512", "avx512_bf16", "amx"),
-                   help="as a CPU of at most this level would (same as GRPO_MAX_CPU_ISA)")
+                   help="as a CPU of at most this level would (what kernels.max_cpu_isa does to a run)")
     k.set_defaults(func=cmd_model_kernels)

@@ -2,8 +2,10 @@
 
 This is the fallback validator used when the sandbox API or its engine is not available. It runs
 only code that comes from the datasets themselves (reference solutions, never model output), in a
-subprocess with a wall-clock limit, inside bubblewrap (no network, private /tmp) when `bwrap` exists.
-Model-written code must go through `sandbox/` instead.
+subprocess with a wall-clock limit, inside bubblewrap (no network, private /tmp) when `bwrap` exists and
+`$GRPO_DATA_NO_BWRAP` is unset (set it where bwrap is installed but cannot make namespaces, e.g. in an
+unprivileged container: docs/operations.md, "Environment variables"). Model-written code must go through
+`sandbox/` instead.
 """
 from __future__ import annotations
 

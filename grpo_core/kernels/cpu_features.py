@@ -6,9 +6,10 @@ oneDNN packs fp32 and bf16 weights here, and looks for a C++ compiler. `plan(fea
 function of those features: which kernel each fast path would take and why, so the decision for an AVX2
 CPU, an AVX-512 one, one with AVX512-BF16 or one with AMX is tested on any machine (tests/test_cpu_features.py).
 
-`$GRPO_MAX_CPU_ISA` (avx2 | avx512 | avx512_bf16 | amx) caps the features seen, and the compiled kernels
-are built for the cap: a bigger machine takes the paths of a smaller one. With `ATEN_CPU_CAPABILITY=avx2
-DNNL_MAX_CPU_ISA=AVX2` torch's own kernels and oneDNN do the same (`make test-avx2`).
+The config's `kernels.max_cpu_isa` (avx2 | avx512 | avx512_bf16 | amx) caps the features seen, and the
+compiled kernels are built for the cap: a bigger machine takes the paths of a smaller one. `$GRPO_MAX_CPU_ISA`
+caps them too, for the tests (the lower cap wins); with `ATEN_CPU_CAPABILITY=avx2 DNNL_MAX_CPU_ISA=AVX2`
+torch's own kernels and oneDNN do the same (`make test-avx2`).
 """
 from __future__ import annotations
 
@@ -22,7 +23,9 @@ from pathlib import Path
 
 import torch
 
-ISA_LEVELS = ("avx2", "avx512", "avx512_bf16", "amx")
+from grpo_core.kernels import settings
+
+ISA_LEVELS = settings.ISA_LEVELS          # avx2, avx512, avx512_bf16, amx
 # the flags each cap hides (every flag that starts with one of these)
 _HIDDEN = {"avx2": ("avx512", "amx", "avx_ne_convert", "avx_vnni"),
            "avx512": ("avx512_bf16", "avx512_fp16", "amx", "avx_ne_convert", "avx_vnni"),
@@ -41,7 +44,7 @@ class CpuFeatures:
     onednn: bool = True             # torch's oneDNN runs packed fp32 linears with fp32 results
     onednn_bf16: bool = True        # ... and packs bf16 weights (it needs AVX-512 BW/VL/DQ or AVX-NE-CONVERT)
     compiler: str | None = "g++"    # the C++ compiler for the native kernels; None: none found
-    cap: str | None = None          # $GRPO_MAX_CPU_ISA, when set
+    cap: str | None = None          # kernels.max_cpu_isa or $GRPO_MAX_CPU_ISA (the lower), when set
     model: str = ""                 # the CPU's model name, for the record
 
     @property
@@ -69,7 +72,8 @@ class CpuFeatures:
         """These features as a CPU at most of level `cap` would have them (oneDNN's bf16 packing included); a
         lower cap already set stays."""
         if cap not in ISA_LEVELS:
-            raise ValueError(f"GRPO_MAX_CPU_ISA={cap!r}: use one of {', '.join(ISA_LEVELS)}")
+            raise ValueError(f"CPU cap {cap!r} ($GRPO_MAX_CPU_ISA or kernels.max_cpu_isa): use one of "
+                             f"{', '.join(ISA_LEVELS)}")
         cap = min(cap, self.cap or cap, key=ISA_LEVELS.index)
         flags = frozenset(f for f in self.flags if not f.startswith(_HIDDEN[cap]))
         return replace(self, flags=flags, cap=cap, onednn_bf16=self.onednn_bf16 and _onednn_packs_bf16(flags))
@@ -137,13 +141,23 @@ def find_compiler() -> str | None:
 
 
 @functools.cache
-def detect() -> CpuFeatures:
-    """This machine's features (probed once per process), capped by $GRPO_MAX_CPU_ISA when set."""
+def _this_machine() -> CpuFeatures:
+    """This machine's features, uncapped (probed once per process)."""
     flags, model = _cpuinfo()
-    found = CpuFeatures(flags=flags, model=model, onednn=_probe_onednn(torch.float32),
-                        onednn_bf16=_probe_onednn(torch.bfloat16), compiler=find_compiler())
-    cap = os.environ.get("GRPO_MAX_CPU_ISA", "").strip().lower()
-    return found.with_cap(cap) if cap else found
+    return CpuFeatures(flags=flags, model=model, onednn=_probe_onednn(torch.float32),
+                       onednn_bf16=_probe_onednn(torch.bfloat16), compiler=find_compiler())
+
+
+@settings.forget_when("max_cpu_isa")
+@functools.cache
+def detect() -> CpuFeatures:
+    """This machine's features, capped by the config's `kernels.max_cpu_isa` and by $GRPO_MAX_CPU_ISA (the
+    tests' cap), the lower of the two, where set."""
+    found = _this_machine()
+    for cap in (settings.current().max_cpu_isa, os.environ.get("GRPO_MAX_CPU_ISA", "").strip().lower()):
+        if cap:
+            found = found.with_cap(cap)
+    return found
 
 
 # -- the decision: which kernel each fast path takes on given features --------------------------------------

@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import os
 import statistics
 import sys
 import time
@@ -44,7 +43,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from grpo_core.kernels import cpu_features, native
+from grpo_core.kernels import cpu_features, native, settings
 from grpo_core.kernels.cpu_linear import onednn_linear, onednn_pack
 from grpo_core.kernels.lean_decode import LeanDecoder, causal_pad_mask, chunk_mask, chunk_positions, positions
 from grpo_core.kernels.lora_linear import Unsupported, lora_parts, set_packed
@@ -105,9 +104,6 @@ def streaming_weights(shapes, mib: int, dtype: torch.dtype, huge_pages: bool = T
     return flat, weights
 
 
-KERNELS = tuple(cpu_features.DECODE_LINEARS)          # plain, onednn, native
-
-
 def _native_gemm(dtype: torch.dtype, shapes) -> "native.NativeOps | None":
     """The compiled packed-weight matmul, where it runs for this dtype and these [out, in] shapes (where this
     CPU cannot run it, says why once)."""
@@ -139,20 +135,22 @@ def linear_kernel(dtype: torch.dtype, rows: int, shapes: tuple[tuple[int, int], 
     compiled matmul on column blocks in the huge-page buffer, `gemm_ops.cpp`), whichever streams ~`mib` MiB
     of synthetic weights of these [out, in] shapes fastest at `rows` rows, here (probed once per process);
     oneDNN only when more than 10% faster than the best other (it costs a second layout, outside the huge
-    pages). $GRPO_DECODE_LINEAR names one instead (no probe). Returns (kernel, GB/s of each candidate)."""
-    forced = os.environ.get("GRPO_DECODE_LINEAR", "").strip().lower()
-    if not forced:
+    pages). The config's `kernels.decode_linear` names one instead (no probe). Returns (kernel, GB/s of each
+    candidate)."""
+    chosen = settings.current().decode_linear
+    if chosen == "auto":
         return _probe(dtype, rows, shapes, mib)
-    if forced not in KERNELS:
-        raise ValueError(f"GRPO_DECODE_LINEAR={forced!r}: use one of {', '.join(KERNELS)}")
-    if forced == "native" and _native_gemm(dtype, shapes) is None:
-        raise ValueError(f"GRPO_DECODE_LINEAR=native: the compiled matmul does not run for {dtype} here "
-                         f"({cpu_features.declines('compiled_matmul', dtype) or 'odd input width, or no build'})")
-    if forced == "onednn" and not _onednn_ok(dtype):
-        raise ValueError(f"GRPO_DECODE_LINEAR=onednn: {cpu_features.declines('onednn_linear', dtype)}")
-    return forced, {}
+    if chosen == "native" and _native_gemm(dtype, shapes) is None:
+        raise ValueError(f"kernels.decode_linear=native: the compiled matmul does not run for {dtype} here "
+                         f"({cpu_features.declines('compiled_matmul', dtype) or 'odd input width, or no build'}); "
+                         f"set kernels.decode_linear: auto")
+    if chosen == "onednn" and not _onednn_ok(dtype):
+        raise ValueError(f"kernels.decode_linear=onednn: {cpu_features.declines('onednn_linear', dtype)}; set "
+                         f"kernels.decode_linear: auto")
+    return chosen, {}
 
 
+@settings.forget_when("native", "max_cpu_isa")      # the candidates this CPU runs
 @functools.cache
 def _probe(dtype: torch.dtype, rows: int, shapes: tuple[tuple[int, int], ...], mib: int) -> tuple[str, dict]:
     flat, weights = streaming_weights(shapes, mib, dtype)
@@ -325,15 +323,15 @@ def native_update_gemm(dtype: torch.dtype, shape: tuple[int, int]) -> bool:
     """Does the compiled matmul on packed weights multiply an [out, in] weight of this shape by the update's
     row counts (`UPDATE_ROWS`, odd ones among them: matmul libraries often run those slower) faster than
     torch's matmul and oneDNN's packed one? Probed once per process; it decides whether the update's forward
-    reads the sampler's packed weights. $GRPO_UPDATE_LINEAR=native or =torch decides instead."""
-    forced = os.environ.get("GRPO_UPDATE_LINEAR", "").strip().lower()
-    if forced not in ("", "native", "torch"):
-        raise ValueError(f"GRPO_UPDATE_LINEAR={forced!r}: use native or torch")
-    if forced == "torch" or _native_gemm(dtype, [shape]) is None:
+    reads the sampler's packed weights. The config's `kernels.update_linear: native` or `torch` decides
+    instead."""
+    chosen = settings.current().update_linear
+    if chosen == "torch" or _native_gemm(dtype, [shape]) is None:
         return False
-    return forced == "native" or _probe_update_gemm(dtype, shape)
+    return chosen == "native" or _probe_update_gemm(dtype, shape)
 
 
+@settings.forget_when("native", "max_cpu_isa")      # the candidates this CPU runs
 @functools.cache
 def _probe_update_gemm(dtype: torch.dtype, shape: tuple[int, int]) -> bool:
     ops = native.load()

@@ -3,14 +3,14 @@ update's logit sweep (`logit_ops.cpp`) and its trunk's elementwise work (`trunk_
 CPU and loaded with ctypes.
 
 Built once per source, compiler and CPU, with the system C++ compiler (`$CXX`, else g++, c++ or
-clang++) and `-march=native` (within `$GRPO_MAX_CPU_ISA`'s cap: `cpu_features`), into
+clang++) and `-march=native` (within the CPU cap, `kernels.max_cpu_isa`: `cpu_features`), into
 `$GRPO_HOME/kernels/` (the sources compiled side by side, linked to a temporary name, then renamed). No
 torch headers are involved, so a build takes a few seconds (about 4 on a 2-vCPU machine). Before first
 use every function is checked against the same arithmetic written with torch ops; if the compiler is
 missing, the build fails
 or a check disagrees, `load()` returns None, says why once on stderr, and the sampler and the update keep
 their torch ops.
-`GRPO_NATIVE_KERNELS=0` turns them off.
+The config's `kernels.native: false` turns them off.
 
 Tensors passed in must be contiguous CPU tensors of one dtype, float32 or bfloat16.
 """
@@ -30,7 +30,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from grpo_core.kernels import cpu_features
+from grpo_core.kernels import cpu_features, settings
 
 SOURCES = [Path(__file__).parent / name
            for name in ("kernel_common.h", "decode_ops.cpp", "logit_ops.cpp", "trunk_ops.cpp", "gemm_ops.cpp")]
@@ -92,7 +92,7 @@ def library_path(cache_dir: Path | None = None) -> Path:
     """Where the build for this source, compiler and CPU lives (built if missing)."""
     from grpo_core.io import grpo_home
     cxx, features = _compiler(), cpu_features.detect()
-    flags = [*FLAGS, *features.compiler_flags()]            # within $GRPO_MAX_CPU_ISA's cap, if set
+    flags = [*FLAGS, *features.compiler_flags()]            # within the CPU cap, if set
     version = subprocess.run([cxx, "--version"], capture_output=True, text=True).stdout
     sources = [src.read_text() for src in SOURCES]
     key = hashlib.sha256("\0".join([*sources, cxx, version, " ".join(flags), *sorted(features.flags)]).encode())
@@ -448,10 +448,12 @@ def ops_for(t: torch.Tensor) -> NativeOps | None:
     return load()
 
 
+@settings.forget_when("native", "max_cpu_isa")
 @functools.cache
 def load() -> NativeOps | None:
-    """The checked kernels for this machine, or None (and why, once, on stderr)."""
-    if os.environ.get("GRPO_NATIVE_KERNELS", "1").strip().lower() in ("0", "false", "no", "off"):
+    """The checked kernels for this machine (within the CPU cap), or None: turned off (`kernels.native:
+    false`), or unavailable (and why, once, on stderr)."""
+    if not settings.current().native:
         return None
     try:
         ops = NativeOps(ctypes.CDLL(str(library_path())))

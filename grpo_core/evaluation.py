@@ -37,7 +37,7 @@ from typing import Sequence
 
 from grpo_core.config import GRPOConfig
 from grpo_core.task import Task
-from grpo_core.monitors import answers_shown, completion_flags, flag_fractions
+from grpo_core.monitors import answers_shown, completion_flags, monitored_fractions
 from grpo_core.passk import mean_pass_at_k
 from grpo_core.policy import Policy
 from grpo_core.multiturn import Toolbox
@@ -216,7 +216,7 @@ def summarize(rows: Sequence[dict], ks: Sequence[int]) -> dict[str, float]:
             if mrows:
                 metrics.update({f"{prefix}/{mode}/{infix}{k}": v
                                 for k, v in _mode_metrics(mrows, mode, ks, funcs).items()})
-    metrics.update(flag_fractions([r for r in rows if not r.get("wording")]))
+    metrics.update(monitored_fractions([r for r in rows if not r.get("wording")], with_tools))
     return metrics
 
 

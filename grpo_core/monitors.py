@@ -146,6 +146,22 @@ def flag_fractions(rows: Sequence[dict]) -> dict[str, float]:
     return out
 
 
+def monitored_fractions(rows: Sequence[dict], with_tools: bool) -> dict[str, float]:
+    """flag_fractions as the monitors judge them: over the answers to the task as the run trains it (with its
+    tools, where it has any), except fabricated_tool_output, which is about answers given with no tool to call and
+    is counted over all of them. With tools, the answers asked without them are also counted on their own
+    (eval/monitor/without_tools/<flag>_frac): watched, never judged, since that task is not the one trained (a
+    3-digit product without the calculator) and a trained model that cannot do it copies the prompt's example."""
+    trained = [r for r in rows if not with_tools or r.get("tools")]
+    out = flag_fractions(trained)
+    if with_tools and (without := [r for r in rows if not r.get("tools")]):
+        key = "eval/monitor/fabricated_tool_output_frac"
+        out[key] = flag_fractions(rows)[key]
+        out.update({k.replace("eval/monitor/", "eval/monitor/without_tools/"): v
+                    for k, v in flag_fractions(without).items()})
+    return out
+
+
 @dataclass
 class Alert:
     name: str

@@ -8,6 +8,7 @@ from tqdm.auto import tqdm
 
 from grpo_core.io import write_jsonl
 from grpo_core.policy import load_policy
+from grpo_core.sampling import readable_conversation
 from grpo_core.task import read_tasks
 from grpo_core.warmstart import collect_demonstrations, supervised_finetune
 from tasks import tracking
@@ -27,7 +28,9 @@ def warmstart(config: dict, run_dir: str, iteration: int, checkpoint: str | None
     policy = load_policy(cfg, checkpoint, need_reference=False, init_adapter=init_adapter_path(run_dir))
     # 2) its correct answers in the full prompt, as demonstrations without the examples
     demos, kept, stats = collect_demonstrations(policy, read_tasks(prompts), cfg, seed=cfg.seed * 7919 + 17)
-    write_jsonl(out / "demonstrations.jsonl", [{"task_id": s.task_id, "completion": s.completion} for s in kept])
+    write_jsonl(out / "demonstrations.jsonl", [{"task_id": s.task_id, "completion": s.completion,
+                                                 **({"conversation": readable_conversation(s.extra)}
+                                                    if s.extra.get("conversation") else {})} for s in kept])
     # 3) supervised fine-tuning, and the adapter the iteration goes on from
     steps = w.epochs * -(-len(demos) // w.batch_size)
     with tqdm(total=steps, desc="warm start", unit="step") as bar:

@@ -10,7 +10,7 @@ import yaml
 
 from grpo_core.config import GRPOConfig, MonitorConfig
 from grpo_core.monitors import (answers_shown, check_monitors, check_training_monitors, completion_flags,
-                                flag_fractions, is_empty_or_tag_only, scan_code)
+                                flag_fractions, is_empty_or_tag_only, monitored_fractions, scan_code)
 from grpo_core.scoring import stalled_group_frac
 
 
@@ -108,6 +108,23 @@ def test_flag_fractions_count_each_flag_over_the_answers():
     m = flag_fractions(rows)
     assert m["eval/monitor/restated_question_frac"] == 0.25 and m["eval/monitor/empty_answer_frac"] == 0.25
     assert m["eval/monitor/copied_answer_frac"] == 0.0 and "eval/monitor/code_flagged_frac" not in m
+
+
+def test_with_tools_the_monitors_judge_the_answers_with_them_and_watch_the_rest():
+    """A tools run's answers asked without the tool (a task it was not trained for) are counted apart, under
+    without_tools/, and trip nothing; fabricated tool output is about exactly those, so it counts them."""
+    shown = frozenset({"42"})
+    with_tool = [dict(_row("<answer>3</answer>", correct=True, shown=shown), tools=True),
+                 dict(_row("<answer>42</answer>", correct=False, shown=shown), tools=True)]
+    without = [dict(_row("<answer>42</answer>", correct=False, shown=shown, tool_offered=False), tools=False),
+               dict(_row("<tool_response>3</tool_response><answer>3</answer>", correct=True, tool_offered=False),
+                    tools=False)]
+    m = monitored_fractions(with_tool + without, with_tools=True)
+    assert m["eval/monitor/copied_answer_frac"] == 0.5                      # over the two answers with the tool
+    assert m["eval/monitor/without_tools/copied_answer_frac"] == 0.5
+    assert m["eval/monitor/fabricated_tool_output_frac"] == 0.25            # over all four
+    assert monitored_fractions(with_tool + without, with_tools=False)["eval/monitor/copied_answer_frac"] == 0.5
+    assert "eval/monitor/without_tools/copied_answer_frac" not in monitored_fractions(with_tool, with_tools=True)
 
 
 # -- one evaluation and its trend ---------------------------------------------------------------

@@ -266,8 +266,10 @@ def test_rollout_and_evaluation_deal_their_prompts_to_the_processes(batch_env):
     rescored = score_rows(cfg_of(configs[N]), two_samples, {t.id: t for t in tasks})[0]
     assert [{k: v for k, v in r.items() if k != "group"} for r in read_jsonl(two_scored["scores"])] == rescored
     one_rows, two_rows = (list(read_jsonl(r["samples"])) for r in (one_eval, two_eval))
-    key = lambda r: (r["mode"], r["task_id"], r["sample"])  # noqa: E731
-    assert [key(r) for r in two_rows] == [key(r) for r in one_rows] and len(one_rows) == 5 * (1 + 2)
+    key = lambda r: (r.get("wording", ""), r["mode"], r["task_id"], r["sample"])  # noqa: E731
+    assert [key(r) for r in two_rows] == [key(r) for r in one_rows]
+    assert len([r for r in one_rows if not r.get("wording")]) == 5 * (1 + 2)     # and as many in the exported shape
+    assert len(one_rows) == 2 * 5 * (1 + 2)
     greedy = lambda rows: [r["completion"] for r in rows if r["mode"] == "greedy"]  # noqa: E731
     assert greedy(two_rows) == greedy(one_rows)
     assert two_eval["metrics"]["eval/greedy/pass_at_1"] == one_eval["metrics"]["eval/greedy/pass_at_1"]

@@ -35,7 +35,7 @@ from safetensors.torch import load_file  # noqa: E402
 
 from grpo_core.config import GRPOConfig  # noqa: E402
 from grpo_core.io import write_jsonl  # noqa: E402
-from grpo_core.update import DataParallel  # noqa: E402
+from grpo_core.parallel import DataParallel  # noqa: E402
 from tasks import distributed  # noqa: E402
 from tasks.update import train_on_batch  # noqa: E402
 
@@ -72,7 +72,7 @@ def main() -> None:
     config = GRPOConfig.model_validate(dict(
         model=args.model, device="cpu", dtype=args.dtype, num_generations=8, max_completion_length=48, loss_type="dapo", beta=0.04,
         learning_rate=1e-5, stages={"update": {"num_processes": args.processes}})).model_dump(mode="json")
-    from grpo_core.models import load_tokenizer, resolve_model
+    from grpo_core.model.loading import load_tokenizer, resolve_model
     batch = write_batch(tmp, 4, 8, len(load_tokenizer(resolve_model(args.model))))
     torch.set_num_threads(args.threads)
     rows = []

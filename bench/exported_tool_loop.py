@@ -16,7 +16,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
 
 from grpo_core.config import load_config  # noqa: E402
-from grpo_core.evaluation import EXPORTED, exported_format  # noqa: E402
+from grpo_core.evaluation.evaluate import EXPORTED, exported_format  # noqa: E402
 from grpo_core.task import Task  # noqa: E402
 from tests.test_export_tools import CALCULATOR, _readable, plain_tool_loop  # noqa: E402
 

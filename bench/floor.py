@@ -91,7 +91,7 @@ def step_floor(params: float, weight_bytes: int, decode_steps: int, tokens: int,
 
 def model_params(model: str) -> float:
     from transformers import AutoConfig, AutoModelForCausalLM
-    from grpo_core.models import resolve_model
+    from grpo_core.model.loading import resolve_model
     with torch.device("meta"):
         net = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(resolve_model(model)))
     return float(sum(p.numel() for p in net.parameters()))

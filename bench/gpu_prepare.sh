@@ -67,7 +67,7 @@ done
 # The default model's small files. resolve_model fetches and converts the model once if it is not there yet.
 src=$($PY -c "
 import sys; sys.path.insert(0, '.')
-from grpo_core.models import resolve_model
+from grpo_core.model.loading import resolve_model
 print(resolve_model('$DEFAULT_MODEL'))") || die "could not resolve the default model $DEFAULT_MODEL here"
 [ -f "$src/config.json" ] || die "the default model directory '$src' has no config.json"
 mkdir -p "$MODEL_OUT" || die "cannot create $MODEL_OUT"

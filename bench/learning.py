@@ -145,7 +145,7 @@ def summarise(run_dir: Path, answers_stem: str | None = None) -> dict:
     out = {"iterations": max(evals), "eval_questions": len(read_tasks(run_dir / "data" / "eval.jsonl")),
            "train_eval_content_overlap": content_overlap(run_dir), "before": before, "after": after,
            "gain_points": gain, "mlflow_run_id": summary.get("mlflow_run_id"),
-           # the monitors' marks (grpo_core/monitors.py): a healthy run has none
+           # the monitors' marks (grpo_core/evaluation/monitors.py): a healthy run has none
            "monitors_tripped": [f"{m['monitor']}@{m['iteration']}" for m in state.get("suspect", [])]}
     if answers_stem:
         out["answers"] = keep_answers(run_dir, [min(evals), max(evals)], answers_stem)

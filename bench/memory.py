@@ -50,12 +50,12 @@ import torch  # noqa: E402
 
 from grpo_core.config import GRPOConfig  # noqa: E402
 from grpo_core.kernels.cpu_linear import use_onednn_linears  # noqa: E402
-from grpo_core.logprobs import logprob_path  # noqa: E402
-from grpo_core.models import attach_lora, select_dtype  # noqa: E402
-from grpo_core.policy import Policy, lm_head_in_fp32  # noqa: E402
-from grpo_core.rollout import KVCacheSampler  # noqa: E402
-from grpo_core.sampling import SamplingParams  # noqa: E402
-from grpo_core.update import ScoredSample, grpo_update, make_optimizer, make_scheduler, peak_memory_gib  # noqa: E402
+from grpo_core.update.logprobs import logprob_path  # noqa: E402
+from grpo_core.model.loading import attach_lora, select_dtype  # noqa: E402
+from grpo_core.model.policy import Policy, lm_head_in_fp32  # noqa: E402
+from grpo_core.rollout.samplers import KVCacheSampler  # noqa: E402
+from grpo_core.rollout.sampling import SamplingParams  # noqa: E402
+from grpo_core.update.step import ScoredSample, grpo_update, make_optimizer, make_scheduler, peak_memory_gib  # noqa: E402
 
 # Token ids are the bench's own (_Tok: pad 0, eos 1, no bos); they change no shape.
 _IDS = dict(bos_token_id=None, eos_token_id=1, pad_token_id=0)

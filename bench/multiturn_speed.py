@@ -9,7 +9,7 @@ that renders tools itself (TRL's Qwen2.5 template: SmolLM2 shares its <|im_start
 trainers render prompts and tool turns the same way.
 
 A small model does not call tools on cue, so to make every rollout take exactly T turns the tool-call parser is
-replaced, in ours (grpo_core.multiturn.parse_tool_calls) and in TRL (its parse_response), by one that reports a
+replaced, in ours (grpo_core.rollout.multiturn.parse_tool_calls) and in TRL (its parse_response), by one that reports a
 `lookup` call after every turn, and the rounds are capped at T - 1 (max_tool_calling_iterations). A turn that
 ends by the token budget ends the rollout in both.
 
@@ -34,10 +34,10 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import step_speed as S  # noqa: E402
 
-import grpo_core.multiturn as multiturn  # noqa: E402
-from grpo_core.rollout import rollout  # noqa: E402
-from grpo_core.sampling import SamplingParams  # noqa: E402
-from grpo_core.tools import ToolCall, tool_of  # noqa: E402
+import grpo_core.rollout.multiturn as multiturn  # noqa: E402
+from grpo_core.rollout.samplers import rollout  # noqa: E402
+from grpo_core.rollout.sampling import SamplingParams  # noqa: E402
+from grpo_core.rollout.tools import ToolCall, tool_of  # noqa: E402
 
 TURNS = (1, 2, 4)
 ANSWER = "The record says: blue, 42, and the word 'harbour'."
@@ -98,7 +98,7 @@ class TRLLoop:
         from datasets import Dataset
         from transformers import AutoModelForCausalLM, AutoTokenizer
         from trl import GRPOConfig as TRLConfig, GRPOTrainer
-        from grpo_core.models import resolve_model
+        from grpo_core.model.loading import resolve_model
         cfg = S.workload_config(args)
         path = resolve_model(cfg.model)
         tok = AutoTokenizer.from_pretrained(path)

@@ -113,9 +113,9 @@ def pooled_load_ab(config_path: str, rounds: int, out: Path, json_out: str | Non
     """What a stage's `load_policy` costs when the model comes from the pool, with the pooled tokenizer kept
     (today) or parsed-and-copied again (before): the two take turns, `rounds` times each, same checkpoint."""
     import gc
-    from grpo_core import policy as policy_module
+    from grpo_core.model import policy as policy_module
     from grpo_core.config import load_config
-    from grpo_core.policy import load_policy
+    from grpo_core.model.policy import load_policy
     sys.path.insert(0, str(Path(__file__).parent))
     from learning import machine
     cfg = load_config(config_path, [f"output_dir={out}"])

@@ -19,7 +19,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from grpo_core.answers import math_answers_match, parse_number  # noqa: E402
+from grpo_core.rewards.answers import math_answers_match, parse_number  # noqa: E402
 from grpo_core.config import load_config  # noqa: E402
 from grpo_core.task import read_tasks  # noqa: E402
 
@@ -44,9 +44,9 @@ def main() -> int:
     ap.add_argument("--limit", type=int)
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()
-    from grpo_core.policy import load_policy
-    from grpo_core.rollout import make_backend, rollout
-    from grpo_core.sampling import PromptFormat, SamplingParams
+    from grpo_core.model.policy import load_policy
+    from grpo_core.rollout.samplers import make_backend, rollout
+    from grpo_core.rollout.sampling import PromptFormat, SamplingParams
     cfg = load_config(args.run / "config.yaml")
     tasks = [t for t in read_tasks(args.run / "data" / "eval.jsonl") if t.kind == "math"][:args.limit]
     policy = load_policy(cfg, None, need_reference=False)

@@ -1,5 +1,5 @@
 """Score saved evaluation answers again with today's math answer check: for a run evaluated before a change to
-`grpo_core.answers`, e.g. the check that an answer restating the question ('5 - 6' for "What is 5 - 6?", which
+`grpo_core.rewards.answers`, e.g. the check that an answer restating the question ('5 - 6' for "What is 5 - 6?", which
 math-verify evaluated and counted right) is wrong. Prints strict pass@1 (right and in the tags the model wrote)
 per mode and wording, then and now. Every math row is judged again by `math_answers_match`. Reasoning-gym
 rows carry their gold answer but not the meta that rebuilds their dataset entry: a numeric gold answer is
@@ -19,7 +19,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from grpo_core.answers import extract_answer, math_answers_match, reasoning_gym_gold_is_number  # noqa: E402
+from grpo_core.rewards.answers import extract_answer, math_answers_match, reasoning_gym_gold_is_number  # noqa: E402
 from grpo_core.io import read_jsonl  # noqa: E402
 
 

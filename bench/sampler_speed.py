@@ -19,8 +19,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import step_speed as S  # noqa: E402
 
-from grpo_core.rollout import KVCacheSampler, rollout  # noqa: E402
-from grpo_core.sampling import SamplingParams  # noqa: E402
+from grpo_core.rollout.samplers import KVCacheSampler, rollout  # noqa: E402
+from grpo_core.rollout.sampling import SamplingParams  # noqa: E402
 
 
 def main(argv=None) -> dict:

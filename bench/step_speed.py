@@ -34,11 +34,11 @@ import torch  # noqa: E402
 
 from grpo_core.config import GRPOConfig  # noqa: E402
 from grpo_core.data.arithmetic import eval_tasks, train_tasks  # noqa: E402
-from grpo_core.policy import load_policy  # noqa: E402
-from grpo_core.rewards import compute_rewards  # noqa: E402
-from grpo_core.sampling import SamplingParams  # noqa: E402
-from grpo_core.rollout import make_backend, rollout  # noqa: E402
-from grpo_core.update import ScoredSample, grpo_update, make_optimizer, make_scheduler  # noqa: E402
+from grpo_core.model.policy import load_policy  # noqa: E402
+from grpo_core.rewards.rewards import compute_rewards  # noqa: E402
+from grpo_core.rollout.sampling import SamplingParams  # noqa: E402
+from grpo_core.rollout.samplers import make_backend, rollout  # noqa: E402
+from grpo_core.update.step import ScoredSample, grpo_update, make_optimizer, make_scheduler  # noqa: E402
 
 
 # Pinned (the pipeline's default prompt format may change): the prompt the TRL anchor was measured with.
@@ -102,8 +102,8 @@ class TRL:
         from peft import LoraConfig
         from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
         from trl import GRPOConfig as TRLConfig, GRPOTrainer
-        from grpo_core.models import resolve_model
-        from grpo_core.rewards import accuracy_reward, format_reward, reward_columns
+        from grpo_core.model.loading import resolve_model
+        from grpo_core.rewards.rewards import accuracy_reward, format_reward, reward_columns
 
         cfg = workload_config(args)
         path = resolve_model(cfg.model)

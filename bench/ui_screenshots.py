@@ -282,7 +282,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="config overrides for both runs, as for grpo train")
     args = p.parse_args(argv)
     from grpo_core.config import load_config
-    from grpo_core.models import build_tiny_model
+    from grpo_core.model.loading import build_tiny_model
     args.out.mkdir(parents=True, exist_ok=True)
     work = args.work or Path(tempfile.mkdtemp(prefix="grpo-ui-"))
     work.mkdir(parents=True, exist_ok=True)

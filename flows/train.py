@@ -9,7 +9,9 @@ from pathlib import Path
 from prefect import flow
 from prefect.runtime import deployment, flow_run
 
-from grpo_core import models, stages
+from grpo_core.model import loading as models
+
+from grpo_core import stages
 from grpo_core.config import GRPOConfig
 from grpo_core.data import iteration as data_iteration
 from grpo_core.io import atomic_write_text, read_json, write_json
@@ -77,7 +79,7 @@ def _dynamic_sampling(cfg: GRPOConfig, config: dict, run_dir: str, iteration: in
     run up to max_extra_rollouts extra curate -> rollout -> score rounds (fresh prompts, fresh seed) in
     iter-<k>/dynamic-<r>/, then merge the informative groups into iter-<k>/{samples,scores}.dynamic.jsonl.
     Each round is made of the ordinary stage tasks, so it is retried and resumed like them."""
-    from grpo_core import dynamic_sampling as dsamp
+    from grpo_core.update import dynamic_sampling as dsamp
     from grpo_core.io import read_jsonl
     target = cfg.data.prompts_per_iteration
     rounds = [(list(read_jsonl(upstream["rollout"]["samples"])), list(read_jsonl(upstream["score"]["scores"])))]

@@ -29,7 +29,7 @@ class _Section(BaseModel):
 
 
 def _check_instructions(field: str, instructions: list[str]) -> None:
-    from grpo_core.sampling import QUESTION
+    from grpo_core.rollout.sampling import QUESTION
     for i, text in enumerate(instructions):
         if text.count(QUESTION) != 1:
             raise ValueError(f"{field}[{i}] ({text!r}) must contain {QUESTION} exactly once, where the question "
@@ -115,7 +115,7 @@ class DataConfig(_Section):
     @property
     def prompt_format(self):
         """The final prompt format: what evaluation uses, and training after any prefix warm-up."""
-        from grpo_core.sampling import PromptFormat
+        from grpo_core.rollout.sampling import PromptFormat
         prefix = self.response_prefix if self.response_prefix_iterations == 0 else ""
         return PromptFormat(self.system_prompt, tuple(map(tuple, self.few_shot)), prefix,
                             template_kwargs=self.template_kwargs)
@@ -129,7 +129,7 @@ class DataConfig(_Section):
         the warm-up (`response_prefix_iterations`), the final format after it; with the wordings to draw
         from (a fresh draw each iteration) from `wordings_from_iteration` on."""
         import dataclasses
-        from grpo_core.sampling import PromptFormat
+        from grpo_core.rollout.sampling import PromptFormat
         fmt = self.prompt_format
         if self.response_prefix and 0 < iteration <= self.response_prefix_iterations:
             fmt = PromptFormat(self.system_prompt, tuple(map(tuple, self.few_shot)), self.response_prefix,
@@ -212,7 +212,7 @@ class DataConfig(_Section):
 
 
 class MonitorConfig(_Section):
-    """Monitors for reward hacking and for training that learns nothing (grpo_core/monitors.py), checked after
+    """Monitors for reward hacking and for training that learns nothing (grpo_core/evaluation/monitors.py), checked after
     every iteration and every evaluation; each trips past its threshold, and `on_trip` says what follows."""
     on_trip: Literal["flag", "stop", "warn"] = Field(
         "flag", description="flag: mark the run suspect (`grpo runs`, the MLflow tag `suspect`, its registered "
@@ -294,7 +294,7 @@ class EvalConfig(_Section):
     @property
     def foreign_format(self):
         """The foreign wording, drawn per question (the same every evaluation), or None when none is set."""
-        from grpo_core.sampling import PromptFormat
+        from grpo_core.rollout.sampling import PromptFormat
         systems, instructions = tuple(self.foreign_system_prompts), tuple(self.foreign_instructions)
         if not systems and not instructions:
             return None
@@ -313,7 +313,7 @@ class EvalConfig(_Section):
     @property
     def ks(self) -> list[int]:
         """The pass@k values computed from the sampled answers."""
-        from grpo_core.passk import default_ks
+        from grpo_core.evaluation.passk import default_ks
         return sorted(set(self.pass_k)) if self.pass_k is not None else default_ks(self.num_samples)
 
 
@@ -380,7 +380,7 @@ class TrackingConfig(_Section):
     registered_model_name: str | None = Field(
         "grpo-{task}", pattern=r"^[A-Za-z0-9_.{}-]+$",
         description="Model Registry name for the run's adapter; {task} is replaced by the task's name "
-                    "(grpo_core/task_identity.py: e.g. grpo-arithmetic-1d-add-sub), so every task has its own "
+                    "(grpo_core/evaluation/task_identity.py: e.g. grpo-arithmetic-1d-add-sub), so every task has its own "
                     "champion and gate set (None: do not register)")
     register_adapter: Literal["best", "final", "none"] = Field(
         "best", description="which adapter to register at the end: best by eval, the final one, or none; the "
@@ -394,7 +394,7 @@ class TrackingConfig(_Section):
 
 
 class GateConfig(_Section):
-    """The promotion gate (grpo_core/gate.py): `champion` moves to a new adapter only when it beats the
+    """The promotion gate (grpo_core/evaluation/gate.py): `champion` moves to a new adapter only when it beats the
     champion on the frozen gate set by more than noise."""
     enabled: bool = Field(True, description="compare each new adapter with the champion on the gate set (the "
                           "held-out split of the first run that registered a champion) before it takes "
@@ -421,7 +421,7 @@ class GateConfig(_Section):
 
 
 class WarmstartConfig(_Section):
-    """A supervised warm start before GRPO (grpo_core/warmstart.py; the stage `warmstart`, in iteration 1): the
+    """A supervised warm start before GRPO (grpo_core/update/warmstart.py; the stage `warmstart`, in iteration 1): the
     policy's correct answers to training questions in the full prompt are fine-tuned in as answers to the same
     questions without the worked examples, so that what the examples show lives in the weights."""
     enabled: bool = Field(False, description="run the warm start before the first GRPO update")
@@ -451,7 +451,7 @@ class KernelsConfig(_Section):
     cpu_bf16: Literal["auto"] | bool = Field(
         "auto", description="dtype auto with LoRA on a CPU: bf16 base weights (true), float32 (false), or bf16 "
                             "where the CPU multiplies bf16 natively, AMX or AVX512-BF16 (auto)")
-    reuse_model: bool = Field(True, description="stages of one process share the LoRA model (grpo_core/policy.py: "
+    reuse_model: bool = Field(True, description="stages of one process share the LoRA model (grpo_core/model/policy.py: "
                               "a released policy's model is pooled and the next load of a checkpoint takes it); "
                               "false: every stage loads its own")
 
@@ -568,7 +568,7 @@ class GRPOConfig(_Section):
     @model_validator(mode="after")
     def _generation_kwargs_apply(self):
         # every key must be one the chosen backend takes; one naming a field of ours must be valid for that field
-        from grpo_core.sampling import OWN_OPTIONS, check_generation_kwargs
+        from grpo_core.rollout.sampling import OWN_OPTIONS, check_generation_kwargs
         check_generation_kwargs(self.generation_kwargs or {}, self.rollout_backend)
         if any(not s for s in self.stop_strings):
             raise ValueError("stop_strings: an empty string would end every completion at its first token; remove it")
@@ -607,7 +607,7 @@ class GRPOConfig(_Section):
         "grpo", description="per-token loss and its reduction: grpo/bnpo/dr_grpo/dapo (clipped surrogate), cispo "
                             "(clipped IS weight, REINFORCE-style), sapo (soft gate), luspo (clipped surrogate, "
                             "each sequence's token sum: use importance_sampling_level: sequence, as the paper), "
-                            "vespo (a smooth gamma weight of the sequence's IS weight); see grpo_core.loss")
+                            "vespo (a smooth gamma weight of the sequence's IS weight); see grpo_core.update.loss")
     scale_rewards: Literal["group", "batch", "none"] = "group"
     num_iterations: int = Field(1, ge=1, description="mu: updates per rollout batch (old log-probs stored when > 1)")
     mask_truncated_completions: bool = Field(False, description="truncated completions get no loss (TRL)")
@@ -767,17 +767,17 @@ class GRPOConfig(_Section):
     def _reward_funcs_resolve(cls, entries: list[str]) -> list[str]:
         # Import and check every entry now, so a typo fails before any work starts (late import: rewards
         # has no config dependency); the score stage resolves the names again wherever it runs.
-        from grpo_core.rewards import resolve_reward_funcs
+        from grpo_core.rewards.rewards import resolve_reward_funcs
         resolve_reward_funcs(entries)
         return entries
 
     @field_validator("correctness_func")
     @classmethod
     def _correctness_func_resolves(cls, entry: str) -> str:
-        from grpo_core.rewards import resolve_reward
+        from grpo_core.rewards.rewards import resolve_reward
         resolve_reward(entry, "correctness_func", entry)
         return entry
-    # -- tools: multi-turn rollouts (grpo_core.multiturn; TRL's tools / environment_factory) ------------
+    # -- tools: multi-turn rollouts (grpo_core.rollout.multiturn; TRL's tools / environment_factory) ------------
     tools: list[str] = Field(default_factory=list, description="functions the model may call while it answers: "
                              "built-in (calculator, python, rust: code runs in the sandbox), \"package.module:function\""
                              " (type hints and a Google-style docstring, sync or async, as TRL's tools), or a name "
@@ -803,7 +803,7 @@ class GRPOConfig(_Section):
     @field_validator("tools")
     @classmethod
     def _tools_resolve(cls, entries: list[str]) -> list[str]:
-        from grpo_core.tools import resolve_tools
+        from grpo_core.rollout.tools import resolve_tools
         resolve_tools(entries, None)
         return entries
 
@@ -811,7 +811,7 @@ class GRPOConfig(_Section):
     @classmethod
     def _environment_resolves(cls, entry):
         if entry is not None:
-            from grpo_core.tools import resolve_environments
+            from grpo_core.rollout.tools import resolve_environments
             resolve_environments(entry, None)
         return entry
     # -- sections ---------------------------------------------------------------------------
@@ -828,9 +828,9 @@ class GRPOConfig(_Section):
     @model_validator(mode="after")
     def _gate_metric(self):
         """With the gate on, tracking.best_metric must be comparable question by question, and gate.test must
-        fit its scores (grpo_core.gate)."""
+        fit its scores (grpo_core.evaluation.gate)."""
         if self.gate.enabled and self.tracking.registered_model_name and self.tracking.register_adapter != "none":
-            from grpo_core.gate import metric_parts, resolve_test
+            from grpo_core.evaluation.gate import metric_parts, resolve_test
             _, mode, _ = metric_parts(self.tracking.best_metric)
             if (mode == "greedy" and not self.eval.greedy) or (mode == "sampled" and not self.eval.num_samples):
                 raise ValueError(f"tracking.best_metric {self.tracking.best_metric!r} needs {mode} answers, which "

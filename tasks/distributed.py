@@ -7,7 +7,7 @@ returns the first process's result (JSON-able). The processes are, in order of p
 2) `num_processes` > 1 started for this one call with `accelerate launch -m tasks.distributed JOB` on this
    machine, which exit when it is done (the call's arguments and result travel as JSON files);
 3) this process alone.
-`data_parallel` (grpo_core.update.DataParallel) sums tensors over the processes with torch.distributed:
+`data_parallel` (grpo_core.parallel.DataParallel) sums tensors over the processes with torch.distributed:
 gloo on the CPU, NCCL on GPUs. Calls are sent over a second, gloo group with a long timeout, since the
 first process spends most of an iteration outside the update. Any failure inside a call ends every
 process of the launch (torchrun's rule): the run resumes from its records with the same command.
@@ -36,8 +36,8 @@ import torch
 
 from grpo_core.config import ConfigError
 from grpo_core.io import DiskFullError, InputError, pid_alive, read_json, stop_process_group, write_json
-from grpo_core.models import ModelError, select_device
-from grpo_core.update import DataParallel
+from grpo_core.model.loading import ModelError, select_device
+from grpo_core.parallel import DataParallel
 from tasks.retry import TransientError, is_transient
 
 REPO_ROOT = Path(__file__).resolve().parent.parent

@@ -56,7 +56,7 @@ def log_evaluation(cfg: GRPOConfig, run_id: str, iteration: int, metrics: dict, 
     if eval_path is not None and iteration == min(history):
         tracking.log_artifact(cfg, run_id, eval_path, "data")
     if cfg.eval.plots:
-        from grpo_core.eval_plots import make_plots
+        from grpo_core.evaluation.plots import make_plots
         with tempfile.TemporaryDirectory() as tmp:
             for p in make_plots(history, lengths, Path(tmp), cfg.eval.ks,
                                 cfg.eval.max_completion_length or cfg.max_completion_length):

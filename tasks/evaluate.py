@@ -1,6 +1,6 @@
 """evaluate: held-out pass@k of the current policy (iteration 0 = the base model), MLflow.
 
-The numbers come from grpo_core.evaluation, as `grpo eval`'s (on several processes, tasks/distributed.py, each
+The numbers come from grpo_core.evaluation.evaluate, as `grpo eval`'s (on several processes, tasks/distributed.py, each
 samples its share of the questions), the held-out answers' monitor flags among them; what goes to MLflow is
 tasks/eval_logging.py's. The monitors judge them after the iteration (tasks/monitoring.py)."""
 from __future__ import annotations
@@ -9,9 +9,9 @@ from pathlib import Path
 
 from grpo_core.io import read_json, read_jsonl, write_jsonl
 from grpo_core.task import read_tasks
-from grpo_core.evaluation import eval_seed, merge_rows, sample_rows, summarize
-from grpo_core.policy import load_policy
-from grpo_core.update import DataParallel
+from grpo_core.evaluation.evaluate import eval_seed, merge_rows, sample_rows, summarize
+from grpo_core.model.policy import load_policy
+from grpo_core.parallel import DataParallel
 from tasks import distributed
 from tasks.splits import ensure_eval_split
 from tasks.eval_logging import log_evaluation

@@ -1,7 +1,7 @@
 """The promotion gate's MLflow side: each task's frozen gate set, the champion and the new adapter answering it,
 and the decision that gives (or does not give) the new version the `champion` alias.
 
-One registered model per task (tracking.registered_model_name with `{task}`, grpo_core/task_identity.py) holds
+One registered model per task (tracking.registered_model_name with `{task}`, grpo_core/evaluation/task_identity.py) holds
 one champion and one gate set. The gate set is a split of its own: drawn with gate.split_seed from the task's
 questions, disjoint by content from the eval split (on which a run picks the iteration it registers, so the
 gate never judges on the questions that selected the adapter) and kept out of every run's training. The first
@@ -9,7 +9,7 @@ run of a task stores it (an artifact of that run, `gate/<name>-<hash>.jsonl`, co
 named by the registered model's tags); every run copies it to <run_dir>/data/gate.jsonl at its start and, at its
 end, evaluates its new adapter and the champion on it with its own eval seeds and sampling, both in the task's
 prompt format (one task, one format). A run the monitors flagged suspect is refused. The statistics are
-grpo_core/gate.py's."""
+grpo_core/evaluation/gate.py's."""
 from __future__ import annotations
 
 import dataclasses
@@ -18,13 +18,13 @@ import re
 import tempfile
 from pathlib import Path
 
-from grpo_core import gate as stats
+from grpo_core.evaluation import gate as stats
 from grpo_core.config import ConfigError, GRPOConfig
 from grpo_core.data import arithmetic
 from grpo_core.data import iteration as data_iteration
 from grpo_core.io import atomic_write_text, grpo_home, read_json, write_json, write_jsonl
 from grpo_core.task import Task, read_tasks, write_tasks
-from grpo_core.task_identity import (parse_signature_tag, registered_model_name, signature_differences,
+from grpo_core.evaluation.task_identity import (parse_signature_tag, registered_model_name, signature_differences,
                                      signature_tag, task_signature)
 from tasks import tracking
 from tasks.splits import curated_cache, ensure_eval_split, held_out_preview
@@ -215,7 +215,7 @@ def champion_score(cfg: GRPOConfig) -> float | None:
 def _scores_on_gate(cfg: GRPOConfig, tasks: list, checkpoint: str, rows_path: Path) -> dict[str, float]:
     """Per-question tracking.best_metric of `checkpoint` on the gate tasks, with the run's eval seed and
     sampling; the rows are kept in `rows_path`."""
-    from grpo_core.evaluation import eval_seed, evaluate_checkpoint, metric_name
+    from grpo_core.evaluation.evaluate import eval_seed, evaluate_checkpoint, metric_name
     _, rows = evaluate_checkpoint(cfg, tasks, checkpoint, eval_seed(cfg), progress=False)
     write_jsonl(rows_path, rows)
     return stats.per_question_scores(rows, cfg.tracking.best_metric, metric_name)

@@ -1,4 +1,4 @@
-"""The monitors in a run (grpo_core/monitors.py decides): after every iteration, on the run's own records (the
+"""The monitors in a run (grpo_core/evaluation/monitors.py decides): after every iteration, on the run's own records (the
 score and update stages' figures, the evaluations so far), log each monitor's verdict to MLflow (monitor/...,
 step = iteration), warn, and act as `monitors.on_trip` says: flag the run suspect (run.json, the MLflow tag
 `suspect`; the gate then refuses its adapter), or flag it and stop. It runs outside the stages, so a resume with
@@ -10,7 +10,7 @@ from pathlib import Path
 
 from grpo_core.config import GRPOConfig
 from grpo_core.io import read_json
-from grpo_core.monitors import Alert, check_monitors, check_training_monitors
+from grpo_core.evaluation.monitors import Alert, check_monitors, check_training_monitors
 from tasks import tracking
 from tasks.layout import record_path
 from tasks.run_state import flag_suspect, suspect_reasons

@@ -6,13 +6,13 @@ import contextlib
 import time
 
 from grpo_core.io import write_jsonl
-from grpo_core.multiturn import Toolbox
-from grpo_core.policy import load_policy
-from grpo_core.rollout import make_backend, rollout as sample_groups
-from grpo_core.sampling import SamplingParams, sampling_options
-from grpo_core.scoring import GroupScorer, early_scores_path, scores_during_rollout, write_early_scores
+from grpo_core.rollout.multiturn import Toolbox
+from grpo_core.model.policy import load_policy
+from grpo_core.rollout.samplers import make_backend, rollout as sample_groups
+from grpo_core.rollout.sampling import SamplingParams, sampling_options
+from grpo_core.rewards.scoring import GroupScorer, early_scores_path, scores_during_rollout, write_early_scores
 from grpo_core.task import read_tasks
-from grpo_core.update import DataParallel, interleave
+from grpo_core.parallel import DataParallel, interleave
 from tasks import distributed
 from tasks.layout import cfg_of, iter_dir
 from tasks.stage import stage
@@ -21,7 +21,7 @@ from tasks.stage import stage
 def sample_share(data_parallel: DataParallel, config: dict, run_dir: str, iteration: int, prompts: str,
                  checkpoint: str | None) -> dict:
     """This process's share of the prompts, sampled (and scored as each group is done, where the score stage
-    runs here: grpo_core/scoring.py); the first process gathers every group, in prompt order, writes samples.jsonl
+    runs here: grpo_core/rewards/scoring.py); the first process gathers every group, in prompt order, writes samples.jsonl
     (and early_scores.json) and returns the stage's record (the others return {})."""
     cfg = cfg_of(config)
     tasks = data_parallel.shard(read_tasks(prompts))

@@ -7,11 +7,11 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
-from grpo_core import dynamic_sampling as dsamp
-from grpo_core.checkpoint import STATE_FILE
+from grpo_core.update import dynamic_sampling as dsamp
+from grpo_core.update.checkpoint import STATE_FILE
 from grpo_core.config import ConfigError, GRPOConfig, flatten
 from grpo_core.io import read_json, write_jsonl
-from grpo_core.models import check_adapter, resolve_model
+from grpo_core.model.loading import check_adapter, resolve_model
 from tasks import gate, tracking
 from tasks.data_logging import curation_metrics, dataset_hash  # noqa: F401 - dataset_hash: the flow's tag
 from tasks.layout import semantic_config

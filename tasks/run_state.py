@@ -80,7 +80,7 @@ RESUMABLE = ("failed", "killed", "interrupted", "stopped")
 
 
 def flag_suspect(run_dir: str | Path, iteration: int, alerts: list) -> list[dict]:
-    """Mark the run suspect for each tripped monitor (grpo_core.monitors.Alert) of `iteration`, once each; the
+    """Mark the run suspect for each tripped monitor (grpo_core.evaluation.monitors.Alert) of `iteration`, once each; the
     marks stay for good (a resume with other thresholds does not clear them). -> all the run's marks."""
     marks = read_run_state(run_dir).get("suspect", [])
     for a in alerts:

@@ -7,14 +7,14 @@ math questions' wordings, the same per kind of wording (`wording/<full|examples|
 
 Where the score stage runs where the rollout does (`stages.score.during_rollout`, same work pool), the rollout
 scores each group on a helper thread as soon as it is sampled and leaves the result beside its samples
-(grpo_core/scoring.py: GroupScorer, `early_scores.json`, keyed by the samples' content and the reward settings);
+(grpo_core/rewards/scoring.py: GroupScorer, `early_scores.json`, keyed by the samples' content and the reward settings);
 this stage then only checks and adopts it. Anything else (no such file, another key, a failed helper, a reward
 function's source file edited since) and it scores every sample."""
 from __future__ import annotations
 
 from grpo_core.io import read_jsonl, write_jsonl
-from grpo_core.multiturn import tool_metrics
-from grpo_core.scoring import read_early_scores, score_metrics, score_rows, wording_metrics
+from grpo_core.rollout.multiturn import tool_metrics
+from grpo_core.rewards.scoring import read_early_scores, score_metrics, score_rows, wording_metrics
 from grpo_core.task import read_tasks
 from tasks.layout import cfg_of, iter_dir
 from tasks.stage import stage

@@ -16,8 +16,8 @@ from typing import Any, Callable
 
 from grpo_core.config import ConfigError, GRPOConfig
 from grpo_core.io import read_json, read_jsonl, write_json
-from grpo_core.sampling import model_token_count, readable_conversation
-from grpo_core.task_identity import registered_model_name
+from grpo_core.rollout.sampling import model_token_count, readable_conversation
+from grpo_core.evaluation.task_identity import registered_model_name
 from tasks.retry import CUT_OFF_MESSAGES
 
 
@@ -358,7 +358,7 @@ def register_adapter(cfg: GRPOConfig, run_id: str, iteration: int, metrics: dict
 
 def register_export(cfg: GRPOConfig, run_id: str, local_dir: str | Path, iteration: int, name: str | None,
                     adapter_only: bool = False) -> dict:
-    """Log an exported model directory (grpo_core.export) as the run's artifacts export/iter-<k>[-adapter]
+    """Log an exported model directory (grpo_core.model.export) as the run's artifacts export/iter-<k>[-adapter]
     and, for a merged export with a `name`, create a registered model version whose source is that
     artifact path, aliased run-<run name>. Returns {"artifact_uri"} and, when registered, "name",
     "version", "uri" and "alias_uri"."""
@@ -385,7 +385,7 @@ def download_adapter(uri: str, dst: str | Path, tracking: str | None = None) -> 
     if "://" not in uri and ":/" not in uri:
         p = Path(uri).expanduser()
         if not (p / "adapter_config.json").exists():
-            from grpo_core.models import ModelError
+            from grpo_core.model.loading import ModelError
             raise ModelError(f"init_adapter {uri!r} is not a LoRA adapter dir (adapter_config.json missing)")
         return p
     import mlflow.artifacts
@@ -399,7 +399,7 @@ def download_adapter(uri: str, dst: str | Path, tracking: str | None = None) -> 
     if not (local / "adapter_config.json").exists():       # downloaded as dst/<last path part>/
         found = next(local.rglob("adapter_config.json"), None)
         if found is None:
-            from grpo_core.models import ModelError
+            from grpo_core.model.loading import ModelError
             raise ModelError(f"{uri} holds no LoRA adapter (adapter_config.json missing)")
         local = found.parent
     return local
@@ -478,7 +478,7 @@ def load_adapter(model_uri: str, tracking: str | None = None, base_model: str | 
     import tempfile
     from mlflow.tracking import MlflowClient
     from peft import PeftModel
-    from grpo_core.models import load_base_model, load_tokenizer, resolve_model, select_device, select_dtype
+    from grpo_core.model.loading import load_base_model, load_tokenizer, resolve_model, select_device, select_dtype
     tracking = tracking or os.environ.get("MLFLOW_TRACKING_URI")
     c = MlflowClient(tracking_uri=tracking, registry_uri=tracking)
     if base_model is None and model_uri.startswith("models:/"):
@@ -549,10 +549,10 @@ COMPLETIONS_DIR = "completions"
 
 
 def completion_advantages(batch: list, cfg: GRPOConfig) -> list[float | None]:
-    """Each sample's advantage as the update computed it (grpo_core.update.surviving_groups, then
-    grpo_core.update.batch_advantages: scale_rewards, multi_objective_aggregation); None where a sample did not
+    """Each sample's advantage as the update computed it (grpo_core.update.step.surviving_groups, then
+    grpo_core.update.step.batch_advantages: scale_rewards, multi_objective_aggregation); None where a sample did not
     train (unscorable, or its group kept fewer than 2 members). `batch`: tasks.update.scored_batch's list."""
-    from grpo_core.update import batch_advantages, surviving_groups
+    from grpo_core.update.step import batch_advantages, surviving_groups
     kept, group_sizes = surviving_groups(batch)
     if not kept:
         return [None] * len(batch)

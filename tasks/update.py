@@ -7,11 +7,12 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from grpo_core.checkpoint import ADAPTER_DIR, STATE_FILE, load_trainer_state, save_checkpoint
+from grpo_core.update.checkpoint import ADAPTER_DIR, STATE_FILE, load_trainer_state, save_checkpoint
 from grpo_core.io import read_jsonl
-from grpo_core.models import load_tokenizer, resolve_model
-from grpo_core.policy import load_policy
-from grpo_core.update import DataParallel, ScoredSample, grpo_update, make_optimizer, make_scheduler
+from grpo_core.model.loading import load_tokenizer, resolve_model
+from grpo_core.model.policy import load_policy
+from grpo_core.parallel import DataParallel
+from grpo_core.update.step import ScoredSample, grpo_update, make_optimizer, make_scheduler
 from tasks import distributed, tracking
 from tasks.layout import cfg_of, iter_dir
 from tasks.run_state import init_adapter_path, mlflow_run_id

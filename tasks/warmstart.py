@@ -1,5 +1,5 @@
 """warmstart: before the first GRPO update, the policy's correct answers in the full prompt are fine-tuned in as
-answers to the questions without the worked examples (grpo_core/warmstart.py); the iteration's later stages start
+answers to the questions without the worked examples (grpo_core/update/warmstart.py); the iteration's later stages start
 from the adapter it writes. Runs in iteration 1 when warmstart.enabled."""
 from __future__ import annotations
 
@@ -7,10 +7,10 @@ import torch
 from tqdm.auto import tqdm
 
 from grpo_core.io import write_jsonl
-from grpo_core.policy import load_policy
-from grpo_core.sampling import readable_conversation
+from grpo_core.model.policy import load_policy
+from grpo_core.rollout.sampling import readable_conversation
 from grpo_core.task import read_tasks
-from grpo_core.warmstart import collect_demonstrations, supervised_finetune
+from grpo_core.update.warmstart import collect_demonstrations, supervised_finetune
 from tasks import tracking
 from tasks.curate import training_prompts
 from tasks.layout import cfg_of, iter_dir

@@ -26,7 +26,7 @@ REAL_GRPO_HOME = Path(os.environ.get("GRPO_HOME", Path.home() / ".cache" / "grpo
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory) -> Path:
     """A tiny random Llama-style model with a char tokenizer, built once per session."""
-    from grpo_core.models import build_tiny_model
+    from grpo_core.model.loading import build_tiny_model
     return build_tiny_model(tmp_path_factory.mktemp("models") / "tiny")
 
 
@@ -137,9 +137,9 @@ def tool_calling_model_dir(tmp_path_factory, tiny_model_dir) -> Path:
     from transformers import AutoModelForCausalLM
     from grpo_core.config import DataConfig
     from grpo_core.data.arithmetic import train_tasks
-    from grpo_core.models import load_tokenizer
-    from grpo_core.multiturn import tool_prompt_ids, tool_turn_ids
-    from grpo_core.tools import ToolResult, resolve_tools
+    from grpo_core.model.loading import load_tokenizer
+    from grpo_core.rollout.multiturn import tool_prompt_ids, tool_turn_ids
+    from grpo_core.rollout.tools import ToolResult, resolve_tools
     tok = load_tokenizer(tiny_model_dir)
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
     tools, fmt = resolve_tools(["calculator"]), DataConfig().prompt_format

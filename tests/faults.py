@@ -6,7 +6,7 @@ unmodified. Production code knows nothing of it.
                       real work (tasks/stage.py);
   "<stage>:saved"     its body returned (outputs and metrics written), `finish_stage` has not yet written
                       the record; e.g. "update:saved";
-  "checkpoint:write"  inside grpo_core.checkpoint.save_checkpoint: the adapter and trainer state are written
+  "checkpoint:write"  inside grpo_core.update.checkpoint.save_checkpoint: the adapter and trainer state are written
                       into the temp directory, not yet renamed into place (io.atomic_dir);
   "data:write"        the same inside `grpo data build` (grpo_core.data.build.write_dataset);
   "dynamic:merge"     DAPO dynamic sampling: the first merged file (samples.dynamic.jsonl) is written, the
@@ -30,7 +30,7 @@ import time
 from pathlib import Path
 from typing import Sequence
 
-from grpo_core import checkpoint as checkpoint_module
+from grpo_core.update import checkpoint as checkpoint_module
 from grpo_core.data import build as build_module
 from grpo_core.io import atomic_dir, atomic_write_text, read_json, write_json, write_jsonl
 from tasks import layout, run as run_module, stage as stage_module
@@ -156,5 +156,5 @@ def calculator(expression: str) -> str:
         expression: numbers with + - * / // % ** and parentheses, e.g. '12*(3+4)/5'.
     """
     fault_point("tool:call")
-    from grpo_core.tools import calculate
+    from grpo_core.rollout.tools import calculate
     return calculate(expression)

@@ -1,5 +1,5 @@
 """The published objectives written out sequence by sequence and token by token, with Python loops, for
-the tests to compare grpo_core.loss and grpo_core.update against (imported by tests/test_loss.py and
+the tests to compare grpo_core.update.loss and grpo_core.update.step against (imported by tests/test_loss.py and
 tests/test_update_variants.py). Nothing here shares code with grpo_core.
 
 One micro-batch is a list of sequences; each sequence gives, for its completion tokens that get a loss

@@ -1,10 +1,10 @@
-"""Final-answer extraction and equivalence (grpo_core.answers)."""
+"""Final-answer extraction and equivalence (grpo_core.rewards.answers)."""
 import json
 from fractions import Fraction
 
 import pytest
 
-from grpo_core.answers import (NumberReading, extract_answer, math_answers_match, parse_number, read_number,
+from grpo_core.rewards.answers import (NumberReading, extract_answer, math_answers_match, parse_number, read_number,
                                reasoning_gym_dataset, reasoning_gym_score, restates_question)
 
 
@@ -53,7 +53,7 @@ def test_the_table_is_large_and_balanced():
 
 def test_a_slow_check_is_judged_wrong_not_hung(monkeypatch):
     import time
-    import grpo_core.answers as answers
+    import grpo_core.rewards.answers as answers
     monkeypatch.setattr(answers, "_parsed_gold", lambda gold: time.sleep(5) or ["x"])
     t0 = time.perf_counter()
     assert answers.math_answers_match("\\frac{1}{2}", "\\frac{2}{4}x", timeout_s=0.2) is False
@@ -226,7 +226,7 @@ def test_reasoning_gym_fraction_gold_needs_the_checkers_full_credit():
 
 def test_the_reward_goes_through_the_same_rule():
     pytest.importorskip("reasoning_gym")
-    from grpo_core.rewards import math_accuracy
+    from grpo_core.rewards.rewards import math_accuracy
     from grpo_core.task import Task
     meta = _rg_meta("chain_sum", CHAIN_SUM, _index_of_gold("chain_sum", CHAIN_SUM, "-4"))
     rg_task = Task(id="rg", kind="math", source="reasoning_gym/chain_sum", prompt="5 - 9 =", answer="-4", meta=meta)

@@ -20,7 +20,7 @@ ROOT = Path(__file__).resolve().parents[1]
 LAYERS = ("flows", "tasks", "grpo_core", "sandbox")          # each may import only those after it
 # Leaf modules of grpo_core that curation may use directly (value types, file helpers, answer checks,
 # the plugin resolver that finds user sources as it finds user rewards).
-CORE_FOR_CURATION = ("grpo_core.io", "grpo_core.task", "grpo_core.answers", "grpo_core.config", "grpo_core.plugins")
+CORE_FOR_CURATION = ("grpo_core.io", "grpo_core.task", "grpo_core.rewards.answers", "grpo_core.config", "grpo_core.plugins")
 CURATION_BRIDGE = "grpo_core.data.model_policy"
 FRAMEWORKS = ("prefect", "mlflow")
 STAGE_MODULES = ("warmstart", "curate", "rollout", "score", "update", "evaluate")

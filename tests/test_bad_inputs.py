@@ -111,7 +111,7 @@ def _gate_set_of_eval_questions(w: Work) -> list[str]:
     from grpo_core.config import GRPOConfig
     from grpo_core.data import arithmetic
     from grpo_core.task import write_tasks
-    from grpo_core.task_identity import task_signature
+    from grpo_core.evaluation.task_identity import task_signature
     from tasks import gate
     uri = f"sqlite:///{w.tmp / 'old-store.db'}"
     cfg = GRPOConfig.model_validate({**yaml.safe_load(w.base.read_text()), "tracking": {"tracking_uri": uri}})
@@ -280,7 +280,7 @@ def adapter_32(tmp_path_factory) -> Path:
     """A LoRA adapter saved by PEFT on another tiny model (hidden size 32, not 64)."""
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
-    from grpo_core.models import build_tiny_model
+    from grpo_core.model.loading import build_tiny_model
     root = tmp_path_factory.mktemp("other-base")
     model = AutoModelForCausalLM.from_pretrained(build_tiny_model(root / "model32", hidden_size=32))
     peft = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"],

@@ -70,7 +70,7 @@ def test_matrix_runs_end_to_end(tmp_path):
 @pytest.mark.parametrize("name", ["qwen3-0.6b", "gemma-3-1b"])
 def test_estimate_only_counts_the_lora_parameters_peft_makes(name):
     """--estimate-only counts LoRA's parameters from the shapes; peft's own count on a 2-layer copy agrees."""
-    from grpo_core.models import attach_lora
+    from grpo_core.model.loading import attach_lora
     with torch.device("meta"):
         base = memory.build_model(name, 2, torch.device("meta"), torch.float32)
     model = attach_lora(base, 16, 32, 0.0, ["auto"])

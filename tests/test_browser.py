@@ -114,7 +114,7 @@ def test_each_registered_version_shows_its_lineage(seen):
     training data's and the config's hashes, the commit; the second run's page shows the gate's decision."""
     from mlflow.tracking import MlflowClient
     from grpo_core.config import load_config
-    from grpo_core.task_identity import registered_model_name
+    from grpo_core.evaluation.task_identity import registered_model_name
     name = registered_model_name(load_config(seen.work / "runs" / "run-a" / "config.yaml", []))
     versions = MlflowClient(tracking_uri=seen.mlflow).search_model_versions(f"name='{name}'")
     assert sorted(v.version for v in versions) == ["1", "2"]

@@ -1,4 +1,4 @@
-"""grpo_core.checkpoint on a real tiny LoRA policy: a run resumed from a checkpoint takes the same
+"""grpo_core.update.checkpoint on a real tiny LoRA policy: a run resumed from a checkpoint takes the same
 next step as the run that kept going (adapter, AdamW moments, LR schedule, global step), every random
 stream continues where it was saved, and a checkpoint is written whole or not at all."""
 from __future__ import annotations
@@ -9,11 +9,11 @@ import numpy as np
 import pytest
 import torch
 
-import grpo_core.checkpoint as checkpoint_module
-from grpo_core.checkpoint import ADAPTER_DIR, STATE_FILE, load_trainer_state, save_checkpoint
+import grpo_core.update.checkpoint as checkpoint_module
+from grpo_core.update.checkpoint import ADAPTER_DIR, STATE_FILE, load_trainer_state, save_checkpoint
 from grpo_core.config import GRPOConfig
-from grpo_core.policy import load_policy
-from grpo_core.update import ScoredSample, grpo_update, make_optimizer, make_scheduler
+from grpo_core.model.policy import load_policy
+from grpo_core.update.step import ScoredSample, grpo_update, make_optimizer, make_scheduler
 
 G = 4
 

@@ -1,4 +1,4 @@
-"""The code tools (grpo_core/code_tools.py) for real: the python and rust tools and the rust_fix environment
+"""The code tools (grpo_core/rollout/code_tools.py) for real: the python and rust tools and the rust_fix environment
 run in the sandbox (Docker, and the local backend), with its isolation and limits; the hidden tests of a
 rust_fix task never show in what the model is told."""
 from __future__ import annotations
@@ -8,8 +8,8 @@ import time
 
 import pytest
 
-from grpo_core import code_tools
-from grpo_core.code_tools import (RustFix, TestSplit, check_report, output_text, python_tool, rust_fix_environment,
+from grpo_core.rollout import code_tools
+from grpo_core.rollout.code_tools import (RustFix, TestSplit, check_report, output_text, python_tool, rust_fix_environment,
                                   rust_tool, split_rust_tests)
 from grpo_core.config import SandboxConfig
 from sandbox.types import Limits, RunOutput

@@ -132,7 +132,7 @@ def test_the_config_caps_what_this_machine_shows(monkeypatch):
 
 @pytest.mark.parametrize("name", list(CPUS))
 def test_auto_precision_follows_the_features(name, monkeypatch):
-    from grpo_core.models import select_dtype
+    from grpo_core.model.loading import select_dtype
     monkeypatch.delenv("GRPO_CPU_BF16", raising=False)
     monkeypatch.setattr(cpu_features, "detect", lambda: cpu(name))
     want = BF16 if name.startswith(("avx512_bf16", "amx")) else FP32

@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from transformers import AutoModelForCausalLM
 
 from grpo_core.kernels.cpu_linear import PackedLinear, sampling_weights, use_onednn_linears
-from grpo_core.models import attach_lora
+from grpo_core.model.loading import attach_lora
 from tests.conftest import needs_cpu
 
 pytestmark = needs_cpu("onednn_linear")

@@ -39,7 +39,7 @@ def test_arithmetic_source_wraps_the_default_generator():
 
 def test_reasoning_gym_tasks_carry_their_checker():
     pytest.importorskip("reasoning_gym")
-    from grpo_core.answers import reasoning_gym_score
+    from grpo_core.rewards.answers import reasoning_gym_score
     from grpo_core.data.sources.rgym import is_reasoning_gym
     tasks = load_source("reasoning_gym", datasets={"gsm_symbolic": {"size": 5}, "fraction_simplification": {"size": 3}})
     assert len(tasks) == 8 and all(isinstance(t, Task) and is_reasoning_gym(t) for t in tasks)

@@ -1,4 +1,4 @@
-"""Data-parallel updates on the CPU with gloo (tasks/distributed.py, grpo_core.update.DataParallel), with real
+"""Data-parallel updates on the CPU with gloo (tasks/distributed.py, grpo_core.parallel.DataParallel), with real
 `accelerate launch` processes on the tiny model: 2 processes take the step 1 process takes on the same batch, for
 every loss type and both importance-sampling levels, whether the processes come from a launch of the caller or
 are started by the update stage itself (stages.update.num_processes: 2); a 3-iteration `grpo train` under
@@ -18,17 +18,18 @@ import pytest
 import torch
 
 from grpo_core.io import read_json, read_jsonl, write_json, write_jsonl
-from grpo_core.loss import LOSS_TYPES
+from grpo_core.update.loss import LOSS_TYPES
 from grpo_core.data import arithmetic
-from grpo_core.evaluation import MODES, merge_rows
+from grpo_core.evaluation.evaluate import MODES, merge_rows
 from grpo_core.task import Task, read_tasks, write_tasks
-from grpo_core.update import (MICRO_BATCH_NORMALISER, DataParallel, ScoredSample, interleave, shard_loss_weight,
-                              shard_rows, shard_token_weight)
+from grpo_core.parallel import DataParallel, interleave
+from grpo_core.update.step import (MICRO_BATCH_NORMALISER, ScoredSample, shard_loss_weight, shard_rows,
+                                   shard_token_weight)
 from tasks import distributed, tracking
 from tasks.layout import cfg_of
 from tasks.evaluate import evaluate
 from tasks.rollout import rollout
-from grpo_core.scoring import score_rows
+from grpo_core.rewards.scoring import score_rows
 from tasks.score import score
 from tasks.update import train_on_batch, update
 from tests import faults

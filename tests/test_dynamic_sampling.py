@@ -5,8 +5,8 @@ import pytest
 
 from grpo_core.task import Task
 
-from grpo_core.dynamic_sampling import count_informative, is_informative, merge_rounds
-from grpo_core.rewards import compute_rewards, overlong_penalty, overlong_reward
+from grpo_core.update.dynamic_sampling import count_informative, is_informative, merge_rounds
+from grpo_core.rewards.rewards import compute_rewards, overlong_penalty, overlong_reward
 
 
 def round_rows(task_prefix, groups):

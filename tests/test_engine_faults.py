@@ -234,7 +234,7 @@ def test_score_stage_is_retried_until_the_engine_is_back(tmp_path, grpo_home, pr
     from prefect import flow
     import sandbox.api
     from tasks.stage import with_policy
-    from grpo_core import code_rewards
+    from grpo_core.rewards import code_rewards
     from grpo_core.io import read_jsonl
     from sandbox.backends import EngineUnavailable
     from tasks.layout import cfg_of

@@ -63,7 +63,7 @@ def test_standalone_eval_gives_the_stage_numbers(evaluated_run, tmp_path, capsys
 
 def test_eval_command_explains_bad_arguments(tmp_path, grpo_home, mlflow_uri):
     from grpo_core.config import ConfigError
-    from grpo_core.models import ModelError
+    from grpo_core.model.loading import ModelError
     p = _parser()
     with pytest.raises(ConfigError, match="--dataset is required"):
         args = p.parse_args(["eval", "--model", "tiny-random"])

@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 
 from grpo_core.config import ConfigError, EvalConfig, GRPOConfig, load_config
-from grpo_core.evaluation import summarize
-from grpo_core.passk import default_ks, mean_pass_at_k, pass_at_k
+from grpo_core.evaluation.evaluate import summarize
+from grpo_core.evaluation.passk import default_ks, mean_pass_at_k, pass_at_k
 from conftest import tiny_config
 
 
@@ -112,8 +112,8 @@ def test_format_rate_and_strict_pass_count_the_shape_whatever_the_reward_funcs()
 def test_score_samples_uses_plugin_rewards_and_marks_the_format(tmp_path, monkeypatch):
     from types import SimpleNamespace
 
-    from grpo_core import rewards
-    from grpo_core.evaluation import score_samples
+    from grpo_core.rewards import rewards
+    from grpo_core.evaluation.evaluate import score_samples
     from grpo_core.task import Task
 
     def shout(prompts, completions, **kwargs):
@@ -155,7 +155,7 @@ def _tiny_cfg(tmp_path, **over) -> GRPOConfig:
 
 def test_evaluation_is_deterministic_given_the_seed(tmp_path, grpo_home):
     from grpo_core.data import arithmetic
-    from grpo_core.evaluation import evaluate_checkpoint
+    from grpo_core.evaluation.evaluate import evaluate_checkpoint
     cfg = _tiny_cfg(tmp_path)
     tasks = arithmetic.eval_tasks(4, 1, 1, ["+"])
     m1, r1 = evaluate_checkpoint(cfg, tasks, None, progress=False)
@@ -177,9 +177,9 @@ def test_answers_scored_while_sampling_are_scored_as_afterwards_or_afterwards_on
     sampling every mode first and scoring after; a reward that fails off the main thread is scored after, and
     with stages.score.during_rollout off no helper thread is used."""
     from grpo_core.data import arithmetic
-    from grpo_core.evaluation import eval_modes, sample_rows, score_samples
-    from grpo_core.policy import load_policy
-    from grpo_core.rollout import make_backend, rollout
+    from grpo_core.evaluation.evaluate import eval_modes, sample_rows, score_samples
+    from grpo_core.model.policy import load_policy
+    from grpo_core.rollout.samplers import make_backend, rollout
     cfg = _tiny_cfg(tmp_path)
     cfg = cfg.model_copy(update={"generation_batch_size": 2,        # one prompt shape: the calls below count its passes
                                  "eval": cfg.eval.model_copy(update={"exported_shape": False})})
@@ -206,7 +206,7 @@ def test_answers_scored_while_sampling_are_scored_as_afterwards_or_afterwards_on
 def make_adapter(cfg: GRPOConfig, out: Path, seed: int = 1) -> Path:
     """A LoRA adapter that changes the model (a fresh one has B = 0, i.e. is the base model)."""
     import torch
-    from grpo_core.policy import load_policy
+    from grpo_core.model.policy import load_policy
     policy = load_policy(cfg, None, need_reference=False)
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
@@ -261,8 +261,8 @@ def test_stage_logs_metrics_per_iteration_table_plots_and_split(evaluated_run):
 def test_the_evaluation_without_tools_asks_in_a_prompt_that_names_no_tool():
     """configs/tools.yaml's own prompt tells the model to call the calculator and shows calls; the evaluation
     without tools puts the same questions in the tool-free wording (no tool named, no call shown)."""
-    from grpo_core.evaluation import _eval_runs
-    from grpo_core.sampling import prompt_messages
+    from grpo_core.evaluation.evaluate import _eval_runs
+    from grpo_core.rollout.sampling import prompt_messages
     from grpo_core.task import Task
     cfg = load_config("configs/tools.yaml")
     task = Task(id="q", kind="math", source="arithmetic", prompt="What is 123 * 456?", answer="56088")
@@ -284,9 +284,9 @@ def test_the_exported_shape_asks_as_a_user_asks_the_exported_model(tmp_path, grp
     question in one of the foreign instructions (never plain), the run's tools as the rollout renders them; rows
     marked, metrics of their own, the in-prompt numbers unchanged by it."""
     from grpo_core.data import arithmetic
-    from grpo_core.evaluation import evaluate_policy, exported_format
-    from grpo_core.policy import load_policy
-    from grpo_core.sampling import prompt_messages
+    from grpo_core.evaluation.evaluate import evaluate_policy, exported_format
+    from grpo_core.model.policy import load_policy
+    from grpo_core.rollout.sampling import prompt_messages
     words = ["Tell me: {question} (answer in <answer></answer> tags)", "{question} Number only, in tags."]
     cfg = GRPOConfig.model_validate(tiny_config(tmp_path, eval=dict(num_samples=2, foreign_instructions=words)))
     tasks = arithmetic.eval_tasks(6, 1, 1, ["+"])

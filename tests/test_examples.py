@@ -49,7 +49,7 @@ def _env(site: Path, **extra: str) -> dict[str, str]:
 
 
 def test_the_reward_is_unit_aware_and_found_by_entry_point(on_path):
-    from grpo_core.rewards import compute_rewards, resolve_reward
+    from grpo_core.rewards.rewards import compute_rewards, resolve_reward
     from grpo_core.task import Task
     func = resolve_reward("unit_match", "reward_funcs[0]")
     assert func.origin == "grpo-units-plugin 0.1.0 (grpo_units.rewards:unit_match)"

@@ -1,5 +1,5 @@
 """Export: a merged model loads with plain transformers (no peft) and answers as the adapter does; at the
-library level (grpo_core.export) on a hand-made adapter, and through `grpo export` on a real tiny run."""
+library level (grpo_core.model.export) on a hand-made adapter, and through `grpo export` on a real tiny run."""
 import json
 import shutil
 from pathlib import Path
@@ -9,9 +9,9 @@ import torch
 import yaml
 
 from grpo_core.config import GRPOConfig
-from grpo_core.export import ModelCard, export_model, generation_settings
-from grpo_core.models import load_tokenizer, resolve_model
-from grpo_core.policy import load_policy
+from grpo_core.model.export import ModelCard, export_model, generation_settings
+from grpo_core.model.loading import load_tokenizer, resolve_model
+from grpo_core.model.policy import load_policy
 from tests.conftest import isolated_run_env
 
 REPO = Path(__file__).resolve().parents[1]
@@ -71,8 +71,8 @@ def test_a_base_model_without_chat_template_exports_the_transcript_it_was_traine
     template (with the training system prompt and examples as default turns), so a user message alone renders
     the training prompt, and the stop strings go into generation_config.json."""
     import shutil
-    from grpo_core.export import default_turns
-    from grpo_core.sampling import PromptFormat, prompt_messages, render_chat
+    from grpo_core.model.export import default_turns
+    from grpo_core.rollout.sampling import PromptFormat, prompt_messages, render_chat
     from grpo_core.task import Task
     cfg, adapter = trained_adapter
     base = tmp_path / "base"
@@ -229,9 +229,9 @@ def test_exported_chat_template_prompts_as_training_did(tiny_run, tmp_path):
     template."""
     from transformers import AutoModelForCausalLM
     from flows.cli.main import main
-    from grpo_core.evaluation import evaluate_checkpoint
+    from grpo_core.evaluation.evaluate import evaluate_checkpoint
     from grpo_core.io import read_jsonl
-    from grpo_core.sampling import PromptFormat, prompt_messages, render_chat
+    from grpo_core.rollout.sampling import PromptFormat, prompt_messages, render_chat
     from grpo_core.task import Task
     run_dir, _, _ = tiny_run
     cfg = _run_config(run_dir).model_copy(update={"eval": _run_config(run_dir).eval.model_copy(
@@ -267,7 +267,7 @@ def test_exported_chat_template_prompts_as_training_did(tiny_run, tmp_path):
 def test_the_exported_template_defaults_training_s_template_variables(tiny_model_dir):
     """chat_template_kwargs training rendered with become the exported template's defaults; a caller's own
     value still wins, and the default turns go in as well."""
-    from grpo_core.export import with_default_turns
+    from grpo_core.model.export import with_default_turns
     tok = load_tokenizer(tiny_model_dir)
     tok.chat_template = with_default_turns(
         "{% if enable_thinking %}T{% else %}F{% endif %}{{ depth }}/{% for m in messages %}{{ m['role'] }} "
@@ -278,7 +278,7 @@ def test_the_exported_template_defaults_training_s_template_variables(tiny_model
     assert tok.apply_chat_template([{"role": "system", "content": "mine"}, *user], tokenize=False) == "F2/system user "
 
 
-# -- `grpo export` of a run with tools (grpo_core.export.with_tool_turns; the shapes in tests/test_export_tools.py) --
+# -- `grpo export` of a run with tools (grpo_core.model.export.with_tool_turns; the shapes in tests/test_export_tools.py) --
 
 def _tools_run(run_dir: Path, tmp_path: Path, model: str) -> Path:
     """A copy of the tiny run as if it had been trained with the calculator on `model`, without its MLflow run."""

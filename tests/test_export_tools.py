@@ -1,5 +1,5 @@
 """The export of a run with tools carries its interface: the exported chat template renders the standard `tools=`
-argument, tool messages and structured tool calls as training rendered them (grpo_core.multiturn), so plain
+argument, tool messages and structured tool calls as training rendered them (grpo_core.rollout.multiturn), so plain
 transformers with a plain tool loop gets the evaluation's greedy answers; a template that cannot do so is refused.
 
 Shape tests on the real default model's tokenizer are marked smoke (they need its files, no weights); the plain
@@ -16,12 +16,12 @@ import torch
 import yaml
 
 from grpo_core.config import ConfigError, GRPOConfig
-from grpo_core.export import ModelCard, default_turns, export_model, exported_tokenizer, generation_settings
-from grpo_core.models import load_tokenizer, resolve_model
-from grpo_core.multiturn import tool_prompt_ids, tool_turn_ids
-from grpo_core.sampling import PromptFormat
+from grpo_core.model.export import ModelCard, default_turns, export_model, exported_tokenizer, generation_settings
+from grpo_core.model.loading import load_tokenizer, resolve_model
+from grpo_core.rollout.multiturn import tool_prompt_ids, tool_turn_ids
+from grpo_core.rollout.sampling import PromptFormat
 from grpo_core.task import Task
-from grpo_core.tools import ToolResult, resolve_tools
+from grpo_core.rollout.tools import ToolResult, resolve_tools
 
 REPO = Path(__file__).resolve().parents[1]
 TOOLS_CONFIG = GRPOConfig.model_validate(yaml.safe_load((REPO / "configs" / "tools.yaml").read_text()))
@@ -259,7 +259,7 @@ def _readable(turns: list[tuple[str, str]]) -> str:
 
 def _evaluated(cfg: GRPOConfig, tasks: list[Task], adapter: Path) -> list[dict]:
     """The project's greedy evaluation of `adapter`, with the run's tools, in the run's own prompt format."""
-    from grpo_core.evaluation import evaluate_checkpoint
+    from grpo_core.evaluation.evaluate import evaluate_checkpoint
     only_that = {"num_samples": 0, "without_tools": False, "exported_shape": False, "foreign_instructions": [],
                  "foreign_system_prompts": []}           # the passes in other prompts: not compared here
     cfg = cfg.model_copy(update={"eval": cfg.eval.model_copy(update=only_that)})
@@ -293,7 +293,7 @@ def taught_tiny_dir(tmp_path_factory, tiny_model_dir) -> Path:
 
 def _small_adapter(cfg: GRPOConfig, out: Path, scale: float) -> Path:
     """A LoRA adapter whose B is small and random: the merge matters, the taught behaviour stays."""
-    from grpo_core.policy import load_policy
+    from grpo_core.model.policy import load_policy
     policy = load_policy(cfg, None, need_reference=False)
     g = torch.Generator().manual_seed(1)
     with torch.no_grad():

@@ -12,8 +12,8 @@ import torch
 
 from grpo_core.kernels import cpu_features
 from grpo_core.kernels.fused_decode import _BASES, FusedDecoder, _probe, hugepage_empty, linear_kernel
-from grpo_core.models import attach_lora
-from grpo_core.rollout import KVCacheSampler, _HFForward, left_pad
+from grpo_core.model.loading import attach_lora
+from grpo_core.rollout.samplers import KVCacheSampler, _HFForward, left_pad
 from tests.conftest import cpu_declines, needs_cpu, skip_unless_cpu, use_kernels
 from tests.test_lean_decode import llama, qwen2, run as lean_run
 from tests.test_native import needs_compiler
@@ -209,7 +209,7 @@ def test_bf16_keeps_the_adapter_as_factors_so_a_small_delta_is_not_rounded_away(
 
 def test_snapshot_follows_the_adapter_and_the_sampler_uses_it(tiny_model_dir):
     from transformers import AutoTokenizer
-    from grpo_core.sampling import SamplingParams
+    from grpo_core.rollout.sampling import SamplingParams
     model = _with_lora(llama(tiny_model_dir), ["q_proj", "o_proj"])
     tok = AutoTokenizer.from_pretrained(tiny_model_dir)
     greedy = SamplingParams(max_new_tokens=6, temperature=1.0, greedy=True, seed=0)

@@ -1,5 +1,5 @@
 """The promotion gate: `champion` moves only to an adapter that beats it on the frozen gate set by more than
-noise (grpo_core/gate.py: the statistics; tasks/gate.py: the gate set and the decision in MLflow).
+noise (grpo_core/evaluation/gate.py: the statistics; tasks/gate.py: the gate set and the decision in MLflow).
 
 The unit tests check the tests against values computed by hand and the decision on synthetic per-question
 scores; the slow test runs three training runs as a schedule would and reads the registry."""
@@ -12,10 +12,10 @@ from statistics import mean
 
 import pytest
 
-from grpo_core import gate
+from grpo_core.evaluation import gate
 from grpo_core.config import ConfigError, GRPOConfig
 from grpo_core.data.curation import canonical_question
-from grpo_core.evaluation import metric_name, summarize
+from grpo_core.evaluation.evaluate import metric_name, summarize
 from tests.conftest import tiny_config
 
 
@@ -198,7 +198,7 @@ def test_the_gate_holds_back_a_worse_run_and_promotes_a_better_one(prefect_engin
     the gate questions says it is better, and it is promoted."""
     from mlflow.tracking import MlflowClient
     from grpo_core.task import read_tasks
-    from grpo_core.task_identity import registered_model_name
+    from grpo_core.evaluation.task_identity import registered_model_name
     from tasks import gate as gate_steps
     c = MlflowClient(tracking_uri=mlflow_uri, registry_uri=mlflow_uri)
     first = _run(tmp_path, "day-1", pipeline_iterations=1, learning_rate=1e-6)

@@ -1,5 +1,5 @@
 """The promotion gate's statistics against issue #47: tests chosen by the metric, p-values that hold their
-level, and the power of the default gate (grpo_core/gate.py).
+level, and the power of the default gate (grpo_core/evaluation/gate.py).
 
 The simulations model gates as the pipeline makes them. Per-question right-probabilities are drawn from
 Beta(0.35, 0.65): mean 0.35, U-shaped (about 29% of questions below 0.05 and 6% above 0.95), because a
@@ -16,7 +16,7 @@ import re
 import numpy as np
 import pytest
 
-from grpo_core import gate
+from grpo_core.evaluation import gate
 from grpo_core.config import ConfigError, load_config
 
 ALPHA = 0.05                     # the default gate.confidence 0.95
@@ -185,7 +185,7 @@ def registered_and_champion(rng, gates: int, pick_on: str):
 
 
 def gate_promotion_rate(new, champion) -> float:
-    """The share of gates grpo_core.gate.decide promotes at the default confidence."""
+    """The share of gates grpo_core.evaluation.gate.decide promotes at the default confidence."""
     promoted = [gate.decide(_scores(a), _scores(b)).promote for a, b in zip(new, champion)]
     return float(np.mean(promoted))
 

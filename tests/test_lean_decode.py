@@ -8,7 +8,7 @@ import torch
 from transformers import AutoModelForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
 from grpo_core.kernels.lean_decode import LeanDecoder
-from grpo_core.rollout import _HFForward, left_pad
+from grpo_core.rollout.samplers import _HFForward, left_pad
 
 
 def llama(tiny_model_dir):
@@ -58,7 +58,7 @@ def test_lean_forward_equals_the_models_own_forward_on_qwen2():
 
 
 def test_lean_forward_on_the_tiny_llama_with_lora(tiny_model_dir):
-    from grpo_core.models import attach_lora
+    from grpo_core.model.loading import attach_lora
     model = attach_lora(llama(tiny_model_dir), 4, 8, 0.0, ["q_proj", "v_proj"])
     for n, p in model.named_parameters():
         if "lora_B" in n:

@@ -4,10 +4,10 @@ from __future__ import annotations
 import torch
 
 from grpo_core.config import GRPOConfig
-from grpo_core.policy import load_policy
-from grpo_core.sampling import SamplingParams
-from grpo_core.rollout import make_backend
-from grpo_core.update import ScoredSample, grpo_update, make_optimizer, make_scheduler
+from grpo_core.model.policy import load_policy
+from grpo_core.rollout.sampling import SamplingParams
+from grpo_core.rollout.samplers import make_backend
+from grpo_core.update.step import ScoredSample, grpo_update, make_optimizer, make_scheduler
 
 
 def test_tiny_model_learns_to_emit_digits(grpo_home):

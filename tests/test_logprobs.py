@@ -1,4 +1,4 @@
-"""grpo_core.logprobs: per-token log-probs and entropy without the full log-softmax, the chunked LM
+"""grpo_core.update.logprobs: per-token log-probs and entropy without the full log-softmax, the chunked LM
 head, and every layout of completion_logprobs (padded, packed groups, repeated prompt KV) against plain
 unpadded forward passes, values and gradients."""
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from grpo_core.logprobs import (completion_logits, completion_logprobs, head_logprobs, logprob_path, token_entropy,
+from grpo_core.update.logprobs import (completion_logits, completion_logprobs, head_logprobs, logprob_path, token_entropy,
                                 token_logprobs)
 from tests.conftest import skip_unless_cpu, use_kernels
 
@@ -27,7 +27,7 @@ def test_token_logprobs_and_entropy_match_log_softmax():
 def test_chunked_head_logprobs_value_and_gradient(compiled, monkeypatch):
     """With the compiled logit sweep (where a compiler is) and with torch ops: the same log-probs, entropy and
     gradients as the full log-softmax, through checkpointed chunks and kept ones."""
-    import grpo_core.logprobs as lp_mod
+    import grpo_core.update.logprobs as lp_mod
     if compiled:
         from grpo_core.kernels import native
         if native.load() is None:
@@ -119,7 +119,7 @@ def test_completion_logprobs_match_unpadded_forward(tiny_model_dir):
 
 def _lora_model(tiny_model_dir, dtype=torch.float32):
     """The tiny Llama with a LoRA adapter (fp32 factors) on q, k, v and o whose B is not zero."""
-    from grpo_core.models import attach_lora
+    from grpo_core.model.loading import attach_lora
     from transformers import AutoModelForCausalLM
     model = attach_lora(AutoModelForCausalLM.from_pretrained(tiny_model_dir).to(dtype), 4, 8, 0.0,
                         ["q_proj", "k_proj", "v_proj", "o_proj"])
@@ -153,8 +153,8 @@ def test_shared_prompt_path_equals_full_pass_value_and_gradient(tiny_model_dir, 
     unpadded completions, through the lean trunk, its completions' queries in one block or in several by
     length, or through a block mask, or the prompt's KV repeated) == the full padded pass, values and
     gradients."""
-    import grpo_core.logprobs as alg
-    from grpo_core.logprobs import _groups_share_prompt
+    import grpo_core.update.logprobs as alg
+    from grpo_core.update.logprobs import _groups_share_prompt
     if layout == "lean_segments_split":           # three query blocks by length, whatever the saving
         monkeypatch.setattr(alg, "_length_split", lambda lengths, P: list(lengths.argsort().chunk(3)))
     elif layout != "lean_segments":
@@ -192,7 +192,7 @@ def test_packed_gradients_are_the_same_bits_on_every_run(tiny_model_dir, monkeyp
     at each thread count; across thread counts they need not: the BLAS may split a weight gradient's sum over
     tokens between threads (on an Intel Xeon with AMX, torch 2.13, a plain matmul's weight gradient differs in
     the last bits between 1 and 2 threads), so a resumed run keeps its thread count."""
-    import grpo_core.logprobs as alg
+    import grpo_core.update.logprobs as alg
     if layout == "packed_mask":
         monkeypatch.setattr(alg.LeanDecoder, "of", classmethod(lambda cls, model: None))
     monkeypatch.setattr(alg, "_pack_is_cheaper", lambda *a: True)
@@ -218,7 +218,7 @@ def test_packed_gradients_are_the_same_bits_on_every_run(tiny_model_dir, monkeyp
 
 
 def test_pack_is_chosen_only_when_it_saves_work(tiny_model_dir):
-    from grpo_core.logprobs import _pack_is_cheaper
+    from grpo_core.update.logprobs import _pack_is_cheaper
     from transformers import AutoConfig
     config = AutoConfig.from_pretrained(tiny_model_dir)
     config._attn_implementation = "sdpa"                   # what loading the model resolves it to
@@ -236,7 +236,7 @@ def test_pack_is_chosen_only_when_it_saves_work(tiny_model_dir):
 def test_flat_packing_lays_the_group_rows_end_to_end_without_padding():
     """The lean update trunk runs the group rows [prompt | c1 | ... | cG] end to end in one sequence: its
     length is the sum of the rows' own lengths, not groups x the longest row."""
-    from grpo_core.logprobs import _packed_groups
+    from grpo_core.update.logprobs import _packed_groups
     P, C, G = 3, 4, 2
     ids = torch.tensor([[1, 2, 3, 10, 11, 0, 0], [1, 2, 3, 12, 0, 0, 0],             # group 0: answers of 2 and 1
                         [0, 4, 5, 20, 21, 22, 23], [0, 4, 5, 24, 25, 26, 0]])         # group 1: 4 and 3, prompt padded
@@ -252,7 +252,7 @@ def test_flat_packing_lays_the_group_rows_end_to_end_without_padding():
 
 
 def test_completions_split_into_two_query_blocks_only_where_that_saves_work():
-    from grpo_core.logprobs import _length_split
+    from grpo_core.update.logprobs import _length_split
     lengths = torch.tensor([30, 2, 31, 1])
     assert [b.tolist() for b in _length_split(lengths, 5)] == [[3, 1], [0, 2]]
     assert [b.tolist() for b in _length_split(torch.tensor([30, 28, 31, 29]), 5)] == [[1, 3, 0, 2]]
@@ -312,9 +312,9 @@ def test_the_compiled_segment_attention_at_head_dim_64(heads):
     with prompts of 17 and 21 tokens (left padding, a 16-slot block straddling the prompt's end) and answers
     of up to 20 tokens: log-probs and LoRA gradients equal the plain forward's, and in bf16 stay near the
     written-out attention's."""
-    import grpo_core.logprobs as alg
+    import grpo_core.update.logprobs as alg
     from grpo_core.kernels import native
-    from grpo_core.models import attach_lora
+    from grpo_core.model.loading import attach_lora
     from transformers import LlamaConfig, LlamaForCausalLM
     if native.load() is None:
         pytest.skip("no compiled kernels here")

@@ -1,4 +1,4 @@
-"""grpo_core.loss against hand-computed values and against a line-by-line implementation of the published
+"""grpo_core.update.loss against hand-computed values and against a line-by-line implementation of the published
 objective (DeepSeekMath GRPO with the DAPO / Dr. GRPO aggregation fixes, TRL 1.16 semantics), including
 how the micro-batches of one optimizer step add up; and each variant (GSPO and GSPO-token, INTELLECT-2's
 delta, CISPO, SAPO, entropy masking and bonus, off-policy sequence masking, the sampler/trainer
@@ -10,8 +10,8 @@ import math
 import pytest
 import torch
 
-from grpo_core.logprobs import token_entropy, token_logprobs
-from grpo_core.loss import (LOSS_TYPES, aggregate, applied_entropy_coef, clipped_surrogate, decoupled_advantages,
+from grpo_core.update.logprobs import token_entropy, token_logprobs
+from grpo_core.update.loss import (LOSS_TYPES, aggregate, applied_entropy_coef, clipped_surrogate, decoupled_advantages,
                             grpo_loss, group_advantages, high_entropy_mask, importance_ratio, kl_k3,
                             next_entropy_coef, off_policy_sequence_mask, sampler_correction_weight, sapo_loss,
                             zero_std_groups)

@@ -11,12 +11,12 @@ import pytest
 import torch
 import transformers
 
-from grpo_core.logprobs import completion_logprobs, logprob_path
+from grpo_core.update.logprobs import completion_logprobs, logprob_path
 from grpo_core.kernels.lean_decode import LeanDecoder
-from grpo_core.models import ModelError, attach_lora, resolve_lora_targets
-from grpo_core.rollout import HFGenerateSampler, KVCacheSampler
-from grpo_core.sampling import SamplingParams
-from grpo_core.update import ScoredSample
+from grpo_core.model.loading import ModelError, attach_lora, resolve_lora_targets
+from grpo_core.rollout.samplers import HFGenerateSampler, KVCacheSampler
+from grpo_core.rollout.sampling import SamplingParams
+from grpo_core.update.step import ScoredSample
 from test_update import seq_logprobs
 
 V = 112                                   # vocabulary of the tiny models (the tiny char tokenizer has 104)
@@ -233,7 +233,7 @@ def test_auto_lora_targets_name_the_candidates_when_a_model_has_none():
 
 def test_auto_is_a_config_value_checked_against_the_model_before_the_run(grpo_home):
     from grpo_core.config import GRPOConfig
-    from grpo_core.models import check_model
+    from grpo_core.model.loading import check_model
     assert GRPOConfig(lora_target_modules="auto").lora_target_modules == ["auto"]
     check_model("tiny-random", ["auto", "auto-mlp"])
     with pytest.raises(ModelError, match=r"\['wq'\] are not modules .* or auto"):
@@ -246,8 +246,8 @@ def test_the_export_of_each_family_reloads_with_plain_transformers_and_answers_a
     """The family's base saved as a model directory (the tiny tokenizer), an adapter on it (auto targets),
     `export_model` merges them, and plain transformers (no peft) reloads the export and gives the adapter's
     greedy answers."""
-    from grpo_core.export import ModelCard, export_model, generation_settings
-    from grpo_core.models import load_tokenizer
+    from grpo_core.model.export import ModelCard, export_model, generation_settings
+    from grpo_core.model.loading import load_tokenizer
     base_dir, adapter_dir = tmp_path / "base", tmp_path / "adapter"
     base = tiny_base(name)
     base.save_pretrained(base_dir)
@@ -310,7 +310,7 @@ def test_each_family_trains_exports_and_reloads(name, dtype, tmp_path, prefect_e
     from flows.cli.main import main
     from flows.train import training_run
     from grpo_core.io import read_json
-    from grpo_core.models import load_tokenizer
+    from grpo_core.model.loading import load_tokenizer
     from tests.conftest import tiny_config
     from tests.test_export import _greedy, _move_adapter
     model_dir = tmp_path / "model"

@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from grpo_core.models import DEFAULT_MODEL, ModelError, resolve_model
+from grpo_core.model.loading import DEFAULT_MODEL, ModelError, resolve_model
 from tests.conftest import use_kernels
 
 
@@ -23,7 +23,7 @@ def test_bad_local_paths(tmp_path, grpo_home):
 
 def test_local_dir_and_tiny_model_load(grpo_home, tiny_model_dir):
     from grpo_core.config import GRPOConfig
-    from grpo_core.policy import load_policy
+    from grpo_core.model.policy import load_policy
     assert resolve_model(str(tiny_model_dir)) == tiny_model_dir
     pol = load_policy(GRPOConfig(model=str(tiny_model_dir)))
     ids = pol.tokenizer("What is 1 + 2?")["input_ids"]
@@ -39,7 +39,7 @@ def test_local_dir_and_tiny_model_load(grpo_home, tiny_model_dir):
 
 
 def test_auto_precision_is_bf16_for_lora_on_cpus_with_native_bf16_matmul(monkeypatch):
-    from grpo_core.models import cpu_bf16_matmul, describe_precision, select_dtype
+    from grpo_core.model.loading import cpu_bf16_matmul, describe_precision, select_dtype
     cpu = torch.device("cpu")
     use_kernels(cpu_bf16=True)
     assert select_dtype("auto", cpu, use_peft=True) == torch.bfloat16
@@ -73,7 +73,7 @@ def test_router_aux_coef_follows_trl_for_moe_and_dense_models():
     """None: the MoE model config's own coefficient, 0 for a dense model; a value is kept for an MoE model and
     refused for a dense one, naming the field and the fix."""
     from transformers import LlamaConfig, Qwen2MoeConfig
-    from grpo_core.models import ModelError, router_aux_coef
+    from grpo_core.model.loading import ModelError, router_aux_coef
     moe, dense = Qwen2MoeConfig(router_aux_loss_coef=0.003), LlamaConfig()
     assert router_aux_coef(None, moe) == 0.003 and router_aux_coef(0.5, moe) == 0.5 and router_aux_coef(0.0, moe) == 0
     assert router_aux_coef(None, dense) == 0.0 and router_aux_coef(0.0, dense) == 0.0
@@ -84,6 +84,6 @@ def test_router_aux_coef_follows_trl_for_moe_and_dense_models():
 def test_preflight_refuses_a_router_loss_for_a_dense_model(grpo_home):
     from flows.train import preflight
     from grpo_core.config import GRPOConfig
-    from grpo_core.models import ModelError
+    from grpo_core.model.loading import ModelError
     with pytest.raises(ModelError, match="router_aux_loss_coef"):
         preflight(GRPOConfig(model="tiny-random", device="cpu", router_aux_loss_coef=0.01))

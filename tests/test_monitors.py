@@ -1,4 +1,4 @@
-"""The monitors (grpo_core/monitors.py) and what a run does when one trips (tasks/monitoring.py): the flags of
+"""The monitors (grpo_core/evaluation/monitors.py) and what a run does when one trips (tasks/monitoring.py): the flags of
 single answers, the fractions per evaluation, the trends across evaluations and iterations, and a run marked
 suspect or stopped, in real MLflow."""
 from __future__ import annotations
@@ -9,9 +9,9 @@ import pytest
 import yaml
 
 from grpo_core.config import GRPOConfig, MonitorConfig
-from grpo_core.monitors import (answers_shown, check_monitors, check_training_monitors, completion_flags,
+from grpo_core.evaluation.monitors import (answers_shown, check_monitors, check_training_monitors, completion_flags,
                                 flag_fractions, is_empty_or_tag_only, monitored_fractions, scan_code)
-from grpo_core.scoring import stalled_group_frac
+from grpo_core.rewards.scoring import stalled_group_frac
 
 
 def _row(completion: str, kind: str = "math", question: str = "What is 1 + 2?", **kw) -> dict:
@@ -292,7 +292,7 @@ def _replayed(cfg: GRPOConfig, iteration: int) -> tuple[dict, list[dict]]:
     """The hacked run's held-out answers of `iteration`, scored by today's check and flags."""
     import gzip
     import json
-    from grpo_core.evaluation import rescore_rows, summarize
+    from grpo_core.evaluation.evaluate import rescore_rows, summarize
     from grpo_core.task import read_tasks
     tasks = {t.id: t for t in read_tasks(HACKED / "eval.jsonl")}
     with gzip.open(HACKED / f"iter-{iteration}.eval_samples.jsonl.gz", "rt") as f:

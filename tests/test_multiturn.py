@@ -1,4 +1,4 @@
-"""Multi-turn rollouts (grpo_core.multiturn): the turn loop, the tool turn's tokens and mask, environments,
+"""Multi-turn rollouts (grpo_core.rollout.multiturn): the turn loop, the tool turn's tokens and mask, environments,
 the environment's reward, the metrics; the loss never trains a tool token (every loss type, both ratio levels,
 mu > 1); and a rollout with nothing to call is bit for bit today's one-turn path, update included.
 
@@ -16,15 +16,15 @@ import pytest
 import torch
 
 from grpo_core.config import GRPOConfig
-from grpo_core.loss import grpo_loss
-from grpo_core.models import load_tokenizer
-from grpo_core.multiturn import Toolbox, tool_metrics, tool_turn_ids
-from grpo_core.rollout import KVCacheSampler, rollout
-from grpo_core.sampling import Completion, SamplingParams, readable_conversation
-from grpo_core.scoring import score_rows
+from grpo_core.update.loss import grpo_loss
+from grpo_core.model.loading import load_tokenizer
+from grpo_core.rollout.multiturn import Toolbox, tool_metrics, tool_turn_ids
+from grpo_core.rollout.samplers import KVCacheSampler, rollout
+from grpo_core.rollout.sampling import Completion, SamplingParams, readable_conversation
+from grpo_core.rewards.scoring import score_rows
 from grpo_core.task import Task
-from grpo_core.tools import resolve_tools
-from grpo_core.update import ScoredSample, grpo_update, make_optimizer, make_scheduler
+from grpo_core.rollout.tools import resolve_tools
+from grpo_core.update.step import ScoredSample, grpo_update, make_optimizer, make_scheduler
 
 CPU = torch.device("cpu")
 
@@ -212,7 +212,7 @@ def test_a_dict_of_environments_is_chosen_by_the_task(tok):
 
 def test_a_native_tool_template_renders_the_tool_turn_itself(tok, tiny_model_dir):
     """A template that renders tools (as Qwen's does): the tool turn is its own rendering, cut at EOS."""
-    from grpo_core.tools import ToolResult
+    from grpo_core.rollout.tools import ToolResult
     native = load_tokenizer(tiny_model_dir)
     native.chat_template = (
         "{% if tools %}<|system|>TOOLS:{% for t in tools %}{{ t.function.name }};{% endfor %}<eos>{% endif %}"
@@ -272,7 +272,7 @@ class Silent:
 
 
 def test_a_rollout_with_nothing_to_call_is_the_one_turn_path_bit_for_bit(grpo_home):
-    from grpo_core.policy import load_policy
+    from grpo_core.model.policy import load_policy
     cfg = GRPOConfig(model="tiny-random", device="cpu", dtype="float32", num_generations=4,
                      max_completion_length=12, lora_r=4, lora_alpha=8, num_iterations=2, beta=0.1)
     tasks = [math_task(i) for i in range(2)]
@@ -333,7 +333,7 @@ def test_grpo_train_with_a_model_that_calls_tools(tmp_path, grpo_home, mlflow_ur
 
 
 def test_an_environment_that_cannot_score_leaves_its_sample_out():
-    from grpo_core.rewards import RewardScores, add_environment_rewards
+    from grpo_core.rewards.rewards import RewardScores, add_environment_rewards
     scores = RewardScores([1.0, 1.0, 1.0], {"format": [1.0, 1.0, 1.0]}, {"format": 0.1})
     out = add_environment_rewards(scores, [{"RustFix": 0.5}, {"RustFix": None}, {"Other": 2.0}])
     assert out.totals == [1.5, None, 3.0]
@@ -342,7 +342,7 @@ def test_an_environment_that_cannot_score_leaves_its_sample_out():
 
 def test_a_response_prefix_opens_the_first_turn(tok):
     """The prompt's response prefix is the start of the model's first turn: a call it opens is a call."""
-    from grpo_core.sampling import PromptFormat
+    from grpo_core.rollout.sampling import PromptFormat
     opener = '<tool_call>{"name": "calculator", "arguments": {"expression": "'
     fmt = PromptFormat(response_prefix=opener)
 
@@ -374,7 +374,7 @@ def test_a_turn_ends_where_its_tool_call_closes(tok, then_eos):
 
 def test_chat_template_kwargs_reach_the_prompt_and_every_tool_turn(tiny_model_dir):
     """data.chat_template_kwargs render the tool rollout's prompt and each tool turn appended after it."""
-    from grpo_core.sampling import PromptFormat
+    from grpo_core.rollout.sampling import PromptFormat
     tok = load_tokenizer(tiny_model_dir)
     tok.chat_template = ("{% for m in messages %}<|{{ m['role'] }}|>"
                          "{% if enable_thinking is defined and not enable_thinking %}NOTHINK {% endif %}"
@@ -433,7 +433,8 @@ def make_lookup(calls: list, slow_first: float):
 def random_model_calls(monkeypatch, closers: str = "aeiouAEIOU0123456789", every: int | None = None):
     """A random model never writes a tool call: make a turn's first character of `closers` (about one in five
     of the tiny tokenizer's characters), or its token number `every`, close a `lookup` call."""
-    from grpo_core import multiturn, tools
+    from grpo_core.rollout import multiturn
+    from grpo_core.rollout import tools
 
     def call_end(ids, tokenizer, opening=""):
         if every is not None:
@@ -462,9 +463,9 @@ def test_streamed_turns_continue_each_rows_cache_with_the_plain_forwards_log_pro
     step beside rows that sample, in chunks when none does), and the cache grows as the turns come."""
     from grpo_core.kernels.fused_decode import FusedDecoder
     from grpo_core.kernels.lean_decode import LeanDecoder
-    from grpo_core.policy import load_policy
-    from grpo_core.rollout import _HFForward
-    from grpo_core.tools import tool_of
+    from grpo_core.model.policy import load_policy
+    from grpo_core.rollout.samplers import _HFForward
+    from grpo_core.rollout.tools import tool_of
     random_model_calls(monkeypatch)
     monkeypatch.setattr(KVCacheSampler, "CHUNK", chunk)
     cfg = GRPOConfig(model="tiny-random", device="cpu", dtype="float32", lora_r=4, lora_alpha=8)
@@ -493,8 +494,8 @@ def test_streamed_turns_continue_each_rows_cache_with_the_plain_forwards_log_pro
 def test_streamed_turns_match_re_encoded_turns_greedily(grpo_home, monkeypatch):
     """Continuing each row's cache gives the conversations that re-encoding the conversation each turn gives
     (greedy decoding, the same sampler with streaming off)."""
-    from grpo_core.policy import load_policy
-    from grpo_core.tools import tool_of
+    from grpo_core.model.policy import load_policy
+    from grpo_core.rollout.tools import tool_of
     random_model_calls(monkeypatch, every=6)          # greedy, a random model repeats itself
     cfg = GRPOConfig(model="tiny-random", device="cpu", dtype="float32", lora_r=4, lora_alpha=8)
     policy = load_policy(cfg, need_reference=False)
@@ -515,8 +516,8 @@ def test_streamed_turns_match_re_encoded_turns_greedily(grpo_home, monkeypatch):
 
 def test_with_overlap_a_slow_tool_call_runs_while_the_other_rows_decode(grpo_home, monkeypatch):
     from grpo_core.kernels.fused_decode import FusedDecoder
-    from grpo_core.policy import load_policy
-    from grpo_core.tools import tool_of
+    from grpo_core.model.policy import load_policy
+    from grpo_core.rollout.tools import tool_of
     random_model_calls(monkeypatch)
     cfg = GRPOConfig(model="tiny-random", device="cpu", dtype="float32", lora_r=4, lora_alpha=8)
     policy = load_policy(cfg, need_reference=False)
@@ -536,8 +537,8 @@ def test_without_overlap_the_rollouts_do_not_depend_on_how_long_the_calls_take(g
     """The default (tool_calls_overlap off): sampled rollouts with calls of random durations are the rollouts
     with instant calls, token for token, so a killed iteration resumes to the same adapter."""
     import random
-    from grpo_core.policy import load_policy
-    from grpo_core.tools import tool_of
+    from grpo_core.model.policy import load_policy
+    from grpo_core.rollout.tools import tool_of
     random_model_calls(monkeypatch)
     cfg = GRPOConfig(model="tiny-random", device="cpu", dtype="float32", lora_r=4, lora_alpha=8)
     policy = load_policy(cfg, need_reference=False)
@@ -590,8 +591,8 @@ def test_guided_rollouts_are_sampled_after_the_full_prompt_and_trained_on_the_dr
     `guided` rollouts of a group run their whole conversation after the full prompt (the worked exchanges shown):
     the sampler sees it on every turn. The Sample carries the drawn wording's prompt (what the update trains on),
     is marked guided and has no sampler log-probs; the other rollouts are sampled after the drawn wording."""
-    from grpo_core.sampling import PromptFormat
-    from grpo_core.multiturn import tool_prompt_ids
+    from grpo_core.rollout.sampling import PromptFormat
+    from grpo_core.rollout.multiturn import tool_prompt_ids
     box = Toolbox(resolve_tools(["calculator"]))
     example = (("What is 2*3?", call("calculator", expression="2*3")), ("<tool_response>\n6\n</tool_response>", "6"))
     fmt = PromptFormat("Use the calculator.", example, system_alone_prob=1.0, guided=2, salt=1)

@@ -173,7 +173,7 @@ def test_a_shared_prompt_is_read_from_its_own_cache_row(dtype, split):
 def test_the_compiled_draw_is_the_inverse_cdf_of_the_softmax_at_the_vocabulary_size(dtype):
     """sample_rows at u picks what `rollout.draw` picks with the same uniform (its two-level inverse CDF of
     softmax(logits / T)), and its log-prob."""
-    from grpo_core.rollout import draw
+    from grpo_core.rollout.samplers import draw
     ops = native.load()
     logits = (torch.randn(16, 49152, generator=torch.Generator().manual_seed(3)) * 4).to(dtype)
     u = torch.rand(16, 1, generator=torch.Generator().manual_seed(7), dtype=torch.float64)

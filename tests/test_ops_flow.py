@@ -277,11 +277,11 @@ def test_next_run_starts_from_previous_best_adapter(prefect_engine, grpo_home, m
 @pytest.mark.slow
 def test_reusing_the_model_across_stages_changes_no_result(prefect_engine, grpo_home, mlflow_uri, tmp_path,
                                                            monkeypatch):
-    """A 3-iteration run whose stages take the policy's model from the pool (grpo_core.policy: no base load
+    """A 3-iteration run whose stages take the policy's model from the pool (grpo_core.model.policy: no base load
     once the first checkpoint exists) ends with the adapter and eval metrics of the same run with every
     stage loading its own (kernels.reuse_model: false)."""
     from flows.train import training_run
-    from grpo_core import policy
+    from grpo_core.model import policy
     loads = []
     real = policy.load_base_model
     monkeypatch.setattr(policy, "load_base_model", lambda *a, **k: loads.append(a[0]) or real(*a, **k))

@@ -14,7 +14,7 @@ import yaml
 from grpo_core.config import ConfigError, GRPOConfig, StageRetryConfig
 from grpo_core.task import TaskValidationError
 from grpo_core.io import write_json
-from grpo_core.models import ModelError
+from grpo_core.model.loading import ModelError
 from tasks import layout, run_state
 from tasks.retry import TransientError, is_transient
 from tests import faults

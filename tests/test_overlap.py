@@ -1,10 +1,10 @@
-"""grpo_core/overlap.py: work done on a helper thread, a chunk of pieces at a time, all or nothing."""
+"""grpo_core/rewards/overlap.py: work done on a helper thread, a chunk of pieces at a time, all or nothing."""
 from __future__ import annotations
 
 import logging
 import threading
 
-from grpo_core.overlap import Overlapped
+from grpo_core.rewards.overlap import Overlapped
 
 
 def test_pieces_added_while_the_helper_works_are_done_together_and_returned_by_key():
@@ -35,7 +35,7 @@ def test_after_an_error_nothing_more_is_done_and_finish_says_so(caplog):
         calls.append(items)
         raise RuntimeError("no sandbox here")
 
-    with caplog.at_level(logging.INFO, logger="grpo_core.overlap"):
+    with caplog.at_level(logging.INFO, logger="grpo_core.rewards.overlap"):
         work = Overlapped(fails_once, "scoring")
         work.add(0, [1])
         work.add(1, [2])

@@ -16,7 +16,7 @@ def digit_fraction(prompts, completions, **columns):
 @pytest.fixture()
 def finished_run(tmp_path, grpo_home, mlflow_uri, prefect_engine, monkeypatch):
     from flows.train import training_run
-    from grpo_core import rewards
+    from grpo_core.rewards import rewards
     monkeypatch.setitem(rewards.REWARD_FUNCS, "digit_fraction", digit_fraction)
     config = tiny_config(tmp_path, reward_funcs=["accuracy", "format", "digit_fraction"], keep_trainer_states=1)
     return config, training_run(config=config)

@@ -13,7 +13,7 @@ from pydantic import ValidationError
 
 from grpo_core.config import ConfigError, GRPOConfig, load_config
 from grpo_core.plugins import PluginError, metric_names
-from grpo_core.rewards import RewardOutputError, compute_rewards, resolve_reward
+from grpo_core.rewards.rewards import RewardOutputError, compute_rewards, resolve_reward
 from grpo_core.task import Task
 
 MODULE = "gp_test_plugin"
@@ -231,9 +231,9 @@ def test_score_stage_logs_each_function_and_its_time(plugin, tmp_path):
 def test_correctness_func_names_the_plugin_that_decides_correct(plugin, tmp_path):
     """`correctness_func` = a plugin: the score stage's raw correctness (dynamic sampling, pass rates) and
     evaluation's pass@1 come from it, whether or not it is also a weighted reward."""
-    from grpo_core.evaluation import score_samples
+    from grpo_core.evaluation.evaluate import score_samples
     from grpo_core.io import read_jsonl, write_jsonl
-    from grpo_core.sampling import Sample
+    from grpo_core.rollout.sampling import Sample
     from grpo_core.task import write_tasks
     from tasks.score import score
     prompts = write_tasks(tmp_path / "prompts.jsonl", [T7])

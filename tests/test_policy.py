@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from grpo_core.config import GRPOConfig
-from grpo_core.models import resolve_model
-from grpo_core.policy import load_policy
-from grpo_core.update import ScoredSample, grpo_update, make_optimizer, make_scheduler
+from grpo_core.model.loading import resolve_model
+from grpo_core.model.policy import load_policy
+from grpo_core.update.step import ScoredSample, grpo_update, make_optimizer, make_scheduler
 
 
 def cfg_of(**over) -> GRPOConfig:
@@ -146,7 +146,7 @@ def test_a_released_model_is_reused_with_the_checkpoint_loaded_into_it(grpo_home
     kernels.reuse_model: false, a checkpoint of another LoRA rank, or a reference adapter build (and keep) their
     own."""
     import gc
-    from grpo_core import policy as policy_module
+    from grpo_core.model import policy as policy_module
     pooled = lambda: [e.model for e in policy_module._pool.values()]  # noqa: E731
     cfg = cfg_of(beta=0.0)
     _trained(cfg_of(beta=0.0, lora_r=4), tmp_path / "r4")
@@ -205,7 +205,7 @@ def test_disable_dropout_zeroes_every_dropout_of_policy_and_reference(grpo_home,
     attention modules) 0, in the policy and a separate reference; a pooled model keeps its own setting."""
     import gc
     import json
-    from grpo_core.policy import disable_dropout
+    from grpo_core.model.policy import disable_dropout
     net = torch.nn.Sequential(torch.nn.Linear(3, 3), torch.nn.Dropout(0.3), torch.nn.Sequential(torch.nn.Dropout(0.1)))
     disable_dropout(net)
     assert [m.p for m in net.modules() if isinstance(m, torch.nn.Dropout)] == [0.0, 0.0]
@@ -231,7 +231,7 @@ def test_cast_lm_head_to_fp32_runs_the_head_module_in_float32(grpo_home):
     sampler and evaluation, and the lean sampler call) returns float32 logits of the bf16 weights; the
     weights stay bf16; switched off, the module's own forward is back."""
     from grpo_core.kernels.lean_decode import LeanDecoder
-    from grpo_core.policy import lm_head_in_fp32
+    from grpo_core.model.policy import lm_head_in_fp32
     pol = load_policy(cfg_of(dtype="bfloat16", beta=0.0, cast_lm_head_to_fp32=True))
     base = pol.model.get_base_model()
     ids = torch.tensor([[10, 11, 12, 20]])
@@ -254,7 +254,7 @@ def test_a_bfloat16_head_does_not_copy_its_weight_per_row_on_a_strided_input():
     no allocation the size of the weight."""
     from torch.profiler import ProfilerActivity, profile
     from transformers import LlamaConfig, LlamaForCausalLM
-    from grpo_core.policy import lm_head_in_fp32
+    from grpo_core.model.policy import lm_head_in_fp32
     model = LlamaForCausalLM(LlamaConfig(vocab_size=65536, hidden_size=64, intermediate_size=64, num_hidden_layers=1,
                                          num_attention_heads=4, num_key_value_heads=2)).to(torch.bfloat16)
     model.requires_grad_(False)

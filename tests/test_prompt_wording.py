@@ -9,7 +9,7 @@ from collections import Counter
 import pytest
 
 from grpo_core.config import GRPOConfig, load_config
-from grpo_core.sampling import PromptFormat, prompt_messages
+from grpo_core.rollout.sampling import PromptFormat, prompt_messages
 from grpo_core.task import Task
 from conftest import tiny_config
 
@@ -175,8 +175,8 @@ def test_foreign_evaluation_logs_its_own_metrics_on_the_math_questions(tmp_path,
     """The math questions again, in the foreign wordings: eval/<mode>/foreign/..., rows marked, the same
     numbers from overlapped and after-the-fact scoring, in-wording metrics unchanged by it."""
     from grpo_core.data import arithmetic
-    from grpo_core.evaluation import evaluate_policy, merge_rows, sample_rows
-    from grpo_core.policy import load_policy
+    from grpo_core.evaluation.evaluate import evaluate_policy, merge_rows, sample_rows
+    from grpo_core.model.policy import load_policy
     from flows.cli.format import format_eval_table
     foreign = dict(foreign_system_prompts=["Compute. Final number in <answer></answer>."],
                    foreign_instructions=["Tell me: {question} (answer in <answer></answer> tags)"])
@@ -220,9 +220,9 @@ def test_guided_answers_are_sampled_after_the_guide_and_trained_on_the_drawn_wor
     """The first `guided` answers of a guided group come from the full prompt (the sampler saw it), carry the
     drawn wording's prompt ids (what the update trains), are marked and have no sampler log-probs; the other
     groups are sampled as without guidance."""
-    from grpo_core.policy import load_policy
-    from grpo_core.rollout import make_backend, rollout
-    from grpo_core.sampling import SamplingParams, chat_prompt_ids
+    from grpo_core.model.policy import load_policy
+    from grpo_core.rollout.samplers import make_backend, rollout
+    from grpo_core.rollout.sampling import SamplingParams, chat_prompt_ids
     cfg = GRPOConfig.model_validate(tiny_config(tmp_path, num_generations=4, data=dict(
         instructions=INSTRUCTIONS, bare_prompt_prob=0.3, guided_completions=2)))
     fmt = cfg.data.prompt_format_at(1)
@@ -267,8 +267,8 @@ def test_guidance_that_cannot_work_is_refused(over, says):
 def test_chat_template_kwargs_reach_every_rendered_prompt(tiny_model_dir):
     """data.chat_template_kwargs (TRL's chat_template_kwargs) go to apply_chat_template for training's drawn
     wordings, guides, code tasks and evaluation's formats; the pipeline's own arguments are refused."""
-    from grpo_core.models import load_tokenizer
-    from grpo_core.sampling import chat_prompt_ids
+    from grpo_core.model.loading import load_tokenizer
+    from grpo_core.rollout.sampling import chat_prompt_ids
     tok = load_tokenizer(tiny_model_dir)
     tok.chat_template = ("{% if enable_thinking is defined and not enable_thinking %}NOTHINK {% endif %}"
                          "{% for m in messages %}{{ m['content'] }} {% endfor %}")

@@ -3,7 +3,7 @@ import math
 
 import pytest
 
-from grpo_core.rewards import (RewardOutputError, accuracy_reward, check_scores, compute_rewards, format_reward,
+from grpo_core.rewards.rewards import (RewardOutputError, accuracy_reward, check_scores, compute_rewards, format_reward,
                                overlong_reward, reward_columns, tasks_from_columns)
 from grpo_core.task import Task
 
@@ -75,7 +75,7 @@ def test_overlong_reward_uses_the_context():
 
 
 def test_none_from_any_function_makes_the_total_none(monkeypatch):
-    from grpo_core import rewards
+    from grpo_core.rewards import rewards
     monkeypatch.setitem(rewards.REWARD_FUNCS, "half", lambda prompts, completions, **kw: [None, 0.5])
     scores = compute_rewards(["<answer>5</answer>", "<answer>5</answer>"], [T, T], ["accuracy", "half"], [1.0, 1.0])
     assert scores.per_func["half"] == [None, 0.5] and scores.totals == [None, 1.5]

@@ -8,9 +8,9 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from grpo_core.kernels.cpu_linear import use_onednn_linears
-from grpo_core.models import attach_lora, load_tokenizer
-from grpo_core.rollout import HFGenerateSampler, KVCacheSampler, draw, merged_lora, sample_next
-from grpo_core.sampling import Completion, SamplingParams
+from grpo_core.model.loading import attach_lora, load_tokenizer
+from grpo_core.rollout.samplers import HFGenerateSampler, KVCacheSampler, draw, merged_lora, sample_next
+from grpo_core.rollout.sampling import Completion, SamplingParams
 from tests.conftest import needs_cpu
 
 CPU = torch.device("cpu")
@@ -200,7 +200,7 @@ def test_hf_sampler_records_logprobs_too(tiny):
 
 
 def test_rollout_puts_the_sampler_logprobs_on_each_sample(tiny):
-    from grpo_core.rollout import rollout
+    from grpo_core.rollout.samplers import rollout
     from grpo_core.task import Task
     model, tok = tiny
     tasks = [Task(id="t0", kind="math", source="test", prompt="1+1?"), Task(id="t1", kind="math", source="test",
@@ -219,7 +219,7 @@ def test_rollout_puts_the_sampler_logprobs_on_each_sample(tiny):
 def test_each_group_is_handed_over_as_soon_as_it_is_sampled(tiny, cls):
     """rollout(on_group=...): every group once, with the Samples rollout returns for it; with 2 rows per batch and
     3 answers per prompt, the first groups are handed over while later batches are still to be sampled."""
-    from grpo_core.rollout import rollout
+    from grpo_core.rollout.samplers import rollout
     from grpo_core.task import Task
     model, tok = tiny
     tasks = [Task(id=f"t{i}", kind="math", source="test", prompt=p, answer="0") for i, p in

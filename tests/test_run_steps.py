@@ -56,7 +56,7 @@ def test_best_iteration_is_the_highest_metric_after_the_base_model_ties_to_the_l
 def test_old_trainer_states_are_deleted_and_the_setting_may_change_on_resume(tmp_path):
     """keep_trainer_states: N keeps the newest N optimizer states once an iteration finishes; adapters and
     records stay; None keeps all. The setting changes no result, so a resume may change it."""
-    from grpo_core.checkpoint import STATE_FILE
+    from grpo_core.update.checkpoint import STATE_FILE
     from grpo_core.config import GRPOConfig
     from tasks.run import check_same_config, prune_trainer_states
     run_dir = tmp_path / "run"

@@ -15,20 +15,20 @@ from transformers import AutoModelForCausalLM
 from transformers.generation.logits_process import (MinPLogitsWarper, RepetitionPenaltyLogitsProcessor,
                                                     TemperatureLogitsWarper, TopKLogitsWarper)
 
-from grpo_core import rollout as rollout_mod
+from grpo_core.rollout import samplers as rollout_mod
 from grpo_core.config import ConfigError, GRPOConfig, load_config
-from grpo_core.models import load_tokenizer
-from grpo_core.rollout import (HFGenerateSampler, KVCacheSampler, filter_logits, penalize_repeats, sample_next,
+from grpo_core.model.loading import load_tokenizer
+from grpo_core.rollout.samplers import (HFGenerateSampler, KVCacheSampler, filter_logits, penalize_repeats, sample_next,
                                seen_tokens)
-from grpo_core.update import DataParallel
-from grpo_core.sampling import Completion, SamplingParams, check_generation_kwargs, sampling_options
+from grpo_core.parallel import DataParallel
+from grpo_core.rollout.sampling import Completion, SamplingParams, check_generation_kwargs, sampling_options
 
 CPU = torch.device("cpu")
 
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
-    from grpo_core.models import build_tiny_model
+    from grpo_core.model.loading import build_tiny_model
     path = build_tiny_model(tmp_path_factory.mktemp("models") / "tiny")
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_pretrained(path).eval()
@@ -219,7 +219,7 @@ def test_static_sampler_refuses_backend_only_kwargs(tiny):
 def test_vllm_keywords_follow_trl():
     """What the vLLM backend passes to vllm.SamplingParams (checked without vLLM): TRL's translation (min_p None
     -> 0.0, top_k 0 -> -1), the penalty, and generation_kwargs on top."""
-    from grpo_core.vllm_backend import vllm_sampling_kwargs
+    from grpo_core.rollout.vllm_backend import vllm_sampling_kwargs
     plain = vllm_sampling_kwargs(SamplingParams(max_new_tokens=9, temperature=0.7, seed=3), 4)
     assert plain == dict(n=4, temperature=0.7, top_p=1.0, top_k=-1, min_p=0.0, repetition_penalty=1.0, max_tokens=9,
                          seed=3, logprobs=None)
@@ -319,7 +319,7 @@ def test_vllm_structured_outputs_regex_becomes_the_engines_structured_outputs():
     """TRL's vllm_structured_outputs_regex: vLLM's structured_outputs={regex: ...} in every vLLM sampling call (the
     backend turns the dict into vLLM's StructuredOutputsParams); refused with another backend, beside
     generation_kwargs' own constraint, or when it is no regular expression."""
-    from grpo_core.vllm_backend import vllm_sampling_kwargs
+    from grpo_core.rollout.vllm_backend import vllm_sampling_kwargs
     regex = r"<answer>-?\d+</answer>"
     cfg = load_config(None, ["rollout_backend=vllm", f"vllm_structured_outputs_regex={regex}"])
     assert cfg.flat()["vllm_structured_outputs_regex"] == regex
@@ -351,7 +351,7 @@ def test_options_are_logged_and_generation_kwargs_override_the_fields():
 
 def test_evaluation_samples_with_the_training_options():
     """eval's sampled mode uses the rollout's options (at eval.temperature when set); greedy stays plain argmax."""
-    from grpo_core.evaluation import eval_modes
+    from grpo_core.evaluation.evaluate import eval_modes
     cfg = GRPOConfig(min_p=0.1, repetition_penalty=1.2, top_p=0.9, rollout_backend="hf",
                      generation_kwargs={"no_repeat_ngram_size": 3}, eval=dict(num_samples=2, temperature=0.6))
     modes = {m: p for m, _, p in eval_modes(cfg, 0)}

@@ -211,7 +211,7 @@ def test_malformed_task_is_infra_error_not_crash():
 def test_a_call_that_names_no_backend_gets_the_environments_or_auto(monkeypatch):
     """$GRPO_SANDBOX_BACKEND is read in one place (`default_backend_name`), for calls without a config; a name
     given (a run's sandbox.backend) wins."""
-    from grpo_core.code_tools import _backend
+    from grpo_core.rollout.code_tools import _backend
     from sandbox.api import default_backend_name, get_backend
     from sandbox.local_backend import LocalBackend
     monkeypatch.delenv("GRPO_SANDBOX_BACKEND", raising=False)

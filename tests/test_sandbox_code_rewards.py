@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from grpo_core.code_rewards import build_job, code_accuracy, extract_code, score_code, verdict_reward
+from grpo_core.rewards.code_rewards import build_job, code_accuracy, extract_code, score_code, verdict_reward
 from grpo_core.task import Task
 from sandbox.types import StageResult, TestResult, Verdict
 from sandbox_support import need_docker
@@ -102,7 +102,7 @@ def test_accuracy_reward_runs_code_tasks_through_the_same_columns(backend):
     and so is its total (the sample is left out, never scored 0)."""
     if backend == "docker":
         need_docker()
-    from grpo_core.rewards import compute_rewards
+    from grpo_core.rewards.rewards import compute_rewards
     math_task = Task(id="m", kind="math", source="s", prompt="What is 1 + 1?", answer="2")
     bad = Task(id="bad", kind="python", source="t", prompt="p", entry_point="f", tests={"format": "io", "cases": []})
     completions = ["```python\ndef add(a, b):\n    return a + b\n```", "<answer>2</answer>",

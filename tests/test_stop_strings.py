@@ -9,11 +9,11 @@ import torch
 from transformers import AutoModelForCausalLM, GenerationConfig
 
 from grpo_core.config import ConfigError, GRPOConfig, load_config
-from grpo_core.evaluation import eval_modes
-from grpo_core.export import generation_settings
-from grpo_core.models import build_tiny_model, load_tokenizer
-from grpo_core.rollout import HFGenerateSampler, KVCacheSampler, rollout
-from grpo_core.sampling import PromptFormat, SamplingParams, StopStrings, sampling_options
+from grpo_core.evaluation.evaluate import eval_modes
+from grpo_core.model.export import generation_settings
+from grpo_core.model.loading import build_tiny_model, load_tokenizer
+from grpo_core.rollout.samplers import HFGenerateSampler, KVCacheSampler, rollout
+from grpo_core.rollout.sampling import PromptFormat, SamplingParams, StopStrings, sampling_options
 from grpo_core.task import Task
 
 CPU = torch.device("cpu")
@@ -112,7 +112,7 @@ def test_the_export_writes_them_where_transformers_generate_applies_them(tiny, t
 
 
 def test_a_multi_turn_rollout_refuses_stop_strings_rather_than_ignoring_them(tiny):
-    from grpo_core.multiturn import Toolbox
+    from grpo_core.rollout.multiturn import Toolbox
     model, tok = tiny
     toolbox = Toolbox.from_config(GRPOConfig(model="tiny-random", tools=["calculator"]))
     task = Task(id="t1", kind="math", source="arithmetic", prompt="12+3=", answer="15")

@@ -1,11 +1,11 @@
-"""Which task a config trains for (grpo_core/task_identity.py): the name that keeps one champion per task, and the
+"""Which task a config trains for (grpo_core/evaluation/task_identity.py): the name that keeps one champion per task, and the
 signature that tells two tasks apart when they share a name."""
 from __future__ import annotations
 
 import pytest
 
 from grpo_core.config import load_config
-from grpo_core.task_identity import (parse_signature_tag, registered_model_name, signature_differences,
+from grpo_core.evaluation.task_identity import (parse_signature_tag, registered_model_name, signature_differences,
                                      signature_tag, task_signature, task_slug)
 
 

@@ -10,13 +10,13 @@ from pathlib import Path
 
 import pytest
 
-from grpo_core.answers import math_answers_match
+from grpo_core.rewards.answers import math_answers_match
 from grpo_core.data.build import BuildConfig, build, load_build_config
 from grpo_core.data.curation import canonical_question
 from grpo_core.data.sources import get_loader, load_source
 from grpo_core.data.sources import tool_problems
 from grpo_core.data.sources.tool_problems import FAMILIES, KINDS, fill
-from grpo_core.tools import calculate
+from grpo_core.rollout.tools import calculate
 
 CONFIGS = Path(__file__).resolve().parent.parent / "configs" / "data"
 ALL_KINDS = list(KINDS)

@@ -1,4 +1,4 @@
-"""Tools and environments (grpo_core/tools.py): schemas from TRL-style functions, resolution by name, tool calls
+"""Tools and environments (grpo_core/rollout/tools.py): schemas from TRL-style functions, resolution by name, tool calls
 parsed from model text, a batch of calls run at once without ever raising, and the exact calculator."""
 from __future__ import annotations
 
@@ -13,9 +13,9 @@ import time
 
 import pytest
 
-from grpo_core import tools
+from grpo_core.rollout import tools
 from grpo_core.plugins import PluginError
-from grpo_core.tools import (BUILTIN_TOOLS, FALLBACK_INSTRUCTIONS, Tool, ToolCall, ToolError, calculate,
+from grpo_core.rollout.tools import (BUILTIN_TOOLS, FALLBACK_INSTRUCTIONS, Tool, ToolCall, ToolError, calculate,
                              calculator_tool, check_environment, environment_tools, fallback_system_prompt,
                              parse_tool_calls, resolve_environments, resolve_tools, run_tool_calls, tool_of)
 
@@ -185,8 +185,8 @@ def test_builtin_calculator_resolves_with_the_sandbox_passed_to_its_factory(monk
 
 
 def test_builtin_specs_name_factories_lazily():
-    assert BUILTIN_TOOLS["python"] == "grpo_core.code_tools:python_tool"
-    assert "grpo_core.code_tools" not in tools.__dict__            # not imported at import time
+    assert BUILTIN_TOOLS["python"] == "grpo_core.rollout.code_tools:python_tool"
+    assert "grpo_core.rollout.code_tools" not in tools.__dict__            # not imported at import time
 
 
 def test_a_module_function_spec_and_an_entry_point(plugin):

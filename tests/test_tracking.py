@@ -11,9 +11,9 @@ import pytest
 import torch
 
 from grpo_core.config import GRPOConfig
-from grpo_core.loss import group_advantages
-from grpo_core.update import ScoredSample
-from grpo_core.task_identity import registered_model_name
+from grpo_core.update.loss import group_advantages
+from grpo_core.update.step import ScoredSample
+from grpo_core.evaluation.task_identity import registered_model_name
 from tasks import tracking
 from tests.conftest import isolated_run_env, tiny_config
 
@@ -161,7 +161,7 @@ def test_completion_tables_are_logged_per_iteration_with_training_advantages(tin
                                                         nan_ok=True)
     assert table["reward"].tolist() == [s["reward"] for s in list(read_jsonl(scores))[:len(table)]]
     # a re-run update stage (resume after a kill) logs nothing twice
-    from grpo_core.policy import load_policy
+    from grpo_core.model.policy import load_policy
     tok = load_policy(cfg, None, need_reference=False).tokenizer
     assert tracking.log_completions(cfg, run_id, 2, scored_batch(samples, scores), samples, scores, tok) is False
     again = pd.read_json(tracking.download_artifacts(cfg, run_id, "completions/iter_0002.json", tmp_path / "b"),

@@ -1,5 +1,5 @@
 """Parity with TRL 1.16 itself: `GRPOTrainer._compute_loss`, TRL's own code, run on the same log-probs,
-entropies, advantages and masks as `grpo_core.loss.grpo_loss`, for every loss type (luspo and vespo
+entropies, advantages and masks as `grpo_core.update.loss.grpo_loss`, for every loss type (luspo and vespo
 included), token and sequence ratios, the bias-corrected KL and plain k3, `delta`, the entropy mask and the
 entropy bonus, the sampler correction (folded into VESPO's weight), over several micro-batches: the same loss,
 the same gradients and the same logged KL, clip ratios and VESPO weight; adaptive entropy control (TRL's
@@ -20,8 +20,8 @@ import torch
 from trl import GRPOTrainer          # the test extra pins TRL 1.16
 
 from grpo_core.config import GRPOConfig
-from grpo_core.loss import grpo_loss, sampler_correction_weight
-from grpo_core.update import EntropyControl, ScoredSample, batch_advantages, controlled_entropy
+from grpo_core.update.loss import grpo_loss, sampler_correction_weight
+from grpo_core.update.step import EntropyControl, ScoredSample, batch_advantages, controlled_entropy
 
 
 class OneProcess:
@@ -256,7 +256,7 @@ def trl_scored(rewards_per_func, weights, G: int, aggregation: str, scale_reward
                                                          ("sum_then_normalize", "batch"),
                                                          ("sum_then_normalize", "none")])
 def test_advantages_equal_trls(aggregation, scale_rewards):
-    """grpo_core.update.batch_advantages on scored samples (three reward functions with their weights, and an
+    """grpo_core.update.step.batch_advantages on scored samples (three reward functions with their weights, and an
     environment's reward, weight 1, that only some samples have) against TRL's advantages on the same scores."""
     g = torch.Generator().manual_seed(3)
     G, n_groups = 4, 5

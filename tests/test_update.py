@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from grpo_core.config import GRPOConfig
-from grpo_core.policy import load_policy
-from grpo_core.update import ScoredSample, grpo_update, make_optimizer, make_scheduler, plan_steps
+from grpo_core.model.policy import load_policy
+from grpo_core.update.step import ScoredSample, grpo_update, make_optimizer, make_scheduler, plan_steps
 
 G = 4
 
@@ -178,7 +178,7 @@ def test_beta0_never_runs_reference(grpo_home):
 def test_cast_lm_head_to_fp32_reaches_every_log_prob_pass_of_the_update(grpo_home, monkeypatch):
     """cast_lm_head_to_fp32: the old and reference log-probs and the trained ones all take the float32 head
     (tests/test_logprobs.py checks what fp32_head computes); off, none does."""
-    import grpo_core.update as update_module
+    import grpo_core.update.step as update_module
     for flag in (True, False):
         cfg, policy = tiny_policy(beta=0.04, num_iterations=2, cast_lm_head_to_fp32=flag)
         seen = []

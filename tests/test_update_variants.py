@@ -13,12 +13,12 @@ import pytest
 import torch
 
 from grpo_core.config import GRPOConfig
-from grpo_core.logprobs import completion_logprobs, head_logprobs, token_entropy
-from grpo_core.loss import sampler_correction_weight
-from grpo_core.policy import REFERENCE_ADAPTER, load_policy
-from grpo_core.rollout import KVCacheSampler
-from grpo_core.sampling import SamplingParams
-from grpo_core.update import (ScoredSample, grpo_update, make_micro_batch, make_optimizer, make_scheduler, plan_steps,
+from grpo_core.update.logprobs import completion_logprobs, head_logprobs, token_entropy
+from grpo_core.update.loss import sampler_correction_weight
+from grpo_core.model.policy import REFERENCE_ADAPTER, load_policy
+from grpo_core.rollout.samplers import KVCacheSampler
+from grpo_core.rollout.sampling import SamplingParams
+from grpo_core.update.step import (ScoredSample, grpo_update, make_micro_batch, make_optimizer, make_scheduler, plan_steps,
                               surviving_groups)
 from published_objective import Options, Sequence, micro_batch_loss, quantile
 from test_update import RecordingSGD, tiny_policy

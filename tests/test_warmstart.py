@@ -1,4 +1,4 @@
-"""Warm start (grpo_core/warmstart.py, tasks/warmstart.py): the run's correct answers in the full prompt become
+"""Warm start (grpo_core/update/warmstart.py, tasks/warmstart.py): the run's correct answers in the full prompt become
 demonstrations of the same questions without the worked examples; supervised fine-tuning moves them into the
 adapter; as a stage it runs first in iteration 1 only when asked, and the iteration goes on from its adapter."""
 from __future__ import annotations
@@ -7,10 +7,10 @@ import pytest
 import torch
 
 from grpo_core.config import GRPOConfig
-from grpo_core.policy import load_policy
-from grpo_core.sampling import Sample, chat_prompt_ids
+from grpo_core.model.policy import load_policy
+from grpo_core.rollout.sampling import Sample, chat_prompt_ids
 from grpo_core.task import Task
-from grpo_core.warmstart import (as_demonstrations, correct_answers, demonstration_format, sft_loss,
+from grpo_core.update.warmstart import (as_demonstrations, correct_answers, demonstration_format, sft_loss,
                                  supervised_finetune)
 from tests.conftest import tiny_config
 

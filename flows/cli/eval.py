@@ -1,6 +1,6 @@
 """`grpo eval`: evaluate a base model or an adapter on a held-out set, outside a training run.
 
-The numbers come from grpo_core.evaluation.evaluate_checkpoint, the function the `evaluate` stage
+The numbers come from grpo_core.evaluation.evaluate.evaluate_checkpoint, the function the `evaluate` stage
 calls, with the same seed rule: the same config, adapter and tasks give the same numbers as the run.
 
     grpo eval --model smollm2-135m-instruct --dataset arithmetic            # the base model
@@ -69,7 +69,7 @@ def _base_config(args):
 
 def _from_run(args, tmp: Path) -> tuple[Path, Path | None, str | None]:
     """(config.yaml, eval.jsonl or None, adapter dir or None) of an MLflow run, downloaded to tmp."""
-    from grpo_core.models import ModelError
+    from grpo_core.model.loading import ModelError
     from tasks import tracking
     cfg = _base_config(args)
     try:
@@ -106,8 +106,8 @@ def load_eval_tasks(dataset: str, cfg) -> list:
 def run_eval(args) -> tuple[dict, list[dict], list]:
     """Resolve model/adapter/config/tasks from the arguments and evaluate. Returns (metrics, rows, alerts)."""
     from grpo_core.config import ConfigError, load_config
-    from grpo_core.evaluation import evaluate_checkpoint
-    from grpo_core.monitors import check_monitors
+    from grpo_core.evaluation.evaluate import evaluate_checkpoint
+    from grpo_core.evaluation.monitors import check_monitors
     with tempfile.TemporaryDirectory(prefix="grpo-eval-") as tmp:
         config_path, eval_path, adapter = args.config, None, args.adapter
         if args.run:
@@ -168,7 +168,7 @@ def _write_outputs(out: Path, cfg, metrics: dict, rows: list[dict]) -> None:
     (out / "metrics.json").write_text(json.dumps(metrics, indent=2, sort_keys=True))
     write_jsonl(out / "eval_samples.jsonl", rows)
     if cfg.eval.plots:
-        from grpo_core.eval_plots import make_plots
+        from grpo_core.evaluation.plots import make_plots
         make_plots({0: metrics}, {0: [r["length"] for r in rows]}, out, cfg.eval.ks,
                    cfg.eval.max_completion_length or cfg.max_completion_length)
 

@@ -1,6 +1,6 @@
 """`grpo export RUN --out DIR`: a trained run as a plain Hugging Face model directory.
 
-grpo_core.export writes the directory (LoRA merged into the weights, tokenizer with chat template,
+grpo_core.model.export writes the directory (LoRA merged into the weights, tokenizer with chat template,
 `generation_config.json` with the training sampling settings, a model card); this module only picks
 the iteration (--iteration K, --best by the rule the registry uses, or the last completed one), fills
 the card from the run's config and evaluation records, and logs the export to the run's MLflow run
@@ -30,7 +30,7 @@ them as apply_chat_template(messages, tools=[schema]) and give results as {"role
 
 
 def checkpoint_of(run_dir: Path, iteration: int) -> Path:
-    from grpo_core.checkpoint import ADAPTER_DIR
+    from grpo_core.update.checkpoint import ADAPTER_DIR
     return run_dir / f"iter-{iteration}" / "update" / ADAPTER_DIR
 
 
@@ -59,10 +59,10 @@ def export_run(run: str, out: str | Path, iteration: int | None = None, best: bo
     `default_system`: the chat template puts the training system prompt (`with_examples`: and the worked
     examples) before a conversation that has no system message, and a run with tools gets a template that
     renders `tools=` as training did (False: the base template, tools and system prompt left to the caller)."""
-    from grpo_core.export import ModelCard, default_turns, export_model, generation_settings
-    from grpo_core.models import resolve_model
-    from grpo_core.sampling import sampling_options
-    from grpo_core.tools import resolve_tools
+    from grpo_core.model.export import ModelCard, default_turns, export_model, generation_settings
+    from grpo_core.model.loading import resolve_model
+    from grpo_core.rollout.sampling import sampling_options
+    from grpo_core.rollout.tools import resolve_tools
     from tasks import tracking
     from tasks.evaluate import eval_history
     from tasks.run_state import mlflow_run_id

@@ -19,7 +19,7 @@ def _eval_row_rank(key: str):
     parts = key.split("/")
     if len(parts) >= 3 and parts[1] in EVAL_MODES:                      # overall: eval/<mode>/<metric>
         metric = "/".join(parts[2:])
-        if metric == "accuracy":                    # grpo_core.evaluation's older alias of greedy pass_at_1
+        if metric == "accuracy":                    # grpo_core.evaluation.evaluate's older alias of greedy pass_at_1
             return None
         wording, _, rest = metric.partition("/")
         if wording in WORDINGS:     # as an exported model is asked; in wordings training never used

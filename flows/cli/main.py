@@ -18,9 +18,9 @@ from flows.cli import data, export, infra, ops, sandbox, train
 from flows.cli import eval as evaluate
 from grpo_core.config import ConfigError
 from grpo_core.io import DiskFullError, InputError
-from grpo_core.models import ModelError
+from grpo_core.model.loading import ModelError
 from grpo_core.plugins import PluginError
-from grpo_core.rewards import RewardOutputError, plugin_failure
+from grpo_core.rewards.rewards import RewardOutputError, plugin_failure
 from sandbox.backends import EngineUnavailable
 from sandbox.types import TaskFormatError
 from tasks.run_state import stop_signal

@@ -305,8 +305,8 @@ def register(sub) -> None:
 def cmd_gate(args) -> int:
     """`grpo gate init` draws the config's task's gate set afresh and stores it; `grpo gate show` prints it, and what
     the gate can detect on it."""
-    from grpo_core import gate as stats
-    from grpo_core.task_identity import registered_model_name
+    from grpo_core.evaluation import gate as stats
+    from grpo_core.evaluation.task_identity import registered_model_name
     from tasks import gate
     if args.run:
         raise ConfigError("grpo gate init --run is gone: a gate set is no longer a run's held-out split (runs pick "

@@ -11,7 +11,7 @@ from pathlib import Path
 
 from flows.cli.format import format_eval_table, format_registered
 from grpo_core.config import field_help, load_config
-from grpo_core.models import BUILTIN_MODELS, DEFAULT_MODEL
+from grpo_core.model.loading import BUILTIN_MODELS, DEFAULT_MODEL
 
 TRAIN_EPILOG = """\
 Configuration fields (set in the YAML file or with --set key=value; dotted keys for sections):
@@ -53,7 +53,7 @@ def cmd_train(args) -> int:
     from flows.train import engine_settings, preflight, training_run
     preflight(cfg)  # bad model, data, adapter, tracking server, ... fail here, before the engine starts
     from grpo_core.kernels import cpu_features, settings
-    from grpo_core.models import describe_precision, describe_prompting, resolve_model, select_device, select_dtype
+    from grpo_core.model.loading import describe_precision, describe_prompting, resolve_model, select_device, select_dtype
     settings.apply(cfg.kernels)          # the header says what this run's kernel choices give
     device = select_device(cfg.device)
     print(describe_precision(cfg.dtype, device, cfg.use_peft), flush=True)
@@ -100,7 +100,7 @@ def cmd_config(args) -> int:
 
 
 def cmd_model_fetch(args) -> int:
-    from grpo_core.models import resolve_model
+    from grpo_core.model.loading import resolve_model
     path = resolve_model(args.model)
     print(path)
     return 0

@@ -16,10 +16,10 @@ def model_policy(model: str, max_new_tokens: int = 64, temperature: float = 1.0,
     prompts training will use."""
     import torch
 
-    from grpo_core.models import load_base_model, load_tokenizer, resolve_model, select_device
-    from grpo_core.rewards import CORRECTNESS_FUNC, compute_rewards
-    from grpo_core.rollout import HFGenerateSampler, rollout
-    from grpo_core.sampling import SamplingParams
+    from grpo_core.model.loading import load_base_model, load_tokenizer, resolve_model, select_device
+    from grpo_core.rewards.rewards import CORRECTNESS_FUNC, compute_rewards
+    from grpo_core.rollout.samplers import HFGenerateSampler, rollout
+    from grpo_core.rollout.sampling import SamplingParams
 
     from grpo_core.config import DataConfig
     fmt = prompt_format if prompt_format is not None else DataConfig().prompt_format

@@ -15,7 +15,7 @@ from typing import Callable, Iterable, Sequence
 from grpo_core.data import formats, localrun
 from grpo_core.data.records import Rejection
 from grpo_core.task import Task, TaskValidationError
-from grpo_core.answers import parse_number
+from grpo_core.rewards.answers import parse_number
 
 BACKENDS = ("auto", "sandbox", "local", "none")
 Progress = Callable[[int], None]

@@ -5,7 +5,7 @@
 // `decode_layers` runs them and the packed matmuls (gemm_ops.cpp) for every layer of a step in one call:
 // one call per operation from Python cost about a fifth of a bf16 step (the interpreter, and the idle
 // OpenMP thread spinning meanwhile). The update's attention over its packed group rows reuses the decode
-// attention forward and adds its backward (`segment_attention_fwd` / `_bwd`, grpo_core/logprobs.py).
+// attention forward and adds its backward (`segment_attention_fwd` / `_bwd`, grpo_core/update/logprobs.py).
 //
 // Every function takes float32 (`_f32`) or bfloat16 (`_bf16`, raw uint16 bits) tensors, computes in
 // float32 and rounds once to the storage type (round to nearest even). Layouts are row-major and
@@ -314,7 +314,7 @@ void decode_attention(const typename D::T* q, const typename D::T* cache, const 
 
 // -- the update's attention over packed groups ----------------------------------------------------------------
 // The update runs each group of answers that share a prompt as one row [prompt | answer 1 | ... | answer G],
-// the rows end to end in one sequence of N tokens (grpo_core/logprobs.py, `_segment_attention`): group g's
+// the rows end to end in one sequence of N tokens (grpo_core/update/logprobs.py, `_segment_attention`): group g's
 // row is tokens row_start[g] .. row_start[g + 1] - 1, its first P slots the (left-padded) prompt, prompt_ok
 // [n, P] which of them are real. A prompt token attends causally to the real prompt tokens; an answer token
 // to the real prompt tokens and its own answer's tokens up to itself (seg[i]: where its answer starts within

@@ -1,5 +1,5 @@
 // The update's sweep over the LM head's logits, for the log-prob of each sampled token (and the
-// entropy), forward and backward (grpo_core/logprobs.py; built with decode_ops.cpp by
+// entropy), forward and backward (grpo_core/update/logprobs.py; built with decode_ops.cpp by
 // grpo_core/kernels/native.py). As torch ops this is a dozen passes over [n, V] float32 tensors (the
 // cast, max, exp, sum, the entropy's dot, the division, the backward's product, scatter and cast back);
 // here it is two reads of each row forward (the second from cache) and one read and one write backward,

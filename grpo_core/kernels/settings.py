@@ -3,7 +3,7 @@
 The kernels decide deep inside the samplers and the update, far from where the config is read, so the
 choices are not threaded through every constructor: `apply(cfg.kernels)` makes them this process's where a
 run starts (`flows/train.py`), where each stage starts (`tasks/stage.py`, in whatever process or work pool it
-runs) and where a policy is loaded (`grpo_core.policy.load_policy`: the data-parallel processes, `grpo eval`,
+runs) and where a policy is loaded (`grpo_core.model.policy.load_policy`: the data-parallel processes, `grpo eval`,
 the benchmarks), and the kernels read `current()`. Until a call the defaults hold: probe, detect, compiled
 kernels on, no CPU cap.
 

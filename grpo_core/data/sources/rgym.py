@@ -1,14 +1,14 @@
 """reasoning-gym (`reasoning-gym==0.1.25`, Apache-2.0): procedural tasks with their own answer checkers.
 
 Each task stores in `meta` how to rebuild its reasoning-gym entry (dataset name, config, seed, size,
-index), so a reward function can ask the dataset's own checker: `grpo_core.answers.reasoning_gym_score`.
+index), so a reward function can ask the dataset's own checker: `grpo_core.rewards.answers.reasoning_gym_score`.
 """
 from __future__ import annotations
 
 import json
 from typing import Any, Iterable
 
-from grpo_core.answers import reasoning_gym_dataset
+from grpo_core.rewards.answers import reasoning_gym_dataset
 from grpo_core.data.records import Rejection
 from grpo_core.task import Task
 

@@ -2,7 +2,7 @@
 
 For every held-out task: one greedy answer (pass@1) and `eval.num_samples` sampled answers (unbiased
 pass@k for every k in `eval.ks`). Each completion is scored by the run's reward functions (built-in or
-plugin, grpo_core.rewards; plus the built-in correctness function, always). Metrics, per mode (greedy /
+plugin, grpo_core.rewards.rewards; plus the built-in correctness function, always). Metrics, per mode (greedy /
 sampled), overall and per source (and per task kind when the set mixes kinds):
 
     eval/<mode>/pass_at_<k>          greedy: k=1; sampled: every k in eval.ks
@@ -22,7 +22,7 @@ sampled), overall and per source (and per task kind when the set mixes kinds):
     eval/<mode>/exported/..., eval/<mode>/foreign/...   the math questions as asked of an exported model, and in
                                      wordings training never used (and per source where there are several)
     eval/num_questions, eval/<source>/num_questions
-    eval/monitor/...                 reward-hacking monitors (see grpo_core.monitors)
+    eval/monitor/...                 reward-hacking monitors (see grpo_core.evaluation.monitors)
 
 Deterministic given the seed: generation is seeded per mode, tasks keep their file order.
 """
@@ -37,16 +37,16 @@ from typing import Sequence
 
 from grpo_core.config import GRPOConfig
 from grpo_core.task import Task
-from grpo_core.monitors import answers_shown, completion_flags, monitored_fractions
-from grpo_core.passk import mean_pass_at_k
-from grpo_core.policy import Policy
-from grpo_core.multiturn import Toolbox
-from grpo_core.rewards import (add_environment_rewards, compute_rewards, correctness_scores, is_well_formatted,
+from grpo_core.evaluation.monitors import answers_shown, completion_flags, monitored_fractions
+from grpo_core.evaluation.passk import mean_pass_at_k
+from grpo_core.model.policy import Policy
+from grpo_core.rollout.multiturn import Toolbox
+from grpo_core.rewards.rewards import (add_environment_rewards, compute_rewards, correctness_scores, is_well_formatted,
                                reward_context)
-from grpo_core.overlap import Overlapped
-from grpo_core.sampling import (PromptFormat, Sample, SamplingParams, model_token_count, readable_conversation,
+from grpo_core.rewards.overlap import Overlapped
+from grpo_core.rollout.sampling import (PromptFormat, Sample, SamplingParams, model_token_count, readable_conversation,
                                 sampling_options)
-from grpo_core.rollout import make_backend, rollout
+from grpo_core.rollout.samplers import make_backend, rollout
 
 MODES = ("greedy", "sampled")
 FOREIGN = "foreign"           # rows of the math questions put in the config's foreign wordings (eval.foreign_*)
@@ -312,6 +312,6 @@ def evaluate_checkpoint(cfg: GRPOConfig, tasks: Sequence[Task], checkpoint: str 
                         seed: int | None = None, progress: bool = True) -> tuple[dict, list[dict]]:
     """The one implementation behind the stage and `grpo eval`: load the base model (+ adapter) and
     evaluate it. `checkpoint=None` is the base model (iteration 0)."""
-    from grpo_core.policy import load_policy
+    from grpo_core.model.policy import load_policy
     policy = load_policy(cfg, checkpoint, need_reference=False)
     return evaluate_policy(policy, tasks, cfg, seed, progress=progress)

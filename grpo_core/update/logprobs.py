@@ -555,7 +555,7 @@ def completion_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Te
     `chunk_rows * completion_len` at a time (`head_logprobs`). Models without a trunk/head split fall
     back to full logits. The entropy is detached unless `entropy_grad` (an entropy bonus in the loss).
     `fp32_head` (cast_lm_head_to_fp32): the LM head's matmul in float32 (on the full-logits path the model's
-    own head module runs, in float32 where `grpo_core.policy` set that up).
+    own head module runs, in float32 where `grpo_core.model.policy` set that up).
     """
     ids = input_ids[:, -completion_len:]                                  # [B, Lc]
     decoder, head = _decoder_and_head(model)

@@ -1,8 +1,8 @@
 """The GRPO objective as pure functions on tensors, read top to bottom: group-relative advantages, the
 k3 KL to the reference, the importance ratio, the per-token policy loss of each published variant, the
 masks and weights that decide which tokens count, and how each variant reduces per-token losses to the
-one number a micro-batch backpropagates. Where the log-probs come from is `grpo_core.logprobs`; when
-and on which samples this runs is `grpo_core.update`. Option names follow TRL's `GRPOConfig`.
+one number a micro-batch backpropagates. Where the log-probs come from is `grpo_core.update.logprobs`; when
+and on which samples this runs is `grpo_core.update.step`. Option names follow TRL's `GRPOConfig`.
 
 Notation: B = sequences in a micro-batch, G = group size, L = completion length (padded), A_i = the
 advantage of sequence i, rho = exp(logp - old_logp) the per-token ratio to the rollout policy,

@@ -1,6 +1,6 @@
 """Scoring sample rows with the run's reward functions: one scored row per sample (total, per function,
 correctness) and the stage's metrics; `GroupScorer` does it on a helper thread group by group while the sampler
-produces the next groups (grpo_core/overlap.py), and its result is kept beside the samples (`early_scores.json`)
+produces the next groups (grpo_core/rewards/overlap.py), and its result is kept beside the samples (`early_scores.json`)
 for the score stage to adopt while it matches them, the reward settings and the reward functions' code."""
 from __future__ import annotations
 
@@ -13,8 +13,8 @@ from statistics import mean
 
 from grpo_core.config import GRPOConfig
 from grpo_core.io import read_json, write_json
-from grpo_core.overlap import Overlapped
-from grpo_core.rewards import (add_environment_rewards, compute_rewards, correctness_scores, resolve_reward_funcs,
+from grpo_core.rewards.overlap import Overlapped
+from grpo_core.rewards.rewards import (add_environment_rewards, compute_rewards, correctness_scores, resolve_reward_funcs,
                                reward_context)
 from grpo_core.task import Task
 
@@ -77,7 +77,7 @@ def wording_metrics(scored: list[dict], wordings: dict[str, str]) -> dict[str, f
 
 
 class GroupScorer:
-    """Scores groups on a helper thread while the sampler produces the next ones (grpo_core/overlap.py): `add`
+    """Scores groups on a helper thread while the sampler produces the next ones (grpo_core/rewards/overlap.py): `add`
     each group's sample rows as the sampler finishes it, `finish` for ({group: scored rows}, seconds per reward
     function), or None after an error (the score stage then scores everything in its own process). Reward
     functions see the groups finished since their last call, a chunk at a time."""

@@ -25,7 +25,7 @@ from functools import lru_cache
 from statistics import mean
 from typing import Callable, Iterable, Sequence
 
-from grpo_core.passk import pass_at_k
+from grpo_core.evaluation.passk import pass_at_k
 
 TESTS = ("auto", "mcnemar", "permutation", "bootstrap")
 ZERO_ONE_NAMES = ("pass_at_1", "accuracy", "strict_pass_at_1", "format_rate")   # 0/1 for one answer a question
@@ -74,7 +74,7 @@ def metric_parts(metric: str) -> tuple[str | None, str, str]:
 def per_question_scores(rows: Iterable[dict], metric: str,
                         source_name: Callable[[str], str] = str) -> dict[str, float]:
     """{task id: score} of `metric` (an eval/... name, see metric_parts) from evaluation rows
-    (grpo_core.evaluation; `source_name` makes a row's source the metric's segment: evaluation.metric_name);
+    (grpo_core.evaluation.evaluate; `source_name` makes a row's source the metric's segment: evaluation.metric_name);
     the mean over questions is the metric. Rows in a foreign wording and questions with nothing to score are
     left out."""
     source, mode, name = metric_parts(metric)
@@ -342,7 +342,7 @@ def detectable_gain(n: int, p_champion: float, alpha: float = 0.05, power: float
 def power_table(sizes: Sequence[int] = (40, 100, 200), champion_accuracies: Sequence[float] = (0.2, 0.35, 0.5, 0.7),
                 gain: float = 0.10, alpha: float = 0.05) -> str:
     """The default gate's power for a true `gain` and its detectable gain at 80% power, one row per gate size and
-    champion accuracy (`python -m grpo_core.gate` prints it)."""
+    champion accuracy (`python -m grpo_core.evaluation.gate` prints it)."""
     lines = [f"sign test, alpha {alpha}, Beta difficulty with concentration {DIFFICULTY_CONCENTRATION}",
              f"{'questions':>9}  {'champion':>8}  {f'power at +{gain * 100:.0f} points':>20}  {'gain seen 80%':>13}"]
     for n in sizes:

@@ -1,4 +1,4 @@
-"""Code tools: the sandbox as something the model calls during a rollout (as grpo_core/code_rewards.py is
+"""Code tools: the sandbox as something the model calls during a rollout (as grpo_core/rewards/code_rewards.py is
 the sandbox as a judge).
 
 * :func:`python_tool` -> ``python(code) -> str``: run a Python program, return what it printed.
@@ -10,7 +10,7 @@ the sandbox as a judge).
 
 A tool call runs in the same boxes, with the same isolation and limits, as scoring (see ``sandbox.api``);
 a sandbox failure is said as such in the tool's text, never blamed on the code. Not here: the tool
-registry, the ``Tool`` type and tool-call parsing (grpo_core.tools), the rollout loop (grpo_core.multiturn).
+registry, the ``Tool`` type and tool-call parsing (grpo_core.rollout.tools), the rollout loop (grpo_core.rollout.multiturn).
 
 Visible and hidden tests of a Rust task (``tests = {"format": "rust", "tests": ...}``): the task's own
 ``tests["visible"]`` (Rust source of example tests, or a list of test names) when it has it; else the
@@ -25,7 +25,7 @@ import re
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 
-from grpo_core.code_rewards import extract_code, verdict_reward
+from grpo_core.rewards.code_rewards import extract_code, verdict_reward
 
 TOOL_OUTPUT_BYTES = 4096        # per stream: a tool's text goes back into the model's context
 BUILD_ONLY_TEST = "#[test]\nfn builds() {}\n"     # a task with no visible test: check only builds the code
@@ -49,7 +49,7 @@ def _backend(sandbox: Any):
 
 def _tool_limits(language: str):
     """Scoring's limits, with less output (it goes into the context) and, for Rust, a compile time that
-    fits a tool call's own time limit (grpo_core.multiturn.Toolbox.timeout) together with the run."""
+    fits a tool call's own time limit (grpo_core.rollout.multiturn.Toolbox.timeout) together with the run."""
     from sandbox.types import Limits
     limits = Limits.for_language(language)
     limits.output_bytes = TOOL_OUTPUT_BYTES

@@ -1,9 +1,9 @@
 """Rollout: sample a group of completions per prompt from the current policy.
 
-Generation sits behind a tiny backend interface (`RolloutBackend.generate`, in `grpo_core.sampling`).
+Generation sits behind a tiny backend interface (`RolloutBackend.generate`, in `grpo_core.rollout.sampling`).
 The default backend is `KVCacheSampler` (`rollout_backend: static`): our own decode loop over a
 preallocated KV cache (through the fused or lean forward of `grpo_core.kernels` for Llama-family models).
-`HFGenerateSampler` (`hf`) calls Hugging Face `generate`; `vllm` lives in `grpo_core.vllm_backend`.
+`HFGenerateSampler` (`hf`) calls Hugging Face `generate`; `vllm` lives in `grpo_core.rollout.vllm_backend`.
 """
 from __future__ import annotations
 
@@ -16,8 +16,8 @@ from tqdm.auto import tqdm
 
 from grpo_core.kernels.cpu_features import note_declined
 from grpo_core.kernels.cpu_linear import PackedLinear, sampling_weights
-from grpo_core.logprobs import sliding_window
-from grpo_core.sampling import (Completion, PromptFormat, RolloutBackend, Sample, SamplingParams, StopStrings,
+from grpo_core.update.logprobs import sliding_window
+from grpo_core.rollout.sampling import (Completion, PromptFormat, RolloutBackend, Sample, SamplingParams, StopStrings,
                                 chat_prompt_ids, check_generation_kwargs)
 from grpo_core.task import Task
 from grpo_core.kernels.fused_decode import FusedDecoder
@@ -536,7 +536,7 @@ class _TurnBatch:
 def make_backend(cfg, policy, progress: bool = True, merge_lora: bool = True) -> RolloutBackend:
     """The rollout backend `cfg.rollout_backend` names, around the policy's model."""
     if cfg.rollout_backend == "vllm":
-        from grpo_core.vllm_backend import VLLMBackend      # optional extra, imported only when chosen
+        from grpo_core.rollout.vllm_backend import VLLMBackend      # optional extra, imported only when chosen
         return VLLMBackend.from_policy(policy, cfg)
     cls = KVCacheSampler if cfg.rollout_backend == "static" else HFGenerateSampler
     kwargs = {"merge_lora": merge_lora} if cls is KVCacheSampler else {}
@@ -551,12 +551,12 @@ def rollout(backend: RolloutBackend, tokenizer, tasks: Sequence[Task], n: int, p
     `completion` is the response prefix (if any) + the decoded sampled tokens: what rewards judge.
     With params.logprobs each Sample carries its sampler log-probs. `on_group(samples)` gets each group
     as soon as it is sampled (by the local samplers; after the whole batch by the others). With a
-    `toolbox` (grpo_core.multiturn.Toolbox) the model may call tools: multi-turn rollouts."""
+    `toolbox` (grpo_core.rollout.multiturn.Toolbox) the model may call tools: multi-turn rollouts."""
     fmt = PromptFormat.of(fmt)
     if toolbox is not None:
         if params.stop_strings:
             raise ValueError("stop_strings is not supported in multi-turn rollouts (a turn ends at EOS or a tool call)")
-        from grpo_core.multiturn import tool_rollout
+        from grpo_core.rollout.multiturn import tool_rollout
         groups = tool_rollout(backend, tokenizer, tasks, n, params, fmt, max_prompt_length, toolbox)
         for group in groups if on_group is not None else ():
             on_group(group)

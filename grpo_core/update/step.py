@@ -1,10 +1,10 @@
 """The GRPO update over one scored rollout batch: advantages, old/reference log-probs, clipped steps.
 
 Pure torch: takes a Policy, an optimizer, a scheduler and the scored samples; returns per-step metrics.
-The objective itself is `grpo_core.loss`; this module decides which samples form each optimizer step
+The objective itself is `grpo_core.update.loss`; this module decides which samples form each optimizer step
 and micro-batch, which frozen log-probs are needed, and runs the steps. It does not checkpoint or log.
 Groups that lost members (a sample that could not be scored) train on their survivors.
-Data parallel (`DataParallel`): every process plans the same steps from the whole batch, trains on its
+Data parallel (`grpo_core.parallel.DataParallel`): every process plans the same steps from the whole batch, trains on its
 share of each micro-batch's groups, and the summed gradients are the gradients of one process.
 """
 from __future__ import annotations
@@ -13,21 +13,19 @@ import math
 import random
 import time
 from dataclasses import dataclass
-from typing import Callable, Sequence, TypeVar
+from typing import Callable, Sequence
 
 import torch
 
 from grpo_core.config import GRPOConfig
-from grpo_core.logprobs import completion_logprobs, router_loss_logprobs
-from grpo_core.loss import (applied_entropy_coef, decoupled_advantages, entropy_bonus, grpo_loss, group_advantages,
+from grpo_core.update.logprobs import completion_logprobs, router_loss_logprobs
+from grpo_core.update.loss import (applied_entropy_coef, decoupled_advantages, entropy_bonus, grpo_loss, group_advantages,
                             high_entropy_mask, next_entropy_coef, zero_std_groups)
 from grpo_core.plugins import metric_names
-from grpo_core.models import router_aux_coef
-from grpo_core.policy import Policy
-from grpo_core.sampling import model_token_count
-
-T = TypeVar("T")
-
+from grpo_core.model.loading import router_aux_coef
+from grpo_core.model.policy import Policy
+from grpo_core.parallel import DataParallel
+from grpo_core.rollout.sampling import model_token_count
 
 @dataclass
 class ScoredSample:
@@ -60,49 +58,6 @@ class MicroBatch:
     loss_weight: float = 1.0                   # this process's part of the whole micro-batch's loss (data parallel)
     entropy_weight: float = 1.0                # ... of its loss tokens: the part of the entropy bonus (a token mean)
     stand_in: bool = False                     # rows run only so that every process runs the same steps
-
-
-def _alone(tensors: list[torch.Tensor]) -> None:
-    """One process: the sum over the processes is the tensor itself."""
-
-
-def _only(item: object) -> list:
-    """One process: the gathered list is its own item."""
-    return [item]
-
-
-@dataclass(frozen=True)
-class DataParallel:
-    """This process's place among the processes that share one update, data parallel over groups.
-
-    Every process reads the whole scored batch and plans the same optimizer steps and micro-batches; each
-    trains on every world_size-th group of each micro-batch (`shard_rows`), weighs its loss by its part of
-    the micro-batch's normaliser (`shard_loss_weight`), and `sum_across` adds the gradients (and the
-    step's statistics) over the processes, in place, so that N processes take the step one process takes
-    on the same batch. Sampling stages deal prompts the same way (`shard`) and `gather` every process's
-    (picklable) result, in rank order. tasks/distributed.py builds it on torch.distributed; the default is
-    one process.
-    """
-    rank: int = 0
-    world_size: int = 1
-    sum_across: Callable[[list[torch.Tensor]], None] = _alone
-    gather: Callable[[object], list] = _only
-
-    def shard(self, items: Sequence[T]) -> list[T]:
-        """This process's items: every world_size-th, from its rank on (undone by `interleave`)."""
-        return list(items[self.rank::self.world_size])
-
-    def shard_seed(self, seed: int) -> int:
-        """This process's sampling seed: `seed` itself on the first process, distinct streams on the others."""
-        return seed + self.rank * 1_000_003
-
-
-def interleave(shards: Sequence[Sequence[T]]) -> list[T]:
-    """The items `DataParallel.shard` dealt, in their original order, from every process's shard (rank order)."""
-    out: list[T] = []
-    for i in range(max((len(s) for s in shards), default=0)):
-        out.extend(s[i] for s in shards if i < len(s))
-    return out
 
 
 def make_optimizer(policy: Policy, cfg: GRPOConfig) -> torch.optim.Optimizer:
@@ -347,7 +302,7 @@ def shard_rows(rows: Sequence[int], kept: Sequence[ScoredSample],
     return [i for i in rows if kept[i].group in mine], False
 
 
-# What `grpo_core.loss.aggregate` divides a micro-batch's summed token losses by, per loss type: the
+# What `grpo_core.update.loss.aggregate` divides a micro-batch's summed token losses by, per loss type: the
 # micro-batch's sequences or tokens, or (None) the step's token count, which every process already uses.
 MICRO_BATCH_NORMALISER = {"grpo": "sequences", "sapo": "sequences", "dr_grpo": "sequences", "bnpo": "tokens",
                           "luspo": "sequences", "dapo": None, "cispo": None, "vespo": None}
@@ -359,7 +314,7 @@ def shard_loss_weight(share: Sequence[ScoredSample], whole: Sequence[ScoredSampl
     over the processes, the parts are the whole micro-batch's loss."""
     if cfg.loss_type not in MICRO_BATCH_NORMALISER:
         raise ValueError(f"loss_type {cfg.loss_type!r} has no data-parallel normaliser: add it to "
-                         "grpo_core.update.MICRO_BATCH_NORMALISER (what grpo_core.loss.aggregate divides by)")
+                         "grpo_core.update.step.MICRO_BATCH_NORMALISER (what grpo_core.update.loss.aggregate divides by)")
     by = MICRO_BATCH_NORMALISER[cfg.loss_type]
     if len(share) == len(whole):                                    # one process: the whole micro-batch
         return 1.0
@@ -465,7 +420,7 @@ def entropy_control(scheduler, cfg: GRPOConfig) -> EntropyControl:
         return control
     if cfg.use_adaptive_entropy:
         raise ValueError("use_adaptive_entropy keeps its coefficient in the scheduler: build it with "
-                         "grpo_core.update.make_scheduler")
+                         "grpo_core.update.step.make_scheduler")
     return EntropyControl.of(cfg)
 
 

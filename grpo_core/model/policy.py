@@ -28,8 +28,8 @@ import torch
 from grpo_core.config import GRPOConfig
 from grpo_core.kernels import settings as kernel_settings
 from grpo_core.kernels.cpu_linear import use_onednn_linears
-from grpo_core.logprobs import contiguous_head_logits, fp32_head_logits
-from grpo_core.models import (ModelError, attach_lora, file_versions, load_base_model, load_tokenizer,
+from grpo_core.update.logprobs import contiguous_head_logits, fp32_head_logits
+from grpo_core.model.loading import (ModelError, attach_lora, file_versions, load_base_model, load_tokenizer,
                               resolve_model, select_device, select_dtype, tokenizer_version)
 
 POLICY_ADAPTER = "default"           # PEFT's name for the adapter a PeftModel is created with

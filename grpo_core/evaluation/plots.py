@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from grpo_core.evaluation import MODES
+from grpo_core.evaluation.evaluate import MODES
 
 
 def _plt():

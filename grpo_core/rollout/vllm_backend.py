@@ -17,8 +17,8 @@ import itertools
 import tempfile
 from pathlib import Path
 
-from grpo_core.models import resolve_model
-from grpo_core.sampling import Completion, SamplingParams, StopStrings
+from grpo_core.model.loading import resolve_model
+from grpo_core.rollout.sampling import Completion, SamplingParams, StopStrings
 
 
 def vllm_sampling_kwargs(params: SamplingParams, n: int) -> dict:

@@ -11,7 +11,7 @@ it), plus the run context (CONTEXT_KEYS: token ids and counts, the length limits
 function without **kwargs gets only the columns it names. None means "cannot score this one" (e.g. the
 sandbox failed): that sample's total is None and the caller leaves it out of its group rather than
 pretending it earned 0. `async def` functions run concurrently with each other (and with the plain ones).
-Not here: GRPO advantages (grpo_core.loss) and where the scores are written or logged (tasks/score.py).
+Not here: GRPO advantages (grpo_core.update.loss) and where the scores are written or logged (tasks/score.py).
 """
 from __future__ import annotations
 
@@ -25,9 +25,9 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, fields
 from typing import Any, Callable, Sequence
 
-from grpo_core.answers import extract_answer, math_answers_match, reasoning_gym_score
+from grpo_core.rewards.answers import extract_answer, math_answers_match, reasoning_gym_score
 from grpo_core.plugins import REWARD_GROUP, check_reward_signature, load_plugin, metric_names
-from grpo_core.sampling import model_token_count
+from grpo_core.rollout.sampling import model_token_count
 from grpo_core.task import Task
 
 # The whole completion: optional reasoning, then exactly one non-empty answer block, nothing after it.
@@ -91,7 +91,7 @@ def accuracy_reward(prompts: Sequence[str], completions: Sequence[str], *, sandb
         else:
             code_idx.append(i)
     if code_idx:
-        from grpo_core.code_rewards import code_accuracy  # imported only when code tasks are present
+        from grpo_core.rewards.code_rewards import code_accuracy  # imported only when code tasks are present
         scores = code_accuracy([completions[i] for i in code_idx], [tasks[i] for i in code_idx],
                                backend=sandbox_backend, mode=code_reward_mode, images=sandbox_images)
         for i, s in zip(code_idx, scores):

@@ -10,8 +10,8 @@ one instance per rollout. Config entries resolve as reward functions do (grpo_co
 Calls come out of the model's text in the `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` format
 (Hermes, Qwen2.5/3, SmolLM3; also the fallback format for templates without tool support). `run_tool_calls`
 runs a batch of them at once and never raises: a malformed call, an unknown tool, bad arguments, an exception
-or a timeout becomes an error text for the model. Not here: the turn loop (grpo_core.multiturn), the code
-tools that run in the sandbox (grpo_core.code_tools), and any check of argument types against the schema
+or a timeout becomes an error text for the model. Not here: the turn loop (grpo_core.rollout.multiturn), the code
+tools that run in the sandbox (grpo_core.rollout.code_tools), and any check of argument types against the schema
 (the tool gets what the model wrote, as in TRL).
 """
 from __future__ import annotations
@@ -36,10 +36,10 @@ from grpo_core.plugins import ENVIRONMENT_GROUP, TOOL_GROUP, PluginError, load_p
 
 # Built-ins are factories f(sandbox) -> tool (or -> environment factory), named by spec so that this module
 # imports the sandbox-backed ones only when a run asks for them.
-BUILTIN_TOOLS: dict[str, str] = {"calculator": "grpo_core.tools:calculator_tool",
-                                 "python": "grpo_core.code_tools:python_tool",
-                                 "rust": "grpo_core.code_tools:rust_tool"}
-BUILTIN_ENVIRONMENTS: dict[str, str] = {"rust_fix": "grpo_core.code_tools:rust_fix_environment"}
+BUILTIN_TOOLS: dict[str, str] = {"calculator": "grpo_core.rollout.tools:calculator_tool",
+                                 "python": "grpo_core.rollout.code_tools:python_tool",
+                                 "rust": "grpo_core.rollout.code_tools:rust_tool"}
+BUILTIN_ENVIRONMENTS: dict[str, str] = {"rust_fix": "grpo_core.rollout.code_tools:rust_fix_environment"}
 RESERVED_METHODS = ("reset", "get_reward")
 SCHEMA_FIX = "add type hints and a Google-style docstring with an Args: section, as TRL requires"
 

@@ -18,15 +18,15 @@ from typing import Sequence
 import torch
 
 from grpo_core.config import GRPOConfig
-from grpo_core.logprobs import completion_logprobs
-from grpo_core.multiturn import Toolbox, tool_prompt_ids
-from grpo_core.policy import Policy
-from grpo_core.rewards import is_well_formatted
-from grpo_core.rollout import make_backend, rollout
-from grpo_core.sampling import PromptFormat, Sample, SamplingParams, chat_prompt_ids, sampling_options
-from grpo_core.scoring import score_rows
+from grpo_core.update.logprobs import completion_logprobs
+from grpo_core.rollout.multiturn import Toolbox, tool_prompt_ids
+from grpo_core.model.policy import Policy
+from grpo_core.rewards.rewards import is_well_formatted
+from grpo_core.rollout.samplers import make_backend, rollout
+from grpo_core.rollout.sampling import PromptFormat, Sample, SamplingParams, chat_prompt_ids, sampling_options
+from grpo_core.rewards.scoring import score_rows
 from grpo_core.task import Task
-from grpo_core.update import ScoredSample, pad_batch
+from grpo_core.update.step import ScoredSample, pad_batch
 
 
 def demonstration_format(cfg: GRPOConfig) -> PromptFormat:

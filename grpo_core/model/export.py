@@ -23,11 +23,11 @@ import torch
 
 from grpo_core.config import ConfigError
 from grpo_core.io import atomic_dir
-from grpo_core.models import ModelError, load_base_model, load_tokenizer
-from grpo_core.multiturn import _render_tool_turn, renders_tools, tool_prompt_ids   # training's own renderings
-from grpo_core.sampling import PromptFormat, chat_template_of
+from grpo_core.model.loading import ModelError, load_base_model, load_tokenizer
+from grpo_core.rollout.multiturn import _render_tool_turn, renders_tools, tool_prompt_ids   # training's own renderings
+from grpo_core.rollout.sampling import PromptFormat, chat_template_of
 from grpo_core.task import Task
-from grpo_core.tools import FALLBACK_INSTRUCTIONS, Tool, ToolResult, parse_tool_calls
+from grpo_core.rollout.tools import FALLBACK_INSTRUCTIONS, Tool, ToolResult, parse_tool_calls
 
 ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors", "adapter_model.bin")
 
@@ -166,7 +166,7 @@ def with_default_turns(chat_template: str, turns: list[dict], variables: dict | 
 
 def with_tool_turns(chat_template: str) -> str:
     """`chat_template` for a model trained with tools that it cannot render itself (SmolLM2's): a preamble rewrites
-    the conversation into the turns training wrote (grpo_core.multiturn), then hands it to the template unchanged:
+    the conversation into the turns training wrote (grpo_core.rollout.multiturn), then hands it to the template unchanged:
     - a `tools=` list goes into the system message in the fallback format (`_with_system`: the caller's or the
       default system prompt, a blank line, `fallback_system_prompt`; a system message of its own where none);
     - a run of tool messages becomes one user turn of `<tool_response>` blocks joined by newlines;
@@ -241,7 +241,7 @@ def call_text(call: dict) -> str:
 
 def training_exchange(tokenizer, schemas: Sequence[dict], fmt: PromptFormat, call: dict,
                       result: str = RESULT) -> tuple[list[int], str]:
-    """How training put one exchange to the model (grpo_core.multiturn's own functions): the prompt's token ids
+    """How training put one exchange to the model (grpo_core.rollout.multiturn's own functions): the prompt's token ids
     for the question QUESTION in `fmt` (response prefix left out), and the text after them up to the model's next
     turn (its call, its end-of-turn token, the tool turn)."""
     task = Task(id="export-probe", kind="math", source="export", prompt=QUESTION, answer="")

@@ -1,7 +1,7 @@
 """Multi-turn rollouts: the model's turns alternate with tool (or environment) turns.
 
 A rollout is one conversation. The model answers; when its answer holds tool calls (`<tool_call>{...}
-</tool_call>`, parsed by grpo_core.tools), every call of the batch runs at once, the results are appended as a
+</tool_call>`, parsed by grpo_core.rollout.tools), every call of the batch runs at once, the results are appended as a
 tool turn in the chat template's own format, and the model goes on from there. It stops when it answers
 without a tool call, after `max_tool_calling_iterations` rounds of calls, or when its token budget
 (`max_completion_length`, counted over its own tokens only) runs out.
@@ -19,7 +19,7 @@ iteration resumes exactly); with `tool_calls_overlap` the other rows keep decodi
 take (faster with slow tools, but the rollouts then depend on timing). `TurnController` steers the sampler's
 loop, `KVCacheSampler._interact_batch`. Other samplers (`hf`, `vllm`) run the calls of a round together and
 re-encode each conversation for the next turn in one batched prefill, as TRL does. The tools, environments
-and their contract (TRL's) are in grpo_core.tools; the samplers in grpo_core.rollout.
+and their contract (TRL's) are in grpo_core.rollout.tools; the samplers in grpo_core.rollout.samplers.
 """
 from __future__ import annotations
 
@@ -31,9 +31,9 @@ import re
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
-from grpo_core.sampling import PromptFormat, Sample, SamplingParams, prompt_messages, prompt_text_ids, render_chat
+from grpo_core.rollout.sampling import PromptFormat, Sample, SamplingParams, prompt_messages, prompt_text_ids, render_chat
 from grpo_core.task import Task
-from grpo_core.tools import (Tool, ToolResult, check_environment, environment_tools, fallback_system_prompt,
+from grpo_core.rollout.tools import (Tool, ToolResult, check_environment, environment_tools, fallback_system_prompt,
                              parse_tool_calls, resolve_environments, resolve_tools, run_tool_calls)
 
 log = logging.getLogger(__name__)
@@ -442,7 +442,7 @@ def _turns(backend, tokenizer, prompts: list[list[int]], toolsets: list[dict[str
 def _sample(task: Task, group: int, prompt_ids: list[int], ep: Episode, reward: dict | None,
             guided: bool = False) -> Sample:
     """A rollout as a Sample; a guided one (sampled after another prompt than `prompt_ids`) is marked and carries
-    no sampler log-probs, as grpo_core.rollout.guided_rollout's."""
+    no sampler log-probs, as grpo_core.rollout.samplers.guided_rollout's."""
     extra = ep.record()
     if reward is not None:
         extra["environment_reward"] = reward

@@ -1,7 +1,7 @@
 """Sampling types: what a rollout asks for (`SamplingParams`, `PromptFormat`), what it returns
 (`Sample`), and the one-method interface every rollout backend implements (`RolloutBackend`).
 
-No torch here: the backends (`grpo_core.rollout`, `grpo_core.vllm_backend`) import these types, and
+No torch here: the backends (`grpo_core.rollout.samplers`, `grpo_core.rollout.vllm_backend`) import these types, and
 nothing here imports them back.
 """
 from __future__ import annotations

@@ -305,7 +305,7 @@ def describe_prompting(model_dir: Path, stop_strings: list[str]) -> str | None:
     if has_chat_template(model_dir):
         return None
     line = ("prompts: the model has no chat template (a base model), so questions go in a plain User/Assistant "
-            "transcript (grpo_core.sampling.TRANSCRIPT_TEMPLATE, also written into an export)")
+            "transcript (grpo_core.rollout.sampling.TRANSCRIPT_TEMPLATE, also written into an export)")
     if stop_strings:
         return f"{line}; answers end at EOS or at stop_strings {stop_strings}"
     return (f"{line}. No stop_strings are set: a base model writes on to max_completion_length; set "

@@ -3,7 +3,7 @@ stream, saved together so that a resumed run continues exactly where it stopped.
 
 Layout of one checkpoint directory (written whole into a temp dir, then renamed into place):
     checkpoint/          the policy's `save_pretrained` output (LoRA adapter or full model)
-    trainer_state.pt     optimizer, scheduler (grpo_core.update.Schedule: the learning-rate schedule and the
+    trainer_state.pt     optimizer, scheduler (grpo_core.update.step.Schedule: the learning-rate schedule and the
                          adaptive entropy coefficient with the entropy it last measured), RNG states, global step
 """
 from __future__ import annotations

@@ -1,0 +1,1 @@
+"""Update: the GRPO loss, log-probs, the optimizer step, the warm start, dynamic sampling, trainer checkpoints."""

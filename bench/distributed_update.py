@@ -34,7 +34,7 @@ import torch  # noqa: E402
 from safetensors.torch import load_file  # noqa: E402
 
 from grpo_core.config import GRPOConfig  # noqa: E402
-from grpo_core.io import write_jsonl  # noqa: E402
+from grpo_core.io import read_jsonl, write_jsonl  # noqa: E402
 from grpo_core.parallel import DataParallel  # noqa: E402
 from tasks import distributed  # noqa: E402
 from tasks.update import train_on_batch  # noqa: E402
@@ -78,7 +78,8 @@ def main() -> None:
     rows = []
     for r in range(args.rounds):
         kwargs = lambda name: dict(config=config, run_dir=str(tmp / f"{name}-{r}"), iteration=1,  # noqa: E731
-                                   samples=batch[0], scores=batch[1], checkpoint=None, state=None)
+                                   samples=list(read_jsonl(batch[0])), scores=list(read_jsonl(batch[1])),
+                                   checkpoint=None, state=None)
         one = train_on_batch(DataParallel(), **kwargs("one"))
         t0 = time.perf_counter()
         many = distributed.run_on_processes(train_on_batch, kwargs("many"), args.processes, "cpu", tmp / f"launch-{r}")

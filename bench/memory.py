@@ -174,7 +174,7 @@ def one_step(layers: int, args, device, dtype) -> dict:
     optimizer = make_optimizer(policy, cfg)
     scheduler = make_scheduler(optimizer, cfg)
     t_update = time.perf_counter()
-    steps, _ = grpo_update(policy, optimizer, scheduler, samples, cfg, seed=0)
+    steps, _, _ = grpo_update(policy, optimizer, scheduler, samples, cfg, seed=0)
     out["update_seconds"] = time.perf_counter() - t_update
     out["phases"]["update"] = peak_memory_gib(device)
     out["peak_gib"] = peak_memory_gib(device)

@@ -47,8 +47,7 @@ def iteration(config: dict, run_dir: Path, k: int, ckpt: str | None, state: str 
     curated = curate.fn(config, str(run_dir), k)
     rolled_out = rollout.fn(config, str(run_dir), k, curated["prompts"], ckpt)
     scored = score.fn(config, str(run_dir), k, curated["prompts"], rolled_out["samples"])
-    updated = update.fn(config, str(run_dir), k, rolled_out["samples"], scored["scores"], ckpt, state,
-                        scored["metrics"], rolled_out["seconds"], rolled_out["tokens_per_second"])
+    updated = update.fn(config, str(run_dir), k, rolled_out["samples"], scored["scores"], ckpt, state)
     if evaluate_too:
         evaluate.fn(config, str(run_dir), k, updated["checkpoint"])
     return updated["checkpoint"], updated["state"]

@@ -86,7 +86,7 @@ class Ours:
                                  cfg.reward_funcs, cfg.reward_weights).totals
         scored = [ScoredSample(group=s.group, prompt_ids=s.prompt_ids, completion_ids=s.completion_ids,
                                reward=r, truncated=s.truncated) for s, r in zip(samples, totals)]
-        steps, _ = grpo_update(pol, self.opt, self.sched, scored, cfg, seed=k)
+        steps, _, _ = grpo_update(pol, self.opt, self.sched, scored, cfg, seed=k)
         t2 = time.perf_counter()
         tokens = sum(len(s.completion_ids) for s in samples)
         return {"seconds": t2 - t0, "generate_s": t1 - t0, "update_s": t2 - t1, "tokens": tokens,
@@ -179,7 +179,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     ap.add_argument("--bf16", action="store_true", help="bf16 weights for both (reported separately)")
     ap.add_argument("--threads", type=int, default=0, help="torch CPU threads for both (0: torch default)")
-    ap.add_argument("--backend", default="static", choices=["hf", "static", "vllm"], help="our rollout backend")
+    ap.add_argument("--backend", default="auto", choices=["auto", "fused", "torch", "vllm", "static"],
+                    help="our rollout_backend (static: the old name of auto)")
     ap.add_argument("--trl", action="store_true", help="also run TRL GRPOTrainer on the identical workload, "
                                                        "interleaved step by step with ours")
     ap.add_argument("--json", help="write the figures here as JSON")

@@ -548,12 +548,16 @@ class GRPOConfig(_Section):
                                           "e.g. ['</answer>']; `grpo export` writes them into generation_config.json")
     generation_kwargs: dict[str, Any] | None = Field(
         None, description="more generation options (TRL): top_p, top_k, min_p, repetition_penalty (these override "
-                          "the fields) with any rollout_backend; with hf also any transformers GenerationConfig "
-                          "field, with vllm any vLLM SamplingParams field. Checked when the config loads")
+                          "the fields) with any rollout_backend; with vllm also any vLLM SamplingParams field (the other "
+                          "engines take no others). Checked when the config loads: a key the engine does not map is "
+                          "refused by name")
     generation_batch_size: int = Field(64, ge=1, description="sequences generated at once")
-    rollout_backend: Literal["static", "hf", "vllm"] = Field(
-        "static", description="sampler: 'static' (own static KV-cache loop), 'hf' (transformers "
-                              "generate), 'vllm' (GPU, needs the vllm extra)")
+    rollout_backend: Literal["auto", "fused", "torch", "vllm"] = Field(
+        "auto", description="sampling engine (docs/architecture.md, 'Sampling engines'): 'auto' (the fused engine "
+                            "where it applies: a Llama-family model on the CPU; else torch), 'fused' (CPU), 'torch' "
+                            "(our KV-cache loop on the lean or the model's own forward: CUDA, any architecture), "
+                            "'vllm' (GPU, needs the vllm extra). 'static' is the old name of auto; 'hf' was removed "
+                            "(use torch)")
     vllm_gpu_memory_utilization: float = Field(0.3, gt=0, le=1, description="rollout_backend vllm: the share of "
                                                "GPU memory the colocated engine takes (weights and KV cache); "
                                                "the rest is the update's")
@@ -564,6 +568,17 @@ class GRPOConfig(_Section):
         None, description="rollout_backend vllm: every completion is constrained to match this regular expression "
                           "(vLLM structured outputs, as TRL; same as generation_kwargs structured_outputs: "
                           "{regex: ...}). The engine's grammar backend takes a subset of Python's syntax")
+
+    @field_validator("rollout_backend", mode="before")
+    @classmethod
+    def _rollout_engine(cls, value):
+        from grpo_core.rollout.engines import ALIASES, CHOICES, REMOVED
+        if value in REMOVED:
+            raise ValueError(REMOVED[value])
+        value = ALIASES.get(value, value)
+        if value not in CHOICES:
+            raise ValueError(f"rollout_backend {value!r}: use one of {', '.join(CHOICES)}")
+        return value
 
     @model_validator(mode="after")
     def _generation_kwargs_apply(self):
@@ -603,11 +618,12 @@ class GRPOConfig(_Section):
                           "is the unbiased reverse-KL gradient, which changes it even on-policy; false: plain k3")
     epsilon: float = Field(0.2, gt=0, lt=1, description="lower clip range of the ratio")
     epsilon_high: float | None = Field(None, gt=0, description="upper clip range (DAPO clip-higher); default: epsilon")
-    loss_type: Literal["grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "vespo"] = Field(
+    loss_type: str = Field(
         "grpo", description="per-token loss and its reduction: grpo/bnpo/dr_grpo/dapo (clipped surrogate), cispo "
                             "(clipped IS weight, REINFORCE-style), sapo (soft gate), luspo (clipped surrogate, "
                             "each sequence's token sum: use importance_sampling_level: sequence, as the paper), "
-                            "vespo (a smooth gamma weight of the sequence's IS weight); see grpo_core.update.loss")
+                            "vespo (a smooth gamma weight of the sequence's IS weight); the names of "
+                            "grpo_core.update.loss.LOSS_TYPES")
     scale_rewards: Literal["group", "batch", "none"] = "group"
     num_iterations: int = Field(1, ge=1, description="mu: updates per rollout batch (old log-probs stored when > 1)")
     mask_truncated_completions: bool = Field(False, description="truncated completions get no loss (TRL)")
@@ -664,6 +680,16 @@ class GRPOConfig(_Section):
     reference: Literal["base", "init"] = Field(
         "init", description="KL reference when the run starts from init_adapter: that adapter, frozen (init), "
                             "or the base model (base); without init_adapter both are the base")
+
+    @field_validator("loss_type")
+    @classmethod
+    def _known_loss_type(cls, name: str) -> str:
+        from grpo_core.update.loss import LOSS_TYPES
+        if name not in LOSS_TYPES:
+            known = [repr(n) for n in LOSS_TYPES]
+            raise ValueError(f"must be {', '.join(known[:-1])} or {known[-1]}, got {name!r} (the loss types of "
+                             f"grpo_core.update.loss.LOSS_TYPES)")
+        return name
 
     @model_validator(mode="after")
     def _variant_combinations(self):

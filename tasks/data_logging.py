@@ -10,7 +10,7 @@ from pathlib import Path
 
 from grpo_core.config import GRPOConfig
 from grpo_core.io import atomic_write_text
-from tasks import tracking
+from tasks import registry, tracking
 
 CONSTANT_COUNTS = ("num_prompts", "pool", "new_questions", "gate_excluded")   # the same at every iteration of a run
 QUESTIONS_FILE = "questions.txt"    # <run_dir>/data/: the training pool's content hashes, also a run artifact
@@ -121,8 +121,8 @@ def fetch_parent_questions(cfg: GRPOConfig, run_dir: str | Path, init_adapter_ur
     if dst.is_file() or not init_adapter_uri or not init_adapter_uri.startswith(("runs:/", "models:/")):
         return dst if dst.is_file() else None
     try:
-        parent_run = tracking.runs_uri(init_adapter_uri)[0] if init_adapter_uri.startswith("runs:/") \
-            else tracking.model_version(tracking.client(cfg), init_adapter_uri).run_id
+        parent_run = registry.runs_uri(init_adapter_uri)[0] if init_adapter_uri.startswith("runs:/") \
+            else registry.model_version(tracking.client(cfg), init_adapter_uri).run_id
         with tempfile.TemporaryDirectory() as tmp:
             got = tracking.download_artifacts(cfg, parent_run, f"data/{QUESTIONS_FILE}", tmp)
             return atomic_write_text(dst, got.read_text())

@@ -26,7 +26,7 @@ from grpo_core.io import atomic_write_text, grpo_home, read_json, write_json, wr
 from grpo_core.task import Task, read_tasks, write_tasks
 from grpo_core.evaluation.task_identity import (parse_signature_tag, registered_model_name, signature_differences,
                                      signature_tag, task_signature)
-from tasks import tracking
+from tasks import registry, tracking
 from tasks.splits import curated_cache, ensure_eval_split, held_out_preview
 from tasks.layout import gate_set_path
 from tasks.run_state import read_run_state, suspect_reasons, update_run_state
@@ -100,7 +100,7 @@ def store_gate_set(cfg: GRPOConfig, run_id: str, tasks_file: str | Path, signatu
     atomic_write_text(local, Path(tasks_file).read_text())
     tracking.log_artifact(cfg, run_id, local, "gate")
     c = tracking.client(cfg)
-    tracking.ensure_registered_model(c, name, tracking.REGISTERED_MODEL_DESCRIPTION)
+    registry.ensure_registered_model(c, name, registry.REGISTERED_MODEL_DESCRIPTION)
     questions = sum(1 for line in local.read_text().splitlines() if line.strip())
     record = {"uri": f"runs:/{run_id}/gate/{local.name}", "hash": digest, "questions": str(questions)}
     tags = {GATE_URI_TAG: record["uri"], GATE_HASH_TAG: digest, GATE_SIZE_TAG: record["questions"],
@@ -115,7 +115,7 @@ def fetch_gate_set(cfg: GRPOConfig, gate_set: dict) -> Path:
     name = registered_model_name(cfg)
     local = _home_copy(name, gate_set["hash"])
     if not local.is_file() or content_hash(local) != gate_set["hash"]:
-        run_id, path = tracking.runs_uri(gate_set["uri"])
+        run_id, path = registry.runs_uri(gate_set["uri"])
         with tempfile.TemporaryDirectory() as tmp:
             got = tracking.download_artifacts(cfg, run_id, path, tmp)
             atomic_write_text(local, got.read_text())
@@ -197,7 +197,7 @@ def init_gate_set(cfg: GRPOConfig) -> dict:
 def _champion(c, name: str):
     from mlflow.exceptions import MlflowException
     try:
-        return c.get_model_version_by_alias(name, tracking.CHAMPION)
+        return c.get_model_version_by_alias(name, registry.CHAMPION)
     except MlflowException:
         return None
 
@@ -254,7 +254,7 @@ def compare_with_champion(cfg: GRPOConfig, run_dir: Path, run_id: str, checkpoin
     if (why := _not_compared(cfg, run_dir, champion)):
         return forced(stats.GateDecision(False, reason=f"not compared: {why}"))
     out = run_dir / "gate"
-    champion_dir = tracking.download_adapter(f"models:/{name}/{champion.version}", out / "champion",
+    champion_dir = registry.download_adapter(f"models:/{name}/{champion.version}", out / "champion",
                                              tracking.tracking_uri(cfg))
     tasks = read_tasks(gate_set_path(run_dir))
     new = _scores_on_gate(cfg, tasks, checkpoint, out / "new_rows.jsonl")
@@ -321,7 +321,7 @@ def register_with_gate(cfg: GRPOConfig, run_dir: Path, run_id: str, iteration: i
         compared_on = gate_set_path(run_dir)
         tags.update(gate_tags(d, content_hash(compared_on) if compared_on.is_file() else None))
     promote = d.promote if d is not None else (False if suspect else None)
-    registered = tracking.register_adapter(cfg, run_id, iteration, metrics, promote, tags)
+    registered = registry.register_adapter(cfg, run_id, iteration, metrics, promote, tags)
     if d is not None:
         line = stats.summary_line(d, cfg.tracking.best_metric, cfg.gate.confidence, registered["version"])
         tracking.set_tags(cfg, run_id, {**gate_tags(d, None), "gate_summary": line})

@@ -1,5 +1,7 @@
 """rollout: sample a group of num_generations completions per prompt from the current policy, on one process or
-several (stages.rollout.num_processes, tasks/distributed.py: each samples its share of the prompts)."""
+several (stages.rollout.num_processes, tasks/distributed.py: each samples its share of the prompts). The stage
+logs its throughput (sys/rollout_seconds, sys/rollout_tokens_per_second) to the run's MLflow run, at the step of
+the iteration's first update step (tasks/tracking.py: log_iteration_metrics)."""
 from __future__ import annotations
 
 import contextlib
@@ -13,7 +15,7 @@ from grpo_core.rollout.sampling import SamplingParams, sampling_options
 from grpo_core.rewards.scoring import GroupScorer, early_scores_path, scores_during_rollout, write_early_scores
 from grpo_core.task import read_tasks
 from grpo_core.parallel import DataParallel, interleave
-from tasks import distributed
+from tasks import distributed, tracking
 from tasks.layout import cfg_of, iter_dir
 from tasks.stage import stage
 
@@ -27,7 +29,7 @@ def sample_share(data_parallel: DataParallel, config: dict, run_dir: str, iterat
     tasks = data_parallel.shard(read_tasks(prompts))
     policy = load_policy(cfg, checkpoint, need_reference=False)
     first = data_parallel.rank == 0
-    backend = make_backend(cfg, policy, progress=first)       # cfg.rollout_backend: static (default) | hf | vllm
+    backend = make_backend(cfg, policy, progress=first)       # cfg.rollout_backend: auto (default) | fused | torch | vllm
     params = SamplingParams(max_new_tokens=cfg.max_completion_length, temperature=cfg.temperature,
                             **sampling_options(cfg),          # top_p, top_k, min_p, ... and generation_kwargs
                             seed=data_parallel.shard_seed(cfg.seed * 7919 + iteration),
@@ -70,6 +72,9 @@ def sample_share(data_parallel: DataParallel, config: dict, run_dir: str, iterat
                                                                 "checkpoint": checkpoint})
 def rollout(config: dict, run_dir: str, iteration: int, prompts: str, checkpoint: str | None) -> dict:
     cfg = cfg_of(config)
-    return distributed.run_on_processes(
+    record = distributed.run_on_processes(
         sample_share, dict(config=config, run_dir=run_dir, iteration=iteration, prompts=prompts, checkpoint=checkpoint),
         cfg.stages.rollout.num_processes, cfg.device, iter_dir(run_dir, iteration) / "rollout.processes", "rollout")
+    tracking.log_iteration_metrics(cfg, run_dir, iteration, {                 # once, by the first process's record
+        "sys/rollout_tokens_per_second": record["tokens_per_second"], "sys/rollout_seconds": record["seconds"]})
+    return record

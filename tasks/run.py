@@ -12,7 +12,7 @@ from grpo_core.update.checkpoint import STATE_FILE
 from grpo_core.config import ConfigError, GRPOConfig, flatten
 from grpo_core.io import read_json, write_jsonl
 from grpo_core.model.loading import check_adapter, resolve_model
-from tasks import gate, tracking
+from tasks import gate, registry, tracking
 from tasks.data_logging import curation_metrics, dataset_hash  # noqa: F401 - dataset_hash: the flow's tag
 from tasks.layout import semantic_config
 from tasks.run_state import mlflow_run_id, update_run_state
@@ -47,11 +47,11 @@ def init_checkpoint(cfg: GRPOConfig, run_dir: Path, run_id: str) -> str | None:
         return state["init_adapter_path"]
     uri = cfg.init_adapter
     if uri == "previous":
-        uri = tracking.previous_best_adapter(cfg, exclude_run_id=run_id)
+        uri = registry.previous_best_adapter(cfg, exclude_run_id=run_id)
         if uri is None:
             update_run_state(run_dir, init_adapter_uri=None)
             return None        # first run of a schedule: start from the base model
-    local = tracking.download_adapter(uri, run_dir / ".init_adapter_download", tracking.tracking_uri(cfg))
+    local = registry.download_adapter(uri, run_dir / ".init_adapter_download", tracking.tracking_uri(cfg))
     try:
         check_adapter(local, resolve_model(cfg.model), f"init_adapter ({uri})")   # made for this base model?
     except ValueError:
@@ -63,7 +63,7 @@ def init_checkpoint(cfg: GRPOConfig, run_dir: Path, run_id: str) -> str | None:
             shutil.rmtree(dst)
         shutil.copytree(local, dst)
         shutil.rmtree(run_dir / ".init_adapter_download", ignore_errors=True)
-    parent = tracking.parent_version(cfg, uri)
+    parent = registry.parent_version(cfg, uri)
     update_run_state(run_dir, init_adapter_uri=uri, init_adapter_path=str(dst), parent_version=parent)
     tracking.set_tags(cfg, run_id, {"init_adapter": uri, **({"parent_version": parent} if parent else {})})
     return str(dst)

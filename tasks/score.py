@@ -9,13 +9,17 @@ Where the score stage runs where the rollout does (`stages.score.during_rollout`
 scores each group on a helper thread as soon as it is sampled and leaves the result beside its samples
 (grpo_core/rewards/scoring.py: GroupScorer, `early_scores.json`, keyed by the samples' content and the reward settings);
 this stage then only checks and adopts it. Anything else (no such file, another key, a failed helper, a reward
-function's source file edited since) and it scores every sample."""
+function's source file edited since) and it scores every sample.
+
+The stage logs its metrics to the run's MLflow run itself, at the step of the iteration's first update step
+(tasks/tracking.py: log_iteration_metrics), as the rollout logs its throughput."""
 from __future__ import annotations
 
 from grpo_core.io import read_jsonl, write_jsonl
 from grpo_core.rollout.multiturn import tool_metrics
 from grpo_core.rewards.scoring import read_early_scores, score_metrics, score_rows, wording_metrics
 from grpo_core.task import read_tasks
+from tasks import tracking
 from tasks.layout import cfg_of, iter_dir
 from tasks.stage import stage
 
@@ -33,6 +37,6 @@ def score(config: dict, run_dir: str, iteration: int, prompts: str, samples: str
     out = write_jsonl(iter_dir(run_dir, iteration) / "scores.jsonl", scored)
     fmt = cfg.data.prompt_format_at(iteration)
     wordings = {i: fmt.for_task(t).wording for i, t in tasks.items() if t.kind == "math"} if fmt.varies else {}
-    return {"scores": str(out), "metrics": {**score_metrics(scored, seconds), **tool_metrics(rows),
-                                            **wording_metrics(scored, wordings)},
-            "scored_during_rollout": early is not None}
+    metrics = {**score_metrics(scored, seconds), **tool_metrics(rows), **wording_metrics(scored, wordings)}
+    tracking.log_iteration_metrics(cfg, run_dir, iteration, metrics)         # at the iteration's first update step
+    return {"scores": str(out), "metrics": metrics, "scored_during_rollout": early is not None}

@@ -54,14 +54,14 @@ def test_resumed_run_continues_like_the_uninterrupted_one(grpo_home, tmp_path):
     assert sorted(p.name for p in out.iterdir()) == sorted([ADAPTER_DIR, STATE_FILE])
     # the run that keeps going: its random draws, then its next step
     draws = random_draws()
-    next_metrics, _ = grpo_update(policy, optimizer, scheduler, samples(1), cfg, seed=1)
+    next_metrics, _, _ = grpo_update(policy, optimizer, scheduler, samples(1), cfg, seed=1)
     kept_going = [p.detach().clone() for p in policy.trainable_parameters()]
 
     random_draws()                                           # move every stream on before resuming
     cfg, policy, optimizer, scheduler = tiny_run(out / ADAPTER_DIR)
     assert load_trainer_state(out / STATE_FILE, optimizer, scheduler) == 1
     assert random_draws() == draws
-    resumed_metrics, _ = grpo_update(policy, optimizer, scheduler, samples(1), cfg, seed=1)
+    resumed_metrics, _, _ = grpo_update(policy, optimizer, scheduler, samples(1), cfg, seed=1)
     assert resumed_metrics[0]["learning_rate"] == next_metrics[0]["learning_rate"]
     assert resumed_metrics[0]["loss"] == next_metrics[0]["loss"]
     for a, b in zip(kept_going, policy.trainable_parameters()):
@@ -78,7 +78,7 @@ def test_adaptive_entropy_coefficient_survives_a_resume(grpo_home, tmp_path):
     out = save_checkpoint(policy, optimizer, scheduler, global_step=2, out=tmp_path / "update")
     saved = torch.load(out / STATE_FILE, weights_only=False)["scheduler"]["entropy"]
     assert saved["coef"] == pytest.approx(0.02) and saved["last_entropy"] < 100.0
-    next_metrics, _ = grpo_update(policy, optimizer, scheduler, samples(2), cfg, seed=2)
+    next_metrics, _, _ = grpo_update(policy, optimizer, scheduler, samples(2), cfg, seed=2)
     assert next_metrics[0]["entropy_coef_applied"] == pytest.approx(0.02)
     assert next_metrics[0]["entropy_coef"] == pytest.approx(0.03)
 
@@ -86,7 +86,7 @@ def test_adaptive_entropy_coefficient_survives_a_resume(grpo_home, tmp_path):
     assert scheduler.entropy.coef == 0.0                      # a fresh schedule starts from entropy_coef
     load_trainer_state(out / STATE_FILE, optimizer, scheduler)
     assert scheduler.entropy.state_dict() == saved
-    resumed_metrics, _ = grpo_update(policy, optimizer, scheduler, samples(2), cfg, seed=2)
+    resumed_metrics, _, _ = grpo_update(policy, optimizer, scheduler, samples(2), cfg, seed=2)
     for key in ("entropy_coef_applied", "entropy_coef", "loss"):
         assert resumed_metrics[0][key] == next_metrics[0][key], key
 

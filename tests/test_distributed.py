@@ -23,7 +23,7 @@ from grpo_core.data import arithmetic
 from grpo_core.evaluation.evaluate import MODES, merge_rows
 from grpo_core.task import Task, read_tasks, write_tasks
 from grpo_core.parallel import DataParallel, interleave
-from grpo_core.update.step import (MICRO_BATCH_NORMALISER, ScoredSample, shard_loss_weight, shard_rows,
+from grpo_core.update.step import (ScoredSample, shard_loss_weight, shard_rows,
                                    shard_token_weight)
 from tasks import distributed, tracking
 from tasks.layout import cfg_of
@@ -80,8 +80,8 @@ def case_config(tmp: Path, loss_type: str, level: str, **overrides) -> dict:
 
 
 def case_kwargs(tmp: Path, batch: tuple[str, str], loss_type: str, level: str, run_dir: Path) -> dict:
-    return dict(config=case_config(tmp, loss_type, level), run_dir=str(run_dir), iteration=1, samples=batch[0],
-                scores=batch[1], checkpoint=None, state=None)
+    return dict(config=case_config(tmp, loss_type, level), run_dir=str(run_dir), iteration=1,
+                samples=list(read_jsonl(batch[0])), scores=list(read_jsonl(batch[1])), checkpoint=None, state=None)
 
 
 def max_weight_difference(a: str, b: str) -> float:
@@ -179,7 +179,7 @@ def test_the_update_stage_starts_its_processes_with_accelerate(batch_env, one_pr
     run_dir = tmp / "runs" / "staged"
     run_id = tracking.start_or_resume_run(cfg_of(config), run_dir, None)
     t0 = time.perf_counter()
-    record = update.fn(config, str(run_dir), 1, batch[0], batch[1], None, None, {}, 0.0, 0.0)
+    record = update.fn(config, str(run_dir), 1, batch[0], batch[1], None, None)
     print(f"update stage on {N} processes: {time.perf_counter() - t0:.1f} s")
     assert record["num_processes"] == N and record["global_step"] == 2
     out_dir = str(Path(record["checkpoint"]).parent)
@@ -202,8 +202,8 @@ def test_adaptive_entropy_is_measured_over_every_process(batch_env):
     config = case_config(tmp, "grpo", "token", use_adaptive_entropy=True, entropy_coef=0.01, entropy_target=50.0)
 
     def kwargs(name: str) -> dict:
-        return dict(config=config, run_dir=str(tmp / name), iteration=1, samples=batch[0], scores=batch[1],
-                    checkpoint=None, state=None)
+        return dict(config=config, run_dir=str(tmp / name), iteration=1, samples=list(read_jsonl(batch[0])),
+                    scores=list(read_jsonl(batch[1])), checkpoint=None, state=None)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)                      # as each launched process
     try:
@@ -356,7 +356,7 @@ def test_a_launch_joins_its_gloo_threads_before_the_interpreter_exits(tmp_path):
 
 @pytest.mark.parametrize("loss_type", LOSS_TYPES)
 def test_every_loss_type_has_a_data_parallel_normaliser(loss_type):
-    assert loss_type in MICRO_BATCH_NORMALISER
+    assert LOSS_TYPES[loss_type].reduction.normaliser in ("sequences", "tokens", None)
 
 
 def test_groups_are_dealt_round_robin_and_a_process_without_one_stands_in():

@@ -11,9 +11,10 @@ import pytest
 import torch
 
 from grpo_core.kernels import cpu_features
-from grpo_core.kernels.fused_decode import _BASES, FusedDecoder, _probe, hugepage_empty, linear_kernel
+from grpo_core.kernels.fused_decode import _BASES, FusedDecoder, _probe, linear_kernel
+from grpo_core.kernels.pages import hugepage_empty
 from grpo_core.model.loading import attach_lora
-from grpo_core.rollout.samplers import KVCacheSampler, _HFForward, left_pad
+from grpo_core.rollout.samplers import KVCacheSampler, ModelForward, left_pad
 from tests.conftest import cpu_declines, needs_cpu, skip_unless_cpu, use_kernels
 from tests.test_lean_decode import llama, qwen2, run as lean_run
 from tests.test_native import needs_compiler
@@ -70,7 +71,7 @@ def _assert_same(model, atol=1e-4, rtol=1e-5, prompts=PROMPTS, steps=8, native=F
         if native:
             assert fused.ops is not None and fused.path.endswith("native step ops")
         fused.ops = fused.ops if native else None
-        ours, theirs = run(fused, prompts, steps), run(_HFForward(model), prompts, steps)
+        ours, theirs = run(fused, prompts, steps), run(ModelForward(model), prompts, steps)
     assert len(ours) == len(theirs)
     for a, b in zip(ours, theirs):
         assert a.shape == b.shape
@@ -140,7 +141,7 @@ def test_groups_share_their_prompt_in_the_cache_at_head_dim_64(native):
         ours = _decode_shared(fused)
         if native:
             assert fused.prefix is None and fused.kv.size(2) == 4          # the copy at step 14 made rows whole
-        theirs = _decode_shared(_HFForward(model))
+        theirs = _decode_shared(ModelForward(model))
     for a, b in zip(ours, theirs):
         assert torch.allclose(a, b, atol=1e-4, rtol=1e-5), (a - b).abs().max()
 

@@ -8,7 +8,7 @@ import torch
 from transformers import AutoModelForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
 from grpo_core.kernels.lean_decode import LeanDecoder
-from grpo_core.rollout.samplers import _HFForward, left_pad
+from grpo_core.rollout.samplers import ModelForward, left_pad
 
 
 def llama(tiny_model_dir):
@@ -52,7 +52,7 @@ def test_lean_forward_equals_the_models_own_forward_on_qwen2():
     lean = LeanDecoder.of(model)
     assert lean is not None
     with torch.inference_mode():
-        ours, theirs = run(lean, prompts, 6), run(_HFForward(model), prompts, 6)
+        ours, theirs = run(lean, prompts, 6), run(ModelForward(model), prompts, 6)
     for a, b in zip(ours, theirs):
         assert a.shape == b.shape and torch.allclose(a, b, atol=1e-4)
 
@@ -66,7 +66,7 @@ def test_lean_forward_on_the_tiny_llama_with_lora(tiny_model_dir):
     lean = LeanDecoder.of(model)
     assert lean is not None
     with torch.inference_mode():
-        ours, theirs = run(lean, [[10, 11, 12, 13], [14], [15, 16]], 8), run(_HFForward(model), [[10, 11, 12, 13], [14], [15, 16]], 8)
+        ours, theirs = run(lean, [[10, 11, 12, 13], [14], [15, 16]], 8), run(ModelForward(model), [[10, 11, 12, 13], [14], [15, 16]], 8)
     for a, b in zip(ours, theirs):
         assert torch.allclose(a, b, atol=1e-4)
 

@@ -6,13 +6,14 @@ importance correction, ragged groups) by hand and against `published_objective`.
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import pytest
 import torch
 
 from grpo_core.update.logprobs import token_entropy, token_logprobs
-from grpo_core.update.loss import (LOSS_TYPES, aggregate, applied_entropy_coef, clipped_surrogate, decoupled_advantages,
-                            grpo_loss, group_advantages, high_entropy_mask, importance_ratio, kl_k3,
+from grpo_core.update.loss import (LOSS_TYPES, LossSettings, aggregate, applied_entropy_coef, clipped_surrogate,
+                            decoupled_advantages, grpo_loss, group_advantages, high_entropy_mask, importance_ratio, kl_k3,
                             next_entropy_coef, off_policy_sequence_mask, sampler_correction_weight, sapo_loss,
                             zero_std_groups)
 from published_objective import Options, Sequence, micro_batch_loss
@@ -125,8 +126,8 @@ def test_clipped_surrogate_and_kl_by_hand():
     ref = torch.log(torch.tensor([[0.25, 0.5, 0.5, 0.5], [0.5, 0.5, 0.5, 0.5]]))
     adv = torch.tensor([1., -1.])
     mask = torch.ones(2, 4)
-    loss, st = grpo_loss(logp, old, ref, adv, mask, beta=0.0, epsilon_low=0.2, epsilon_high=0.28,
-                         loss_type="bnpo", max_completion_length=4)
+    loss, st = grpo_loss(logp, old, ref, adv, mask, LossSettings(beta=0.0, epsilon_low=0.2, epsilon_high=0.28,
+                                                                 loss_type="bnpo", max_completion_length=4))
     # A=+1: -min(r, clip(r)) = -[1, 1.28, .5, 1];  A=-1: -min(-r, -clip(r)) = [1, 2, .8, 1]
     expect = (-(1 + 1.28 + .5 + 1) + (1 + 2 + .8 + 1)) / 8
     assert loss.item() == pytest.approx(expect, abs=1e-6)
@@ -138,13 +139,13 @@ def test_clipped_surrogate_and_kl_by_hand():
     k3 = math.exp(d) - d - 1
     assert kl_k3(logp, ref)[0, 0].item() == pytest.approx(k3, abs=1e-6)
     assert kl_k3(logp, ref)[1].abs().max() == 0
-    loss_b, st_b = grpo_loss(logp, old, ref, adv, mask, beta=0.1, epsilon_low=0.2, epsilon_high=0.28,
-                             loss_type="bnpo", max_completion_length=4)
+    loss_b, st_b = grpo_loss(logp, old, ref, adv, mask, LossSettings(beta=0.1, epsilon_low=0.2, epsilon_high=0.28,
+                                                                     loss_type="bnpo", max_completion_length=4))
     assert loss_b.item() == pytest.approx(expect + 0.1 * k3 / 8, abs=1e-6)
     assert st_b["kl"] == pytest.approx(k3 / 8, abs=1e-6)
     with pytest.raises(ValueError):
-        grpo_loss(logp, old, None, adv, mask, beta=0.1, epsilon_low=.2, epsilon_high=.2, loss_type="grpo",
-                  max_completion_length=4)
+        grpo_loss(logp, old, None, adv, mask, LossSettings(beta=0.1, epsilon_low=.2, epsilon_high=.2, loss_type="grpo",
+                                                           max_completion_length=4))
 
 
 # -- gradient == gradient of the published objective, written out line by line ---------------------
@@ -213,9 +214,9 @@ def test_gradient_matches_published_objective(loss_type, mu, beta, bias_kl):
     logp = token_logprobs(logits, ids)
     old = logp.detach() if mu == 1 else logp.detach() + 0.4 * torch.randn(B, L, generator=g)
     n_tokens = mask.sum().item() + 5          # dapo: the generation batch holds more than this micro-batch
-    loss, _ = grpo_loss(logp, old, ref, adv, mask, beta=beta, epsilon_low=0.2, epsilon_high=0.28,
-                        loss_type=loss_type, max_completion_length=L_max, num_tokens_in_batch=n_tokens,
-                        use_bias_correction_kl=bias_kl)
+    settings = LossSettings(beta=beta, epsilon_low=0.2, epsilon_high=0.28, loss_type=loss_type,
+                            max_completion_length=L_max, use_bias_correction_kl=bias_kl)
+    loss, _ = grpo_loss(logp, old, ref, adv, mask, settings, num_tokens_in_batch=n_tokens)
     (grad,) = torch.autograd.grad(loss, logits)
     logp2 = token_logprobs(logits, ids)
     expect = reference_objective(logp2, old, ref, adv, mask, beta, 0.2, 0.28, loss_type, L_max, n_tokens, bias_kl)
@@ -234,8 +235,8 @@ def test_beta0_ratio1_is_advantage_weighted_logprob_gradient():
     mask = torch.tensor([[1, 1, 1, 1, 1], [1, 1, 0, 0, 0], [1, 1, 1, 0, 0], [1, 0, 0, 0, 0]]).float()
     adv = torch.tensor([1.5, -0.5, 0.2, -1.2])
     logp = token_logprobs(logits, ids)
-    loss, _ = grpo_loss(logp, logp.detach(), None, adv, mask, beta=0.0, epsilon_low=.2, epsilon_high=.2,
-                        loss_type="grpo", max_completion_length=5)
+    loss, _ = grpo_loss(logp, logp.detach(), None, adv, mask, LossSettings(beta=0.0, epsilon_low=.2, epsilon_high=.2,
+                                                                           loss_type="grpo", max_completion_length=5))
     (grad,) = torch.autograd.grad(loss, logits)
     logp = token_logprobs(logits, ids)
     pg = -(adv[:, None] * logp * mask / mask.sum(-1, keepdim=True)).sum() / 4        # REINFORCE with baseline
@@ -264,12 +265,13 @@ def test_micro_batch_shares_add_up_to_the_step_loss(loss_type):
     adv = torch.randn(B, generator=g)
     ref = token_logprobs(torch.randn(B, L, 11, generator=g), ids)
     old = token_logprobs(logits, ids).detach() + 0.4 * torch.randn(B, L, generator=g)   # both clip sides
-    kw = dict(beta=0.04, epsilon_low=0.2, epsilon_high=0.28, loss_type=loss_type, max_completion_length=L_max)
+    settings = LossSettings(beta=0.04, epsilon_low=0.2, epsilon_high=0.28, loss_type=loss_type,
+                            max_completion_length=L_max)
     step_tokens = mask.sum().item()
 
     def loss_of(rows, **extra):
         logp = token_logprobs(logits, ids)
-        return grpo_loss(logp[rows], old[rows], ref[rows], adv[rows], mask[rows], **kw, **extra)[0]
+        return grpo_loss(logp[rows], old[rows], ref[rows], adv[rows], mask[rows], settings, **extra)[0]
 
     halves = [slice(0, 3), slice(3, 6)]
     shares = [loss_of(rows, num_micro_batches=2, num_tokens_in_batch=step_tokens) for rows in halves]
@@ -340,8 +342,8 @@ def test_cispo_by_hand():
     old = torch.log(torch.tensor([[0.5, 0.05, 0.25]]))                # ratios 1, 10, 2
     adv = torch.tensor([2.0])
     mask = torch.ones(1, 3)
-    loss, st = grpo_loss(logp, old, None, adv, mask, beta=0.0, epsilon_low=0.2, epsilon_high=5.0,
-                         loss_type="cispo", max_completion_length=3)
+    loss, st = grpo_loss(logp, old, None, adv, mask, LossSettings(beta=0.0, epsilon_low=0.2, epsilon_high=5.0,
+                                                                  loss_type="cispo", max_completion_length=3))
     weights = torch.tensor([1.0, 5.0, 2.0])                           # min(rho, 5)
     assert loss.item() == pytest.approx(-(weights * 2.0 * logp.detach()[0]).sum().item() / 3, rel=1e-6)
     (grad,) = torch.autograd.grad(loss, logp)
@@ -440,20 +442,22 @@ def test_entropy_bonus_is_the_mean_token_entropy_whatever_the_loss_type(loss_typ
     ids = torch.randint(0, 7, (3, 4), generator=g)
     mask = torch.tensor([[1., 1., 1., 0.], [1., 0., 0., 0.], [1., 1., 1., 1.]])
     adv = torch.tensor([0.5, -1.0, 2.0])
-    kw = dict(beta=0.0, epsilon_low=0.2, epsilon_high=0.2, loss_type=loss_type, max_completion_length=4,
-              num_micro_batches=2, num_tokens_in_batch=20.0)
+    settings = LossSettings(beta=0.0, epsilon_low=0.2, epsilon_high=0.2, loss_type=loss_type, max_completion_length=4)
+    kw = dict(num_micro_batches=2, num_tokens_in_batch=20.0)
     logp = token_logprobs(logits, ids)
     entropy = token_entropy(logits)
     for q in (1.0, 0.5):
-        plain, _ = grpo_loss(logp, logp.detach(), None, adv, mask, **kw, entropy=entropy, top_entropy_quantile=q)
-        bonus, _ = grpo_loss(logp, logp.detach(), None, adv, mask, **kw, entropy=entropy, top_entropy_quantile=q,
-                             entropy_coef=0.1)
+        plain, _ = grpo_loss(logp, logp.detach(), None, adv, mask, replace(settings, top_entropy_quantile=q), **kw,
+                             entropy=entropy)
+        bonus, _ = grpo_loss(logp, logp.detach(), None, adv, mask,
+                             replace(settings, top_entropy_quantile=q, entropy_coef=0.1), **kw, entropy=entropy)
         values = sorted(entropy[mask.bool()].tolist())              # 8 tokens
         kept = values if q == 1.0 else [h for h in values if h >= (values[3] + values[4]) / 2 - 1e-7]
         assert len(kept) == (8 if q == 1.0 else 4)
         assert bonus.item() == pytest.approx(plain.item() - 0.1 * sum(kept) / len(kept) / 2, rel=1e-6)
     with pytest.raises(ValueError, match="entropy"):
-        grpo_loss(logp, logp.detach(), None, adv, mask, **kw, entropy=entropy.detach(), entropy_coef=0.1)
+        grpo_loss(logp, logp.detach(), None, adv, mask, replace(settings, entropy_coef=0.1), **kw,
+                  entropy=entropy.detach())
 
 
 def test_bias_corrected_kl_gradient_on_policy_is_the_reverse_kl_gradient():
@@ -462,15 +466,16 @@ def test_bias_corrected_kl_gradient_on_policy_is_the_reverse_kl_gradient():
     sample log(pi / ref); the loss value is the same."""
     logp = torch.tensor([[-1.0]], requires_grad=True)
     ref, adv, mask = torch.tensor([[-1.5]]), torch.tensor([0.0]), torch.ones(1, 1)
-    kw = dict(beta=0.1, epsilon_low=0.2, epsilon_high=0.2, loss_type="grpo", max_completion_length=1)
+    settings = LossSettings(beta=0.1, epsilon_low=0.2, epsilon_high=0.2, loss_type="grpo", max_completion_length=1)
     k3 = math.exp(-0.5) + 0.5 - 1
     for corrected, grad_want in ((True, 0.1 * 0.5), (False, 0.1 * (1 - math.exp(-0.5)))):
-        loss, stats = grpo_loss(logp, logp.detach(), ref, adv, mask, **kw, use_bias_correction_kl=corrected)
+        loss, stats = grpo_loss(logp, logp.detach(), ref, adv, mask,
+                                replace(settings, use_bias_correction_kl=corrected))
         (grad,) = torch.autograd.grad(loss, logp)
         assert loss.item() == pytest.approx(0.1 * k3, rel=1e-6) and stats["kl"] == pytest.approx(k3, rel=1e-6)
         assert grad.item() == pytest.approx(grad_want, rel=1e-6)
     # off-policy the value is weighted too: ratio e^0.3 times k3
-    loss, stats = grpo_loss(logp, logp.detach() - 0.3, ref, adv, mask, **kw)
+    loss, stats = grpo_loss(logp, logp.detach() - 0.3, ref, adv, mask, settings)
     assert stats["kl"] == pytest.approx(math.exp(0.3) * k3, rel=1e-6)
 
 
@@ -510,8 +515,8 @@ VARIANTS = {
 }
 
 
-def loss_kwargs(o: Options) -> dict:
-    return dict(beta=o.beta, epsilon_low=o.eps_low, epsilon_high=o.eps_high, loss_type=o.loss_type,
+def loss_settings(o: Options, max_completion_length: int) -> LossSettings:
+    return LossSettings(max_completion_length=max_completion_length, beta=o.beta, epsilon_low=o.eps_low, epsilon_high=o.eps_high, loss_type=o.loss_type,
                 importance_sampling_level=o.level, delta=o.delta, sapo_temperature_pos=o.tau_pos,
                 sapo_temperature_neg=o.tau_neg, top_entropy_quantile=o.top_entropy_quantile,
                 entropy_coef=o.entropy_coef, use_bias_correction_kl=o.bias_correction_kl,
@@ -548,8 +553,8 @@ def test_variant_gradient_matches_published_objective(name):
     n_tokens = mask.sum().item() + 5
 
     logp, entropy = token_logprobs(logits, ids), token_entropy(logits)
-    loss, stats = grpo_loss(logp, old, ref, adv, mask, max_completion_length=L_max, num_tokens_in_batch=n_tokens,
-                            entropy=entropy, sampler_logp=sampler, **loss_kwargs(o))
+    loss, stats = grpo_loss(logp, old, ref, adv, mask, loss_settings(o, L_max), num_tokens_in_batch=n_tokens,
+                            entropy=entropy, sampler_logp=sampler)
     (grad,) = torch.autograd.grad(loss, logits)
     seqs = as_sequences(token_logprobs(logits, ids), old, ref, sampler, token_entropy(logits), adv, mask)
     expect = micro_batch_loss(seqs, o, max_completion_length=L_max, dapo_tokens=n_tokens)
@@ -581,9 +586,9 @@ def test_gspo_token_equals_gspo_with_sequence_advantages(loss_type):
     old = token_logprobs(logits, ids).detach() + 0.2 * torch.randn(B, L, generator=g)
     out = []
     for level in ("sequence", "sequence_token"):
-        loss, _ = grpo_loss(token_logprobs(logits, ids), old, None, adv, mask, beta=0.0, epsilon_low=0.1,
-                            epsilon_high=0.1 if loss_type != "cispo" else 1.1, loss_type=loss_type,
-                            max_completion_length=L, importance_sampling_level=level)
+        settings = LossSettings(beta=0.0, epsilon_low=0.1, epsilon_high=0.1 if loss_type != "cispo" else 1.1,
+                                loss_type=loss_type, max_completion_length=L, importance_sampling_level=level)
+        loss, _ = grpo_loss(token_logprobs(logits, ids), old, None, adv, mask, settings)
         out.append((loss.item(), torch.autograd.grad(loss, logits)[0]))
     assert out[0][0] == pytest.approx(out[1][0], rel=1e-6)
     assert torch.allclose(out[0][1], out[1][1], atol=1e-7)

@@ -14,7 +14,7 @@ import transformers
 from grpo_core.update.logprobs import completion_logprobs, logprob_path
 from grpo_core.kernels.lean_decode import LeanDecoder
 from grpo_core.model.loading import ModelError, attach_lora, resolve_lora_targets
-from grpo_core.rollout.samplers import HFGenerateSampler, KVCacheSampler
+from grpo_core.rollout.samplers import KVCacheSampler, TorchEngine
 from grpo_core.rollout.sampling import SamplingParams
 from grpo_core.update.step import ScoredSample
 from test_update import seq_logprobs
@@ -86,11 +86,11 @@ PROMPTS = [[5, 17, 33, 9, 41], [7, 60, 12]]
 
 
 @pytest.mark.parametrize("name", list(FAMILIES))
-@pytest.mark.parametrize("sampler", ["hf", "static"])
+@pytest.mark.parametrize("sampler", ["torch", "auto"])
 def test_each_sampler_logprobs_equal_the_plain_forward(name, sampler):
     model = tiny_family_model(name)
-    backend = (HFGenerateSampler if sampler == "hf" else KVCacheSampler)(model, CharTokenizer(), torch.device("cpu"),
-                                                                         batch_size=8, progress=False)
+    backend = (TorchEngine if sampler == "torch" else KVCacheSampler)(model, CharTokenizer(), torch.device("cpu"),
+                                                                      batch_size=8, progress=False)
     params = SamplingParams(max_new_tokens=6, temperature=1.0, seed=3, logprobs=True)
     groups = backend.generate(PROMPTS, 3, params)
     checked = 0
@@ -155,7 +155,7 @@ def test_streamed_turns_logprobs_equal_the_plain_forward(name, monkeypatch):
     monkeypatch.setattr(KVCacheSampler, "CHUNK", 4)
     backend = KVCacheSampler(model, CharTokenizer(), torch.device("cpu"), batch_size=8, progress=False)
     if not backend.streams_turns:                     # said once; its turns re-encode (tested in test_multiturn)
-        assert FAMILIES[name][1].get("sliding_window") and backend.path == "hf"
+        assert FAMILIES[name][1].get("sliding_window") and backend.path == "model"
         return
     turns = ScriptedTurns(len(PROMPTS) * 3)
     backend.generate(PROMPTS, 3, SamplingParams(max_new_tokens=4, temperature=1.0, seed=3, logprobs=True),
@@ -269,12 +269,13 @@ def test_the_export_of_each_family_reloads_with_plain_transformers_and_answers_a
 # -- the support table in docs/model_families.md ---------------------------------------------------------------
 
 DOC = Path(__file__).resolve().parents[1] / "docs" / "model_families.md"
-TABLE_HEAD = ("| family (config class) | sampler (`static`) | update log-probs, one row each / grouped "
+TABLE_HEAD = ("| family (config class) | sampler (`auto`: engine) | update log-probs, one row each / grouped "
               "| `auto` LoRA targets |")
 
 
 def support_rows() -> list[str]:
-    """The table's rows as the code decides them today: the path the static sampler takes, the update's
+    """The table's rows as the code decides them today: the engine `rollout_backend: auto` takes (and the torch
+    engine's forward), the update's
     log-prob path for rows on their own and for groups sharing a prompt, and what `auto` resolves to."""
     rows = []
     for name, (cls_name, _) in FAMILIES.items():
@@ -287,7 +288,8 @@ def support_rows() -> list[str]:
         alone = logprob_path(model, *batches[0], 1)
         grouped = ", ".join(sorted({logprob_path(model, *b, 3) for b in batches}))
         adapted = [n.split(".")[-2] for n, _ in model.named_modules() if n.endswith(".lora_A")]
-        rows.append(f"| {name} (`{cls_name}`) | {sampler.path.split()[0]} | {alone} / {grouped} | "
+        engine = "fused" if sampler.engine == "fused" else f"torch ({sampler.path.split()[0]} forward)"
+        rows.append(f"| {name} (`{cls_name}`) | {engine} | {alone} / {grouped} | "
                     f"{', '.join(dict.fromkeys(adapted))} |")
     return rows
 

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from grpo_core.config import GRPOConfig
-from grpo_core.update.loss import grpo_loss
+from grpo_core.update.loss import LossSettings, grpo_loss
 from grpo_core.model.loading import load_tokenizer
 from grpo_core.rollout.multiturn import Toolbox, tool_metrics, tool_turn_ids
 from grpo_core.rollout.samplers import KVCacheSampler, rollout
@@ -252,10 +252,10 @@ def test_no_gradient_reaches_a_tool_token(tiny_model_dir, loss_type, level):
     ref = logp.detach() + 0.2 * torch.randn(4, 10)
     sampler = old + 0.1 * torch.randn(4, 10)
     entropy = -(torch.softmax(logits, -1) * torch.log_softmax(logits, -1)).sum(-1)
-    loss, _ = grpo_loss(logp, old, ref, torch.tensor([1.0, -0.5, 0.7, -1.2]), mask, beta=0.1, epsilon_low=0.2,
-                        epsilon_high=0.28, loss_type=loss_type, max_completion_length=10, num_tokens_in_batch=20.0,
-                        importance_sampling_level=level, entropy=entropy, entropy_coef=0.01,
-                        sampler_logp=sampler, sampler_correction="token_truncate")
+    settings = LossSettings(beta=0.1, epsilon_low=0.2, epsilon_high=0.28, loss_type=loss_type, max_completion_length=10,
+                            importance_sampling_level=level, entropy_coef=0.01, sampler_correction="token_truncate")
+    loss, _ = grpo_loss(logp, old, ref, torch.tensor([1.0, -0.5, 0.7, -1.2]), mask, settings, num_tokens_in_batch=20.0,
+                        entropy=entropy, sampler_logp=sampler)
     loss.backward()
     per_token = logits.grad.abs().sum(-1)                                     # [4, 10]
     assert torch.all(per_token[mask == 0] == 0), per_token
@@ -287,7 +287,7 @@ def test_a_rollout_with_nothing_to_call_is_the_one_turn_path_bit_for_bit(grpo_ho
                                s.sampler_logprobs, s.completion_mask) for i, s in enumerate(samples)]
         torch.manual_seed(0)
         opt = make_optimizer(policy, cfg)
-        metrics, batch = grpo_update(policy, opt, make_scheduler(opt, cfg), scored, cfg, seed=1)
+        metrics, batch, _ = grpo_update(policy, opt, make_scheduler(opt, cfg), scored, cfg, seed=1)
         results.append((samples, metrics, batch, [p.detach().clone() for p in policy.trainable_parameters()]))
     (a, ma, ba, pa), (b, mb, bb, pb) = results
     assert [s.completion_ids for s in a] == [s.completion_ids for s in b]
@@ -454,7 +454,7 @@ def plain_logprobs(model, sample) -> list[float]:
 
 
 @pytest.mark.parametrize("path, tasks, n, chunk", [("fused", 2, 4, 256), ("fused", 1, 1, 256), ("lean", 2, 4, 3),
-                                                   ("hf", 2, 4, 3)])
+                                                   ("model", 2, 4, 3)])
 def test_streamed_turns_continue_each_rows_cache_with_the_plain_forwards_log_probs(grpo_home, monkeypatch, path,
                                                                                    tasks, n, chunk):
     """Every model token of a streamed multi-turn rollout was drawn from the distribution the model's plain
@@ -464,15 +464,16 @@ def test_streamed_turns_continue_each_rows_cache_with_the_plain_forwards_log_pro
     from grpo_core.kernels.fused_decode import FusedDecoder
     from grpo_core.kernels.lean_decode import LeanDecoder
     from grpo_core.model.policy import load_policy
-    from grpo_core.rollout.samplers import _HFForward
+    from grpo_core.rollout.samplers import ModelForward, TorchEngine
     from grpo_core.rollout.tools import tool_of
     random_model_calls(monkeypatch)
     monkeypatch.setattr(KVCacheSampler, "CHUNK", chunk)
     cfg = GRPOConfig(model="tiny-random", device="cpu", dtype="float32", lora_r=4, lora_alpha=8)
     policy = load_policy(cfg, need_reference=False)
-    kwargs = {"fused": dict(), "lean": dict(fused=False), "hf": dict(lean=False)}[path]
-    backend = KVCacheSampler(policy.model, policy.tokenizer, CPU, progress=False, **kwargs)
-    record = Recorder(monkeypatch, {"fused": FusedDecoder, "lean": LeanDecoder, "hf": _HFForward}[path])
+    backend = {"fused": lambda *a, **k: KVCacheSampler(*a, **k), "lean": lambda *a, **k: TorchEngine(*a, **k),
+               "model": lambda *a, **k: TorchEngine(*a, lean=False, **k)}[path](policy.model, policy.tokenizer, CPU,
+                                                                                  progress=False)
+    record = Recorder(monkeypatch, {"fused": FusedDecoder, "lean": LeanDecoder, "model": ModelForward}[path])
     calls = []
     box = Toolbox([tool_of(make_lookup(calls, 0.0), "test")], max_iterations=3)
     params = SamplingParams(max_new_tokens=48, seed=5, logprobs=True)

@@ -128,7 +128,7 @@ def test_sigkill_during_update_then_resume(prefect_engine, grpo_home, mlflow_uri
     from flows.train import training_run
     from grpo_core.io import read_json
     from tasks.run_state import run_status
-    from tasks.tracking import load_adapter
+    from tasks.registry import load_adapter
 
     # The tiny random model never earns accuracy/format rewards; the DAPO length penalty varies with the
     # completion length (some stop early), so groups carry signal and the update really moves the adapter.

@@ -56,11 +56,11 @@ def test_full_finetuning_has_frozen_reference_copy(grpo_home):
     opt = make_optimizer(pol, cfg)
     n_trainable = sum(p.numel() for p in pol.trainable_parameters())
     assert n_trainable == sum(p.numel() for p in pol.model.parameters())
-    metrics, _ = grpo_update(pol, opt, make_scheduler(opt, cfg), samples(), cfg, seed=0)
+    metrics, _, _ = grpo_update(pol, opt, make_scheduler(opt, cfg), samples(), cfg, seed=0)
     with pol.reference() as ref:
         assert torch.allclose(logits(ref), base)
     assert not torch.allclose(logits(pol.model), base)
-    metrics2, _ = grpo_update(pol, opt, make_scheduler(opt, cfg), samples(), cfg, seed=0)
+    metrics2, _, _ = grpo_update(pol, opt, make_scheduler(opt, cfg), samples(), cfg, seed=0)
     assert metrics2[0]["kl"] > 0                                   # the frozen copy really is the reference
 
 
@@ -103,7 +103,7 @@ def test_reference_init_is_the_starting_adapter(grpo_home, tmp_path, reference):
     cfg = cfg_of(beta=0.04, reference=reference, init_adapter=str(init))
     pol = load_policy(cfg, init, init_adapter=init)
     opt = make_optimizer(pol, cfg)
-    metrics, _ = grpo_update(pol, opt, make_scheduler(opt, cfg), samples(), cfg, seed=0)
+    metrics, _, _ = grpo_update(pol, opt, make_scheduler(opt, cfg), samples(), cfg, seed=0)
     if reference == "init":
         assert pol.reference_adapter == "reference"
         assert metrics[0]["kl"] == pytest.approx(0.0, abs=1e-7)

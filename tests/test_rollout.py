@@ -1,4 +1,5 @@
-"""Rollout backends on a real tiny model: our KV-cache sampler agrees with transformers' generate,
+"""Sampling engines on a real tiny model: our KV-cache loop (fused and torch engines) agrees with transformers'
+generate (called directly, tests/hf_reference.py),
 drops finished rows correctly, honours temperature/top-k/top-p, leaves a LoRA model unchanged, and (when
 asked) records the log-prob of each sampled token under the distribution it was drawn from."""
 from __future__ import annotations
@@ -9,9 +10,10 @@ from transformers import AutoModelForCausalLM
 
 from grpo_core.kernels.cpu_linear import use_onednn_linears
 from grpo_core.model.loading import attach_lora, load_tokenizer
-from grpo_core.rollout.samplers import HFGenerateSampler, KVCacheSampler, draw, merged_lora, sample_next
+from grpo_core.rollout.samplers import KVCacheSampler, TorchEngine, draw, merged_lora, sample_next
 from grpo_core.rollout.sampling import Completion, SamplingParams
 from tests.conftest import needs_cpu
+from tests.hf_reference import generate_reference
 
 CPU = torch.device("cpu")
 
@@ -30,13 +32,13 @@ def prompts_of(tok):
 
 
 @pytest.mark.parametrize("lean", [True, False])
-def test_static_backend_greedy_equals_hf_generate(tiny, lean):
+def test_our_engines_greedy_equal_hf_generate(tiny, lean):
     """Both forwards of our sampler (the lean Llama one and the model's own call), with each group's
     prompt prefilled once, give transformers' generate's greedy answers."""
     from grpo_core.kernels.lean_decode import LeanDecoder
     model, tok = tiny
     params = SamplingParams(max_new_tokens=12, greedy=True)
-    hf = HFGenerateSampler(model, tok, CPU, batch_size=2, progress=False).generate(prompts_of(tok), 2, params)
+    hf = generate_reference(model, tok, prompts_of(tok), 2, params, batch_size=2)
     backend = KVCacheSampler(model, tok, CPU, batch_size=4, progress=False, lean=lean)
     assert isinstance(backend.forward, LeanDecoder) == lean
     ours = backend.generate(prompts_of(tok), 2, params)
@@ -180,17 +182,23 @@ def test_static_sampler_records_the_logprobs_it_sampled_from(tiny, top_k, top_p)
     assert plain == groups and not isinstance(plain[0][0], Completion)    # the flag changes nothing else
 
 
-def test_hf_sampler_records_logprobs_too(tiny):
+@pytest.mark.parametrize("engine", ["fused", "torch", "torch_model_forward"])
+def test_our_engines_logprobs_equal_hf_generates_scores(tiny, engine):
+    """Greedy: the tokens and log-probs of every engine of ours are generate's (its processed scores); sampled:
+    generate's log-probs are the model's, as ours are (test_static_sampler_records_the_logprobs_it_sampled_from)."""
     model, tok = tiny
     prompts = prompts_of(tok)
     greedy = SamplingParams(max_new_tokens=8, greedy=True, logprobs=True)
-    hf = HFGenerateSampler(model, tok, CPU, batch_size=2, progress=False).generate(prompts, 1, greedy)
-    ours = KVCacheSampler(model, tok, CPU, progress=False).generate(prompts, 1, greedy)
+    hf = generate_reference(model, tok, prompts, 1, greedy, batch_size=2)
+    backend = {"fused": lambda: KVCacheSampler(model, tok, CPU, progress=False),
+               "torch": lambda: TorchEngine(model, tok, CPU, progress=False),
+               "torch_model_forward": lambda: TorchEngine(model, tok, CPU, progress=False, lean=False)}[engine]()
+    ours = backend.generate(prompts, 1, greedy)
+    assert backend.engine == ("fused" if engine == "fused" else "torch")
     assert hf == ours
     for a, b in zip(hf, ours):
         assert a[0].logprobs == pytest.approx(b[0].logprobs, abs=1e-4)
-    sampled = HFGenerateSampler(model, tok, CPU, batch_size=2, progress=False).generate(
-        prompts, 2, SamplingParams(max_new_tokens=5, seed=1, logprobs=True))
+    sampled = generate_reference(model, tok, prompts, 2, SamplingParams(max_new_tokens=5, seed=1, logprobs=True), 2)
     with torch.no_grad():
         for p, group in zip(prompts, sampled):
             for c in group:
@@ -215,7 +223,7 @@ def test_rollout_puts_the_sampler_logprobs_on_each_sample(tiny):
     assert with_lp[0].to_dict()["sampler_logprobs"] == with_lp[0].sampler_logprobs
 
 
-@pytest.mark.parametrize("cls", [KVCacheSampler, HFGenerateSampler])
+@pytest.mark.parametrize("cls", [KVCacheSampler, TorchEngine])
 def test_each_group_is_handed_over_as_soon_as_it_is_sampled(tiny, cls):
     """rollout(on_group=...): every group once, with the Samples rollout returns for it; with 2 rows per batch and
     3 answers per prompt, the first groups are handed over while later batches are still to be sampled."""

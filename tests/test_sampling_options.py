@@ -1,12 +1,12 @@
 """TRL 1.16's sampling options min_p, repetition_penalty and generation_kwargs (issue #30).
 
-(a) the one filter every local sampler shares (`rollout.filter_logits`, `rollout.penalize_repeats`) equals
-transformers' own MinPLogitsWarper / RepetitionPenaltyLogitsProcessor bit for bit; (b) every sampler
-backend honours the options (a min_p of 1 leaves only the top token, so sampling is greedy; the repetition
-penalty changes greedy answers exactly as generate's does, and the recorded sampler log-probs are those of
-the processed distribution); vLLM's keywords are checked without vLLM; (c) with the options at their
-defaults every sampler takes the path it took before, with the same tokens and log-probs; and the config
-fields validate, override and reach the rollout and evaluation."""
+(a) the one filter every local engine shares (`rollout.filter_logits`, `rollout.penalize_repeats`) equals
+transformers' own MinPLogitsWarper / RepetitionPenaltyLogitsProcessor bit for bit; (b) every engine honours the
+options (a min_p of 1 leaves only the top token, so sampling is greedy; the repetition penalty changes greedy
+answers exactly as generate's does, generate called directly as the reference, and the recorded sampler
+log-probs are those of the processed distribution); vLLM's keywords are checked without vLLM; (c) with the
+options at their defaults every engine takes the path it took before, with the same tokens and log-probs; and
+the config fields validate, override and reach the rollout and evaluation."""
 from __future__ import annotations
 
 import pytest
@@ -18,10 +18,11 @@ from transformers.generation.logits_process import (MinPLogitsWarper, Repetition
 from grpo_core.rollout import samplers as rollout_mod
 from grpo_core.config import ConfigError, GRPOConfig, load_config
 from grpo_core.model.loading import load_tokenizer
-from grpo_core.rollout.samplers import (HFGenerateSampler, KVCacheSampler, filter_logits, penalize_repeats, sample_next,
-                               seen_tokens)
+from grpo_core.rollout.samplers import (KVCacheSampler, TorchEngine, filter_logits, penalize_repeats, sample_next,
+                                        seen_tokens)
 from grpo_core.parallel import DataParallel
 from grpo_core.rollout.sampling import Completion, SamplingParams, check_generation_kwargs, sampling_options
+from tests.hf_reference import GenerateReference
 
 CPU = torch.device("cpu")
 
@@ -42,13 +43,13 @@ def prompts_of(tok):
     return [tok("12+3=")["input_ids"], tok("hello")["input_ids"], tok("a much longer prompt here")["input_ids"]]
 
 
-# Every local sampler: our KV-cache loop through the fused, the lean and the model's own forward; generate.
+# Every local engine: the fused engine; the torch engine through the lean and the model's own forward.
 SAMPLERS = {
     "fused": lambda m, t: KVCacheSampler(m, t, CPU, batch_size=4, progress=False),
-    "lean": lambda m, t: KVCacheSampler(m, t, CPU, batch_size=4, progress=False, fused=False),
-    "hf_forward": lambda m, t: KVCacheSampler(m, t, CPU, batch_size=4, progress=False, lean=False),
-    "hf": lambda m, t: HFGenerateSampler(m, t, CPU, batch_size=4, progress=False),
+    "lean": lambda m, t: TorchEngine(m, t, CPU, batch_size=4, progress=False),
+    "hf_forward": lambda m, t: TorchEngine(m, t, CPU, batch_size=4, progress=False, lean=False),
 }
+REFERENCE = lambda m, t: GenerateReference(m, t, batch_size=4)          # noqa: E731 - transformers' generate
 
 
 # -- (a) the filter against transformers' processors --------------------------------------------------------
@@ -152,7 +153,7 @@ def test_repetition_penalty_greedy_equals_generate(tiny, name, penalty):
     model, tok = tiny
     prompts = prompts_of(tok)
     params = SamplingParams(max_new_tokens=16, greedy=True, repetition_penalty=penalty, logprobs=True)
-    hf = SAMPLERS["hf"](model, tok).generate(prompts, 1, params)
+    hf = REFERENCE(model, tok).generate(prompts, 1, params)
     ours = SAMPLERS[name](model, tok).generate(prompts, 1, params)
     assert ours == hf
     for a, b in zip(hf, ours):
@@ -196,24 +197,12 @@ def test_sampler_logprobs_are_those_of_the_processed_distribution(tiny, name):
     assert checked > 20
 
 
-def test_hf_backend_passes_generation_kwargs_to_generate(tiny):
-    """generation_kwargs reach GenerationConfig: suppressing the token the model likes most first keeps it
-    out of every answer (it is in the answers without)."""
-    model, tok = tiny
-    prompts = prompts_of(tok)
-    free = SAMPLERS["hf"](model, tok).generate(prompts, 4, SamplingParams(max_new_tokens=6, seed=2))
-    counts = torch.bincount(torch.tensor([t for g in free for c in g for t in c]))
-    favourite = int(counts.argmax())
-    params = SamplingParams(max_new_tokens=6, seed=2, generation_kwargs={"suppress_tokens": [favourite]})
-    held = SAMPLERS["hf"](model, tok).generate(prompts, 4, params)
-    assert all(favourite not in c for g in held for c in g)
-
-
-def test_static_sampler_refuses_backend_only_kwargs(tiny):
+def test_our_engines_refuse_generation_kwargs_they_do_not_map(tiny):
     model, tok = tiny
     params = SamplingParams(max_new_tokens=2, generation_kwargs={"no_repeat_ngram_size": 2})
-    with pytest.raises(ValueError, match="'no_repeat_ngram_size'.*rollout_backend: static.*hf"):
-        SAMPLERS["fused"](model, tok).generate(prompts_of(tok), 1, params)
+    for name in ("fused", "lean"):
+        with pytest.raises(ValueError, match="'no_repeat_ngram_size'.*no rollout engine.*hf.*removed"):
+            SAMPLERS[name](model, tok).generate(prompts_of(tok), 1, params)
 
 
 def test_vllm_keywords_follow_trl():
@@ -291,11 +280,12 @@ def test_default_options_do_no_extra_work(tiny, name, monkeypatch):
     ("generation_kwargs={min_p: 2}", ["generation_kwargs", "min_p", "<= 1", "set the field min_p"]),
     ("generation_kwargs={temperature: 0.5}", ["generation_kwargs", "'temperature'", "set the field temperature"]),
     ("generation_kwargs={max_new_tokens: 5}", ["'max_new_tokens'", "max_completion_length"]),
-    ("generation_kwargs={no_repeat_ngram_size: 3}", ["'no_repeat_ngram_size'", "rollout_backend: static",
-                                                     "rollout_backend hf accepts it"]),
+    ("generation_kwargs={no_repeat_ngram_size: 3}", ["'no_repeat_ngram_size'", "no rollout engine",
+                                                     "GenerationConfig field", "hf"]),
     ("generation_kwargs={presence_penalty: 0.5}", ["'presence_penalty'", "rollout_backend vllm accepts it"]),
     ("generation_kwargs={stop: [x]}", ["'stop'", "set the field stop_strings"]),
-    ("generation_kwargs={nucleus: 0.9}", ["'nucleus'", "no rollout backend", "spelling"]),
+    ("generation_kwargs={nucleus: 0.9}", ["'nucleus'", "no rollout engine", "spelling"]),
+    ("rollout_backend=hf", ["rollout_backend", "hf", "removed", "use torch"]),
 ])
 def test_invalid_sampling_options_name_the_field_and_the_fix(override, words):
     with pytest.raises(ConfigError) as e:
@@ -304,14 +294,13 @@ def test_invalid_sampling_options_name_the_field_and_the_fix(override, words):
         assert w in str(e.value)
 
 
-def test_hf_and_vllm_take_their_own_generation_kwargs():
-    assert load_config(None, ["rollout_backend=hf", "generation_kwargs={no_repeat_ngram_size: 3}"]).generation_kwargs \
-        == {"no_repeat_ngram_size": 3}
+def test_vllm_takes_its_own_generation_kwargs_and_the_others_none():
     vllm = load_config(None, ["rollout_backend=vllm", "generation_kwargs.presence_penalty=0.5"])
     assert vllm.generation_kwargs == {"presence_penalty": 0.5}
-    with pytest.raises(ConfigError, match="'presence_penalty'.*rollout_backend vllm"):
-        load_config(None, ["rollout_backend=hf", "generation_kwargs={presence_penalty: 0.5}"])
-    with pytest.raises(ValueError, match="'suppress_tokens'.*rollout_backend hf"):
+    for name in ("auto", "fused", "torch"):
+        with pytest.raises(ConfigError, match=f"'presence_penalty'.*rollout_backend: {name}.*rollout_backend vllm"):
+            load_config(None, [f"rollout_backend={name}", "generation_kwargs={presence_penalty: 0.5}"])
+    with pytest.raises(ValueError, match="'suppress_tokens'.*no rollout engine.*hf"):
         check_generation_kwargs({"suppress_tokens": [1]}, "static")
 
 
@@ -327,7 +316,7 @@ def test_vllm_structured_outputs_regex_becomes_the_engines_structured_outputs():
     assert vllm_sampling_kwargs(params, 4)["structured_outputs"] == {"regex": regex}
     assert "structured_outputs" not in sampling_options(load_config(None, ["rollout_backend=vllm"]))["generation_kwargs"]
     for overrides, pattern, says in (
-            (["rollout_backend=static"], regex, "set rollout_backend: vllm (not static)"),
+            (["rollout_backend=static"], regex, "set rollout_backend: vllm (not auto)"),
             (["rollout_backend=vllm", "generation_kwargs.structured_outputs={json: {}}"], regex, "keep one of them"),
             (["rollout_backend=vllm"], "(unclosed", "is not a regular expression")):
         with pytest.raises(ConfigError, match="vllm_structured_outputs_regex") as e:
@@ -338,13 +327,13 @@ def test_vllm_structured_outputs_regex_becomes_the_engines_structured_outputs():
 def test_options_are_logged_and_generation_kwargs_override_the_fields():
     """The three fields are MLflow params (cfg.flat(), what tracking logs); a generation_kwargs key naming one
     of our options overrides the field in every backend (TRL), the rest goes to the backend."""
-    cfg = GRPOConfig(min_p=0.05, repetition_penalty=1.1, top_k=7, rollout_backend="hf",
-                     generation_kwargs={"top_k": 3, "no_repeat_ngram_size": 2})
+    cfg = GRPOConfig(min_p=0.05, repetition_penalty=1.1, top_k=7, rollout_backend="vllm",
+                     generation_kwargs={"top_k": 3, "presence_penalty": 0.2})
     flat = cfg.flat()
     assert flat["min_p"] == 0.05 and flat["repetition_penalty"] == 1.1 and flat["generation_kwargs.top_k"] == 3
     assert GRPOConfig().flat()["generation_kwargs"] is None
     assert sampling_options(cfg) == dict(top_p=1.0, top_k=3, min_p=0.05, repetition_penalty=1.1, stop_strings=(),
-                                         generation_kwargs={"no_repeat_ngram_size": 2})
+                                         generation_kwargs={"presence_penalty": 0.2})
     assert sampling_options(GRPOConfig()) == dict(top_p=1.0, top_k=0, min_p=None, repetition_penalty=1.0,
                                                   stop_strings=(), generation_kwargs={})
 
@@ -352,12 +341,12 @@ def test_options_are_logged_and_generation_kwargs_override_the_fields():
 def test_evaluation_samples_with_the_training_options():
     """eval's sampled mode uses the rollout's options (at eval.temperature when set); greedy stays plain argmax."""
     from grpo_core.evaluation.evaluate import eval_modes
-    cfg = GRPOConfig(min_p=0.1, repetition_penalty=1.2, top_p=0.9, rollout_backend="hf",
-                     generation_kwargs={"no_repeat_ngram_size": 3}, eval=dict(num_samples=2, temperature=0.6))
+    cfg = GRPOConfig(min_p=0.1, repetition_penalty=1.2, top_p=0.9, rollout_backend="vllm",
+                     generation_kwargs={"presence_penalty": 0.3}, eval=dict(num_samples=2, temperature=0.6))
     modes = {m: p for m, _, p in eval_modes(cfg, 0)}
     s = modes["sampled"]
     assert (s.min_p, s.repetition_penalty, s.top_p, s.temperature) == (0.1, 1.2, 0.9, 0.6)
-    assert s.generation_kwargs == {"no_repeat_ngram_size": 3}
+    assert s.generation_kwargs == {"presence_penalty": 0.3}
     g = modes["greedy"]
     assert g.greedy and (g.min_p, g.repetition_penalty, g.generation_kwargs) == (None, 1.0, {})
 

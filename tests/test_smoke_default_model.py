@@ -22,7 +22,7 @@ def test_default_model_rollout_and_update(real_home):
     from grpo_core.data import arithmetic
     from grpo_core.model.policy import load_policy
     from grpo_core.rewards.rewards import compute_rewards
-    from grpo_core.rollout.samplers import HFGenerateSampler, rollout
+    from grpo_core.rollout.samplers import TorchEngine, rollout
     from grpo_core.rollout.sampling import SamplingParams
     from grpo_core.update.step import ScoredSample, grpo_update, make_optimizer, make_scheduler
 
@@ -30,7 +30,7 @@ def test_default_model_rollout_and_update(real_home):
     policy = load_policy(cfg)
     assert policy.model.config.vocab_size == 49152
     tasks = arithmetic.train_tasks(2, 1, 1, ["+"], seed=0)
-    samples = rollout(HFGenerateSampler(policy.model, policy.tokenizer, policy.device), policy.tokenizer, tasks,
+    samples = rollout(TorchEngine(policy.model, policy.tokenizer, policy.device), policy.tokenizer, tasks,
                       cfg.num_generations, SamplingParams(max_new_tokens=24, seed=0), cfg.data.prompt_format, 256)
     assert len(samples) == 8 and all(s.completion_ids for s in samples)
     text = " ".join(s.completion for s in samples)
@@ -42,7 +42,7 @@ def test_default_model_rollout_and_update(real_home):
              for i, (s, t) in enumerate(zip(samples, totals))]
     before = {n: p.detach().clone() for n, p in policy.model.named_parameters() if p.requires_grad}
     opt = make_optimizer(policy, cfg)
-    steps, stats = grpo_update(policy, opt, make_scheduler(opt, cfg), batch, cfg, seed=0)
+    steps, stats, _ = grpo_update(policy, opt, make_scheduler(opt, cfg), batch, cfg, seed=0)
     assert len(steps) == 1 and torch.isfinite(torch.tensor(steps[0]["loss"]))
     assert steps[0]["kl"] == pytest.approx(0.0, abs=1e-6)     # first step: policy == reference
     changed = [n for n, p in policy.model.named_parameters() if p.requires_grad and not torch.equal(p, before[n])]

@@ -1,5 +1,6 @@
 """stop_strings: a completion also ends at the first token that completes one of them, on every sampler, is
-marked as ended (not truncated), is evaluated the same way, and the export writes them for transformers."""
+marked as ended (not truncated), is evaluated the same way, and the export writes them for transformers
+(whose generate, called directly, ends at the same token)."""
 from __future__ import annotations
 
 import json
@@ -12,16 +13,15 @@ from grpo_core.config import ConfigError, GRPOConfig, load_config
 from grpo_core.evaluation.evaluate import eval_modes
 from grpo_core.model.export import generation_settings
 from grpo_core.model.loading import build_tiny_model, load_tokenizer
-from grpo_core.rollout.samplers import HFGenerateSampler, KVCacheSampler, rollout
+from grpo_core.rollout.samplers import KVCacheSampler, TorchEngine, rollout
 from grpo_core.rollout.sampling import PromptFormat, SamplingParams, StopStrings, sampling_options
 from grpo_core.task import Task
 
 CPU = torch.device("cpu")
 SAMPLERS = {
     "fused": lambda m, t: KVCacheSampler(m, t, CPU, batch_size=4, progress=False),
-    "lean": lambda m, t: KVCacheSampler(m, t, CPU, batch_size=4, progress=False, fused=False),
-    "hf_forward": lambda m, t: KVCacheSampler(m, t, CPU, batch_size=4, progress=False, lean=False),
-    "hf": lambda m, t: HFGenerateSampler(m, t, CPU, batch_size=4, progress=False),
+    "lean": lambda m, t: TorchEngine(m, t, CPU, batch_size=4, progress=False),
+    "hf_forward": lambda m, t: TorchEngine(m, t, CPU, batch_size=4, progress=False, lean=False),
 }
 
 
@@ -61,6 +61,16 @@ def test_every_sampler_ends_a_completion_at_its_first_stop_string(tiny, name):
                                                                           stop_strings=(stop,)))]
     assert stopped == [stops.cut(ids) for ids in free]
     assert len(stopped[0]) <= 5 and stops.ended(stopped[0])
+
+
+def test_generate_called_directly_cuts_where_our_engines_cut(tiny):
+    from tests.hf_reference import generate_reference
+    model, tok = tiny
+    prompts = [tok("12+3=")["input_ids"], tok("hello")["input_ids"]]
+    free = [g[0] for g in SAMPLERS["fused"](model, tok).generate(prompts, 1, SamplingParams(16, greedy=True))]
+    stop = tok.decode(free[0][3:5])
+    params = SamplingParams(max_new_tokens=16, greedy=True, stop_strings=(stop,))
+    assert generate_reference(model, tok, prompts, 1, params) == SAMPLERS["fused"](model, tok).generate(prompts, 1, params)
 
 
 def test_a_stopped_completion_is_ended_not_truncated(tiny):

@@ -1,5 +1,6 @@
-"""MLflow side of training (tasks/tracking.py): completion tables logged during training, with the
-advantages the update used, and registry aliases (`champion`, `run-<name>`) instead of "latest".
+"""MLflow side of training (tasks/tracking.py, tasks/registry.py, tasks/completions.py): each stage's metrics at
+the step they line up with, completion tables logged during training, with the advantages the update used, and
+registry aliases (`champion`, `run-<name>`) instead of "latest".
 
 The unit tests build the tables from hand-made rows; the rest share one tiny training run (real Prefect
 engine, MLflow on SQLite in a temp dir) and read what it left in MLflow."""
@@ -11,31 +12,30 @@ import pytest
 import torch
 
 from grpo_core.config import GRPOConfig
-from grpo_core.update.loss import group_advantages
-from grpo_core.update.step import ScoredSample
 from grpo_core.evaluation.task_identity import registered_model_name
-from tasks import tracking
+from tasks import completions, registry, tracking
 from tests.conftest import isolated_run_env, tiny_config
 
 G = 4
 
 
-def _sample(group: int, reward: float | None) -> ScoredSample | None:
-    return None if reward is None else ScoredSample(group=group, prompt_ids=[1], completion_ids=[2],
-                                                    reward=reward, truncated=False)
-
-
 # -- the table, from hand-made rows -------------------------------------------------------------------
 
-@pytest.mark.parametrize("scale_rewards", ["group", "batch", "none"])
-def test_completion_advantages_are_the_update_s(scale_rewards):
-    """Group 0 trains on all four, group 1 on its three scored members, group 2 (one survivor) not at all."""
-    rewards = [1.0, 0.0, 0.5, 0.0, None, 1.0, 0.0, 0.25, None, None, None, 1.0]
-    batch = [_sample(i // G, r) for i, r in enumerate(rewards)]
-    got = tracking.completion_advantages(batch, GRPOConfig(scale_rewards=scale_rewards))
-    want = group_advantages(torch.tensor([1.0, 0.0, 0.5, 0.0, 1.0, 0.0, 0.25]), [4, 3], scale_rewards).tolist()
-    assert [a for a in got if a is not None] == pytest.approx(want)
-    assert [i for i, a in enumerate(got) if a is None] == [4, 8, 9, 10, 11]
+class CountingTokenizer:
+    def __init__(self):
+        self.decoded = []
+
+    def decode(self, ids, skip_special_tokens=False):
+        assert skip_special_tokens
+        self.decoded.append(list(ids))
+        return f"prompt {ids[0]}"
+
+
+def test_prompt_texts_decode_each_prompt_once_with_the_policy_s_tokenizer():
+    samples = [{"group": i // G, "prompt_ids": [i // G, 7]} for i in range(3 * G)]
+    tok = CountingTokenizer()
+    assert completions.prompt_texts(samples, tok) == [f"prompt {i // G}" for i in range(3 * G)]
+    assert tok.decoded == [[0, 7], [1, 7], [2, 7]]                                   # decoded once per prompt
 
 
 def test_completion_table_keeps_whole_groups_of_the_first_prompts():
@@ -43,11 +43,10 @@ def test_completion_table_keeps_whole_groups_of_the_first_prompts():
                 "completion_ids": [0] * (i + 1), "truncated": i == 3} for i in range(3 * G)]
     scores = [{"reward": float(i % 2), "rewards": {"correctness": float(i % 2), "format": 0.5},
                "correct": bool(i % 2)} for i in range(3 * G)]
-    decoded = []
-    table = tracking.completion_table(samples, scores, [0.1] * (3 * G), iteration=7, max_prompts=2,
-                                      decode=lambda ids: decoded.append(ids) or f"prompt {ids[0]}")
+    prompts = [f"prompt {i // G}" for i in range(3 * G)]
+    table = completions.completion_table(samples, scores, [0.1] * (3 * G), prompts, iteration=7, max_prompts=2)
     assert len(table["completion"]) == 2 * G and set(table["group"]) == {0, 1}
-    assert table["prompt"][:G] == ["prompt 0"] * G and decoded == [[0], [1]]          # decoded once per prompt
+    assert table["prompt"][:G] == ["prompt 0"] * G and table["prompt"][G:] == ["prompt 1"] * G
     assert table["reward_correctness"] == [0.0, 1.0] * G and table["reward_format"] == [0.5] * (2 * G)
     assert table["iteration"] == [7] * (2 * G) and table["truncated"][3] is True and table["length"][:2] == [1, 2]
     assert {len(v) for v in table.values()} == {2 * G}
@@ -58,51 +57,48 @@ def test_completion_table_with_log_unique_prompts_keeps_one_row_per_prompt():
     samples = [{"group": i // G, "task_id": f"t{i // G}", "prompt_ids": [min(i // G, 1)], "completion": f"c{i}",
                 "completion_ids": [0], "truncated": False} for i in range(3 * G)]     # groups 1 and 2: one prompt
     scores = [{"reward": float(i), "rewards": {"format": 0.5}, "correct": False} for i in range(3 * G)]
-    table = tracking.completion_table(samples, scores, [0.1] * (3 * G), iteration=1, max_prompts=3,
-                                      decode=lambda ids: f"prompt {ids[0]}", unique_prompts=True)
+    prompts = [f"prompt {r['prompt_ids'][0]}" for r in samples]
+    table = completions.completion_table(samples, scores, [0.1] * (3 * G), prompts, iteration=1, max_prompts=3,
+                                         unique_prompts=True)
     assert table["prompt"] == ["prompt 0", "prompt 1"] and table["completion"] == ["c0", f"c{G}"]
     assert table["reward"] == [0.0, float(G)] and {len(v) for v in table.values()} == {2}
-    everything = tracking.completion_table(samples, scores, [0.1] * (3 * G), iteration=1, max_prompts=3,
-                                           decode=lambda ids: f"prompt {ids[0]}")
+    everything = completions.completion_table(samples, scores, [0.1] * (3 * G), prompts, iteration=1, max_prompts=3)
     assert len(everything["prompt"]) == 3 * G
 
 
-def test_num_completions_to_print_prints_to_stdout(tmp_path, capsys):
+def test_num_completions_to_print_prints_to_stdout(capsys):
     """num_completions_to_print: that many completions of the update, drawn at random (the same draw for the same
     seed and iteration, the run's random streams untouched), with prompt, completion, rewards and advantage,
     on stdout (stderr carries only progress bars and errors); with no MLflow run there is no table."""
     import random
-    from grpo_core.io import write_jsonl
     samples = [{"group": i // G, "task_id": f"t{i // G}", "prompt_ids": [i // G], "completion": f"answer {i}",
                 "completion_ids": [0, 1], "truncated": False} for i in range(2 * G)]
     scores = [{"task_id": f"t{i // G}", "reward": float(i % 2), "rewards": {"accuracy": float(i % 2)},
                "correct": bool(i % 2)} for i in range(2 * G)]
-    write_jsonl(tmp_path / "samples.jsonl", samples)
-    write_jsonl(tmp_path / "scores.jsonl", scores)
-    batch = [_sample(i // G, sc["reward"]) for i, sc in enumerate(scores)]
-    tok = type("Tok", (), {"decode": lambda self, ids, skip_special_tokens=True: f"question {ids[0]}"})()
+    advantages = [None if i == 2 else (i % 2) - 0.5 + i / 100 for i in range(2 * G)]
+    prompts = [f"question {r['prompt_ids'][0]}" for r in samples]
     cfg = GRPOConfig(num_completions_to_print=3, num_generations=G)
     import prefect  # noqa: F401 - its first import draws from `random`; in a run it is long imported
     state = random.getstate()
-    logged = tracking.log_completions(cfg, None, 5, batch, tmp_path / "samples.jsonl", tmp_path / "scores.jsonl", tok)
+    logged = completions.log_completions(cfg, None, 5, samples, scores, advantages, prompts)
     out, err = capsys.readouterr()
     assert logged is False and err == "" and random.getstate() == state
     assert out.count("completion: answer ") == 3 and "completions of iteration 5 (3 of 8" in out
     assert "prompt: question " in out and "accuracy=" in out and "advantage " in out
-    advantages = tracking.completion_advantages(batch, cfg)
-    again = tracking.printed_completions(samples, scores, advantages, 5, 3, lambda ids: f"question {ids[0]}", cfg.seed)
+    again = completions.printed_completions(samples, scores, advantages, prompts, 5, 3, cfg.seed)
     assert again + "\n" == out                                                   # the same draw
     picked = [int(line.rsplit(" ", 1)[1]) for line in out.splitlines() if "completion: answer" in line]
-    assert all(f"advantage {advantages[i]:.4f}" in out for i in picked)
-    assert tracking.printed_completions(samples, scores, advantages, 6, 3, str, cfg.seed) != again   # per iteration
+    assert all(("advantage None" if advantages[i] is None else f"advantage {advantages[i]:.4f}") in out
+               for i in picked)
+    assert completions.printed_completions(samples, scores, advantages, prompts, 6, 3, cfg.seed) != again
 
 
-def test_log_completions_respects_the_config(tmp_path):
+def test_log_completions_respects_the_config():
     cfg = GRPOConfig(tracking={"log_completions": True, "log_completions_steps": 2})
-    assert tracking.log_completions(cfg, "run-id", 1, [], "unused", "unused", None) is False   # not an Nth iteration
-    assert tracking.log_completions(cfg, None, 2, [], "unused", "unused", None) is False        # no MLflow run
+    assert completions.log_completions(cfg, "run-id", 1, [], [], [], []) is False   # not an Nth iteration
+    assert completions.log_completions(cfg, None, 2, [], [], [], []) is False        # no MLflow run
     off = GRPOConfig(tracking={"log_completions": False})
-    assert tracking.log_completions(off, "run-id", 2, [], "unused", "unused", None) is False
+    assert completions.log_completions(off, "run-id", 2, [], [], [], []) is False
 
 
 def test_a_long_run_keeps_logging_tables_past_mlflow_s_table_index_limit(tmp_path):
@@ -125,8 +121,8 @@ def test_a_long_run_keeps_logging_tables_past_mlflow_s_table_index_limit(tmp_pat
 
 
 def test_run_alias_is_a_valid_mlflow_alias():
-    assert tracking.run_alias("nightly-1") == "run-nightly-1"
-    assert tracking.run_alias("exp.2_b") == "run-exp_2_b"
+    assert registry.run_alias("nightly-1") == "run-nightly-1"
+    assert registry.run_alias("exp.2_b") == "run-exp_2_b"
 
 
 # -- one tiny training run ----------------------------------------------------------------------------
@@ -145,6 +141,7 @@ def tiny_run(prefect_engine, tiny_model_dir, tmp_path_factory):
 def test_completion_tables_are_logged_per_iteration_with_training_advantages(tiny_run, tmp_path):
     import pandas as pd
     from grpo_core.io import read_jsonl
+    from grpo_core.update.step import batch_advantages, surviving_groups
     from tasks.update import scored_batch
     summary, cfg, _ = tiny_run
     run_id, run_dir = summary["mlflow_run_id"], summary["run_dir"]
@@ -155,18 +152,52 @@ def test_completion_tables_are_logged_per_iteration_with_training_advantages(tin
     assert len(table) == 2 * cfg.num_generations and table["group"].nunique() == 2
     assert {"prompt", "completion", "reward", "advantage", *[f"reward_{f}" for f in cfg.reward_funcs]} <= \
         set(table.columns)
-    samples, scores = f"{run_dir}/iter-2/samples.jsonl", f"{run_dir}/iter-2/scores.jsonl"
-    want = tracking.completion_advantages(scored_batch(samples, scores), cfg)[:len(table)]
+    rows, scores = (list(read_jsonl(f"{run_dir}/iter-2/{name}.jsonl")) for name in ("samples", "scores"))
+    batch = scored_batch(rows, scores)                       # the advantages the update trained with, by hand
+    kept, sizes = surviving_groups(batch)
+    by_sample = dict(zip(map(id, kept), batch_advantages(kept, sizes, cfg).tolist()))
+    want = [None if s is None else by_sample.get(id(s)) for s in batch][:len(table)]
     assert table["advantage"].tolist() == pytest.approx([float("nan") if a is None else a for a in want],
                                                         nan_ok=True)
-    assert table["reward"].tolist() == [s["reward"] for s in list(read_jsonl(scores))[:len(table)]]
+    assert table["reward"].tolist() == [s["reward"] for s in scores[:len(table)]]
     # a re-run update stage (resume after a kill) logs nothing twice
-    from grpo_core.model.policy import load_policy
-    tok = load_policy(cfg, None, need_reference=False).tokenizer
-    assert tracking.log_completions(cfg, run_id, 2, scored_batch(samples, scores), samples, scores, tok) is False
+    assert completions.log_completions(cfg, run_id, 2, rows, scores, [None] * len(rows), [""] * len(rows)) is False
     again = pd.read_json(tracking.download_artifacts(cfg, run_id, "completions/iter_0002.json", tmp_path / "b"),
                          orient="split")
     assert len(again) == len(table)
+
+
+def test_rollout_and_score_log_their_own_metrics_at_the_iteration_s_first_update_step(tiny_run, tmp_path):
+    """Each stage logs its own metrics: the rollout its throughput, the score stage its rewards, at the step of
+    the iteration's first update step (the x-axis they had when the update logged them). In the run: with the
+    update's first train/loss of each iteration. Run alone: at the previous iteration's update record's
+    global_step + 1, with no update stage in sight. A dynamic-sampling round (no MLflow run) logs nothing."""
+    from mlflow.tracking import MlflowClient
+    from grpo_core.io import read_json
+    from tasks.layout import finish_stage
+    from tasks.rollout import rollout
+    from tasks.score import score
+    summary, cfg, uri = tiny_run
+    c, run_id, run_dir = MlflowClient(uri), summary["mlflow_run_id"], summary["run_dir"]
+    first_steps = [1, read_json(f"{run_dir}/iter-1/update.json")["global_step"] + 1]      # iterations 1 and 2
+    assert {m.step for m in c.get_metric_history(run_id, "train/loss")} >= set(first_steps)
+    for key in ("sys/rollout_seconds", "sys/rollout_tokens_per_second", "reward/mean", "reward/accuracy",
+                "0_key_curves/reward_mean"):
+        assert [m.step for m in c.get_metric_history(run_id, key)] == first_steps, key
+    # the two stages alone, in a run of their own whose previous update ended at global step 6
+    alone, store = tmp_path / "alone", f"sqlite:///{tmp_path}/alone.db"
+    config = cfg.model_dump(mode="json")
+    config["tracking"]["tracking_uri"] = store
+    alone_id = tracking.start_or_resume_run(GRPOConfig.model_validate(config), alone, None)
+    finish_stage(alone, 1, "update", "key", {"global_step": 6})
+    prompts = read_json(f"{run_dir}/iter-2/curate.json")["prompts"]
+    rolled = rollout.fn(config, str(alone), 2, prompts, None)
+    scored = score.fn(config, str(alone), 2, prompts, rolled["samples"])
+    logged = MlflowClient(store)
+    for key, value in [("sys/rollout_seconds", rolled["seconds"]), ("reward/mean", scored["metrics"]["reward/mean"]),
+                       ("sys/rollout_tokens_per_second", rolled["tokens_per_second"])]:
+        assert [(m.step, m.value) for m in logged.get_metric_history(alone_id, key)] == [(7, pytest.approx(value))]
+    assert not tracking.log_iteration_metrics(cfg, alone / "iter-2" / "dynamic-1", 2, {"reward/mean": 1.0})
 
 
 def test_champion_alias_names_the_best_iteration_and_loads(tiny_run):
@@ -182,7 +213,7 @@ def test_champion_alias_names_the_best_iteration_and_loads(tiny_run):
     assert c.get_model_version_by_alias(name, "run-t").version == champion.version
     assert summary["registered_model"]["aliases"] == ["run-t", "champion"]
 
-    model, tok = tracking.load_adapter(f"models:/{name}@champion", tracking=uri)
+    model, tok = registry.load_adapter(f"models:/{name}@champion", tracking=uri)
     from safetensors.torch import load_file
     want = load_file(f"{summary['run_dir']}/iter-{best}/update/checkpoint/adapter_model.safetensors")
     got = {n.replace(".default", ""): p.detach().cpu() for n, p in model.named_parameters() if "lora_" in n}
@@ -255,14 +286,14 @@ def test_champion_moves_only_to_an_adapter_at_least_as_good(tiny_run):
     name = registered_model_name(cfg)
     held = float(c.get_model_version_by_alias(name, "champion").tags[cfg.tracking.best_metric])
     worse = cfg.model_copy(update={"run_name": "worse"})
-    r = tracking.register_adapter(worse, summary["mlflow_run_id"], 1, {cfg.tracking.best_metric: held - 1})
+    r = registry.register_adapter(worse, summary["mlflow_run_id"], 1, {cfg.tracking.best_metric: held - 1})
     assert r["aliases"] == ["run-worse"]
     better = cfg.model_copy(update={"run_name": "better"})
-    r = tracking.register_adapter(better, summary["mlflow_run_id"], 1, {cfg.tracking.best_metric: held + 1})
+    r = registry.register_adapter(better, summary["mlflow_run_id"], 1, {cfg.tracking.best_metric: held + 1})
     assert r["aliases"] == ["run-better", "champion"]
     assert c.get_model_version_by_alias(name, "champion").version == r["version"]
     held_back = cfg.model_copy(update={"run_name": "held-back"})
-    r = tracking.register_adapter(held_back, summary["mlflow_run_id"], 1, {cfg.tracking.best_metric: held + 2},
+    r = registry.register_adapter(held_back, summary["mlflow_run_id"], 1, {cfg.tracking.best_metric: held + 2},
                                   promote=False, tags={"gate_decision": "not promoted"})
     assert r["aliases"] == ["run-held-back"]
     assert c.get_model_version(name, r["version"]).tags["gate_decision"] == "not promoted"

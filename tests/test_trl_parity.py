@@ -20,7 +20,7 @@ import torch
 from trl import GRPOTrainer          # the test extra pins TRL 1.16
 
 from grpo_core.config import GRPOConfig
-from grpo_core.update.loss import grpo_loss, sampler_correction_weight
+from grpo_core.update.loss import LossSettings, grpo_loss, sampler_correction_weight
 from grpo_core.update.step import EntropyControl, ScoredSample, batch_advantages, controlled_entropy
 
 
@@ -133,15 +133,15 @@ def test_loss_gradient_and_metrics_equal_trls_compute_loss(o):
         return logp0.clone().requires_grad_(), entropy0.clone().requires_grad_()
 
     logp, entropy = leaves()
-    ours, stats = grpo_loss(logp, old, ref, adv, mask.double(), beta=o["beta"], epsilon_low=0.2,
-                            epsilon_high=o["epsilon_high"], loss_type=o["loss_type"], max_completion_length=9,
-                            num_micro_batches=n_mb, num_tokens_in_batch=n_tokens,
-                            importance_sampling_level=o["importance_sampling_level"], delta=o["delta"],
-                            entropy=entropy, top_entropy_quantile=o["top_entropy_quantile"],
+    settings = LossSettings(beta=o["beta"], epsilon_low=0.2, epsilon_high=o["epsilon_high"], loss_type=o["loss_type"],
+                            max_completion_length=9, importance_sampling_level=o["importance_sampling_level"],
+                            delta=o["delta"], top_entropy_quantile=o["top_entropy_quantile"],
                             entropy_coef=o["entropy_coef"], use_bias_correction_kl=o["use_bias_correction_kl"],
-                            sampler_logp=sampler, sampler_correction=o["sampler"], sampler_correction_cap=1.3,
+                            sampler_correction=o["sampler"], sampler_correction_cap=1.3,
                             sampler_correction_clip_min=o["clip_min"],
                             vespo_k_pos=1.5, vespo_lambda_pos=2.5, vespo_k_neg=2.5, vespo_lambda_neg=1.5)
+    ours, stats = grpo_loss(logp, old, ref, adv, mask.double(), settings, num_micro_batches=n_mb,
+                            num_tokens_in_batch=n_tokens, entropy=entropy, sampler_logp=sampler)
     our_grads = torch.autograd.grad(ours, (logp, entropy), allow_unused=True)
     logp, entropy = leaves()
     theirs, metrics = trl_compute_loss(logp, entropy, old, ref, adv, mask, dict(o, max_completion_length=9), n_mb,
@@ -196,10 +196,11 @@ def test_adaptive_entropy_equals_trls_controller(top_entropy_quantile):
             n_tokens = mask.sum().item() * n_mb
             logp, entropy = logp0.clone().requires_grad_(), entropy0.clone().requires_grad_()
             coef = control.applied(cfg)
-            ours, _ = grpo_loss(logp, old, ref, adv, mask.double(), beta=0.04, epsilon_low=0.2, epsilon_high=0.28,
-                                loss_type="grpo", max_completion_length=9, num_micro_batches=n_mb,
-                                num_tokens_in_batch=n_tokens, entropy=entropy,
-                                top_entropy_quantile=top_entropy_quantile, entropy_coef=coef)
+            settings = LossSettings(beta=0.04, epsilon_low=0.2, epsilon_high=0.28, loss_type="grpo",
+                                    max_completion_length=9, top_entropy_quantile=top_entropy_quantile,
+                                    entropy_coef=coef)
+            ours, _ = grpo_loss(logp, old, ref, adv, mask.double(), settings, num_micro_batches=n_mb,
+                                num_tokens_in_batch=n_tokens, entropy=entropy)
             our_grads = torch.autograd.grad(ours, (logp, entropy), allow_unused=True)
             measured += controlled_entropy(entropy0, mask.double(), top_entropy_quantile)
             logp, entropy = logp0.clone().requires_grad_(), entropy0.clone().requires_grad_()

@@ -136,7 +136,7 @@ def test_update_gradients_match_published_objective(grpo_home, loss_type, mu, st
         old_lp = [seq_logprobs(policy.model, s) for s in samples]           # the rollout policy
     opt = RecordingSGD(policy.trainable_parameters(), lr=2.0)                # big steps: ratios leave the clip range
     sched = make_scheduler(opt, cfg)
-    metrics, batch = grpo_update(policy, opt, sched, samples, cfg, seed=5)
+    metrics, batch, _ = grpo_update(policy, opt, sched, samples, cfg, seed=5)
     plan = plan_steps(samples, G, steps, accum, seed=5)
     assert len(metrics) == mu * len(plan) == len(opt.grads)
     adv = hand_advantages([s.reward for s in samples], cfg.scale_rewards)
@@ -166,7 +166,7 @@ def test_beta0_never_runs_reference(grpo_home):
         return real(self)
     policy.reference = counting.__get__(policy)
     opt = make_optimizer(policy, cfg)
-    metrics, _ = grpo_update(policy, opt, make_scheduler(opt, cfg), make_samples(2, 1), cfg, seed=0)
+    metrics, _, _ = grpo_update(policy, opt, make_scheduler(opt, cfg), make_samples(2, 1), cfg, seed=0)
     assert calls == [] and metrics[0]["kl"] == 0.0
     cfg2, policy2 = tiny_policy(beta=0.04)
     policy2.reference = counting.__get__(policy2)
@@ -197,7 +197,7 @@ def test_metrics_clipping_and_masking(grpo_home):
     cfg, policy = tiny_policy(max_grad_norm=1e-3, mask_truncated_completions=True)
     samples = make_samples(2, 3, truncated_frac=0.5)
     opt = RecordingSGD(policy.trainable_parameters(), lr=0.1)
-    metrics, batch = grpo_update(policy, opt, make_scheduler(opt, cfg), samples, cfg, seed=0)
+    metrics, batch, _ = grpo_update(policy, opt, make_scheduler(opt, cfg), samples, cfg, seed=0)
     m = metrics[0]
     for key in ("loss", "kl", "entropy", "clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean",
                 "grad_norm", "learning_rate", "step_seconds", "step_tokens", "peak_memory_gib"):
@@ -216,14 +216,20 @@ def test_metrics_clipping_and_masking(grpo_home):
 def test_unscorable_samples_leave_their_group_to_the_survivors(grpo_home):
     """A sample that could not be scored (None, or no reward) is left out and its group trains on the
     others; a group left with one member (no baseline) is dropped. tests/test_update_variants.py checks
-    the survivors' advantages and gradients."""
+    the survivors' gradients. grpo_update returns each input sample's advantage (None: did not train), in input
+    order, for the completion tables."""
+    from grpo_core.update.loss import group_advantages
     cfg, policy = tiny_policy()
     samples = make_samples(3, 4)
     samples[1] = None                                                    # group 0 keeps 3 of 4
     for i in (4, 5, 6):                                                  # group 1 keeps 1 of 4: dropped
         samples[i] = None if i != 6 else ScoredSample(1, samples[7].prompt_ids, [11], None, False)
     opt = make_optimizer(policy, cfg)
-    metrics, batch = grpo_update(policy, opt, make_scheduler(opt, cfg), samples, cfg, seed=0)
+    metrics, batch, advantages = grpo_update(policy, opt, make_scheduler(opt, cfg), samples, cfg, seed=0)
+    kept = [0, 2, 3, 8, 9, 10, 11]                                       # the survivors, in input order
+    want = group_advantages(torch.tensor([samples[i].reward for i in kept]), [3, 4], cfg.scale_rewards).tolist()
+    assert len(advantages) == len(samples) and [i for i, a in enumerate(advantages) if a is not None] == kept
+    assert [advantages[i] for i in kept] == pytest.approx(want)
     assert batch["groups_total"] == 3 and batch["groups_unscorable"] == 1
     assert batch["samples_unscorable"] == 4 and batch["groups_incomplete"] == 1
     counted = sum(len(s.completion_ids) for s in samples[:4] + samples[8:] if s is not None)

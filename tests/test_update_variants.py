@@ -118,7 +118,7 @@ def check_steps_match_published_objective(policy, cfg, samples, kept, group_size
     with torch.no_grad():
         old_lp = [seq_forward(policy.model, s)[0] for s in kept]            # the rollout policy
     opt = RecordingSGD(policy.trainable_parameters(), lr=2.0)                # big steps: ratios leave the clip range
-    metrics, batch = grpo_update(policy, opt, make_scheduler(opt, cfg), samples, cfg, seed=seed)
+    metrics, batch, _ = grpo_update(policy, opt, make_scheduler(opt, cfg), samples, cfg, seed=seed)
     plan = plan_steps(kept, group_sizes, cfg.steps_per_iteration, cfg.gradient_accumulation_steps, seed)
     assert len(opt.grads) == len(metrics) == cfg.num_iterations * len(plan)
     counted = sum(len(s.completion_ids) for s in kept if not (cfg.mask_truncated_completions and s.truncated))
@@ -279,7 +279,7 @@ def test_adaptive_entropy_in_the_update(grpo_home):
     cfg, policy = tiny_policy(G, use_adaptive_entropy=True, entropy_coef=0.05, entropy_coef_min=0.01,
                               entropy_coef_delta=0.03, entropy_target=1e-3, steps_per_iteration=3)
     opt = make_optimizer(policy, cfg)
-    metrics, _ = grpo_update(policy, opt, make_scheduler(opt, cfg), samples, cfg, seed=0)
+    metrics, _, _ = grpo_update(policy, opt, make_scheduler(opt, cfg), samples, cfg, seed=0)
     assert [m["entropy_coef"] for m in metrics] == pytest.approx([0.02, 0.01, 0.01])
     assert [m["entropy_coef_applied"] for m in metrics] == [0.0, 0.0, 0.0]
 
@@ -388,11 +388,11 @@ def test_sync_ref_model_mixes_the_reference_every_n_steps(grpo_home, tmp_path, u
     opt = make_optimizer(policy, cfg)
     sched = make_scheduler(opt, cfg)
     start = reference_tensors(policy)
-    m1, _ = grpo_update(policy, opt, sched, make_samples(2, G, 1), cfg, seed=0)        # global step 1: no sync
+    m1, _, _ = grpo_update(policy, opt, sched, make_samples(2, G, 1), cfg, seed=0)        # global step 1: no sync
     assert "ref_model_synced" not in m1[0]
     for a, b in zip(start, reference_tensors(policy)):
         assert torch.equal(a, b)                                                       # never trained
-    m2, _ = grpo_update(policy, opt, sched, make_samples(2, G, 2), cfg, seed=1)        # global step 2: sync
+    m2, _, _ = grpo_update(policy, opt, sched, make_samples(2, G, 2), cfg, seed=1)        # global step 2: sync
     assert m2[0]["ref_model_synced"] == 1.0
     for ref0, live, ref1 in zip(start, live_tensors(policy), reference_tensors(policy)):
         assert torch.allclose(ref1, 0.25 * live + 0.75 * ref0, atol=1e-7)

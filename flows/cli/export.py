@@ -63,7 +63,7 @@ def export_run(run: str, out: str | Path, iteration: int | None = None, best: bo
     from grpo_core.model.loading import resolve_model
     from grpo_core.rollout.sampling import sampling_options
     from grpo_core.rollout.tools import resolve_tools
-    from tasks import tracking
+    from tasks import registry
     from tasks.evaluate import eval_history
     from tasks.run_state import mlflow_run_id
     # 1) the run, its config and evaluations, and the iteration to export
@@ -93,7 +93,7 @@ def export_run(run: str, out: str | Path, iteration: int | None = None, best: bo
     result = {"run": run_dir.name, "iteration": k, "out": str(path), "mlflow_run_id": run_id,
               "eval": evals.get(k, {}).get(cfg.tracking.best_metric)}
     if run_id:
-        result.update(tracking.register_export(cfg, run_id, path, k, registered_name, adapter_only))
+        result.update(registry.register_export(cfg, run_id, path, k, registered_name, adapter_only))
     return result
 
 

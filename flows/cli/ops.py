@@ -248,7 +248,7 @@ def comparison_csv(res: dict, out) -> None:
 # -- grpo adapter ---------------------------------------------------------------------------------------
 
 def cmd_adapter_fetch(args) -> int:
-    from tasks.tracking import download_adapter
+    from tasks.registry import download_adapter
     print(download_adapter(args.uri, args.dest, args.tracking_uri))
     return 0
 

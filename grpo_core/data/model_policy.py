@@ -18,7 +18,7 @@ def model_policy(model: str, max_new_tokens: int = 64, temperature: float = 1.0,
 
     from grpo_core.model.loading import load_base_model, load_tokenizer, resolve_model, select_device
     from grpo_core.rewards.rewards import CORRECTNESS_FUNC, compute_rewards
-    from grpo_core.rollout.samplers import HFGenerateSampler, rollout
+    from grpo_core.rollout.samplers import KVCacheSampler, rollout
     from grpo_core.rollout.sampling import SamplingParams
 
     from grpo_core.config import DataConfig
@@ -27,7 +27,7 @@ def model_policy(model: str, max_new_tokens: int = 64, temperature: float = 1.0,
     dev = select_device(device)
     tok = load_tokenizer(path)
     net = load_base_model(path, dev, torch.float32).eval()
-    backend = HFGenerateSampler(net, tok, dev, batch_size, progress=False)
+    backend = KVCacheSampler(net, tok, dev, batch_size, progress=False)      # rollout_backend auto's engine
     params = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, seed=seed)
 
     def policy(tasks: Sequence[Task], k: int) -> list[list[float]]:

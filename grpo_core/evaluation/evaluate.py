@@ -1,8 +1,9 @@
 """Held-out evaluation, shared by the `evaluate` stage and the standalone `grpo eval` command.
 
 For every held-out task: one greedy answer (pass@1) and `eval.num_samples` sampled answers (unbiased
-pass@k for every k in `eval.ks`). Each completion is scored by the run's reward functions (built-in or
-plugin, grpo_core.rewards.rewards; plus the built-in correctness function, always). Metrics, per mode (greedy /
+pass@k for every k in `eval.ks`). Each completion is scored as the score stage scores it
+(grpo_core.rewards.scoring: the run's reward functions, built-in or plugin, plus the correctness function,
+always). Metrics, per mode (greedy /
 sampled), overall and per source (and per task kind when the set mixes kinds):
 
     eval/<mode>/pass_at_<k>          greedy: k=1; sampled: every k in eval.ks
@@ -30,6 +31,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import re
 from collections import defaultdict
 from statistics import mean
@@ -41,11 +43,9 @@ from grpo_core.evaluation.monitors import answers_shown, completion_flags, monit
 from grpo_core.evaluation.passk import mean_pass_at_k
 from grpo_core.model.policy import Policy
 from grpo_core.rollout.multiturn import Toolbox
-from grpo_core.rewards.rewards import (add_environment_rewards, compute_rewards, correctness_scores, is_well_formatted,
-                               reward_context)
-from grpo_core.rewards.overlap import Overlapped
-from grpo_core.rollout.sampling import (PromptFormat, Sample, SamplingParams, model_token_count, readable_conversation,
-                                sampling_options)
+from grpo_core.rewards.rewards import is_well_formatted, model_token_count
+from grpo_core.rewards.scoring import GroupScorer, score_rows
+from grpo_core.rollout.sampling import PromptFormat, Sample, SamplingParams, readable_conversation, sampling_options
 from grpo_core.rollout.samplers import make_backend, rollout
 
 MODES = ("greedy", "sampled")
@@ -101,32 +101,35 @@ def prompt_texts(cfg: GRPOConfig) -> list[str]:
             *(text for pair in e.without_tools_few_shot for text in pair)]
 
 
+def scoring_row(sample) -> dict:
+    """What the score stage's reward chain reads of a sample (`grpo_core.rewards.scoring.score_rows`)."""
+    return {"task_id": sample.task_id, "completion": sample.completion, "completion_ids": sample.completion_ids,
+            "completion_mask": getattr(sample, "completion_mask", None), "extra": getattr(sample, "extra", None)}
+
+
 def score_samples(samples, tasks_by_id: dict[str, Task], cfg: GRPOConfig, mode: str) -> list[dict]:
-    """One row per completion: what the sample table shows and what the metrics are computed from."""
-    funcs = list(cfg.reward_funcs)
-    weights = list(cfg.reward_weights)
-    if cfg.correctness_func not in funcs:      # correctness is always measured, never weighted in
-        funcs.append(cfg.correctness_func)
-        weights.append(0.0)
-    sample_tasks = [tasks_by_id[s.task_id] for s in samples]
-    completions = [s.completion for s in samples]
-    masks = [getattr(s, "completion_mask", None) for s in samples]
-    extras = [getattr(s, "extra", None) or {} for s in samples]
-    context = reward_context(cfg, [s.completion_ids for s in samples], masks)        # as the score stage does
-    scores = add_environment_rewards(compute_rewards(completions, sample_tasks, funcs, weights, context),
-                                     [e.get("environment_reward") for e in extras])
-    correctness = correctness_scores(scores, funcs, completions, sample_tasks, context, cfg.correctness_func)
+    """One row per completion: what the sample table shows and what the metrics are computed from. Scored as the
+    score stage scores (`score_rows`), the correctness function measured among the rewards (weight 0)."""
+    scored, _ = score_rows(cfg, [scoring_row(s) for s in samples], tasks_by_id, measure_correctness=True)
+    return table_rows(samples, scored, tasks_by_id, cfg, mode)
+
+
+def table_rows(samples, scored: Sequence[dict], tasks_by_id: dict[str, Task], cfg: GRPOConfig,
+               mode: str) -> list[dict]:
+    """The rows of `samples` (one evaluation pass, in its order) from their scored rows (`score_rows`): the
+    scores, the verdict and the monitors' flags, length, truncation, and the conversation of a tool answer."""
     rows, seen = [], defaultdict(int)
     shown = answers_shown(prompt_texts(cfg))
-    for i, (s, t, mask, extra) in enumerate(zip(samples, sample_tasks, masks, extras)):
-        acc = correctness[i]
+    for s, score in zip(samples, scored, strict=True):
+        t, acc = tasks_by_id[s.task_id], score["correct"]
+        mask, extra = getattr(s, "completion_mask", None), getattr(s, "extra", None) or {}
         flags = completion_flags(s.completion, t.kind, t.prompt, shown, acc is not None and acc >= 1.0,
                                  tool_offered="turns" in extra)
         verdict = _verdict(acc) + (f" [{', '.join(flags)}]" if flags else "")
         rows.append({"mode": mode, "task_id": t.id, "source": t.source, "kind": t.kind, "sample": seen[t.id],
                      "prompt": t.prompt, "answer": t.answer, "completion": s.completion,
-                     "rewards": {f: values[i] for f, values in scores.per_func.items()},
-                     "reward_total": scores.totals[i], "correct": None if acc is None else acc >= 1.0,
+                     "rewards": score["rewards"], "reward_total": score["reward"],
+                     "correct": None if acc is None else acc >= 1.0,
                      "formatted": is_well_formatted(s.completion, t.kind), "verdict": verdict, "flags": flags,
                      "length": model_token_count(s.completion_ids, mask),
                      "truncated": s.truncated, "tools": "turns" in extra,
@@ -224,40 +227,38 @@ def sample_rows(policy: Policy, tasks: Sequence[Task], cfg: GRPOConfig, seed: in
                 progress: bool = True) -> list[dict]:
     """The per-completion rows of every eval mode on `tasks` (mode by mode, in task order). With
     stages.score.during_rollout each task's answers are scored on a helper thread as soon as they are sampled
-    (code sent to the sandbox while later answers are still being sampled); should that fail, and without it,
-    everything is scored here afterwards."""
+    (`GroupScorer`, as the rollout stage scores: code sent to the sandbox while later answers are still being
+    sampled); should that fail, and without it, everything is scored here afterwards."""
     backend = make_backend(cfg, policy, progress=progress)      # the sampler the rollout stage uses
     by_id = {t.id: t for t in tasks}
     if len(by_id) != len(tasks):
         raise ValueError("held-out tasks must have unique ids")
+    scorer = GroupScorer(cfg, tasks, measure_correctness=True, what="scoring the evaluation while sampling",
+                         thread_name="eval-scoring") if cfg.stages.score.during_rollout else None
+    handed: dict[tuple, list[Sample]] = {}                      # (mode, tools, wording, group) -> its samples
 
-    def score_chunk(items: list[tuple[str, Sample]]) -> list[dict]:
-        """(mode, sample) pairs, any mix of modes -> their rows, in the same order."""
-        out: list[dict | None] = [None] * len(items)
-        for mode in dict.fromkeys(m for m, _ in items):
-            at = [i for i, (m, _) in enumerate(items) if m == mode]
-            for i, row in zip(at, score_samples([items[i][1] for i in at], by_id, cfg, mode)):
-                out[i] = row
-        return out
+    def hand_over(key: tuple, group: list[Sample]) -> None:
+        handed[(*key, group[0].group)] = group
+        scorer.add((*key, group[0].group), [scoring_row(s) for s in group])
 
-    scorer = Overlapped(score_chunk, "scoring the evaluation while sampling", "eval-scoring") \
-        if cfg.stages.score.during_rollout else None
     sampled: list[tuple[tuple, int, list[Sample]]] = []
     with scorer or contextlib.nullcontext():
         for mode, n, params, toolbox, wording, fmt in _eval_runs(cfg, seed):
             run_tasks = [t for t in tasks if t.kind == "math"] if wording else tasks
             if run_tasks:
                 key = (mode, toolbox is not None, wording)
-                hand_over = (lambda group, key=key: scorer.add((*key, group[0].group), [(key[0], s) for s in group])) \
-                    if scorer else None
                 samples = rollout(backend, policy.tokenizer, run_tasks, n, params, fmt, cfg.max_prompt_length,
-                                  on_group=hand_over, toolbox=toolbox)
+                                  on_group=functools.partial(hand_over, key) if scorer else None, toolbox=toolbox)
                 sampled.append((key, len(run_tasks), samples))
-    scored = scorer.finish() if scorer else None
-    if scored is None:
-        parts = [(key, score_samples(samples, by_id, cfg, key[0])) for key, _, samples in sampled]
-    else:
-        parts = [(key, [row for g in range(n) for row in scored[(*key, g)]]) for key, n, _ in sampled]
+    early = scorer.finish() if scorer else None
+    parts = []
+    for key, n, samples in sampled:
+        if early is None:
+            parts.append((key, score_samples(samples, by_id, cfg, key[0])))
+        else:
+            in_order = [s for g in range(n) for s in handed[(*key, g)]]
+            scored = [row for g in range(n) for row in early[0][(*key, g)]]
+            parts.append((key, table_rows(in_order, scored, by_id, cfg, key[0])))
     return [{**row, "wording": key[2]} if key[2] else row for key, rows in parts for row in rows]
 
 

@@ -32,10 +32,8 @@ dim, C hidden size, I MLP width, L layers.
 """
 from __future__ import annotations
 
-import ctypes
 import functools
 import statistics
-import sys
 import time
 import weakref
 from dataclasses import dataclass
@@ -47,32 +45,7 @@ from grpo_core.kernels import cpu_features, native, settings
 from grpo_core.kernels.cpu_linear import onednn_linear, onednn_pack
 from grpo_core.kernels.lean_decode import LeanDecoder, causal_pad_mask, chunk_mask, chunk_positions, positions
 from grpo_core.kernels.lora_linear import Unsupported, lora_parts, set_packed
-
-HUGE_PAGE = 2 << 20
-MADV_HUGEPAGE = 14
-
-
-def _madvise_huge(addr: int, length: int) -> bool:
-    if not sys.platform.startswith("linux"):
-        return False
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        return libc.madvise(ctypes.c_void_p(addr), ctypes.c_size_t(length), MADV_HUGEPAGE) == 0
-    except (OSError, AttributeError):
-        return False
-
-
-def hugepage_empty(numel: int, dtype: torch.dtype) -> torch.Tensor:
-    """An uninitialised flat tensor starting on a 2 MiB boundary whose pages the kernel is asked to back
-    with huge pages (Linux transparent huge pages in `madvise` or `always` mode; elsewhere a plain tensor)."""
-    itemsize = torch.empty((), dtype=dtype).element_size()
-    raw = torch.empty(numel + HUGE_PAGE // itemsize, dtype=dtype)
-    start = (-raw.data_ptr() % HUGE_PAGE) // itemsize
-    out = raw[start:start + numel]                       # the view keeps the whole allocation alive
-    if numel * itemsize >= HUGE_PAGE:
-        _madvise_huge(out.data_ptr(), numel * itemsize)
-    return out
-
+from grpo_core.kernels.pages import hugepage_empty
 
 # -- linear kernels -------------------------------------------------------------------------------------------
 

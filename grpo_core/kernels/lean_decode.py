@@ -40,6 +40,14 @@ def _unsupported(base) -> str | None:
     return None
 
 
+def sliding_window(config) -> int | None:
+    """The sliding window some layer of the model attends within (Mistral, Qwen2 with use_sliding_window, Gemma 3's
+    sliding layers), or None."""
+    if getattr(config, "use_sliding_window", True) is False:
+        return None
+    return getattr(config, "sliding_window", None) or None
+
+
 def positions(attention_mask: torch.Tensor) -> torch.Tensor:
     """Rotary positions of left-padded rows: 0 at each row's first real token. [b, T] -> [b, T]."""
     return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)

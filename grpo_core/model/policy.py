@@ -24,11 +24,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 
 from grpo_core.config import GRPOConfig
 from grpo_core.kernels import settings as kernel_settings
 from grpo_core.kernels.cpu_linear import use_onednn_linears
-from grpo_core.update.logprobs import contiguous_head_logits, fp32_head_logits
 from grpo_core.model.loading import (ModelError, attach_lora, file_versions, load_base_model, load_tokenizer,
                               resolve_model, select_device, select_dtype, tokenizer_version)
 
@@ -45,6 +45,7 @@ class Policy:
     ref_model: torch.nn.Module | None = None   # only for full fine-tuning
     reference_adapter: str | None = None       # LoRA: the frozen adapter that is the reference (None: base)
     save_reference: bool = False               # the reference moves (sync_ref_model): checkpoints keep it
+    base_dir: Path | None = None               # the base model's directory (what an outside engine such as vLLM loads)
 
     @contextlib.contextmanager
     def reference(self):
@@ -137,6 +138,21 @@ def _active_adapter(model, name: str):
         model.base_model.set_adapter(POLICY_ADAPTER)
         for p, flag in flags:
             p.requires_grad_(flag)
+
+
+def contiguous_head_logits(head: torch.nn.Linear, hidden: torch.Tensor) -> torch.Tensor:
+    """The LM head on a contiguous copy of its input. transformers hands the head a strided slice (the last
+    position, `logits_to_keep`), and torch's CPU bfloat16 linear then copies a frozen weight once per batch row
+    (gigabytes for a large vocabulary; docs/speed.md), where copying the input costs next to nothing."""
+    return F.linear(hidden.contiguous(), head.weight, head.bias)
+
+
+def fp32_head_logits(head: torch.nn.Linear, hidden: torch.Tensor) -> torch.Tensor:
+    """The LM head's matmul in float32 (TRL's `cast_lm_head_to_fp32`, ScaleRL): the hidden states, weight and
+    bias cast up, autocast off; differentiable in all three. hidden [..., H] -> logits [..., V] float32."""
+    with torch.autocast(hidden.device.type, enabled=False):
+        bias = None if head.bias is None else head.bias.float()
+        return F.linear(hidden.float(), head.weight.float(), bias)
 
 
 def disable_dropout(model: torch.nn.Module) -> None:
@@ -349,13 +365,14 @@ def load_policy(cfg: GRPOConfig, checkpoint: str | Path | None = None, need_refe
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         _prepare(cfg, model, ref)
         return Policy(model=model, tokenizer=tokenizer, device=device, use_peft=False, ref_model=ref,
-                      save_reference=with_reference and cfg.sync_ref_model)
+                      save_reference=with_reference and cfg.sync_ref_model, base_dir=base_dir)
     pooled, key = _lora_model(cfg, base_dir, device, dtype, checkpoint)
     tokenizer = pooled.tokenizer_of(base_dir)
     reference_adapter = _lora_reference(cfg, pooled.model, checkpoint, init_adapter) if with_reference else None
     _prepare(cfg, pooled.model)
     policy = Policy(model=pooled.model, tokenizer=tokenizer, device=device, use_peft=True,
-                    reference_adapter=reference_adapter, save_reference=with_reference and cfg.sync_ref_model)
+                    reference_adapter=reference_adapter, save_reference=with_reference and cfg.sync_ref_model,
+                    base_dir=base_dir)
     if reference_adapter is None and cfg.kernels.reuse_model:   # a model with a second adapter is not pooled
         weakref.finalize(policy, _release, key, pooled).atexit = False
     return policy

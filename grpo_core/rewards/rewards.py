@@ -27,7 +27,6 @@ from typing import Any, Callable, Sequence
 
 from grpo_core.rewards.answers import extract_answer, math_answers_match, reasoning_gym_score
 from grpo_core.plugins import REWARD_GROUP, check_reward_signature, load_plugin, metric_names
-from grpo_core.rollout.sampling import model_token_count
 from grpo_core.task import Task
 
 # The whole completion: optional reasoning, then exactly one non-empty answer block, nothing after it.
@@ -130,6 +129,12 @@ REWARD_FUNCS: dict[str, Callable[..., list]] = {
 # The default reward whose value is raw correctness (pass rates, dynamic sampling; never the shaped total).
 # A run may name another one: GRPOConfig.correctness_func.
 CORRECTNESS_FUNC = "accuracy"
+
+
+def model_token_count(completion_ids: Sequence[int], completion_mask: Sequence[int] | None) -> int:
+    """The completion tokens the model wrote: all of them, or those its multi-turn mask marks (a tool turn's
+    tokens are context, not the model's)."""
+    return len(completion_ids) if completion_mask is None else sum(completion_mask)
 
 
 # -- resolving config entries -----------------------------------------------------------------------------

@@ -10,6 +10,7 @@ import json
 from collections import defaultdict
 from pathlib import Path
 from statistics import mean
+from typing import Hashable, Sequence
 
 from grpo_core.config import GRPOConfig
 from grpo_core.io import read_json, write_json
@@ -19,16 +20,29 @@ from grpo_core.rewards.rewards import (add_environment_rewards, compute_rewards,
 from grpo_core.task import Task
 
 
-def score_rows(cfg: GRPOConfig, rows: list[dict], tasks: dict[str, Task]) -> tuple[list[dict], dict[str, float]]:
-    """Sample rows (task_id, completion, completion_ids) -> one scored row each (task_id, reward, rewards per
-    function, correct), and the seconds each reward function took."""
+def scored_funcs(cfg: GRPOConfig, measure_correctness: bool = False) -> tuple[list[str], list[float]]:
+    """The reward functions a score runs and their weights: the config's, and with `measure_correctness` (as
+    evaluation scores) the correctness function too, weight 0 when it is not one of them: measured, never
+    weighted in, and a sample it cannot score is unscored."""
+    funcs, weights = list(cfg.reward_funcs), list(cfg.reward_weights)
+    if measure_correctness and cfg.correctness_func not in funcs:
+        funcs.append(cfg.correctness_func)
+        weights.append(0.0)
+    return funcs, weights
+
+
+def score_rows(cfg: GRPOConfig, rows: list[dict], tasks: dict[str, Task],
+               measure_correctness: bool = False) -> tuple[list[dict], dict[str, float]]:
+    """Sample rows (task_id, completion, completion_ids; completion_mask, extra when there) -> one scored row
+    each (task_id, reward, rewards per function, correct), and the seconds each reward function took. The one
+    reward chain: the reward functions (`scored_funcs`), the environments' own rewards, the raw correctness."""
+    funcs, weights = scored_funcs(cfg, measure_correctness)
     completions = [r["completion"] for r in rows]
     row_tasks = [tasks[r["task_id"]] for r in rows]
     context = reward_context(cfg, [r["completion_ids"] for r in rows], [r.get("completion_mask") for r in rows])
-    scores = add_environment_rewards(
-        compute_rewards(completions, row_tasks, cfg.reward_funcs, cfg.reward_weights, context),
-        [(r.get("extra") or {}).get("environment_reward") for r in rows])
-    correctness = correctness_scores(scores, cfg.reward_funcs, completions, row_tasks, context, cfg.correctness_func)
+    scores = add_environment_rewards(compute_rewards(completions, row_tasks, funcs, weights, context),
+                                     [(r.get("extra") or {}).get("environment_reward") for r in rows])
+    correctness = correctness_scores(scores, funcs, completions, row_tasks, context, cfg.correctness_func)
     scored = [{"task_id": r["task_id"], "reward": total, "rewards": {f: values[i] for f, values in scores.per_func.items()},
                "correct": correctness[i]} for i, (r, total) in enumerate(zip(rows, scores.totals))]
     return scored, scores.seconds
@@ -80,22 +94,24 @@ class GroupScorer:
     """Scores groups on a helper thread while the sampler produces the next ones (grpo_core/rewards/overlap.py): `add`
     each group's sample rows as the sampler finishes it, `finish` for ({group: scored rows}, seconds per reward
     function), or None after an error (the score stage then scores everything in its own process). Reward
-    functions see the groups finished since their last call, a chunk at a time."""
+    functions see the groups finished since their last call, a chunk at a time. A group is any hashable key;
+    `measure_correctness` as in `score_rows` (evaluation), `what` and `thread_name` name the work in logs."""
 
-    def __init__(self, cfg: GRPOConfig, tasks: list[Task]):
+    def __init__(self, cfg: GRPOConfig, tasks: Sequence[Task], measure_correctness: bool = False,
+                 what: str = "scoring during the rollout", thread_name: str = "score-during-rollout"):
         by_id, self.seconds = {t.id: t for t in tasks}, {}
 
         def score_chunk(rows: list[dict]) -> list[dict]:
-            scored, seconds = score_rows(cfg, rows, by_id)
+            scored, seconds = score_rows(cfg, rows, by_id, measure_correctness)
             for f, took in seconds.items():
                 self.seconds[f] = self.seconds.get(f, 0.0) + took
             return scored
-        self._work = Overlapped(score_chunk, "scoring during the rollout", "score-during-rollout")
+        self._work = Overlapped(score_chunk, what, thread_name)
 
-    def add(self, group: int, rows: list[dict]) -> None:
+    def add(self, group: Hashable, rows: list[dict]) -> None:
         self._work.add(group, rows)
 
-    def finish(self) -> tuple[dict[int, list[dict]], dict[str, float]] | None:
+    def finish(self) -> tuple[dict[Hashable, list[dict]], dict[str, float]] | None:
         """Wait for the groups added so far to be scored; their scores, or None after an error."""
         scored = self._work.finish()
         return None if scored is None else (scored, self.seconds)

@@ -11,13 +11,14 @@ apart from the tool turns (0): those are context only, with no loss, no KL and n
 the model's last turn (its answer); an environment with `get_reward()` judges the whole episode, and its
 score is kept in `Sample.extra["environment_reward"]`.
 
-With our own sampler (`static`, every decode path) the turns are streamed: a row whose turn ends waits in
+The turns are driven in one place for every engine (`drive_turns`). With our own loop (the fused and torch
+engines, every decode path) the turns are streamed: a row whose turn ends waits in
 the KV cache while its calls run on worker threads and the other rows decode; its tool turn is then fed
 after its own cache, so no turn re-encodes the conversation. By default the calls of a step run during the
 next decode step and the batch then waits for them, so a seed gives the same rollouts bit for bit (a killed
 iteration resumes exactly); with `tool_calls_overlap` the other rows keep decoding for as long as the calls
 take (faster with slow tools, but the rollouts then depend on timing). `TurnController` steers the sampler's
-loop, `KVCacheSampler._interact_batch`. Other samplers (`hf`, `vllm`) run the calls of a round together and
+loop, `KVCacheSampler._interact_batch`. Other engines (`vllm`) run the calls of a round together and
 re-encode each conversation for the next turn in one batched prefill, as TRL does. The tools, environments
 and their contract (TRL's) are in grpo_core.rollout.tools; the samplers in grpo_core.rollout.samplers.
 """
@@ -251,13 +252,32 @@ class Episode:
 
 # -- the rollout -------------------------------------------------------------------------------------------
 
-def _first_turn(backend, prompts: list[list[int]], n: int, params: SamplingParams) -> list:
-    """The first turn of every rollout, sampled as a one-turn rollout is: a group's rows in one call per
-    prompt when they share it (the same draws as without tools), else one call per row."""
-    heads = prompts[::n]
-    if all(prompts[k * n + j] == heads[k] for k in range(len(heads)) for j in range(n)):
-        return [c for group in backend.generate(heads, n, params) for c in group]
-    return [group[0] for group in backend.generate(prompts, 1, params)]
+def sample_rows(backend, rows: list[list[int]], n: int, params: SamplingParams,
+                on_group: Callable[[int, list], None] | None = None) -> list:
+    """One turn for every row (`rows`: n per group, groups contiguous; a guided group's rows may differ) -> the
+    completions, row by row, through any engine. A group's rows go in one call per prompt when they share it,
+    else one call per row: the same rows, batches and draws either way. `on_group(g, completions)` hears of each
+    group as soon as its last row is sampled (the local engines, whose `reports_groups` is true: while they
+    sample; the others after the call)."""
+    heads = rows[::n]
+    shared = all(rows[k * n + j] == heads[k] for k in range(len(heads)) for j in range(n))
+    out: list = [None] * len(rows)
+    missing = [n] * len(heads)
+
+    def heard(i: int, group: list) -> None:                 # group i of the call: n rows, or row i alone
+        for j, c in enumerate(group):
+            out[i * len(group) + j] = c
+        g = i * len(group) // n
+        missing[g] -= len(group)
+        if missing[g] == 0 and on_group is not None:
+            on_group(g, out[g * n:(g + 1) * n])
+
+    hears = on_group is not None and getattr(backend, "reports_groups", False)
+    made = backend.generate(*((heads, n) if shared else (rows, 1)), params, **({"on_group": heard} if hears else {}))
+    if not hears:
+        for i, group in enumerate(made):
+            heard(i, list(group))
+    return out
 
 
 def _continue(backend, prompts: list[list[int]], episodes: list[Episode], rows: list[int], budget: int,
@@ -382,6 +402,19 @@ def _streamed_turns(backend, tokenizer, prompts: list[list[int]], toolsets: list
     return episodes
 
 
+def drive_turns(backend, tokenizer, prompts: list[list[int]], toolsets: list[dict[str, Tool]], n: int,
+                params: SamplingParams, toolbox: Toolbox, openings: list[str],
+                template_kwargs: dict) -> list[Episode]:
+    """The one place multi-turn rollouts are driven, for every engine: every rollout's conversation, in one
+    sampling session (one weight snapshot for all turns). Streamed (`_streamed_turns`: each row's KV cache
+    continues) where the engine streams turns (`streams_turns`: the fused and torch engines, `engines.ENGINES`),
+    else re-encoded each round (`_turns`: vllm, and the torch engine on a sliding-window model's own forward)."""
+    session = backend.session(len(prompts)) if hasattr(backend, "session") else contextlib.nullcontext()
+    with session:
+        turns = _streamed_turns if getattr(backend, "streams_turns", False) else _turns
+        return turns(backend, tokenizer, prompts, toolsets, n, params, toolbox, openings, template_kwargs)
+
+
 def _environment_reward(environment: object | None) -> dict | None:
     """{environment class name: get_reward()} for an environment that owns its reward."""
     get_reward = getattr(environment, "get_reward", None)
@@ -406,11 +439,8 @@ def tool_rollout(backend, tokenizer, tasks: Sequence[Task], n: int, params: Samp
     guides = [fmt.guide(t) if r % n < fmt.guided else None for r, t in enumerate(row_tasks)]
     sampled_after = [tool_prompt_ids(tokenizer, t, guide, max_prompt_length, list(ts.values()), obs) if guide else own
                      for t, guide, ts, obs, own in zip(row_tasks, guides, toolsets, observations, prompts)]
-    session = backend.session(len(row_tasks)) if hasattr(backend, "session") else contextlib.nullcontext()
-    with session:
-        turns = _streamed_turns if getattr(backend, "streams_turns", False) else _turns
-        episodes = turns(backend, tokenizer, sampled_after, toolsets, n, params, toolbox,
-                         [fmt.for_task(t).response_prefix for t in row_tasks], dict(fmt.template_kwargs))
+    episodes = drive_turns(backend, tokenizer, sampled_after, toolsets, n, params, toolbox,
+                           [fmt.for_task(t).response_prefix for t in row_tasks], dict(fmt.template_kwargs))
     # 5) the environments' own rewards, and the samples (each with its task's own prompt: what the update trains on)
     rewards = [_environment_reward(env) for env in environments]
     return [[_sample(tasks[g], g, prompts[r], episodes[r], rewards[r], guides[r] is not None)
@@ -422,7 +452,7 @@ def _turns(backend, tokenizer, prompts: list[list[int]], toolsets: list[dict[str
     """Every rollout's conversation: 3) the first turn, 4) rounds of tool calls (all of a round at once), each
     followed by the model's next turn (tool turns rendered with the run's chat_template_kwargs)."""
     episodes = [Episode() for _ in prompts]
-    for ep, completion, opening in zip(episodes, _first_turn(backend, prompts, n, params), openings):
+    for ep, completion, opening in zip(episodes, sample_rows(backend, prompts, n, params), openings):
         ep.add_model_turn(list(completion), getattr(completion, "logprobs", None), tokenizer, opening)
     round_ = 0
     while calling := [i for i, ep in enumerate(episodes) if not ep.done]:
@@ -442,7 +472,7 @@ def _turns(backend, tokenizer, prompts: list[list[int]], toolsets: list[dict[str
 def _sample(task: Task, group: int, prompt_ids: list[int], ep: Episode, reward: dict | None,
             guided: bool = False) -> Sample:
     """A rollout as a Sample; a guided one (sampled after another prompt than `prompt_ids`) is marked and carries
-    no sampler log-probs, as grpo_core.rollout.samplers.guided_rollout's."""
+    no sampler log-probs, as a guided one-turn rollout's (grpo_core.rollout.samplers.rollout)."""
     extra = ep.record()
     if reward is not None:
         extra["environment_reward"] = reward

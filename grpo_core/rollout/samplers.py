@@ -1,13 +1,17 @@
 """Rollout: sample a group of completions per prompt from the current policy.
 
-Generation sits behind a tiny backend interface (`RolloutBackend.generate`, in `grpo_core.rollout.sampling`).
-The default backend is `KVCacheSampler` (`rollout_backend: static`): our own decode loop over a
-preallocated KV cache (through the fused or lean forward of `grpo_core.kernels` for Llama-family models).
-`HFGenerateSampler` (`hf`) calls Hugging Face `generate`; `vllm` lives in `grpo_core.rollout.vllm_backend`.
+Sampling sits behind one interface (`RolloutBackend.generate`, in `grpo_core.rollout.sampling`) and one of three
+engines (`grpo_core.rollout.engines.ENGINES`, `rollout_backend`): `FusedEngine` (`fused`, the CPU default where it
+applies) and `TorchEngine` (`torch`) are our own decode loop over a preallocated KV cache (`KVCacheSampler`, one
+token draw for both: `sample_next`), through the fused forward of `grpo_core.kernels.fused_decode` or the lean one
+(`kernels/lean_decode.py`) / the model's own (`ModelForward`); `vllm` lives in `grpo_core.rollout.vllm_backend`.
+`auto` (`make_backend`) is `KVCacheSampler` as it stands: fused where it applies, else torch. The turns of every
+rollout are driven in one place, `grpo_core.rollout.multiturn` (`sample_rows`, `drive_turns`).
 """
 from __future__ import annotations
 
 import contextlib
+import importlib
 from typing import Callable, Sequence
 
 import torch
@@ -16,12 +20,12 @@ from tqdm.auto import tqdm
 
 from grpo_core.kernels.cpu_features import note_declined
 from grpo_core.kernels.cpu_linear import PackedLinear, sampling_weights
-from grpo_core.update.logprobs import sliding_window
 from grpo_core.rollout.sampling import (Completion, PromptFormat, RolloutBackend, Sample, SamplingParams, StopStrings,
-                                chat_prompt_ids, check_generation_kwargs)
+                                        chat_prompt_ids, check_generation_kwargs)
+from grpo_core.rollout.engines import ENGINES, engine_name
 from grpo_core.task import Task
 from grpo_core.kernels.fused_decode import FusedDecoder
-from grpo_core.kernels.lean_decode import LeanDecoder, chunk_positions, positions
+from grpo_core.kernels.lean_decode import LeanDecoder, chunk_positions, positions, sliding_window
 
 
 def left_pad(rows: Sequence[list[int]], pad: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -76,6 +80,7 @@ class BatchedBackend:
         raise NotImplementedError(f"{type(self).__name__} samples one turn at a time (streams_turns is false)")
 
     streams_turns = False
+    reports_groups = True           # `generate` takes on_group (multiturn.sample_rows)
 
     @torch.inference_mode()
     def generate(self, prompts, n, params, on_group=None, turns=None):
@@ -104,48 +109,6 @@ class BatchedBackend:
         return [out[k * n:(k + 1) * n] for k in range(len(prompts))]
 
 
-class HFGenerateSampler(BatchedBackend):
-    """Batched sampling with transformers' `generate` (left padding, stops when every row has ended)."""
-
-    def _generator(self, seed: int) -> None:
-        torch.manual_seed(seed)             # `generate` samples from the global generator
-        return None
-
-    def _generate_batch(self, rows, params, generator):
-        pad, eos = self.tokenizer.pad_token_id, self.tokenizer.eos_token_id
-        input_ids, attn = left_pad(rows, pad, self.device)
-        kwargs = dict(max_new_tokens=params.max_new_tokens, pad_token_id=pad, eos_token_id=eos)
-        if params.greedy:
-            kwargs.update(do_sample=False, temperature=None, top_p=None, top_k=None, min_p=None)
-        else:
-            kwargs.update(do_sample=True, temperature=params.temperature, top_p=params.top_p,
-                          top_k=params.top_k or None, min_p=params.min_p)
-        # the penalty applies to greedy decoding too (a processor, not a warper); the other options go to
-        # GenerationConfig as they are (checked when the config loads: sampling.check_generation_kwargs)
-        kwargs.update(repetition_penalty=params.repetition_penalty, **params.generation_kwargs)
-        # cut after generating: generate's own stop_strings also match across the prompt's end
-        stops = StopStrings(self.tokenizer, params.stop_strings)
-        if params.logprobs:           # the scores generate samples from: every processor and warper applied
-            kwargs.update(output_scores=True, return_dict_in_generate=True)
-        out = self.model.generate(input_ids=input_ids, attention_mask=attn, **kwargs)
-        sequences = out.sequences if params.logprobs else out
-        gen = sequences[:, input_ids.size(1):]
-        logprobs = None
-        if params.logprobs:
-            scores = torch.stack(out.scores, dim=1).float()                              # [B, n, V]
-            logprobs = torch.log_softmax(scores, -1).gather(-1, gen[:, :, None]).squeeze(-1).cpu().tolist()
-        completions = []
-        for r, ids in enumerate(gen.cpu().tolist()):
-            if eos in ids:
-                ids = ids[:ids.index(eos) + 1]
-            else:
-                while ids and ids[-1] == pad:
-                    ids.pop()
-            ids = stops.cut(ids)
-            completions.append(Completion(ids, logprobs[r][:len(ids)]) if params.logprobs else ids)
-        return completions
-
-
 def sample_next(logits: torch.Tensor, temperature: float, top_k: int, top_p: float, greedy: bool,
                 generator: torch.Generator | None, with_logprobs: bool = False, min_p: float | None = None,
                 repetition_penalty: float = 1.0, seen: torch.Tensor | None = None):
@@ -156,8 +119,12 @@ def sample_next(logits: torch.Tensor, temperature: float, top_k: int, top_p: flo
     With `with_logprobs`, also the log-prob of each drawn token under the distribution it was drawn from,
     every processor applied (greedy: the softmax of the penalised logits) -> ([B], [B]). That is what TRL's
     importance correction divides by: it asks vLLM for `processed_logprobs` (after penalties, temperature,
-    min-p, top-k and top-p), and generate's output_scores (our hf backend) are the processed scores too; the
-    trainer's own log-probs see the temperature only, so the correction accounts for the filters as well."""
+    min-p, top-k and top-p), and generate's output_scores are the processed scores too; the trainer's own
+    log-probs see the temperature only, so the correction accounts for the filters as well.
+
+    The one way every local engine draws a token: greedy takes the argmax; otherwise one uniform per row drives an
+    inverse-CDF draw, in one compiled pass where no filter is on and the compiled ops load (`native.sample_rows`),
+    else through `filter_logits` and `draw` (the same uniform, the same token)."""
     if repetition_penalty != 1.0:
         logits = penalize_repeats(logits, seen, repetition_penalty)
     if greedy:
@@ -274,8 +241,8 @@ def merged_lora(model, enabled: bool = True):
             model.unmerge_adapter()
 
 
-class _HFForward:
-    """The sampler's forward through the model's own call, with a transformers DynamicCache (any
+class ModelForward:
+    """The torch engine's forward through the model's own call, with a transformers DynamicCache (any
     architecture). Same interface as lean_decode.LeanDecoder."""
 
     def __init__(self, model):
@@ -317,32 +284,40 @@ class _HFForward:
 
 
 class KVCacheSampler(BatchedBackend):
-    """Our own sampling loop: one prefill (each distinct prompt once), then one cached forward per
-    token; rows that have ended are dropped from the batch (and from the KV cache) so late steps run
-    only the long answers; stops when every row has ended. Llama-family models run through the fused
-    forward (`fused_decode`: a snapshot of the weights taken when sampling starts, adapter included) or,
-    where it does not apply, the lean one (`lean_decode`); others through the model's own call with a
-    transformers cache. `path` says which one the last rollout took."""
+    """Our own sampling loop, the fused and the torch engines' (and `rollout_backend: auto`, this class as it
+    stands): one prefill (each distinct prompt once), then one cached forward per token; rows that have ended
+    are dropped from the batch (and from the KV cache) so late steps run only the long answers; stops when every
+    row has ended. Llama-family models on the CPU run through the fused forward (`fused_decode`: a snapshot of the
+    weights taken when sampling starts, adapter included; the fused engine) or, where it does not apply, the
+    torch engine's forwards: the lean one (`lean_decode`) for Llama-family models, the model's own call with a
+    transformers cache for others. `path` says which one the last rollout took, `engine` which engine that is."""
 
     def __init__(self, model, tokenizer, device: torch.device, batch_size: int = 64, progress: bool = True,
                  merge_lora: bool = True, lean: bool = True, fused: bool = True):
         super().__init__(model, tokenizer, device, batch_size, progress)
         self.merge_lora, self.fused = merge_lora, fused and lean
-        self.forward = (LeanDecoder.of(model) if lean else None) or _HFForward(model)
+        self.forward = (LeanDecoder.of(model) if lean else None) or ModelForward(model)
         self._active = self.forward
-        self._fallback_path = self.path = "lean" if isinstance(self.forward, LeanDecoder) else "hf"
+        self._fallback_path = self.path = "lean" if isinstance(self.forward, LeanDecoder) else "model"
+        self.engine = "fused" if self.fused else "torch"
+
+    def _no_fused(self) -> None:
+        """Where the fused forward does not apply: auto samples with the torch engine's forwards."""
+        self.engine = "torch"
 
     @contextlib.contextmanager
     def _sampling(self, rows: int):
         # the linear kernel is probed (once per process and row count) at the rows the batches will decode
         snapshot = FusedDecoder.snapshot(self.model, max(1, min(rows, 64))) if self.fused else None
         if snapshot is not None:
-            self._active, self.path = snapshot, snapshot.path
+            self._active, self.path, self.engine = snapshot, snapshot.path, "fused"
             try:
                 yield
             finally:
                 self._active = self.forward             # the snapshot's buffers go with it
             return
+        if self.fused:
+            self._no_fused()
         self.path = self._fallback_path
         with merged_lora(self.model, self.merge_lora):
             self._active = self.forward
@@ -352,7 +327,7 @@ class KVCacheSampler(BatchedBackend):
         """The sampling forward with `rows` in its KV cache -> (forward, last logits [B, V]). A group's rows share
         one prompt: each distinct prompt is prefilled once, then its cache copied."""
         if params.generation_kwargs:
-            check_generation_kwargs(params.generation_kwargs, "static")
+            check_generation_kwargs(params.generation_kwargs, self.engine)
         forward = self._active
         first: dict[tuple, int] = {}
         which = torch.tensor([first.setdefault(tuple(r), len(first)) for r in rows], device=self.device)  # [B]
@@ -408,7 +383,7 @@ class KVCacheSampler(BatchedBackend):
         """Can multi-turn rollouts continue each row's cache? Not with a sliding window on the model's own
         forward: a waiting row's passed slots would count in its window (said once; turns then re-encode)."""
         window = sliding_window(getattr(self.model, "config", None))
-        if window and isinstance(self.forward, _HFForward):
+        if window and isinstance(self.forward, ModelForward):
             note_declined("streamed multi-turn rollouts", f"sliding-window attention ({window} tokens) on the "
                           "model's own forward; each turn re-encodes the conversation")
             return False
@@ -533,80 +508,93 @@ class _TurnBatch:
             self.seen[row, [t for t in tokens if t < self.seen.size(1)]] = True
 
 
+class FusedEngine(KVCacheSampler):
+    """`rollout_backend: fused`: the fused forward only (a Llama-family model on the CPU); refuses, naming the
+    engine that applies, where it cannot take the model (auto would fall back to the torch engine)."""
+
+    def __init__(self, model, tokenizer, device: torch.device, batch_size: int = 64, progress: bool = True,
+                 merge_lora: bool = True):
+        super().__init__(model, tokenizer, device, batch_size, progress, merge_lora=merge_lora)
+
+    def _no_fused(self) -> None:
+        raise RuntimeError("rollout_backend: fused does not apply to this model or device (it needs a Llama-family "
+                           "model, SiLU MLP, no sliding window, on the CPU: see the lines above on what was "
+                           "declined); use rollout_backend: auto or torch")
+
+
+class TorchEngine(KVCacheSampler):
+    """`rollout_backend: torch`: our loop on the lean forward (Llama-family models) or the model's own forward
+    with a transformers cache (any architecture); CPU or CUDA. `lean=False` takes the model's own forward for
+    a Llama-family model too (the tests compare the two)."""
+
+    def __init__(self, model, tokenizer, device: torch.device, batch_size: int = 64, progress: bool = True,
+                 merge_lora: bool = True, lean: bool = True):
+        super().__init__(model, tokenizer, device, batch_size, progress, merge_lora=merge_lora, lean=lean,
+                         fused=False)
+
+
 def make_backend(cfg, policy, progress: bool = True, merge_lora: bool = True) -> RolloutBackend:
-    """The rollout backend `cfg.rollout_backend` names, around the policy's model."""
-    if cfg.rollout_backend == "vllm":
-        from grpo_core.rollout.vllm_backend import VLLMBackend      # optional extra, imported only when chosen
-        return VLLMBackend.from_policy(policy, cfg)
-    cls = KVCacheSampler if cfg.rollout_backend == "static" else HFGenerateSampler
-    kwargs = {"merge_lora": merge_lora} if cls is KVCacheSampler else {}
-    return cls(policy.model, policy.tokenizer, policy.device, cfg.generation_batch_size, progress=progress, **kwargs)
+    """The sampling engine `cfg.rollout_backend` names (`grpo_core.rollout.engines.ENGINES`; auto: fused where it
+    applies, else torch), around the policy's model."""
+    name = engine_name(cfg.rollout_backend)
+    if name == "auto":
+        cls = KVCacheSampler
+    else:
+        module, attr = ENGINES[name].sampler.split(":")
+        cls = getattr(importlib.import_module(module), attr)    # vllm: an optional extra, imported only when chosen
+    if hasattr(cls, "from_policy"):
+        return cls.from_policy(policy, cfg)
+    return cls(policy.model, policy.tokenizer, policy.device, cfg.generation_batch_size, progress=progress,
+               merge_lora=merge_lora)
 
 
 def rollout(backend: RolloutBackend, tokenizer, tasks: Sequence[Task], n: int, params: SamplingParams,
             fmt: PromptFormat | str, max_prompt_length: int,
             on_group: Callable[[list[Sample]], None] | None = None, toolbox=None) -> list[Sample]:
-    """n completions for every task, as Samples (groups contiguous, in task order).
+    """n completions for every task, as Samples (groups contiguous, in task order), through any engine.
 
     `completion` is the response prefix (if any) + the decoded sampled tokens: what rewards judge.
     With params.logprobs each Sample carries its sampler log-probs. `on_group(samples)` gets each group
-    as soon as it is sampled (by the local samplers; after the whole batch by the others). With a
-    `toolbox` (grpo_core.rollout.multiturn.Toolbox) the model may call tools: multi-turn rollouts."""
+    as soon as it is sampled (by the local engines; after the whole batch by the others). With a
+    `toolbox` (grpo_core.rollout.multiturn.Toolbox) the model may call tools: multi-turn rollouts.
+
+    Guided groups (`PromptFormat.guide`) are rows like any other: the first `fmt.guided` answers of such a group
+    are sampled after the guide's prompt, the others after the task's own; every Sample carries the task's own
+    prompt (what the update trains on), a guided one `extra["guided"]` and no sampler log-probs (they are under
+    another prompt). Both kinds of rollout sample their rows through `multiturn.sample_rows` (one turn) and
+    `multiturn.drive_turns` (the turns after it)."""
+    from grpo_core.rollout.multiturn import sample_rows, tool_rollout
     fmt = PromptFormat.of(fmt)
     if toolbox is not None:
         if params.stop_strings:
             raise ValueError("stop_strings is not supported in multi-turn rollouts (a turn ends at EOS or a tool call)")
-        from grpo_core.rollout.multiturn import tool_rollout
         groups = tool_rollout(backend, tokenizer, tasks, n, params, fmt, max_prompt_length, toolbox)
         for group in groups if on_group is not None else ():
             on_group(group)
         return [s for group in groups for s in group]
     prompt_ids = [chat_prompt_ids(tokenizer, t, fmt, max_prompt_length) for t in tasks]
     guides = [fmt.guide(t) for t in tasks]
-    if any(guides):
-        samples = guided_rollout(backend, tokenizer, tasks, n, params, fmt, max_prompt_length, prompt_ids, guides)
-        for g in range(len(tasks)) if on_group is not None else ():
-            on_group(samples[g * n:(g + 1) * n])
-        return samples
+    rows, guided = [], []              # what each row is sampled after, and whether that is a guide's prompt
+    for t, task in enumerate(tasks):
+        guide = chat_prompt_ids(tokenizer, task, guides[t], max_prompt_length) if guides[t] else prompt_ids[t]
+        k = fmt.guided if guides[t] else 0
+        rows += [guide] * k + [prompt_ids[t]] * (n - k)
+        guided += [True] * k + [False] * (n - k)
     stops = StopStrings(tokenizer, params.stop_strings)
 
     def as_samples(g: int, group) -> list[Sample]:
-        return [as_sample(tokenizer, tasks[g], g, prompt_ids[g], c_ids, fmt, stops=stops) for c_ids in group]
+        return [as_sample(tokenizer, tasks[g], g, prompt_ids[g], c_ids, fmt, guided[g * n + j], stops)
+                for j, c_ids in enumerate(group)]
 
     ready: dict[int, list[Sample]] = {}
 
     def finished(g: int, group) -> None:
         ready[g] = as_samples(g, group)
-        on_group(ready[g])
-
-    if on_group is not None and isinstance(backend, BatchedBackend):
-        completions = backend.generate(prompt_ids, n, params, on_group=finished)
-    else:
-        completions = backend.generate(prompt_ids, n, params)
         if on_group is not None:
-            for g, group in enumerate(completions):
-                finished(g, group)
-    return [s for g, group in enumerate(completions) for s in (ready.get(g) or as_samples(g, group))]
+            on_group(ready[g])
 
-
-def guided_rollout(backend: RolloutBackend, tokenizer, tasks: Sequence[Task], n: int, params: SamplingParams,
-                   fmt: PromptFormat, max_prompt_length: int, prompt_ids: list[list[int]],
-                   guides: list[PromptFormat | None]) -> list[Sample]:
-    """`rollout` where some tasks' groups are guided (`PromptFormat.guide`): the first `fmt.guided` answers of
-    such a group are sampled after the guide's prompt, the others after the task's own; every Sample carries the
-    task's own prompt (what the update trains on), a guided one `extra["guided"]` and no sampler log-probs (they
-    are under another prompt). One batch of single answers, groups contiguous, in task order."""
-    rows, guided = [], []
-    for t, task in enumerate(tasks):
-        own = prompt_ids[t]
-        guide = chat_prompt_ids(tokenizer, task, guides[t], max_prompt_length) if guides[t] else own
-        k = fmt.guided if guides[t] else 0
-        rows += [guide] * k + [own] * (n - k)
-        guided += [True] * k + [False] * (n - k)
-    completions = backend.generate(rows, 1, params)
-    stops = StopStrings(tokenizer, params.stop_strings)
-    return [as_sample(tokenizer, tasks[i // n], i // n, prompt_ids[i // n], c_ids, fmt, was_guided, stops)
-            for i, ((c_ids,), was_guided) in enumerate(zip(completions, guided))]
+    completions = sample_rows(backend, rows, n, params, finished if on_group is not None else None)
+    return [s for g in range(len(tasks)) for s in (ready.get(g) or as_samples(g, completions[g * n:(g + 1) * n]))]
 
 
 def as_sample(tokenizer, task: Task, group: int, prompt_ids: list[int], c_ids, fmt: PromptFormat,

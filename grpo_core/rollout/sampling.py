@@ -1,7 +1,8 @@
 """Sampling types: what a rollout asks for (`SamplingParams`, `PromptFormat`), what it returns
-(`Sample`), and the one-method interface every rollout backend implements (`RolloutBackend`).
+(`Sample`), and the one-method interface every sampling engine implements (`RolloutBackend`; the engines:
+`grpo_core.rollout.engines`).
 
-No torch here: the backends (`grpo_core.rollout.samplers`, `grpo_core.rollout.vllm_backend`) import these types, and
+No torch here: the engines (`grpo_core.rollout.samplers`, `grpo_core.rollout.vllm_backend`) import these types, and
 nothing here imports them back.
 """
 from __future__ import annotations
@@ -11,6 +12,7 @@ import random
 from dataclasses import asdict, dataclass, field
 from typing import Protocol, Sequence
 
+from grpo_core.rollout.engines import ENGINES, OWN_OPTIONS, engine_name, engine_options
 from grpo_core.task import Task
 
 
@@ -26,14 +28,14 @@ class SamplingParams:
     min_p: float | None = None  # keep tokens with p >= min_p * (the top token's p), after top-k/top-p (transformers)
     repetition_penalty: float = 1.0     # tokens in the row's prompt or completion so far: logit / it if > 0, else * it
     stop_strings: tuple[str, ...] = ()  # a completion also ends once its text holds one (`StopStrings`)
-    generation_kwargs: dict = field(default_factory=dict)   # backend-only options (hf: GenerationConfig, vllm:
-                                                            # its SamplingParams); `check_generation_kwargs`
+    generation_kwargs: dict = field(default_factory=dict)   # engine-only options (vllm: its SamplingParams);
+                                                            # `check_generation_kwargs`
 
 
-# generation_kwargs keys that name one of our sampling fields: every backend takes them, and they override the field
-# (as TRL's generation_kwargs override its fields)
-OWN_OPTIONS = ("top_p", "top_k", "min_p", "repetition_penalty")
-# keys the pipeline sets itself, whatever the backend -> the fix
+# generation_kwargs keys that name one of our sampling fields (every engine takes them, and they override the field,
+# as TRL's generation_kwargs override its fields), and what each engine maps: grpo_core.rollout.engines
+
+# keys the pipeline sets itself, whatever the engine -> the fix
 _PIPELINE_KEYS = {
     **dict.fromkeys(("temperature",), "set the field temperature instead: the update divides its logits by it too, "
                                       "so a sampling-only temperature would skew the loss"),
@@ -45,57 +47,51 @@ _PIPELINE_KEYS = {
     **dict.fromkeys(("logprobs", "output_scores", "output_logits", "return_dict_in_generate"),
                     "the rollout asks for sampler log-probs itself when vllm_importance_sampling_correction or "
                     "off_policy_mask_threshold needs them"),
-    **dict.fromkeys(("stop_strings", "stop"), "set the field stop_strings instead (every backend ends a completion "
+    **dict.fromkeys(("stop_strings", "stop"), "set the field stop_strings instead (every engine ends a completion "
                                               "there, and the rollout marks it as ended, not truncated)"),
     **dict.fromkeys(("pad_token_id", "eos_token_id"),
                     "a completion ends at the tokenizer's EOS token here (the rollout takes the ids from the "
                     "tokenizer)"),
 }
-# vLLM SamplingParams fields, for the check when vllm is not installed (where it is, its own fields are used)
-_VLLM_FIELDS = ("presence_penalty", "frequency_penalty", "stop", "stop_token_ids", "ignore_eos", "min_tokens",
-                "bad_words", "logit_bias", "allowed_token_ids", "structured_outputs", "guided_decoding",
-                "include_stop_str_in_output", "skip_special_tokens", "spaces_between_special_tokens",
-                "truncate_prompt_tokens", "extra_args", "detokenize", "prompt_logprobs")
 
 
 def backend_options(backend: str) -> set[str]:
-    """The generation_kwargs keys beyond OWN_OPTIONS that rollout backend `backend` passes on (hf: transformers'
-    GenerationConfig fields, vllm: vLLM's SamplingParams fields), less the pipeline's own; static: none."""
-    if backend == "hf":
+    """The generation_kwargs keys beyond OWN_OPTIONS that rollout_backend `backend` maps onto its engine (vllm:
+    vLLM's SamplingParams fields; auto, fused, torch: none), less the pipeline's own."""
+    return engine_options(backend) - set(_PIPELINE_KEYS) - set(OWN_OPTIONS)
+
+
+def _generate_config_field(key: str) -> bool:
+    """Is `key` a transformers GenerationConfig field (what the removed `hf` backend passed on)?"""
+    try:
         from transformers import GenerationConfig
-        names = {k for k in vars(GenerationConfig()) if not k.startswith("_")}
-    elif backend == "vllm":
-        try:
-            from vllm import SamplingParams as VSP
-            names = {k for k in getattr(VSP, "__struct_fields__", ()) if not k.startswith("_")} or set(_VLLM_FIELDS)
-        except ImportError:
-            names = set(_VLLM_FIELDS)
-    else:
-        names = set()
-    return names - set(_PIPELINE_KEYS) - set(OWN_OPTIONS)
-
-
-_TAKES = {"static": f"{', '.join(OWN_OPTIONS)} only", "hf": "transformers GenerationConfig fields",
-          "vllm": "vLLM SamplingParams fields"}
+    except ImportError:
+        return False
+    return key in vars(GenerationConfig()) and not key.startswith("_")
 
 
 def check_generation_kwargs(kwargs: dict, backend: str) -> None:
-    """ValueError naming the first key of `kwargs` (config generation_kwargs) that rollout backend `backend`
-    does not take, the backends that do, and the fix; the OWN_OPTIONS keys are checked by the caller, as the
-    fields they override."""
+    """ValueError naming the first key of `kwargs` (config generation_kwargs) that rollout_backend `backend`
+    does not map onto its engine, the engines that do, and the fix; the OWN_OPTIONS keys are checked by the
+    caller, as the fields they override."""
+    takes = {e: ", ".join(OWN_OPTIONS) + (f" and {ENGINES[e].generation_kwargs}" if backend_options(e) else " only")
+             for e in ENGINES}
+    name = engine_name(backend)
     for key in kwargs:
         if key in OWN_OPTIONS or key in backend_options(backend):
             continue
         if key in _PIPELINE_KEYS:
             raise ValueError(f"generation_kwargs: {key!r} is set by the pipeline; {_PIPELINE_KEYS[key]}")
-        others = [b for b in ("hf", "vllm") if b != backend and key in backend_options(b)]
+        others = [e for e in ENGINES if e != name and key in backend_options(e)]
         if others:
             raise ValueError(f"generation_kwargs: {key!r} is not an option of rollout_backend: {backend} (it takes "
-                             f"{_TAKES[backend]}); rollout_backend {' or '.join(others)} accepts it: set that "
-                             f"rollout_backend or remove the key")
-        raise ValueError(f"generation_kwargs: {key!r} is an option of no rollout backend (static takes "
-                         f"{_TAKES['static']}; hf: {_TAKES['hf']}; vllm: {_TAKES['vllm']}); check the spelling "
-                         f"or remove it")
+                             f"{takes.get(name, takes['fused'])}); rollout_backend {' or '.join(others)} accepts it: "
+                             f"set that rollout_backend or remove the key")
+        hint = (" It is a transformers GenerationConfig field: rollout_backend hf, which passed those to generate, "
+                "was removed (issue #49)." if _generate_config_field(key) else "")
+        raise ValueError(f"generation_kwargs: {key!r} is an option of no rollout engine ("
+                         + "; ".join(f"{e} takes {t}" for e, t in takes.items())
+                         + f").{hint} Check the spelling or remove it")
 
 
 def sampling_options(cfg) -> dict:
@@ -154,12 +150,6 @@ class Sample:
 
     def to_dict(self) -> dict:
         return asdict(self)
-
-
-def model_token_count(completion_ids: Sequence[int], completion_mask: Sequence[int] | None) -> int:
-    """The completion tokens the model wrote: all of them, or those its multi-turn mask marks (a tool turn's
-    tokens are context, not the model's)."""
-    return len(completion_ids) if completion_mask is None else sum(completion_mask)
 
 
 def readable_conversation(extra: dict) -> str:

@@ -17,7 +17,6 @@ import itertools
 import tempfile
 from pathlib import Path
 
-from grpo_core.model.loading import resolve_model
 from grpo_core.rollout.sampling import Completion, SamplingParams, StopStrings
 
 
@@ -45,7 +44,7 @@ class VLLMBackend:
             from vllm import LLM
         except ImportError as e:      # the extra is not installed
             raise ImportError("rollout_backend: vllm needs the vllm package (pip install 'grpo-pipeline[vllm]') "
-                              "and a CUDA GPU; use rollout_backend: static otherwise") from e
+                              "and a CUDA GPU; use rollout_backend: auto otherwise") from e
         self.policy = policy
         self.use_lora = policy.use_peft
         # processed log-probs (what the token was drawn from), only asked for when they are used
@@ -65,7 +64,7 @@ class VLLMBackend:
     @classmethod
     def from_policy(cls, policy, cfg) -> "VLLMBackend":
         dtype = "bfloat16" if cfg.dtype in ("auto", "bfloat16") else "float32"
-        return cls(resolve_model(cfg.model), policy, dtype=dtype, max_lora_rank=max(16, cfg.lora_r),
+        return cls(policy.base_dir, policy, dtype=dtype, max_lora_rank=max(16, cfg.lora_r),
                    max_model_len=cfg.max_prompt_length + cfg.max_completion_length,
                    sampler_logprobs=cfg.needs_sampler_logprobs,
                    gpu_memory_utilization=cfg.vllm_gpu_memory_utilization, model_impl=cfg.vllm_model_impl)

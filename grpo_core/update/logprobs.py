@@ -18,8 +18,9 @@ import torch.nn.functional as F
 from grpo_core.kernels import native
 from grpo_core.kernels.cpu_features import note_declined
 from grpo_core.kernels.fused_decode import use_packed_linears
-from grpo_core.kernels.lean_decode import LeanDecoder, causal_pad_mask, positions
+from grpo_core.kernels.lean_decode import LeanDecoder, causal_pad_mask, positions, sliding_window
 from grpo_core.kernels.lora_linear import linear
+from grpo_core.model.policy import fp32_head_logits
 
 
 def token_logprobs(logits: torch.Tensor, ids: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
@@ -103,21 +104,6 @@ class _SweptLogprob(torch.autograd.Function):
 # the compiled logit sweep and segment attention, where they apply (tests switch either off here)
 _sweep_ops = native.ops_for
 _native_attention_ops = native.ops_for
-
-
-def contiguous_head_logits(head: torch.nn.Linear, hidden: torch.Tensor) -> torch.Tensor:
-    """The LM head on a contiguous copy of its input. transformers hands the head a strided slice (the last
-    position, `logits_to_keep`), and torch's CPU bfloat16 linear then copies a frozen weight once per batch row
-    (gigabytes for a large vocabulary; docs/speed.md), where copying the input costs next to nothing."""
-    return F.linear(hidden.contiguous(), head.weight, head.bias)
-
-
-def fp32_head_logits(head: torch.nn.Linear, hidden: torch.Tensor) -> torch.Tensor:
-    """The LM head's matmul in float32 (TRL's `cast_lm_head_to_fp32`, ScaleRL): the hidden states, weight and
-    bias cast up, autocast off; differentiable in all three. hidden [..., H] -> logits [..., V] float32."""
-    with torch.autocast(hidden.device.type, enabled=False):
-        bias = None if head.bias is None else head.bias.float()
-        return F.linear(hidden.float(), head.weight.float(), bias)
 
 
 def _head_chunk(hidden: torch.Tensor, head: torch.nn.Module, ids: torch.Tensor, temperature: float,
@@ -502,14 +488,6 @@ def _pack_is_cheaper(config, input_ids: torch.Tensor, attention_mask: torch.Tens
     packed = n * S * per_token + n * S * S * per_pair
     padded = (n * P + B * completion_len) * per_token + (n * P * P + B * completion_len * T) * per_pair
     return packed < padded
-
-
-def sliding_window(config) -> int | None:
-    """The sliding window some layer of the model attends within (Mistral, Qwen2 with use_sliding_window, Gemma 3's
-    sliding layers), or None."""
-    if getattr(config, "use_sliding_window", True) is False:
-        return None
-    return getattr(config, "sliding_window", None) or None
 
 
 def logprob_path(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, completion_len: int,

@@ -15,16 +15,18 @@ sg[.] = stop-gradient. With the defaults (token ratio, loss_type grpo, no masks)
 then reduced over tokens as `loss_type` says (see `aggregate`), scaled so that the micro-batches of one
 optimizer step add up to that step's loss. The KL is weighted by the ratio (`use_bias_correction_kl`,
 DeepSeek-V3.2, TRL's default) so that its gradient is the unbiased reverse-KL gradient; rho's value is 1
-on-policy, its gradient is not. `grpo_loss` lists, in order, what each option changes.
+on-policy, its gradient is not. Every option sits in one `LossSettings` (built from the config by
+`LossSettings.of`), every loss type in one table, `LOSS_TYPES` (its per-token objective and its reduction),
+and `grpo_loss` applies them in numbered steps, in TRL's order.
 """
 from __future__ import annotations
 
 import math
-from typing import Sequence
+from dataclasses import dataclass
+from typing import Callable, Sequence
 
 import torch
 
-LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "vespo")
 IMPORTANCE_SAMPLING_LEVELS = ("token", "sequence", "sequence_token")
 SAMPLER_CORRECTION_MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
 
@@ -290,173 +292,303 @@ def sampler_correction_weight(old_logp: torch.Tensor, sampler_logp: torch.Tensor
     return weight.masked_fill(outside, 0.0)
 
 
-# -- reduction ----------------------------------------------------------------------------------------
+# -- the settings: every knob of the objective, built from the config once ----------------------------
+
+@dataclass(frozen=True)
+class LossSettings:
+    """What `grpo_loss` computes, named as TRL's `GRPOConfig` and trainer name it (`LossSettings.of(cfg)` builds it
+    from a run's config). What changes from one micro-batch to the next (the tensors, the step's token count) is
+    passed to `grpo_loss` itself."""
+    loss_type: str                                # a name in LOSS_TYPES: the per-token objective and its reduction
+    beta: float                                   # KL weight to the reference (0: no reference log-probs needed)
+    epsilon_low: float                            # clip range below 1 (the config's `epsilon`)
+    epsilon_high: float                           # clip range above 1; cispo's cap of the IS weight
+    max_completion_length: int                    # dr_grpo's constant normaliser
+    importance_sampling_level: str = "token"      # `importance_ratio`: token, sequence (GSPO), sequence_token
+    delta: float | None = None                    # two-sided clipping of the clipped surrogate (INTELLECT-2)
+    sapo_temperature_pos: float = 1.0             # `sapo_loss`'s gate temperatures
+    sapo_temperature_neg: float = 1.05
+    vespo_k_pos: float = 2.0                      # `vespo_weight`'s k and lambda, by the sign of the advantage
+    vespo_lambda_pos: float = 3.0
+    vespo_k_neg: float = 3.0
+    vespo_lambda_neg: float = 2.0
+    top_entropy_quantile: float = 1.0             # `high_entropy_mask` (1.0: every token)
+    entropy_coef: float = 0.0                     # `entropy_bonus` weight (needs the entropy with its gradient)
+    off_policy_mask_threshold: float | None = None          # `off_policy_sequence_mask` (None: off)
+    sampler_correction: str | None = None         # a vllm_importance_sampling_mode (None: no sampler correction)
+    sampler_correction_cap: float = 3.0           # its bounds (`sampler_correction_weight`)
+    sampler_correction_clip_min: float | None = None
+    use_bias_correction_kl: bool = True           # `kl_term`: the k3 KL times the ratio
+
+    @classmethod
+    def of(cls, cfg) -> "LossSettings":
+        """The settings a run's `grpo_core.config.GRPOConfig` describes: the one place the config's names become
+        the loss's (epsilon -> epsilon_low, vllm_importance_sampling_* -> sampler_correction_*)."""
+        return cls(
+            loss_type=cfg.loss_type, beta=cfg.beta, epsilon_low=cfg.epsilon, epsilon_high=cfg.epsilon_high,
+            max_completion_length=cfg.max_completion_length, importance_sampling_level=cfg.importance_sampling_level,
+            delta=cfg.delta, sapo_temperature_pos=cfg.sapo_temperature_pos, sapo_temperature_neg=cfg.sapo_temperature_neg,
+            vespo_k_pos=cfg.vespo_k_pos, vespo_lambda_pos=cfg.vespo_lambda_pos, vespo_k_neg=cfg.vespo_k_neg,
+            vespo_lambda_neg=cfg.vespo_lambda_neg, top_entropy_quantile=cfg.top_entropy_quantile,
+            entropy_coef=cfg.entropy_coef, off_policy_mask_threshold=cfg.off_policy_mask_threshold,
+            sampler_correction=cfg.vllm_importance_sampling_mode if cfg.vllm_importance_sampling_correction else None,
+            sampler_correction_cap=cfg.vllm_importance_sampling_cap,
+            sampler_correction_clip_min=cfg.vllm_importance_sampling_clip_min,
+            use_bias_correction_kl=cfg.use_bias_correction_kl)
+
+
+@dataclass(frozen=True)
+class PolicyInputs:
+    """What a loss type's per-token objective sees of one micro-batch."""
+    ratio: torch.Tensor                   # [B, L] or [B, 1]: `importance_ratio` at the settings' level
+    advantages: torch.Tensor              # [B, 1]
+    logp: torch.Tensor                    # [B, L], with its gradient
+    old_logp: torch.Tensor                # [B, L]
+    mask: torch.Tensor                    # [B, L]
+    sampler_weight: torch.Tensor | None   # [B, L] or [B, 1]: the sampler correction, for a type that folds it in
+
+
+# -- reductions: a micro-batch's masked per-token losses [B, L] -> one number ---------------------------
+
+def sequence_mean(masked: torch.Tensor, mask: torch.Tensor, max_completion_length: int,
+                  num_tokens_in_batch: float | None) -> torch.Tensor:
+    """Mean over sequences of each sequence's token mean (DeepSeekMath)."""
+    return (masked.sum(-1) / mask.sum(-1).clamp(min=1)).mean()
+
+
+def token_mean(masked: torch.Tensor, mask: torch.Tensor, max_completion_length: int,
+               num_tokens_in_batch: float | None) -> torch.Tensor:
+    """Token mean over the micro-batch."""
+    return masked.sum() / mask.sum().clamp(min=1)
+
+
+def fixed_length(masked: torch.Tensor, mask: torch.Tensor, max_completion_length: int,
+                 num_tokens_in_batch: float | None) -> torch.Tensor:
+    """Token sum / (B * max_completion_length): a constant normaliser (Dr. GRPO)."""
+    return masked.sum() / (masked.size(0) * max_completion_length)
+
+
+def sequence_sum(masked: torch.Tensor, mask: torch.Tensor, max_completion_length: int,
+                 num_tokens_in_batch: float | None) -> torch.Tensor:
+    """Mean over sequences of each sequence's token sum (LUSPO: a sequence weighs its length)."""
+    return masked.sum(-1).mean()
+
+
+def step_token_mean(masked: torch.Tensor, mask: torch.Tensor, max_completion_length: int,
+                    num_tokens_in_batch: float | None) -> torch.Tensor:
+    """Token sum / the completion tokens the whole step trains on (DAPO); this micro-batch's without the count."""
+    tokens = mask.sum() if num_tokens_in_batch is None else torch.as_tensor(num_tokens_in_batch)
+    return masked.sum() / tokens.clamp(min=1)
+
+
+@dataclass(frozen=True)
+class Reduction:
+    """A reduction and what it divides by: this micro-batch's "sequences" or "tokens" (then each micro-batch is
+    normalised by itself, and its share of the step is that over the number of micro-batches; a data-parallel
+    process's part is reweighed by its fraction of them, `grpo_core.update.step.shard_loss_weight`), or None:
+    the step's token count, which every micro-batch and process already shares."""
+    reduce: Callable[[torch.Tensor, torch.Tensor, int, float | None], torch.Tensor]
+    normaliser: str | None
+
+
+# -- per-token objectives: (PolicyInputs, LossSettings) -> ([B, L] loss, statistics it measured) ---------------
+
+Objective = Callable[[PolicyInputs, LossSettings], tuple[torch.Tensor, dict[str, torch.Tensor]]]
+
+
+def clipped_objective(x: PolicyInputs, s: LossSettings) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """grpo, bnpo, dr_grpo, dapo, luspo: `clipped_surrogate` (two-sided with `delta`)."""
+    return clipped_surrogate(x.ratio, x.advantages, s.epsilon_low, s.epsilon_high, s.delta), {}
+
+
+def cispo_objective(x: PolicyInputs, s: LossSettings) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """`cispo_loss`, the IS weight capped at epsilon_high."""
+    return cispo_loss(x.ratio, x.advantages, x.logp, s.epsilon_high), {}
+
+
+def sapo_objective(x: PolicyInputs, s: LossSettings) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """`sapo_loss` with the settings' temperatures."""
+    return sapo_loss(x.ratio, x.advantages, s.sapo_temperature_pos, s.sapo_temperature_neg), {}
+
+
+def vespo_objective(x: PolicyInputs, s: LossSettings) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """-sg[phi(w)] * A * logp_t, phi the `vespo_weight` of the sequence (the sampler correction folded into w)."""
+    phi = vespo_weight(x.advantages, x.logp, x.old_logp, x.mask, s.vespo_k_pos, s.vespo_lambda_pos, s.vespo_k_neg,
+                       s.vespo_lambda_neg, x.sampler_weight)                                        # [B, 1]
+    return -phi * x.advantages * x.logp, {"vespo/phi_seq_mean": phi}         # phi: a mean over sequences
+
+
+# -- which tokens a clip statistic counts: (ratio [B, L], advantages [B, 1], settings) -> (low, high) [B, L] ---
+
+def surrogate_clipped(ratio: torch.Tensor, advantages: torch.Tensor, s: LossSettings) -> tuple[torch.Tensor, torch.Tensor]:
+    """The tokens whose clipped term won: below 1 - eps_low with A < 0, above 1 + eps_high with A > 0."""
+    return (ratio < 1 - s.epsilon_low) & (advantages < 0), (ratio > 1 + s.epsilon_high) & (advantages > 0)
+
+
+def cispo_capped(ratio: torch.Tensor, advantages: torch.Tensor, s: LossSettings) -> tuple[torch.Tensor, torch.Tensor]:
+    """CISPO's cap (epsilon_high itself), on the positive-advantage tokens; no lower bound."""
+    return torch.zeros_like(ratio, dtype=torch.bool), (ratio > s.epsilon_high) & (advantages > 0)
+
+
+def never_clipped(ratio: torch.Tensor, advantages: torch.Tensor, s: LossSettings) -> tuple[torch.Tensor, torch.Tensor]:
+    """No hard clip (SAPO's soft gate, VESPO's smooth weight)."""
+    none = torch.zeros_like(ratio, dtype=torch.bool)
+    return none, none
+
+
+# -- the loss types -------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class LossType:
+    """One `loss_type`: its per-token objective, its reduction, what its clip statistics count, and whether the
+    sampler correction's weight goes into the objective (VESPO: into the sequence's weight) instead of
+    multiplying each token's loss."""
+    objective: Objective
+    reduction: Reduction
+    clip_region: Callable[[torch.Tensor, torch.Tensor, LossSettings], tuple[torch.Tensor, torch.Tensor]] = never_clipped
+    folds_sampler_correction: bool = False
+
+
+SEQUENCE_MEAN = Reduction(sequence_mean, "sequences")
+TOKEN_MEAN = Reduction(token_mean, "tokens")
+FIXED_LENGTH = Reduction(fixed_length, "sequences")
+SEQUENCE_SUM = Reduction(sequence_sum, "sequences")
+STEP_TOKEN_MEAN = Reduction(step_token_mean, None)
+
+# Every loss type, by the name `loss_type` takes (the config accepts exactly these). To add one: a per-token
+# objective above (its formula in the docstring) and its line here.
+LOSS_TYPES: dict[str, LossType] = {
+    "grpo": LossType(clipped_objective, SEQUENCE_MEAN, surrogate_clipped),
+    "bnpo": LossType(clipped_objective, TOKEN_MEAN, surrogate_clipped),
+    "dr_grpo": LossType(clipped_objective, FIXED_LENGTH, surrogate_clipped),
+    "dapo": LossType(clipped_objective, STEP_TOKEN_MEAN, surrogate_clipped),
+    "cispo": LossType(cispo_objective, STEP_TOKEN_MEAN, cispo_capped),
+    "sapo": LossType(sapo_objective, SEQUENCE_MEAN),
+    "luspo": LossType(clipped_objective, SEQUENCE_SUM, surrogate_clipped),
+    "vespo": LossType(vespo_objective, STEP_TOKEN_MEAN, folds_sampler_correction=True),
+}
+
+
+def loss_type_named(name: str) -> LossType:
+    """The entry of LOSS_TYPES called `name`; a ValueError naming the known ones otherwise."""
+    if name not in LOSS_TYPES:
+        raise ValueError(f"loss_type must be one of {', '.join(LOSS_TYPES)}, not {name!r}")
+    return LOSS_TYPES[name]
+
 
 def aggregate(per_token_loss: torch.Tensor, mask: torch.Tensor, loss_type: str, max_completion_length: int,
               num_micro_batches: int = 1, num_tokens_in_batch: float | None = None) -> torch.Tensor:
-    """Reduce one micro-batch's [B, L] per-token loss to its share of the optimizer step's loss.
+    """Reduce one micro-batch's [B, L] per-token loss to its share of the optimizer step's loss, by the loss
+    type's `Reduction`:
 
-    grpo, sapo:         mean over sequences of each sequence's token mean (DeepSeekMath)
-    bnpo:               token mean over the micro-batch
-    dr_grpo:            token sum / (B * max_completion_length) (constant normaliser, Dr. GRPO)
-    luspo:              mean over sequences of each sequence's token sum (LUSPO: a sequence weighs its length)
-    dapo, cispo, vespo: token sum / num_tokens_in_batch, the completion tokens the whole step trains on (DAPO)
+    grpo, sapo:         `sequence_mean`      bnpo:  `token_mean`      dr_grpo: `fixed_length`
+    luspo:              `sequence_sum`       dapo, cispo, vespo: `step_token_mean`
 
-    grpo, sapo, bnpo, dr_grpo and luspo normalise each micro-batch by itself, so the share is that value
-    divided by `num_micro_batches` (as TRL divides by the gradient-accumulation steps); the dapo
-    normaliser already counts the whole step's tokens, so its shares add up as they are. Without
-    `num_tokens_in_batch`, dapo counts this micro-batch's tokens, which is right only when it is the
-    whole step.
+    A reduction normalised by the micro-batch itself is divided by `num_micro_batches` (as TRL divides by the
+    gradient-accumulation steps); the step-token normaliser already counts the whole step's tokens, so its
+    shares add up as they are. Without `num_tokens_in_batch` it counts this micro-batch's tokens, which is
+    right only when it is the whole step.
     """
+    reduction = loss_type_named(loss_type).reduction
     masked = per_token_loss * mask                                        # [B, L]
-    if loss_type in ("dapo", "cispo", "vespo"):
-        if num_tokens_in_batch is None:
-            if num_micro_batches != 1:
-                raise ValueError(f"{loss_type} over several micro-batches needs num_tokens_in_batch (tokens per step)")
-            return masked.sum() / mask.sum().clamp(min=1)
-        return masked.sum() / torch.as_tensor(num_tokens_in_batch).clamp(min=1)
-    if loss_type in ("grpo", "sapo"):
-        micro_batch_loss = (masked.sum(-1) / mask.sum(-1).clamp(min=1)).mean()
-    elif loss_type == "bnpo":
-        micro_batch_loss = masked.sum() / mask.sum().clamp(min=1)
-    elif loss_type == "dr_grpo":
-        micro_batch_loss = masked.sum() / (per_token_loss.size(0) * max_completion_length)
-    elif loss_type == "luspo":
-        micro_batch_loss = masked.sum(-1).mean()
-    else:
-        raise ValueError(f"loss_type must be one of {', '.join(LOSS_TYPES)}, not {loss_type!r}")
-    return micro_batch_loss / num_micro_batches
+    if reduction.normaliser is None:
+        if num_tokens_in_batch is None and num_micro_batches != 1:
+            raise ValueError(f"{loss_type} over several micro-batches needs num_tokens_in_batch (tokens per step)")
+        return reduction.reduce(masked, mask, max_completion_length, num_tokens_in_batch)
+    return reduction.reduce(masked, mask, max_completion_length, num_tokens_in_batch) / num_micro_batches
 
 
 # -- the loss of one micro-batch ------------------------------------------------------------------------
 
-def policy_loss(ratio: torch.Tensor, advantages: torch.Tensor, logp: torch.Tensor, loss_type: str,
-                epsilon_low: float, epsilon_high: float, delta: float | None, sapo_temperature_pos: float,
-                sapo_temperature_neg: float, vespo_phi: torch.Tensor | None = None) -> torch.Tensor:
-    """The per-token policy loss `loss_type` names: `cispo_loss` (cap epsilon_high), `sapo_loss`, VESPO's
-    -sg[phi(w)] * A * logp_t (`vespo_weight`, given as `vespo_phi`), or `clipped_surrogate` (grpo, bnpo,
-    dr_grpo, dapo, luspo; with `delta`). [B, L] (or [B, 1] for a sequence ratio, except cispo and vespo)."""
-    if loss_type == "vespo":
-        return -vespo_phi * advantages * logp
-    if loss_type == "cispo":
-        return cispo_loss(ratio, advantages, logp, epsilon_high)
-    if loss_type == "sapo":
-        return sapo_loss(ratio, advantages, sapo_temperature_pos, sapo_temperature_neg)
-    return clipped_surrogate(ratio, advantages, epsilon_low, epsilon_high, delta)
-
-
-def token_weights(advantages: torch.Tensor, logp: torch.Tensor, old_logp: torch.Tensor, mask: torch.Tensor, *,
-                  entropy: torch.Tensor | None, top_entropy_quantile: float, sampler_logp: torch.Tensor | None,
-                  off_policy_mask_threshold: float | None, sampler_correction: str | None,
-                  sampler_correction_cap: float, sampler_correction_clip_min: float | None = None,
-                  ) -> tuple[torch.Tensor | None, dict[str, torch.Tensor]]:
+def token_weights(x: PolicyInputs, s: LossSettings, entropy: torch.Tensor | None, sampler_logp: torch.Tensor | None,
+                  sampler_weight: torch.Tensor | None) -> tuple[torch.Tensor | None, dict[str, torch.Tensor]]:
     """What multiplies each token's policy loss (no gradient), in TRL's order: `off_policy_sequence_mask`
-    (against `sampler_logp`, or old_logp without one), `high_entropy_mask`, then
-    `sampler_correction_weight`. Returns it ([B, L]; None when nothing is enabled) and, per enabled
-    part, what it did to each token (for the statistics)."""
+    (against `sampler_logp`, or old_logp without one), `high_entropy_mask`, then the sampler correction's
+    `sampler_weight` (given unless the loss type folds it in). Returns it ([B, L]; None when nothing is
+    enabled) and, per enabled mask, what it did to each token (for the statistics)."""
     weight, touched = None, {}
 
     def times(w: torch.Tensor) -> torch.Tensor:
         return w if weight is None else weight * w
 
-    if off_policy_mask_threshold is not None:
-        behaviour = sampler_logp if sampler_logp is not None else old_logp
-        keep = off_policy_sequence_mask(advantages, logp, behaviour, mask, off_policy_mask_threshold)  # [B, 1]
-        weight = times(keep.expand_as(mask))
-        touched["off_policy_mask/dropped_frac"] = 1 - keep.expand_as(mask)
-    if top_entropy_quantile < 1.0:
+    if s.off_policy_mask_threshold is not None:
+        behaviour = sampler_logp if sampler_logp is not None else x.old_logp
+        keep = off_policy_sequence_mask(x.advantages, x.logp, behaviour, x.mask, s.off_policy_mask_threshold)  # [B, 1]
+        weight = times(keep.expand_as(x.mask))
+        touched["off_policy_mask/dropped_frac"] = 1 - keep.expand_as(x.mask)
+    if s.top_entropy_quantile < 1.0:
         if entropy is None:
             raise ValueError("top_entropy_quantile < 1 needs the per-token entropy")
-        keep_tokens = high_entropy_mask(entropy, mask, top_entropy_quantile)      # [B, L]
+        keep_tokens = high_entropy_mask(entropy, x.mask, s.top_entropy_quantile)      # [B, L]
         weight = times(keep_tokens)
         touched["entropy_mask/kept_frac"] = keep_tokens
-    is_weight, is_stats = _sampler_weight(old_logp, sampler_logp, mask, sampler_correction, sampler_correction_cap,
-                                          sampler_correction_clip_min)
-    if is_weight is not None:
-        weight = times(is_weight.expand_as(mask))
-        touched.update(is_stats)
+    if sampler_weight is not None:
+        weight = times(sampler_weight.expand_as(x.mask))
     return weight, touched
 
 
 def _sampler_weight(old_logp: torch.Tensor, sampler_logp: torch.Tensor | None, mask: torch.Tensor,
-                    mode: str | None, cap: float,
-                    clip_min: float | None = None) -> tuple[torch.Tensor | None, dict[str, torch.Tensor]]:
-    """`sampler_correction_weight` when `mode` names one ([B, L] or [B, 1]; else None) and its statistics."""
-    if mode is None:
+                    s: LossSettings) -> tuple[torch.Tensor | None, dict[str, torch.Tensor]]:
+    """`sampler_correction_weight` when the settings name a mode ([B, L] or [B, 1]; else None) and its statistics."""
+    if s.sampler_correction is None:
         return None, {}
     if sampler_logp is None:
         raise ValueError("vllm_importance_sampling_correction needs the sampler's log-probs (sampler_logp)")
-    w = sampler_correction_weight(old_logp, sampler_logp, mask, mode, cap, clip_min)
+    w = sampler_correction_weight(old_logp, sampler_logp, mask, s.sampler_correction, s.sampler_correction_cap,
+                                  s.sampler_correction_clip_min)
     return w, {"sampler_is/weight_mean": w.expand_as(mask), "sampler_is/zeroed_frac": (w == 0).expand_as(mask)}
 
 
-def grpo_loss(logp: torch.Tensor, old_logp: torch.Tensor, ref_logp: torch.Tensor | None,
-              advantages: torch.Tensor, mask: torch.Tensor, *, beta: float, epsilon_low: float,
-              epsilon_high: float, loss_type: str, max_completion_length: int, num_micro_batches: int = 1,
-              num_tokens_in_batch: float | None = None, importance_sampling_level: str = "token",
-              delta: float | None = None, sapo_temperature_pos: float = 1.0, sapo_temperature_neg: float = 1.05,
-              entropy: torch.Tensor | None = None, top_entropy_quantile: float = 1.0, entropy_coef: float = 0.0,
-              sampler_logp: torch.Tensor | None = None, off_policy_mask_threshold: float | None = None,
-              sampler_correction: str | None = None, sampler_correction_cap: float = 3.0,
-              sampler_correction_clip_min: float | None = None, use_bias_correction_kl: bool = True,
-              vespo_k_pos: float = 2.0, vespo_lambda_pos: float = 3.0, vespo_k_neg: float = 3.0,
-              vespo_lambda_neg: float = 2.0) -> tuple[torch.Tensor, dict[str, float]]:
-    """The loss of one micro-batch. logp/old_logp/ref_logp/mask/entropy/sampler_logp: [B, L];
-    advantages: [B]. In order (TRL's order):
+def grpo_loss(logp: torch.Tensor, old_logp: torch.Tensor, ref_logp: torch.Tensor | None, advantages: torch.Tensor,
+              mask: torch.Tensor, s: LossSettings, *, num_micro_batches: int = 1,
+              num_tokens_in_batch: float | None = None, entropy: torch.Tensor | None = None,
+              sampler_logp: torch.Tensor | None = None, loss_weight: float = 1.0,
+              entropy_weight: float = 1.0) -> tuple[torch.Tensor, dict[str, float]]:
+    """The loss of one micro-batch. logp/old_logp/ref_logp/mask/entropy/sampler_logp: [B, L]; advantages: [B].
+    `num_micro_batches` and `num_tokens_in_batch`: the step's (`aggregate`); `loss_weight` and `entropy_weight`:
+    this process's part of the micro-batch's policy loss and entropy bonus (data parallel; 1 for the whole).
 
-    1) ratio = `importance_ratio` at `importance_sampling_level`
-    2) the per-token `policy_loss` of `loss_type` (vespo: with `vespo_weight` of the sequence, into which
-       the sampler correction's weights go instead of 3))
-    3) times `token_weights`: the off-policy sequence mask (`off_policy_mask_threshold`), the
-       high-entropy mask (`top_entropy_quantile` < 1), the sampler correction (`sampler_correction`
-       names a vllm_importance_sampling_mode; bounds: _clip_min, _cap; needs sampler_logp)
-    4) + beta * KL_k3(pi || ref), times the ratio of 1) (before `delta` caps it) with
-       `use_bias_correction_kl`
-    5) `aggregate` as loss_type says
-    6) - entropy_coef * `entropy_bonus` / num_micro_batches (`entropy` must carry its gradient)
-
-    Returns this micro-batch's share of the step's loss (call backward on it, and sum it over the
-    step's micro-batches for the step's loss) and detached statistics of this micro-batch (masked token
-    means)."""
-    advantages = advantages.unsqueeze(1)                                  # [B, 1]
-    ratio = importance_ratio(logp, old_logp, mask, importance_sampling_level)       # [B, L] or [B, 1]
-    phi, folded = None, {}
-    if loss_type == "vespo":                        # the sampler correction goes into phi, not per token
-        sampler_weight, folded = _sampler_weight(old_logp, sampler_logp, mask, sampler_correction,
-                                                 sampler_correction_cap, sampler_correction_clip_min)
-        phi = vespo_weight(advantages, logp, old_logp, mask, vespo_k_pos, vespo_lambda_pos, vespo_k_neg,
-                           vespo_lambda_neg, sampler_weight)                                   # [B, 1]
-        sampler_correction = None
-    per_token_loss = policy_loss(ratio, advantages, logp, loss_type, epsilon_low, epsilon_high, delta,
-                                 sapo_temperature_pos, sapo_temperature_neg, phi)
-    weight, touched = token_weights(
-        advantages, logp, old_logp, mask, entropy=entropy, top_entropy_quantile=top_entropy_quantile,
-        sampler_logp=sampler_logp, off_policy_mask_threshold=off_policy_mask_threshold,
-        sampler_correction=sampler_correction, sampler_correction_cap=sampler_correction_cap,
-        sampler_correction_clip_min=sampler_correction_clip_min)
-    touched.update(folded)
-    if phi is not None:
-        touched["vespo/phi_seq_mean"] = phi                           # [B, 1]: a mean over sequences
+    Returns this micro-batch's share of the step's loss (call backward on it, and sum it over the step's
+    micro-batches for the step's loss) and detached statistics of this micro-batch (masked token means)."""
+    kind = loss_type_named(s.loss_type)
+    advantages = advantages.unsqueeze(1)                                                  # [B, 1]
+    # 1) the importance ratio to the rollout policy, and the sampler's to the trainer's
+    ratio = importance_ratio(logp, old_logp, mask, s.importance_sampling_level)           # [B, L] or [B, 1]
+    sampler_weight, touched_by_sampler = _sampler_weight(old_logp, sampler_logp, mask, s)
+    folded = sampler_weight if kind.folds_sampler_correction else None
+    x = PolicyInputs(ratio, advantages, logp, old_logp, mask, folded)
+    # 2) the per-token objective of the loss type
+    per_token_loss, measured = kind.objective(x, s)                                       # [B, L]
+    # 3) times the masks and weights that decide which tokens count
+    weight, touched = token_weights(x, s, entropy, sampler_logp, None if folded is not None else sampler_weight)
+    touched.update(touched_by_sampler)
+    touched.update(measured)
     if weight is not None:
-        per_token_loss = per_token_loss * weight                          # [B, L]
+        per_token_loss = per_token_loss * weight                                          # [B, L]
+    # 4) + beta * the KL to the reference, weighted by the ratio of 1) (before delta caps it)
     kl = None
-    if beta != 0.0:
-        kl = kl_term(logp, ref_logp, ratio, use_bias_correction_kl)       # [B, L]
-        per_token_loss = per_token_loss + beta * kl
-    loss = aggregate(per_token_loss, mask, loss_type, max_completion_length, num_micro_batches,
+    if s.beta != 0.0:
+        kl = kl_term(logp, ref_logp, ratio, s.use_bias_correction_kl)                     # [B, L]
+        per_token_loss = per_token_loss + s.beta * kl
+    # 5) reduced as the loss type says
+    loss = aggregate(per_token_loss, mask, s.loss_type, s.max_completion_length, num_micro_batches,
                      num_tokens_in_batch)
-    if entropy_coef != 0.0:
+    if loss_weight != 1.0:
+        loss = loss * loss_weight
+    # 6) - the entropy bonus: a token mean whatever the loss type (TRL), over the step's micro-batches
+    if s.entropy_coef != 0.0:
         if entropy is None or not entropy.requires_grad:
             raise ValueError("entropy_coef > 0 needs the per-token entropy with its gradient")
-        loss = loss - entropy_coef * entropy_bonus(entropy, mask, top_entropy_quantile) / num_micro_batches
-    return loss, _statistics(ratio, advantages, mask, kl, touched, loss_type, epsilon_low, epsilon_high)
+        bonus = entropy_bonus(entropy, mask, s.top_entropy_quantile) / num_micro_batches
+        loss = loss - s.entropy_coef * bonus * entropy_weight
+    return loss, _statistics(ratio, advantages, mask, kl, touched, kind, s)
 
 
 @torch.no_grad()
-def _statistics(ratio, advantages, mask, kl, touched, loss_type, epsilon_low, epsilon_high) -> dict[str, float]:
-    """Masked token means (as TRL logs them): how often the ratio was clipped (by the hard clip, or by
-    CISPO's cap; SAPO has no hard clip; a sequence ratio counts for each of its tokens), the KL, and the
-    fractions each enabled mask or weight touched."""
+def _statistics(ratio, advantages, mask, kl, touched, kind: LossType, s: LossSettings) -> dict[str, float]:
+    """Masked token means (as TRL logs them): how often the ratio was clipped (the loss type's `clip_region`;
+    a sequence ratio counts for each of its tokens), the KL, and the fractions each enabled mask or weight
+    touched."""
     num_tokens = mask.sum().clamp(min=1)
 
     def token_mean(x):                                                    # [B, L], or [B, 1]: one per sequence
@@ -465,14 +597,7 @@ def _statistics(ratio, advantages, mask, kl, touched, loss_type, epsilon_low, ep
         return ((x.float() * mask).sum() / num_tokens).item()
 
     ratio = ratio.detach().expand_as(mask)      # [B, L]: token-weighted, so data-parallel shares add up
-    none = torch.zeros_like(ratio, dtype=torch.bool)
-    if loss_type == "cispo":
-        is_low_clipped, is_high_clipped = none, (ratio > epsilon_high) & (advantages > 0)
-    elif loss_type in ("sapo", "vespo"):
-        is_low_clipped = is_high_clipped = none
-    else:
-        is_low_clipped = (ratio < 1 - epsilon_low) & (advantages < 0)     # [B, L]
-        is_high_clipped = (ratio > 1 + epsilon_high) & (advantages > 0)   # [B, L]
+    is_low_clipped, is_high_clipped = kind.clip_region(ratio, advantages, s)                 # [B, L] each
     stats = {"clip_ratio/low_mean": token_mean(is_low_clipped),
              "clip_ratio/high_mean": token_mean(is_high_clipped),
              "clip_ratio/region_mean": token_mean(is_low_clipped | is_high_clipped),

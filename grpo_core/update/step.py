@@ -12,20 +12,20 @@ from __future__ import annotations
 import math
 import random
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable, Sequence
 
 import torch
 
 from grpo_core.config import GRPOConfig
 from grpo_core.update.logprobs import completion_logprobs, router_loss_logprobs
-from grpo_core.update.loss import (applied_entropy_coef, decoupled_advantages, entropy_bonus, grpo_loss, group_advantages,
-                            high_entropy_mask, next_entropy_coef, zero_std_groups)
+from grpo_core.update.loss import (LossSettings, applied_entropy_coef, decoupled_advantages, grpo_loss, group_advantages,
+                            high_entropy_mask, loss_type_named, next_entropy_coef, zero_std_groups)
 from grpo_core.plugins import metric_names
 from grpo_core.model.loading import router_aux_coef
 from grpo_core.model.policy import Policy
 from grpo_core.parallel import DataParallel
-from grpo_core.rollout.sampling import model_token_count
+from grpo_core.rewards.rewards import model_token_count
 
 @dataclass
 class ScoredSample:
@@ -302,20 +302,13 @@ def shard_rows(rows: Sequence[int], kept: Sequence[ScoredSample],
     return [i for i in rows if kept[i].group in mine], False
 
 
-# What `grpo_core.update.loss.aggregate` divides a micro-batch's summed token losses by, per loss type: the
-# micro-batch's sequences or tokens, or (None) the step's token count, which every process already uses.
-MICRO_BATCH_NORMALISER = {"grpo": "sequences", "sapo": "sequences", "dr_grpo": "sequences", "bnpo": "tokens",
-                          "luspo": "sequences", "dapo": None, "cispo": None, "vespo": None}
-
-
 def shard_loss_weight(share: Sequence[ScoredSample], whole: Sequence[ScoredSample], cfg: GRPOConfig) -> float:
     """What the loss of `share` (normalised by itself, as `aggregate` does) is multiplied by to be its part
     of the loss of the micro-batch `whole`: its fraction of the whole's sequences or loss tokens. Summed
-    over the processes, the parts are the whole micro-batch's loss."""
-    if cfg.loss_type not in MICRO_BATCH_NORMALISER:
-        raise ValueError(f"loss_type {cfg.loss_type!r} has no data-parallel normaliser: add it to "
-                         "grpo_core.update.step.MICRO_BATCH_NORMALISER (what grpo_core.update.loss.aggregate divides by)")
-    by = MICRO_BATCH_NORMALISER[cfg.loss_type]
+    over the processes, the parts are the whole micro-batch's loss. What `aggregate` divides by is the loss
+    type's `Reduction.normaliser`: the micro-batch's sequences or tokens, or (None) the step's token count,
+    which every process already uses."""
+    by = loss_type_named(cfg.loss_type).reduction.normaliser
     if len(share) == len(whole):                                    # one process: the whole micro-batch
         return 1.0
     if by == "sequences":
@@ -362,39 +355,17 @@ def attach_frozen_logprobs(policy: Policy, micro_batches: Sequence[MicroBatch], 
 def micro_batch_loss(logp: torch.Tensor, entropy: torch.Tensor, mb: MicroBatch, cfg: GRPOConfig, n_mb: int,
                      tokens_per_step: float,
                      entropy_coef: float | None = None) -> tuple[torch.Tensor, dict[str, float]]:
-    """This process's part of one micro-batch's loss with the objective the config describes: `grpo_loss`
-    times `mb.loss_weight`, less the entropy bonus (TRL's token mean, `entropy_bonus`) times
-    `mb.entropy_weight`, so that the processes' parts add up to the whole micro-batch's loss whatever the
-    loss type. `entropy_coef`: this step's coefficient (`EntropyControl.applied`; default the config's)."""
-    coef = cfg.entropy_coef if entropy_coef is None else entropy_coef
-    loss, stats = _policy_loss(logp, entropy, mb, cfg, n_mb, tokens_per_step)
-    if mb.loss_weight != 1.0:
-        loss = loss * mb.loss_weight
-    if coef != 0.0:
-        if not entropy.requires_grad:
-            raise ValueError("entropy_coef > 0 needs the per-token entropy with its gradient")
-        bonus = entropy_bonus(entropy, mb.completion_mask, cfg.top_entropy_quantile) / n_mb
-        loss = loss - coef * bonus * mb.entropy_weight
-    return loss, stats
-
-
-def _policy_loss(logp: torch.Tensor, entropy: torch.Tensor, mb: MicroBatch, cfg: GRPOConfig, n_mb: int,
-                 tokens_per_step: float) -> tuple[torch.Tensor, dict[str, float]]:
-    """`grpo_loss` of one micro-batch without the entropy bonus."""
+    """This process's part of one micro-batch's loss with the objective the config describes: `grpo_loss`, its
+    policy loss times `mb.loss_weight` and its entropy bonus times `mb.entropy_weight`, so that the processes'
+    parts add up to the whole micro-batch's loss whatever the loss type. `entropy_coef`: this step's
+    coefficient (`EntropyControl.applied`; default the config's)."""
+    settings = LossSettings.of(cfg)
+    if entropy_coef is not None:
+        settings = replace(settings, entropy_coef=entropy_coef)
     old_logp = logp.detach() if mb.old_logp is None else mb.old_logp     # on-policy: ratio exactly 1
-    return grpo_loss(
-        logp, old_logp, mb.ref_logp, mb.advantages, mb.completion_mask, beta=cfg.beta,
-        epsilon_low=cfg.epsilon, epsilon_high=cfg.epsilon_high, loss_type=cfg.loss_type,
-        max_completion_length=cfg.max_completion_length, num_micro_batches=n_mb,
-        num_tokens_in_batch=tokens_per_step, importance_sampling_level=cfg.importance_sampling_level,
-        delta=cfg.delta, sapo_temperature_pos=cfg.sapo_temperature_pos, sapo_temperature_neg=cfg.sapo_temperature_neg,
-        entropy=entropy, top_entropy_quantile=cfg.top_entropy_quantile, entropy_coef=0.0,
-        use_bias_correction_kl=cfg.use_bias_correction_kl, vespo_k_pos=cfg.vespo_k_pos,
-        vespo_lambda_pos=cfg.vespo_lambda_pos, vespo_k_neg=cfg.vespo_k_neg, vespo_lambda_neg=cfg.vespo_lambda_neg,
-        sampler_logp=mb.sampler_logp, off_policy_mask_threshold=cfg.off_policy_mask_threshold,
-        sampler_correction=cfg.vllm_importance_sampling_mode if cfg.vllm_importance_sampling_correction else None,
-        sampler_correction_cap=cfg.vllm_importance_sampling_cap,
-        sampler_correction_clip_min=cfg.vllm_importance_sampling_clip_min)
+    return grpo_loss(logp, old_logp, mb.ref_logp, mb.advantages, mb.completion_mask, settings,
+                     num_micro_batches=n_mb, num_tokens_in_batch=tokens_per_step, entropy=entropy,
+                     sampler_logp=mb.sampler_logp, loss_weight=mb.loss_weight, entropy_weight=mb.entropy_weight)
 
 
 def step_statistics(per_micro_batch: Sequence[tuple[dict[str, float], float]], step_loss: float,
@@ -524,7 +495,7 @@ def plan_micro_batches(policy: Policy, kept: Sequence[ScoredSample], group_sizes
 
 def grpo_update(policy: Policy, optimizer, scheduler, samples: Sequence[ScoredSample | None], cfg: GRPOConfig,
                 seed: int, progress=None, data_parallel: DataParallel = DataParallel(),
-                ) -> tuple[list[dict[str, float]], dict[str, float]]:
+                ) -> tuple[list[dict[str, float]], dict[str, float], list[float | None]]:
     """Run steps_per_iteration x num_iterations optimizer steps on one rollout batch.
 
     `samples` are laid out group-contiguously (cfg.num_generations per group); a None entry or a None
@@ -532,7 +503,9 @@ def grpo_update(policy: Policy, optimizer, scheduler, samples: Sequence[ScoredSa
     With sync_ref_model, the reference moves toward the policy every ref_model_sync_steps optimizer
     steps (counted by the scheduler, so across calls and resumes). With `data_parallel` this process
     trains on its share of the batch, and each step is the step one process takes on all of it.
-    Returns (per-step metrics, batch-level metrics).
+    Returns (per-step metrics, batch-level metrics, advantages): the advantages are one per input sample, in
+    input order, as the steps used them; None where a sample did not train (None or unscorable, or its group
+    kept fewer than 2 members). Every process returns those of the whole batch.
     """
     G, device = cfg.num_generations, policy.device
     if data_parallel.world_size > 1 and cfg.top_entropy_quantile < 1.0:
@@ -546,8 +519,10 @@ def grpo_update(policy: Policy, optimizer, scheduler, samples: Sequence[ScoredSa
     kept, group_sizes = surviving_groups(samples)
     batch_stats = batch_statistics(samples, kept, group_sizes, G)
     if not kept:
-        return [], batch_stats
+        return [], batch_stats, [None] * len(samples)
     advantages = batch_advantages(kept, group_sizes, cfg)                              # [N]
+    by_sample = {id(s): a for s, a in zip(kept, advantages.tolist())}
+    per_sample = [None if s is None else by_sample.get(id(s)) for s in samples]
 
     # 2) plan optimizer steps and micro-batches (this process's share of each)
     plan = plan_micro_batches(policy, kept, group_sizes, advantages, cfg, seed, data_parallel)
@@ -577,4 +552,4 @@ def grpo_update(policy: Policy, optimizer, scheduler, samples: Sequence[ScoredSa
                 progress.update(1)
     if before is not None:
         batch_stats["lora_change"] = relative_change(before, policy.trainable_parameters())
-    return step_metrics, batch_stats
+    return step_metrics, batch_stats, per_sample

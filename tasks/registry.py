@@ -1,0 +1,214 @@
+"""The MLflow Model Registry side of a training run: registered adapters and exports, the aliases `champion`
+and `run-<run name>`, and loading an adapter back (by alias, version, run artifact or local dir).
+Run metrics, params and artifacts are tasks/tracking.py's."""
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+
+from grpo_core.config import GRPOConfig
+from grpo_core.evaluation.task_identity import registered_model_name
+from tasks.tracking import client, log_artifacts, set_tags
+
+# Versions are addressed by alias, never by "latest": `champion` is the best adapter registered so far
+# (by tracking.best_metric), `run-<run name>` the one each run registered at its end.
+CHAMPION = "champion"
+
+
+def run_alias(run_name: str) -> str:
+    """The alias of a run's registered version: run-<name>, with characters aliases refuse ('.') as '_'."""
+    return "run-" + re.sub(r"[^\w-]", "_", run_name)
+
+
+def ensure_registered_model(c, name: str, description: str) -> None:
+    from mlflow.exceptions import MlflowException
+    try:
+        c.create_registered_model(name, description=description)
+    except MlflowException as e:
+        if "RESOURCE_ALREADY_EXISTS" not in str(e.error_code) and "already exists" not in str(e):
+            raise
+
+
+def _beats_champion(c, name: str, metric: str, value: float | None) -> bool:
+    """The rule with the gate off (gate.enabled: false): a new version with `value` of `metric` takes the
+    champion alias when there is no champion yet, the champion has no value, or the new one is at least as
+    good (higher is better) on its own held-out split."""
+    from mlflow.exceptions import MlflowException
+    try:
+        held = c.get_model_version_by_alias(name, CHAMPION).tags.get(metric)
+    except MlflowException:
+        return True
+    return held is None or (value is not None and float(value) >= float(held))
+
+
+REGISTERED_MODEL_DESCRIPTION = ("LoRA adapters trained by grpo-pipeline. Load one with tasks.registry."
+                                "load_adapter('models:/NAME@champion') or '@run-<run name>'.")
+
+
+def register_adapter(cfg: GRPOConfig, run_id: str, iteration: int, metrics: dict | None = None,
+                     promote: bool | None = None, tags: dict[str, str] | None = None) -> dict | None:
+    """Register the adapter logged at adapters/iter-<iteration> under the task's registered model, with
+    the alias run-<run name>, and `champion` when `promote` (the gate's decision, tasks/gate.py; None: the
+    rule without the gate, _beats_champion). `tags` (lineage, the gate's figures) go on the version.
+    Returns {"name", "version", "uri", "aliases"} or None when registration is off."""
+    name = registered_model_name(cfg)
+    if not name or cfg.tracking.register_adapter == "none":
+        return None
+    c = client(cfg)
+    ensure_registered_model(c, name, REGISTERED_MODEL_DESCRIPTION)
+    value = (metrics or {}).get(cfg.tracking.best_metric)
+    source = f"{c.get_run(run_id).info.artifact_uri}/adapters/iter-{iteration}"
+    version_tags = {"iteration": str(iteration), "base_model": cfg.model, "run_name": cfg.run_name or "",
+                    "selected_by": cfg.tracking.register_adapter, **(tags or {})}
+    if value is not None:
+        version_tags[cfg.tracking.best_metric] = str(value)
+    champion = _beats_champion(c, name, cfg.tracking.best_metric, value) if promote is None else promote
+    mv = c.create_model_version(name, source, run_id=run_id, tags=version_tags)
+    aliases = [run_alias(cfg.run_name or run_id)] + ([CHAMPION] if champion else [])
+    for alias in aliases:
+        c.set_registered_model_alias(name, alias, mv.version)
+    uri = f"models:/{name}/{mv.version}"
+    set_tags(cfg, run_id, {"registered_model": uri, "registered_aliases": ",".join(aliases),
+                           "best_adapter_uri": f"runs:/{run_id}/adapters/iter-{iteration}",
+                           "best_iteration": str(iteration)})
+    return {"name": name, "version": mv.version, "uri": uri, "aliases": aliases}
+
+
+def register_export(cfg: GRPOConfig, run_id: str, local_dir: str | Path, iteration: int, name: str | None,
+                    adapter_only: bool = False) -> dict:
+    """Log an exported model directory (grpo_core.model.export) as the run's artifacts export/iter-<k>[-adapter]
+    and, for a merged export with a `name`, create a registered model version whose source is that
+    artifact path, aliased run-<run name>. Returns {"artifact_uri"} and, when registered, "name",
+    "version", "uri" and "alias_uri"."""
+    artifact_path = f"export/iter-{iteration}" + ("-adapter" if adapter_only else "")
+    log_artifacts(cfg, run_id, local_dir, artifact_path)
+    out = {"artifact_uri": f"runs:/{run_id}/{artifact_path}"}
+    if adapter_only or not name:
+        return out
+    c = client(cfg)
+    ensure_registered_model(c, name, "Plain Hugging Face models exported by `grpo export` (LoRA merged into the "
+                                     "weights): transformers.AutoModelForCausalLM.from_pretrained on the files.")
+    source = f"{c.get_run(run_id).info.artifact_uri}/{artifact_path}"
+    mv = c.create_model_version(name, source, run_id=run_id, tags={
+        "iteration": str(iteration), "base_model": cfg.model, "run_name": cfg.run_name or ""})
+    alias = run_alias(cfg.run_name or run_id)
+    c.set_registered_model_alias(name, alias, mv.version)
+    set_tags(cfg, run_id, {"exported_model": f"models:/{name}/{mv.version}"})
+    return {**out, "name": name, "version": mv.version, "uri": f"models:/{name}/{mv.version}",
+            "alias_uri": f"models:/{name}@{alias}"}
+
+
+def download_adapter(uri: str, dst: str | Path, tracking: str | None = None) -> Path:
+    """A local copy of an adapter given a local dir, 'models:/NAME/VERSION|latest|@alias' or 'runs:/ID/PATH'."""
+    if "://" not in uri and ":/" not in uri:
+        p = Path(uri).expanduser()
+        if not (p / "adapter_config.json").exists():
+            from grpo_core.model.loading import ModelError
+            raise ModelError(f"init_adapter {uri!r} is not a LoRA adapter dir (adapter_config.json missing)")
+        return p
+    import mlflow.artifacts
+    dst = Path(dst)
+    dst.mkdir(parents=True, exist_ok=True)
+    if tracking:
+        import mlflow
+        mlflow.set_tracking_uri(tracking)
+        mlflow.set_registry_uri(tracking)
+    local = Path(mlflow.artifacts.download_artifacts(artifact_uri=uri, dst_path=str(dst)))
+    if not (local / "adapter_config.json").exists():       # downloaded as dst/<last path part>/
+        found = next(local.rglob("adapter_config.json"), None)
+        if found is None:
+            from grpo_core.model.loading import ModelError
+            raise ModelError(f"{uri} holds no LoRA adapter (adapter_config.json missing)")
+        local = found.parent
+    return local
+
+
+def previous_best_adapter(cfg: GRPOConfig, exclude_run_id: str | None = None) -> str | None:
+    """What `init_adapter: previous` starts from, as 'runs:/.../adapters/iter-k': the champion's adapter when
+    the gate is on and there is a champion (the best so far, not merely the latest), else that of the most
+    recent FINISHED run in the experiment that recorded one."""
+    from mlflow.exceptions import MlflowException
+    c = client(cfg)
+    name = registered_model_name(cfg)
+    if cfg.gate.enabled and name:
+        try:
+            mv = c.get_model_version_by_alias(name, CHAMPION)
+            if mv.run_id and mv.tags.get("iteration") and mv.run_id != exclude_run_id:
+                return f"runs:/{mv.run_id}/adapters/iter-{mv.tags['iteration']}"
+        except MlflowException:
+            pass
+    exp = c.get_experiment_by_name(cfg.tracking.experiment_name)
+    if exp is None:
+        return None
+    runs = c.search_runs([exp.experiment_id], "attributes.status = 'FINISHED'", order_by=["attributes.end_time DESC"],
+                         max_results=50)
+    for r in runs:
+        if r.info.run_id != exclude_run_id and r.data.tags.get("best_adapter_uri"):
+            return r.data.tags["best_adapter_uri"]
+    return None
+
+
+def parent_version(cfg: GRPOConfig, uri: str) -> str | None:
+    """The registered version (of tracking.registered_model_name) an init_adapter URI names: models:/NAME/V or
+    @ALIAS, or runs:/ID/adapters/iter-k registered from that run and iteration; None if it names none."""
+    from mlflow.exceptions import MlflowException
+    c, name = client(cfg), registered_model_name(cfg)
+    try:
+        if uri.startswith("models:/"):
+            return str(model_version(c, uri).version)
+        if uri.startswith("runs:/") and name:
+            run_id, path = runs_uri(uri)
+            for mv in c.search_model_versions(f"name='{name}' and run_id='{run_id}'"):
+                if mv.source.endswith("/" + path.strip("/")):
+                    return str(mv.version)
+    except MlflowException:
+        return None
+    return None
+
+
+def runs_uri(uri: str) -> tuple[str, str]:
+    """(run id, artifact path) of a runs:/RUN_ID/PATH URI."""
+    run_id, _, path = uri[len("runs:/"):].partition("/")
+    return run_id, path
+
+
+def model_version(c, model_uri: str):
+    """The registered version a models:/ URI names: NAME@ALIAS, NAME/VERSION or NAME/latest."""
+    ref = model_uri[len("models:/"):]
+    if "@" in ref:
+        name, alias = ref.split("@", 1)
+        return c.get_model_version_by_alias(name, alias)
+    name, _, version = ref.partition("/")
+    if version in ("", "latest"):
+        return max(c.search_model_versions(f"name='{name}'"), key=lambda v: int(v.version))
+    return c.get_model_version(name, version)
+
+
+def load_adapter(model_uri: str, tracking: str | None = None, base_model: str | None = None):
+    """The one call that loads a trained adapter back: returns (peft_model, tokenizer).
+
+        from tasks.registry import load_adapter
+        model, tok = load_adapter("models:/grpo-arithmetic-1d-add-sub@champion", tracking="sqlite:///runs/mlflow.db")
+
+    `model_uri`: models:/NAME@ALIAS (champion, run-<run name>), models:/NAME/VERSION, runs:/ID/PATH or a
+    local adapter dir. The base model comes from the model version's (or run's) `base_model` tag unless
+    given."""
+    import tempfile
+    from mlflow.tracking import MlflowClient
+    from peft import PeftModel
+    from grpo_core.model.loading import load_base_model, load_tokenizer, resolve_model, select_device, select_dtype
+    tracking = tracking or os.environ.get("MLFLOW_TRACKING_URI")
+    c = MlflowClient(tracking_uri=tracking, registry_uri=tracking)
+    if base_model is None and model_uri.startswith("models:/"):
+        mv = model_version(c, model_uri)
+        base_model = mv.tags.get("base_model") or c.get_run(mv.run_id).data.tags.get("base_model")
+    elif base_model is None and model_uri.startswith("runs:/"):
+        base_model = c.get_run(runs_uri(model_uri)[0]).data.tags.get("base_model")
+    if not base_model:
+        raise ValueError(f"cannot tell the base model of {model_uri}; pass base_model=")
+    local = download_adapter(model_uri, tempfile.mkdtemp(prefix="grpo-adapter-"), tracking)
+    base_dir = resolve_model(base_model)
+    device = select_device("auto")
+    model = PeftModel.from_pretrained(load_base_model(base_dir, device, select_dtype("auto", device)), str(local))
+    return model, load_tokenizer(local if (local / "tokenizer_config.json").exists() else base_dir)

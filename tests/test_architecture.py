@@ -34,6 +34,8 @@ LONG_MODULES_ALLOWED = ("grpo_core/config.py",         # one typed config object
                         "sandbox/python_runner.py")    # copied alone into the box: standard library, one file
 CORE_LEAVES = {"config", "io", "task", "plugins", "stages", "parallel"}
 CORE_ROOMS = {"data", "kernels", "rollout", "rewards", "update", "evaluation", "model"}
+# The algorithm side's rooms, bottom up: each may import the leaves, the config and the rooms before it.
+ROOM_ORDER = ("kernels", "rewards", "rollout", "model", "update", "evaluation")
 
 
 def _modules() -> dict[str, Path]:
@@ -188,6 +190,49 @@ def test_grpo_core_is_named_rooms_over_a_few_leaves():
     for room in CORE_ROOMS - {"data"}:                   # data keeps its sources/ beside it
         init = core / room / "__init__.py"
         assert init.exists() and ast.get_docstring(ast.parse(init.read_text())), f"{init} says what the room holds"
+
+
+def _core_part(module: str) -> str:
+    """grpo_core.<room>.x -> room; grpo_core.<leaf> -> leaf."""
+    return module.split(".")[1]
+
+
+def _top_level_imports(path: Path) -> set[str]:
+    """The modules `path` imports at module level (not inside a function)."""
+    out = set()
+    for node in ast.parse(path.read_text()).body:
+        if isinstance(node, ast.ImportFrom) and node.module:
+            out |= {node.module} | {f"{node.module}.{a.name}" for a in node.names}
+        elif isinstance(node, ast.Import):
+            out |= {a.name for a in node.names}
+    return out
+
+
+def test_the_rooms_import_one_way():
+    """Rooms import only rooms below them (ROOM_ORDER); the leaves import no room. The config configures every
+    room and is read by them: it imports rooms only inside its validators (to check a name against a room's
+    registry when a config loads), never at module level."""
+    graph, _ = import_graph()
+    rank = {room: i for i, room in enumerate(ROOM_ORDER)}
+    wrong = []
+    for m, deps in graph.items():
+        if not m.startswith("grpo_core.") or m.startswith("grpo_core.data"):
+            continue
+        src = _core_part(m)
+        for d in deps:
+            if not d.startswith("grpo_core.") or d.startswith("grpo_core.data"):
+                continue
+            dst = _core_part(d)
+            if src == dst or dst in CORE_LEAVES:
+                continue
+            if src in CORE_LEAVES - {"config"}:
+                wrong.append(f"{m} -> {d} (a leaf imports a room)")
+            elif src == "config":
+                if d in _top_level_imports(ROOT / "grpo_core" / "config.py"):
+                    wrong.append(f"{m} -> {d} (the config imports a room at module level)")
+            elif rank[dst] > rank[src]:
+                wrong.append(f"{m} -> {d} ({src} sits below {dst})")
+    assert wrong == []
 
 
 def test_the_checker_sees_a_cycle_and_a_long_function(tmp_path, monkeypatch):

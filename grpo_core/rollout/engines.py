@@ -11,6 +11,7 @@ No torch here (the config's validators import it): each entry names its sampler 
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 # generation_kwargs keys that name one of our sampling fields: every engine takes them, and they override the field
@@ -90,13 +91,17 @@ def engine_name(choice: str) -> str:
     return ALIASES.get(choice, choice)
 
 
-def engine_options(choice: str) -> set[str]:
-    """The generation_kwargs keys beyond OWN_OPTIONS that `choice` (a rollout_backend) maps onto its engine, less
-    the pipeline's own (`sampling._PIPELINE_KEYS`): vllm its SamplingParams fields, the others none."""
+@functools.lru_cache(maxsize=None)
+def engine_options(choice: str) -> frozenset[str]:
+    """The generation_kwargs keys `choice` (a rollout_backend) maps onto its engine: vllm its SamplingParams
+    fields, the others none (`sampling.backend_options` takes out OWN_OPTIONS and the pipeline's own keys). Looked
+    up once per process: the config check asks for every key and every engine, and a missing vllm would otherwise
+    be searched for each time."""
     if engine_name(choice) != "vllm":
-        return set()
+        return frozenset()
     try:
         from vllm import SamplingParams as VSP
-        return {k for k in getattr(VSP, "__struct_fields__", ()) if not k.startswith("_")} or set(VLLM_FIELDS)
+        return frozenset(k for k in getattr(VSP, "__struct_fields__", ()) if not k.startswith("_")) or \
+            frozenset(VLLM_FIELDS)
     except ImportError:
-        return set(VLLM_FIELDS)
+        return frozenset(VLLM_FIELDS)

@@ -552,7 +552,7 @@ class GRPOConfig(_Section):
                           "engines take no others). Checked when the config loads: a key the engine does not map is "
                           "refused by name")
     generation_batch_size: int = Field(64, ge=1, description="sequences generated at once")
-    rollout_backend: Literal["auto", "fused", "torch", "vllm"] = Field(
+    rollout_backend: str = Field(
         "auto", description="sampling engine (docs/architecture.md, 'Sampling engines'): 'auto' (the fused engine "
                             "where it applies: a Llama-family model on the CPU; else torch), 'fused' (CPU), 'torch' "
                             "(our KV-cache loop on the lean or the model's own forward: CUDA, any architecture), "

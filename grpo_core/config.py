@@ -17,11 +17,8 @@ from pydantic import (BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
                       model_serializer, model_validator)
 
 from grpo_core import stages as stage_registry
+from grpo_core.errors import ConfigError  # noqa: F401  (raised here; imported from here by callers)
 from grpo_core.stages import StageRetryConfig
-
-
-class ConfigError(ValueError):
-    """Invalid configuration; the message names the field and what to do."""
 
 
 class _Section(BaseModel):

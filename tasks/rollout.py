@@ -22,11 +22,11 @@ from tasks.stage import stage
 
 def sample_share(data_parallel: DataParallel, config: dict, run_dir: str, iteration: int, prompts: str,
                  checkpoint: str | None) -> dict:
-    """This process's share of the prompts, sampled (and scored as each group is done, where the score stage
-    runs here: grpo_core/rewards/scoring.py); the first process gathers every group, in prompt order, writes samples.jsonl
-    (and early_scores.json) and returns the stage's record (the others return {})."""
-    cfg = cfg_of(config)
-    tasks = data_parallel.shard(read_tasks(prompts))
+    """This process's share of the prompts, sampled (group = the prompt's position in the batch; scored as each
+    group is done where the score stage runs here); the first process gathers every group, in prompt order, writes
+    samples.jsonl (and early_scores.json) and returns the stage's record (the others return {})."""
+    cfg, batch = cfg_of(config), read_tasks(prompts)
+    tasks, group_ids = data_parallel.shard(batch), data_parallel.shard(range(len(batch)))
     policy = load_policy(cfg, checkpoint, need_reference=False)
     first = data_parallel.rank == 0
     backend = make_backend(cfg, policy, progress=first)       # cfg.rollout_backend: auto (default) | fused | torch | vllm
@@ -40,20 +40,20 @@ def sample_share(data_parallel: DataParallel, config: dict, run_dir: str, iterat
     with scorer or contextlib.nullcontext():
         samples = sample_groups(backend, policy.tokenizer, tasks, cfg.num_generations, params,
                                 cfg.data.prompt_format_at(iteration), cfg.max_prompt_length, on_group,
-                                Toolbox.from_config(cfg)) if tasks else []
+                                Toolbox.from_config(cfg), group_ids) if tasks else []
     sampled = time.perf_counter() - t0
     early = scorer.finish() if scorer else None            # the groups sampled last are still being scored
-    groups = [[] for _ in tasks]
+    by_group = {g: [] for g in group_ids}
     for s in samples:
-        groups[s.group].append(s.to_dict())
-    scored = [early[0].get(k) for k in range(len(tasks))] if early else None
-    if scored is not None and any(s is None for s in scored):
-        scored = None
+        by_group[s.group].append(s.to_dict())
+    groups = list(by_group.values())
+    scored = [early[0].get(g) for g in group_ids] if early else None
+    scored = None if scored is None or None in scored else scored        # every group scored, or none adopted
     shards = data_parallel.gather((groups, scored, early[1] if early else None))
     seconds = time.perf_counter() - t0
     if not first:
         return {}
-    rows = [dict(row, group=g) for g, group in enumerate(interleave([g for g, _, _ in shards])) for row in group]
+    rows = [row for group in interleave([g for g, _, _ in shards]) for row in group]
     tokens = sum(len(r["completion_ids"]) for r in rows)
     out = write_jsonl(iter_dir(run_dir, iteration) / "samples.jsonl", rows)
     early_scores_path(out).unlink(missing_ok=True)

@@ -33,7 +33,6 @@ def score(config: dict, run_dir: str, iteration: int, prompts: str, samples: str
     tasks = {t.id: t for t in read_tasks(prompts)}
     early = read_early_scores(cfg, samples, rows)
     scored, seconds = early if early is not None else score_rows(cfg, rows, tasks)
-    scored = [{**s, "group": r["group"]} for s, r in zip(scored, rows)]
     out = write_jsonl(iter_dir(run_dir, iteration) / "scores.jsonl", scored)
     fmt = cfg.data.prompt_format_at(iteration)
     wordings = {i: fmt.for_task(t).wording for i, t in tasks.items() if t.kind == "math"} if fmt.varies else {}

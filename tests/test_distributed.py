@@ -265,7 +265,7 @@ def test_rollout_and_evaluation_deal_their_prompts_to_the_processes(batch_env):
     two_scored = score.fn(configs[N], str(two_dir), 1, str(prompts), two_rollout["samples"])
     assert two_scored["scored_during_rollout"]
     rescored = score_rows(cfg_of(configs[N]), two_samples, {t.id: t for t in tasks})[0]
-    assert [{k: v for k, v in r.items() if k != "group"} for r in read_jsonl(two_scored["scores"])] == rescored
+    assert list(read_jsonl(two_scored["scores"])) == rescored          # each row with its sample's group
     one_rows, two_rows = (list(read_jsonl(r["samples"])) for r in (one_eval, two_eval))
     key = lambda r: (r.get("wording", ""), r["mode"], r["task_id"], r["sample"])  # noqa: E731
     assert [key(r) for r in two_rows] == [key(r) for r in one_rows]

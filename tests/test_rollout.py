@@ -223,6 +223,26 @@ def test_rollout_puts_the_sampler_logprobs_on_each_sample(tiny):
     assert with_lp[0].to_dict()["sampler_logprobs"] == with_lp[0].sampler_logprobs
 
 
+def test_rollout_numbers_each_group_with_the_id_it_is_given(tiny):
+    """group_ids (a data-parallel share's batch positions) number the groups, handed over and returned alike; the
+    completions are those of the default numbering; one id per task or a clear error."""
+    from grpo_core.rollout.samplers import rollout
+    from grpo_core.task import Task
+    model, tok = tiny
+    tasks = [Task(id=f"t{i}", kind="math", source="test", prompt=p, answer="0") for i, p in enumerate(["1+1?", "2+2?"])]
+    backend = KVCacheSampler(model, tok, CPU, progress=False)
+    params = SamplingParams(max_new_tokens=4, seed=0)
+    handed = []
+    ours = rollout(backend, tok, tasks, 2, params, "", 64, on_group=lambda g: handed.append(g[0].group),
+                   group_ids=[5, 9])
+    plain = rollout(backend, tok, tasks, 2, params, "", 64)
+    assert [s.group for s in ours] == [5, 5, 9, 9] and sorted(handed) == [5, 9]
+    assert [s.group for s in plain] == [0, 0, 1, 1]
+    assert [s.completion_ids for s in ours] == [s.completion_ids for s in plain]
+    with pytest.raises(ValueError, match="group_ids"):
+        rollout(backend, tok, tasks, 2, params, "", 64, group_ids=[3])
+
+
 @pytest.mark.parametrize("cls", [KVCacheSampler, TorchEngine])
 def test_each_group_is_handed_over_as_soon_as_it_is_sampled(tiny, cls):
     """rollout(on_group=...): every group once, with the Samples rollout returns for it; with 2 rows per batch and

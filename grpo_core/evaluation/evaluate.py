@@ -26,7 +26,7 @@ sampled), overall and per source (and per task kind when the set mixes kinds):
     eval/monitor/...                 reward-hacking monitors (see grpo_core.evaluation.monitors)
 
 Deterministic given the seed: generation is seeded per mode, tasks keep their file order.
-"""
+`cfg` is the run's GRPOConfig (grpo_core/config.py), read by field: the config sits above this room."""
 from __future__ import annotations
 
 import contextlib
@@ -37,7 +37,6 @@ from collections import defaultdict
 from statistics import mean
 from typing import Sequence
 
-from grpo_core.config import GRPOConfig
 from grpo_core.task import Task
 from grpo_core.evaluation.monitors import answers_shown, completion_flags, monitored_fractions
 from grpo_core.evaluation.passk import mean_pass_at_k
@@ -54,7 +53,7 @@ EXPORTED = "exported"         # rows of the math questions put as to an exported
 WORDINGS = ("", EXPORTED, FOREIGN)      # the order rows are written in
 
 
-def eval_seed(cfg: GRPOConfig) -> int:
+def eval_seed(cfg) -> int:
     """The generation seed of every evaluation of a run (the same each iteration: comparable numbers)."""
     return cfg.eval.seed if cfg.eval.seed is not None else cfg.seed + 12_345
 
@@ -68,7 +67,7 @@ def metric_name(part: str) -> str:
 _RESERVED = {*MODES, FOREIGN, EXPORTED, "monitor", "num_questions"}
 
 
-def eval_modes(cfg: GRPOConfig, seed: int) -> list[tuple[str, int, SamplingParams]]:
+def eval_modes(cfg, seed: int) -> list[tuple[str, int, SamplingParams]]:
     """(mode, answers per question, params): greedy is the model's plain argmax (no repetition penalty, no
     generation_kwargs; the stop strings end it as in training); sampled draws with the training rollout's
     options (top_p, top_k, min_p, repetition_penalty, stop_strings, generation_kwargs), at eval.temperature or
@@ -92,7 +91,7 @@ def _verdict(acc: float | None) -> str:
     return "correct" if acc >= 1.0 else ("partial" if acc > 0 else "wrong")
 
 
-def prompt_texts(cfg: GRPOConfig) -> list[str]:
+def prompt_texts(cfg) -> list[str]:
     """Every text a prompt of the run may show around a question: system prompts, worked examples, instructions,
     in training's wordings and evaluation's."""
     d, e = cfg.data, cfg.eval
@@ -107,14 +106,14 @@ def scoring_row(sample) -> dict:
             "completion_mask": getattr(sample, "completion_mask", None), "extra": getattr(sample, "extra", None)}
 
 
-def score_samples(samples, tasks_by_id: dict[str, Task], cfg: GRPOConfig, mode: str) -> list[dict]:
+def score_samples(samples, tasks_by_id: dict[str, Task], cfg, mode: str) -> list[dict]:
     """One row per completion: what the sample table shows and what the metrics are computed from. Scored as the
     score stage scores (`score_rows`), the correctness function measured among the rewards (weight 0)."""
     scored, _ = score_rows(cfg, [scoring_row(s) for s in samples], tasks_by_id, measure_correctness=True)
     return table_rows(samples, scored, tasks_by_id, cfg, mode)
 
 
-def table_rows(samples, scored: Sequence[dict], tasks_by_id: dict[str, Task], cfg: GRPOConfig,
+def table_rows(samples, scored: Sequence[dict], tasks_by_id: dict[str, Task], cfg,
                mode: str) -> list[dict]:
     """The rows of `samples` (one evaluation pass, in its order) from their scored rows (`score_rows`): the
     scores, the verdict and the monitors' flags, length, truncation, and the conversation of a tool answer."""
@@ -139,7 +138,7 @@ def table_rows(samples, scored: Sequence[dict], tasks_by_id: dict[str, Task], cf
     return rows
 
 
-def rescore_rows(rows: Sequence[dict], tasks_by_id: dict[str, Task], cfg: GRPOConfig) -> list[dict]:
+def rescore_rows(rows: Sequence[dict], tasks_by_id: dict[str, Task], cfg) -> list[dict]:
     """Saved evaluation rows (a run's eval_samples.jsonl) scored again by today's rewards, answer check and
     monitor flags, for answers kept from before a change to any of them. One-turn answers only: a tool
     conversation's turns are not in its row."""
@@ -223,7 +222,7 @@ def summarize(rows: Sequence[dict], ks: Sequence[int]) -> dict[str, float]:
     return metrics
 
 
-def sample_rows(policy: Policy, tasks: Sequence[Task], cfg: GRPOConfig, seed: int,
+def sample_rows(policy: Policy, tasks: Sequence[Task], cfg, seed: int,
                 progress: bool = True) -> list[dict]:
     """The per-completion rows of every eval mode on `tasks` (mode by mode, in task order). With
     stages.score.during_rollout each task's answers are scored on a helper thread as soon as they are sampled
@@ -262,7 +261,7 @@ def sample_rows(policy: Policy, tasks: Sequence[Task], cfg: GRPOConfig, seed: in
     return [{**row, "wording": key[2]} if key[2] else row for key, rows in parts for row in rows]
 
 
-def _eval_runs(cfg: GRPOConfig, seed: int) -> list[tuple]:
+def _eval_runs(cfg, seed: int) -> list[tuple]:
     """(mode, n, params, toolbox, wording, prompt format) for every evaluation pass: each mode with the run's
     tools in its own prompt; when the run has tools and eval.without_tools, each mode again with none, in the
     tool-free prompt (eval.without_tools_*: no tool named, no tool call shown); with eval.exported_shape, each mode
@@ -282,7 +281,7 @@ def _eval_runs(cfg: GRPOConfig, seed: int) -> list[tuple]:
     return runs
 
 
-def exported_format(cfg: GRPOConfig) -> PromptFormat:
+def exported_format(cfg) -> PromptFormat:
     """A math question as a user asks an exported model (`grpo export`): the training system prompt, which the
     export's chat template adds when the user brings none, no worked examples, and the question in the user's own
     words (one of eval.foreign_instructions per question; the plain question where there are none). With tools,
@@ -301,7 +300,7 @@ def merge_rows(tasks: Sequence[Task], parts: Sequence[Sequence[dict]]) -> list[d
                                  MODES.index(r["mode"]), position[r["task_id"]], r["sample"]))
 
 
-def evaluate_policy(policy: Policy, tasks: Sequence[Task], cfg: GRPOConfig, seed: int | None = None,
+def evaluate_policy(policy: Policy, tasks: Sequence[Task], cfg, seed: int | None = None,
                     progress: bool = True) -> tuple[dict, list[dict]]:
     """Metrics (overall, per source, per kind) and per-completion rows. Deterministic given `seed`
     (default: eval_seed(cfg))."""
@@ -309,7 +308,7 @@ def evaluate_policy(policy: Policy, tasks: Sequence[Task], cfg: GRPOConfig, seed
     return summarize(rows, cfg.eval.ks), rows
 
 
-def evaluate_checkpoint(cfg: GRPOConfig, tasks: Sequence[Task], checkpoint: str | None,
+def evaluate_checkpoint(cfg, tasks: Sequence[Task], checkpoint: str | None,
                         seed: int | None = None, progress: bool = True) -> tuple[dict, list[dict]]:
     """The one implementation behind the stage and `grpo eval`: load the base model (+ adapter) and
     evaluate it. `checkpoint=None` is the base model (iteration 0)."""

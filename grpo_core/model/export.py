@@ -21,7 +21,7 @@ from typing import Sequence
 
 import torch
 
-from grpo_core.config import ConfigError
+from grpo_core.errors import ConfigError
 from grpo_core.io import atomic_dir
 from grpo_core.model.loading import ModelError, load_base_model, load_tokenizer
 from grpo_core.rollout.multiturn import _render_tool_turn, renders_tools, tool_prompt_ids   # training's own renderings

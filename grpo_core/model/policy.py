@@ -12,7 +12,7 @@ base and LoRA settings with a checkpoint takes it from there and loads the check
 (no weight file read, no LoRA injection; the fused sampler keeps its packed base). Its tokenizer goes with it
 (while the tokenizer's files are unchanged): copying a parsed tokenizer beats parsing it again. The config's
 `kernels.reuse_model: false` turns this off (nothing is pooled or taken from the pool).
-"""
+`cfg` is the run's GRPOConfig (grpo_core/config.py), read by field: the config sits above this room."""
 from __future__ import annotations
 
 import contextlib
@@ -26,7 +26,6 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from grpo_core.config import GRPOConfig
 from grpo_core.kernels import settings as kernel_settings
 from grpo_core.kernels.cpu_linear import use_onednn_linears
 from grpo_core.model.loading import (ModelError, attach_lora, file_versions, load_base_model, load_tokenizer,
@@ -183,7 +182,7 @@ def lm_head_in_fp32(model: torch.nn.Module, enabled: bool) -> None:
         head.forward = functools.partial(contiguous_head_logits, head)
 
 
-def _prepare(cfg: GRPOConfig, *models: torch.nn.Module | None) -> None:
+def _prepare(cfg, *models: torch.nn.Module | None) -> None:
     """The config's switches that act on the modules: disable_dropout, cast_lm_head_to_fp32."""
     for model in models:
         if model is not None:
@@ -223,7 +222,7 @@ def add_reference_adapter(model, source: str | Path | None) -> str:
     return REFERENCE_ADAPTER
 
 
-def _lora_reference(cfg: GRPOConfig, model, checkpoint, init_adapter) -> str | None:
+def _lora_reference(cfg, model, checkpoint, init_adapter) -> str | None:
     """Which frozen adapter is the reference, created on `model`; None: the base (adapter disabled)."""
     saved = _saved_reference(checkpoint)
     if saved is not None:                                   # a moving reference, where the last update left it
@@ -270,7 +269,7 @@ _pool: dict[tuple, _Pooled] = {}           # at most one idle model: the last on
 _pool_lock = threading.RLock()            # reentrant: a release may run from garbage collection inside a take
 
 
-def _pool_key(cfg: GRPOConfig, base_dir: Path, device: torch.device, dtype: torch.dtype) -> tuple:
+def _pool_key(cfg, base_dir: Path, device: torch.device, dtype: torch.dtype) -> tuple:
     """What a pooled model was built from: the base's weight files (path, size, mtime), device, dtype and the
     LoRA and layer settings that change the modules."""
     files = file_versions(base_dir, lambda f: f.suffix == ".safetensors")
@@ -313,7 +312,7 @@ def _release(key: tuple, pooled: _Pooled) -> None:
         _pool[key] = pooled
 
 
-def _lora_model(cfg: GRPOConfig, base_dir: Path, device: torch.device, dtype: torch.dtype,
+def _lora_model(cfg, base_dir: Path, device: torch.device, dtype: torch.dtype,
                 checkpoint: str | Path | None) -> tuple[_Pooled, tuple]:
     """(the LoRA model with the checkpoint's adapter, or a fresh one, with its built state; its pool key)."""
     if checkpoint is not None and not (Path(checkpoint) / "adapter_config.json").exists():
@@ -336,7 +335,7 @@ def _lora_model(cfg: GRPOConfig, base_dir: Path, device: torch.device, dtype: to
     return _Pooled.of(model), key
 
 
-def load_policy(cfg: GRPOConfig, checkpoint: str | Path | None = None, need_reference: bool = True,
+def load_policy(cfg, checkpoint: str | Path | None = None, need_reference: bool = True,
                 init_adapter: str | Path | None = None) -> Policy:
     """Base model (+ LoRA, fresh or from `checkpoint`), on the configured device and dtype.
 

@@ -1,7 +1,8 @@
 """Scoring sample rows with the run's reward functions: one scored row per sample (total, per function,
 correctness) and the stage's metrics; `GroupScorer` does it on a helper thread group by group while the sampler
 produces the next groups (grpo_core/rewards/overlap.py), and its result is kept beside the samples (`early_scores.json`)
-for the score stage to adopt while it matches them, the reward settings and the reward functions' code."""
+for the score stage to adopt while it matches them, the reward settings and the reward functions' code.
+`cfg` is the run's GRPOConfig (grpo_core/config.py), read by field: the config sits above this room."""
 from __future__ import annotations
 
 import hashlib
@@ -12,7 +13,6 @@ from pathlib import Path
 from statistics import mean
 from typing import Hashable, Sequence
 
-from grpo_core.config import GRPOConfig
 from grpo_core.io import read_json, write_json
 from grpo_core.rewards.overlap import Overlapped
 from grpo_core.rewards.rewards import (add_environment_rewards, compute_rewards, correctness_scores, resolve_reward_funcs,
@@ -20,7 +20,7 @@ from grpo_core.rewards.rewards import (add_environment_rewards, compute_rewards,
 from grpo_core.task import Task
 
 
-def scored_funcs(cfg: GRPOConfig, measure_correctness: bool = False) -> tuple[list[str], list[float]]:
+def scored_funcs(cfg, measure_correctness: bool = False) -> tuple[list[str], list[float]]:
     """The reward functions a score runs and their weights: the config's, and with `measure_correctness` (as
     evaluation scores) the correctness function too, weight 0 when it is not one of them: measured, never
     weighted in, and a sample it cannot score is unscored."""
@@ -31,11 +31,12 @@ def scored_funcs(cfg: GRPOConfig, measure_correctness: bool = False) -> tuple[li
     return funcs, weights
 
 
-def score_rows(cfg: GRPOConfig, rows: list[dict], tasks: dict[str, Task],
+def score_rows(cfg, rows: list[dict], tasks: dict[str, Task],
                measure_correctness: bool = False) -> tuple[list[dict], dict[str, float]]:
     """Sample rows (task_id, completion, completion_ids; completion_mask, extra when there) -> one scored row
-    each (task_id, reward, rewards per function, correct), and the seconds each reward function took. The one
-    reward chain: the reward functions (`scored_funcs`), the environments' own rewards, the raw correctness."""
+    each (task_id, its group where the row has one, reward, rewards per function, correct), and the seconds each
+    reward function took. The one reward chain: the reward functions (`scored_funcs`), the environments' own
+    rewards, the raw correctness."""
     funcs, weights = scored_funcs(cfg, measure_correctness)
     completions = [r["completion"] for r in rows]
     row_tasks = [tasks[r["task_id"]] for r in rows]
@@ -43,7 +44,7 @@ def score_rows(cfg: GRPOConfig, rows: list[dict], tasks: dict[str, Task],
     scores = add_environment_rewards(compute_rewards(completions, row_tasks, funcs, weights, context),
                                      [(r.get("extra") or {}).get("environment_reward") for r in rows])
     correctness = correctness_scores(scores, funcs, completions, row_tasks, context, cfg.correctness_func)
-    scored = [{"task_id": r["task_id"], "reward": total, "rewards": {f: values[i] for f, values in scores.per_func.items()},
+    scored = [{"task_id": r["task_id"], **({"group": r["group"]} if "group" in r else {}), "reward": total, "rewards": {f: values[i] for f, values in scores.per_func.items()},
                "correct": correctness[i]} for i, (r, total) in enumerate(zip(rows, scores.totals))]
     return scored, scores.seconds
 
@@ -97,7 +98,7 @@ class GroupScorer:
     functions see the groups finished since their last call, a chunk at a time. A group is any hashable key;
     `measure_correctness` as in `score_rows` (evaluation), `what` and `thread_name` name the work in logs."""
 
-    def __init__(self, cfg: GRPOConfig, tasks: Sequence[Task], measure_correctness: bool = False,
+    def __init__(self, cfg, tasks: Sequence[Task], measure_correctness: bool = False,
                  what: str = "scoring during the rollout", thread_name: str = "score-during-rollout"):
         by_id, self.seconds = {t.id: t for t in tasks}, {}
 
@@ -128,7 +129,7 @@ class GroupScorer:
 
 # -- the scores made while sampling, beside the samples ----------------------------------------------------
 
-def scores_during_rollout(cfg: GRPOConfig) -> bool:
+def scores_during_rollout(cfg) -> bool:
     """Whether the rollout scores groups as they are sampled: asked for, and the score stage runs in the same
     place (the same work pool, or both in the training run's process) so it has the same sandbox and plugins."""
     return cfg.stages.score.during_rollout and cfg.stages.score.work_pool == cfg.stages.rollout.work_pool
@@ -138,7 +139,7 @@ def early_scores_path(samples: str | Path) -> Path:
     return Path(samples).with_name("early_scores.json")
 
 
-def reward_code_versions(cfg: GRPOConfig) -> list[tuple]:
+def reward_code_versions(cfg) -> list[tuple]:
     """(file, size, mtime) of the source of each reward function (and the correctness function)."""
     versions = []
     for func in resolve_reward_funcs([*cfg.reward_funcs, cfg.correctness_func]):
@@ -150,7 +151,7 @@ def reward_code_versions(cfg: GRPOConfig) -> list[tuple]:
     return versions
 
 
-def early_key(cfg: GRPOConfig, samples: str | Path) -> str:
+def early_key(cfg, samples: str | Path) -> str:
     """What early scores must match to stand for this stage's own: the samples' bytes, the reward settings and
     the reward functions' source files (a plugin fixed between the rollout and this stage scores again)."""
     settings = {"reward_funcs": cfg.reward_funcs, "weights": cfg.reward_weights, "correctness": cfg.correctness_func,
@@ -161,11 +162,11 @@ def early_key(cfg: GRPOConfig, samples: str | Path) -> str:
     return h.hexdigest()[:16]
 
 
-def write_early_scores(cfg: GRPOConfig, samples: str | Path, scored: list[dict], seconds: dict[str, float]) -> Path:
+def write_early_scores(cfg, samples: str | Path, scored: list[dict], seconds: dict[str, float]) -> Path:
     return write_json(early_scores_path(samples), {"key": early_key(cfg, samples), "rows": scored, "seconds": seconds})
 
 
-def read_early_scores(cfg: GRPOConfig, samples: str | Path, rows: list[dict]) -> tuple[list[dict], dict] | None:
+def read_early_scores(cfg, samples: str | Path, rows: list[dict]) -> tuple[list[dict], dict] | None:
     """The rollout's scores of these sample rows, if it left ones that match them and the reward settings."""
     path = early_scores_path(samples)
     if not path.exists():

@@ -425,8 +425,9 @@ def _environment_reward(environment: object | None) -> dict | None:
 
 
 def tool_rollout(backend, tokenizer, tasks: Sequence[Task], n: int, params: SamplingParams, fmt: PromptFormat,
-                 max_prompt_length: int, toolbox: Toolbox) -> list[list[Sample]]:
-    """n multi-turn rollouts of every task -> one group of Samples per task (in task order)."""
+                 max_prompt_length: int, toolbox: Toolbox, group_ids: Sequence[int]) -> list[list[Sample]]:
+    """n multi-turn rollouts of every task -> one group of Samples per task (in task order), task g's numbered
+    group_ids[g]."""
     # 1) one environment per rollout, reset with its task's fields; the tools each rollout may call
     row_tasks = [t for t in tasks for _ in range(n)]
     environments = [toolbox.environment_for(t) for t in row_tasks]
@@ -443,7 +444,7 @@ def tool_rollout(backend, tokenizer, tasks: Sequence[Task], n: int, params: Samp
                            [fmt.for_task(t).response_prefix for t in row_tasks], dict(fmt.template_kwargs))
     # 5) the environments' own rewards, and the samples (each with its task's own prompt: what the update trains on)
     rewards = [_environment_reward(env) for env in environments]
-    return [[_sample(tasks[g], g, prompts[r], episodes[r], rewards[r], guides[r] is not None)
+    return [[_sample(tasks[g], group_ids[g], prompts[r], episodes[r], rewards[r], guides[r] is not None)
              for r in range(g * n, (g + 1) * n)] for g in range(len(tasks))]
 
 

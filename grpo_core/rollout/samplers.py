@@ -550,8 +550,12 @@ def make_backend(cfg, policy, progress: bool = True, merge_lora: bool = True) ->
 
 def rollout(backend: RolloutBackend, tokenizer, tasks: Sequence[Task], n: int, params: SamplingParams,
             fmt: PromptFormat | str, max_prompt_length: int,
-            on_group: Callable[[list[Sample]], None] | None = None, toolbox=None) -> list[Sample]:
+            on_group: Callable[[list[Sample]], None] | None = None, toolbox=None,
+            group_ids: Sequence[int] | None = None) -> list[Sample]:
     """n completions for every task, as Samples (groups contiguous, in task order), through any engine.
+
+    Each Sample's `group` is its task's entry in `group_ids` (default: its position in `tasks`): the one place a
+    group's number is written; a stage that samples a share of the batch passes the batch positions of its tasks.
 
     `completion` is the response prefix (if any) + the decoded sampled tokens: what rewards judge.
     With params.logprobs each Sample carries its sampler log-probs. `on_group(samples)` gets each group
@@ -565,10 +569,13 @@ def rollout(backend: RolloutBackend, tokenizer, tasks: Sequence[Task], n: int, p
     `multiturn.drive_turns` (the turns after it)."""
     from grpo_core.rollout.multiturn import sample_rows, tool_rollout
     fmt = PromptFormat.of(fmt)
+    ids = list(range(len(tasks)) if group_ids is None else group_ids)
+    if len(ids) != len(tasks):
+        raise ValueError(f"rollout: {len(ids)} group_ids for {len(tasks)} tasks (one per task)")
     if toolbox is not None:
         if params.stop_strings:
             raise ValueError("stop_strings is not supported in multi-turn rollouts (a turn ends at EOS or a tool call)")
-        groups = tool_rollout(backend, tokenizer, tasks, n, params, fmt, max_prompt_length, toolbox)
+        groups = tool_rollout(backend, tokenizer, tasks, n, params, fmt, max_prompt_length, toolbox, ids)
         for group in groups if on_group is not None else ():
             on_group(group)
         return [s for group in groups for s in group]
@@ -583,7 +590,7 @@ def rollout(backend: RolloutBackend, tokenizer, tasks: Sequence[Task], n: int, p
     stops = StopStrings(tokenizer, params.stop_strings)
 
     def as_samples(g: int, group) -> list[Sample]:
-        return [as_sample(tokenizer, tasks[g], g, prompt_ids[g], c_ids, fmt, guided[g * n + j], stops)
+        return [as_sample(tokenizer, tasks[g], ids[g], prompt_ids[g], c_ids, fmt, guided[g * n + j], stops)
                 for j, c_ids in enumerate(group)]
 
     ready: dict[int, list[Sample]] = {}

@@ -6,7 +6,7 @@ and micro-batch, which frozen log-probs are needed, and runs the steps. It does 
 Groups that lost members (a sample that could not be scored) train on their survivors.
 Data parallel (`grpo_core.parallel.DataParallel`): every process plans the same steps from the whole batch, trains on its
 share of each micro-batch's groups, and the summed gradients are the gradients of one process.
-"""
+`cfg` is the run's GRPOConfig (grpo_core/config.py), read by field: the config sits above this room."""
 from __future__ import annotations
 
 import math
@@ -17,7 +17,6 @@ from typing import Callable, Sequence
 
 import torch
 
-from grpo_core.config import GRPOConfig
 from grpo_core.update.logprobs import completion_logprobs, router_loss_logprobs
 from grpo_core.update.loss import (LossSettings, applied_entropy_coef, decoupled_advantages, grpo_loss, group_advantages,
                             high_entropy_mask, loss_type_named, next_entropy_coef, zero_std_groups)
@@ -60,7 +59,7 @@ class MicroBatch:
     stand_in: bool = False                     # rows run only so that every process runs the same steps
 
 
-def make_optimizer(policy: Policy, cfg: GRPOConfig) -> torch.optim.Optimizer:
+def make_optimizer(policy: Policy, cfg) -> torch.optim.Optimizer:
     """AdamW over the trainable parameters, multi-tensor (foreach) on every device: on the CPU torch's default
     is a loop per parameter, slower for a LoRA's many small factors. (Not `fused`: its in-place update does not
     bump the parameters' version counters, by which the sampler knows that weights changed.)"""
@@ -76,7 +75,7 @@ def relative_change(before: Sequence[torch.Tensor], after: Sequence[torch.Tensor
     return math.sqrt(moved / size) if size > 0 else math.sqrt(moved)
 
 
-def total_optimizer_steps(cfg: GRPOConfig) -> int:
+def total_optimizer_steps(cfg) -> int:
     return cfg.pipeline_iterations * cfg.steps_per_iteration * cfg.num_iterations
 
 
@@ -92,14 +91,14 @@ class EntropyControl:
     last_entropy: float = math.inf             # none measured yet: the first step applies no bonus
 
     @classmethod
-    def of(cls, cfg: GRPOConfig) -> "EntropyControl":
+    def of(cls, cfg) -> "EntropyControl":
         return cls(cfg.entropy_coef, cfg.use_adaptive_entropy)
 
-    def applied(self, cfg: GRPOConfig) -> float:
+    def applied(self, cfg) -> float:
         """The coefficient this step's loss uses."""
         return applied_entropy_coef(self.coef, self.last_entropy, cfg.entropy_target) if self.adaptive else self.coef
 
-    def observe(self, entropy: float, cfg: GRPOConfig) -> None:
+    def observe(self, entropy: float, cfg) -> None:
         """After a step that measured `entropy` (adaptive only)."""
         if self.adaptive:
             self.coef = next_entropy_coef(self.coef, entropy, cfg.entropy_target, cfg.entropy_coef_delta,
@@ -133,7 +132,7 @@ class Schedule(torch.optim.lr_scheduler.LambdaLR):
             self.entropy.load_state_dict(entropy)
 
 
-def make_scheduler(optimizer: torch.optim.Optimizer, cfg: GRPOConfig) -> Schedule:
+def make_scheduler(optimizer: torch.optim.Optimizer, cfg) -> Schedule:
     total = total_optimizer_steps(cfg)
     warmup = int(round(cfg.warmup_ratio * total))
 
@@ -165,7 +164,7 @@ def surviving_groups(samples: Sequence[ScoredSample | None]) -> tuple[list[Score
     return [s for members in kept for s in members], [len(members) for members in kept]
 
 
-def batch_advantages(kept: Sequence[ScoredSample], group_sizes: Sequence[int], cfg: GRPOConfig) -> torch.Tensor:
+def batch_advantages(kept: Sequence[ScoredSample], group_sizes: Sequence[int], cfg) -> torch.Tensor:
     """Each kept sample's advantage within its surviving group, aggregated as `multi_objective_aggregation`
     says: sum_then_normalize, `group_advantages` of the weighted total (as scale_rewards says);
     normalize_then_sum, `decoupled_advantages` (GDPO) of the scores per reward function, weighted by
@@ -302,7 +301,7 @@ def shard_rows(rows: Sequence[int], kept: Sequence[ScoredSample],
     return [i for i in rows if kept[i].group in mine], False
 
 
-def shard_loss_weight(share: Sequence[ScoredSample], whole: Sequence[ScoredSample], cfg: GRPOConfig) -> float:
+def shard_loss_weight(share: Sequence[ScoredSample], whole: Sequence[ScoredSample], cfg) -> float:
     """What the loss of `share` (normalised by itself, as `aggregate` does) is multiplied by to be its part
     of the loss of the micro-batch `whole`: its fraction of the whole's sequences or loss tokens. Summed
     over the processes, the parts are the whole micro-batch's loss. What `aggregate` divides by is the loss
@@ -316,7 +315,7 @@ def shard_loss_weight(share: Sequence[ScoredSample], whole: Sequence[ScoredSampl
     return shard_token_weight(share, whole, cfg) if by == "tokens" else 1.0
 
 
-def shard_token_weight(share: Sequence[ScoredSample], whole: Sequence[ScoredSample], cfg: GRPOConfig) -> float:
+def shard_token_weight(share: Sequence[ScoredSample], whole: Sequence[ScoredSample], cfg) -> float:
     """`share`'s fraction of the loss tokens of the micro-batch `whole` (1 for the whole): what a token mean
     over `share` is multiplied by to be its part of the token mean over `whole` (bnpo's loss, and the entropy
     bonus whatever the loss type)."""
@@ -327,13 +326,13 @@ def shard_token_weight(share: Sequence[ScoredSample], whole: Sequence[ScoredSamp
 
 
 @torch.no_grad()
-def _logprobs_no_grad(model, mb: MicroBatch, cfg: GRPOConfig) -> torch.Tensor:
+def _logprobs_no_grad(model, mb: MicroBatch, cfg) -> torch.Tensor:
     return completion_logprobs(model, mb.input_ids, mb.attention_mask, mb.completion_mask.size(1), cfg.temperature,
                                chunk_rows=cfg.logit_chunk_rows, group_size=mb.group_size,
                                fp32_head=cfg.cast_lm_head_to_fp32)[0]
 
 
-def attach_frozen_logprobs(policy: Policy, micro_batches: Sequence[MicroBatch], cfg: GRPOConfig,
+def attach_frozen_logprobs(policy: Policy, micro_batches: Sequence[MicroBatch], cfg,
                            need_old: bool) -> dict[str, float]:
     """Fill in each micro-batch's old log-probs (when `need_old`) and reference log-probs (when
     beta > 0), under the current weights; return the seconds each took."""
@@ -352,7 +351,7 @@ def attach_frozen_logprobs(policy: Policy, micro_batches: Sequence[MicroBatch], 
     return seconds
 
 
-def micro_batch_loss(logp: torch.Tensor, entropy: torch.Tensor, mb: MicroBatch, cfg: GRPOConfig, n_mb: int,
+def micro_batch_loss(logp: torch.Tensor, entropy: torch.Tensor, mb: MicroBatch, cfg, n_mb: int,
                      tokens_per_step: float,
                      entropy_coef: float | None = None) -> tuple[torch.Tensor, dict[str, float]]:
     """This process's part of one micro-batch's loss with the objective the config describes: `grpo_loss`, its
@@ -383,7 +382,7 @@ def step_statistics(per_micro_batch: Sequence[tuple[dict[str, float], float]], s
     return {**dict(zip(names, means.tolist())), "loss": loss.item(), "step_tokens": tokens.sum().item()}
 
 
-def entropy_control(scheduler, cfg: GRPOConfig) -> EntropyControl:
+def entropy_control(scheduler, cfg) -> EntropyControl:
     """The run's EntropyControl: the one the scheduler carries (`make_scheduler`'s Schedule), or, for another
     scheduler, a fixed entropy_coef (adaptive control needs a Schedule to keep its coefficient in)."""
     control = getattr(scheduler, "entropy", None)
@@ -404,7 +403,7 @@ def controlled_entropy(entropy: torch.Tensor, mask: torch.Tensor, top_entropy_qu
     return torch.stack([(entropy * mask).sum(), mask.sum()]).double().cpu()
 
 
-def optimizer_step(policy: Policy, optimizer, scheduler, micro_batches: Sequence[MicroBatch], cfg: GRPOConfig,
+def optimizer_step(policy: Policy, optimizer, scheduler, micro_batches: Sequence[MicroBatch], cfg,
                    tokens_per_step: float, data_parallel: DataParallel = DataParallel()) -> dict[str, float]:
     """One optimizer step: accumulate the gradients of its micro-batches (summed over the processes),
     clip, step, and move the adaptive entropy coefficient (`EntropyControl`) by the entropy it measured;
@@ -449,7 +448,7 @@ def optimizer_step(policy: Policy, optimizer, scheduler, micro_batches: Sequence
     return metrics
 
 
-def _policy_logprobs(model, mb: MicroBatch, cfg: GRPOConfig, entropy_grad: bool, router_loss: bool
+def _policy_logprobs(model, mb: MicroBatch, cfg, entropy_grad: bool, router_loss: bool
                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """The micro-batch's log-probs and entropy under the policy ([b, Lc] each), and, with `router_loss` (an MoE
     model and router_aux_loss_coef), the router's load-balancing loss from the same forward (else None)."""
@@ -464,7 +463,7 @@ def _policy_logprobs(model, mb: MicroBatch, cfg: GRPOConfig, entropy_grad: bool,
 
 
 def plan_micro_batches(policy: Policy, kept: Sequence[ScoredSample], group_sizes: Sequence[int],
-                       advantages: torch.Tensor, cfg: GRPOConfig, seed: int,
+                       advantages: torch.Tensor, cfg, seed: int,
                        data_parallel: DataParallel = DataParallel()) -> list[list[MicroBatch]]:
     """The padded micro-batches of each optimizer step, each this process's share (`shard_rows`). A
     micro-batch whose groups all have one size shares each group's prompt pass (`completion_logprobs`'
@@ -493,7 +492,7 @@ def plan_micro_batches(policy: Policy, kept: Sequence[ScoredSample], group_sizes
     return plan
 
 
-def grpo_update(policy: Policy, optimizer, scheduler, samples: Sequence[ScoredSample | None], cfg: GRPOConfig,
+def grpo_update(policy: Policy, optimizer, scheduler, samples: Sequence[ScoredSample | None], cfg,
                 seed: int, progress=None, data_parallel: DataParallel = DataParallel(),
                 ) -> tuple[list[dict[str, float]], dict[str, float], list[float | None]]:
     """Run steps_per_iteration x num_iterations optimizer steps on one rollout batch.

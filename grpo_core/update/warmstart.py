@@ -8,7 +8,7 @@ model's chat template gives: the system prompt, the question plain or in one of 
 run's tools); a few epochs of supervised fine-tuning (next-token loss on the model's own tokens; tool turns are
 context) move the behaviour into the LoRA adapter. Nothing is hand-written: the demonstrations are the model's
 own answers, checked by the reward. Torch and the project's sampler and scorer; no Prefect, no MLflow.
-"""
+`cfg` is the run's GRPOConfig (grpo_core/config.py), read by field: the config sits above this room."""
 from __future__ import annotations
 
 import random
@@ -17,7 +17,6 @@ from typing import Sequence
 
 import torch
 
-from grpo_core.config import GRPOConfig
 from grpo_core.update.logprobs import completion_logprobs
 from grpo_core.rollout.multiturn import Toolbox, tool_prompt_ids
 from grpo_core.model.policy import Policy
@@ -29,7 +28,7 @@ from grpo_core.task import Task
 from grpo_core.update.step import ScoredSample, pad_batch
 
 
-def demonstration_format(cfg: GRPOConfig) -> PromptFormat:
+def demonstration_format(cfg) -> PromptFormat:
     """The prompt the demonstrations are trained under: the system prompt without the worked examples, the
     question plain or in one of data.instructions (drawn per question)."""
     d = cfg.data
@@ -37,13 +36,13 @@ def demonstration_format(cfg: GRPOConfig) -> PromptFormat:
                         system_alone_prob=1.0, template_kwargs=d.template_kwargs)
 
 
-def _prompt_ids(tokenizer, task: Task, fmt: PromptFormat, cfg: GRPOConfig, toolbox: Toolbox | None) -> list[int]:
+def _prompt_ids(tokenizer, task: Task, fmt: PromptFormat, cfg, toolbox: Toolbox | None) -> list[int]:
     if toolbox is None:
         return chat_prompt_ids(tokenizer, task, fmt, cfg.max_prompt_length)
     return tool_prompt_ids(tokenizer, task, fmt, cfg.max_prompt_length, list(toolbox.toolset(None).values()))
 
 
-def correct_answers(samples: Sequence[Sample], tasks: Sequence[Task], cfg: GRPOConfig, per_question: int) -> list[int]:
+def correct_answers(samples: Sequence[Sample], tasks: Sequence[Task], cfg, per_question: int) -> list[int]:
     """Indices of the samples the run's rewards judge correct (correctness 1) and well formed, at most
     `per_question` of each question (the first ones: the variety of many questions over copies of a few)."""
     by_id = {t.id: t for t in tasks}
@@ -57,7 +56,7 @@ def correct_answers(samples: Sequence[Sample], tasks: Sequence[Task], cfg: GRPOC
     return kept
 
 
-def as_demonstrations(tokenizer, kept: Sequence[Sample], tasks: Sequence[Task], cfg: GRPOConfig,
+def as_demonstrations(tokenizer, kept: Sequence[Sample], tasks: Sequence[Task], cfg,
                       toolbox: Toolbox | None) -> list[ScoredSample]:
     """Each kept answer (its tokens as sampled, tool turns masked) re-attached to its question's prompt in
     demonstration_format: the training pairs of the warm start."""
@@ -67,7 +66,7 @@ def as_demonstrations(tokenizer, kept: Sequence[Sample], tasks: Sequence[Task], 
                          completion_mask=s.completion_mask) for i, s in enumerate(kept)]
 
 
-def collect_demonstrations(policy: Policy, tasks: Sequence[Task], cfg: GRPOConfig, seed: int,
+def collect_demonstrations(policy: Policy, tasks: Sequence[Task], cfg, seed: int,
                            progress: bool = True) -> tuple[list[ScoredSample], list[Sample], dict[str, float]]:
     """Sample num_generations answers per task in the full prompt, keep the correct ones (correct_answers), and
     make them demonstrations (as_demonstrations). -> (demonstrations, the kept samples as sampled, statistics)."""

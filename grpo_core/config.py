@@ -823,6 +823,34 @@ class GRPOConfig(_Section):
                            "iteration matches only in distribution); off: the calls of a step run during the next "
                            "decode step and the batch waits for them, reproducible")
 
+    rollout_func: str | None = Field(
+        None, description="an agent loop that drives each rollout itself (OpenPipe ART's model): \"package.module:run\""
+                          " or an entry point of grpo_pipeline.agents, called once per rollout as run(client, task) "
+                          "with an openai.OpenAI client bound to the policy endpoint the rollout serves; it returns a "
+                          "reward (a number, {'reward': x, 'metrics': {...}}, or None to let reward_funcs judge the "
+                          "model's last turn); the tokens the endpoint sampled are trained on (grpo_core/rollout/"
+                          "agents.py). Not with tools or environment (the agent calls its own tools)")
+
+    @field_validator("rollout_func")
+    @classmethod
+    def _rollout_func_resolves(cls, entry):
+        if entry is not None:
+            from grpo_core.rollout.agents import AgentLoop
+            AgentLoop.resolve(entry)
+        return entry
+
+    @model_validator(mode="after")
+    def _one_turn_driver(self):
+        if self.rollout_func is None:
+            return self
+        clash = [f for f, on in (("tools", self.tools), ("environment", self.environment),
+                                 ("stop_strings", self.stop_strings), ("warmstart.enabled", self.warmstart.enabled),
+                                 ("eval.without_tools", self.eval.without_tools and bool(self.tools))) if on]
+        if clash:
+            raise ValueError(f"rollout_func drives every turn of a rollout itself, so {clash[0]} cannot be set with "
+                             f"it; remove {clash[0]} (the agent calls its own tools)")
+        return self
+
     @field_validator("tools")
     @classmethod
     def _tools_resolve(cls, entries: list[str]) -> list[str]:

@@ -16,6 +16,7 @@ The stage logs its metrics to the run's MLflow run itself, at the step of the it
 from __future__ import annotations
 
 from grpo_core.io import read_jsonl, write_jsonl
+from grpo_core.rollout.agents import agent_metrics
 from grpo_core.rollout.multiturn import tool_metrics
 from grpo_core.rewards.scoring import read_early_scores, score_metrics, score_rows, wording_metrics
 from grpo_core.task import read_tasks
@@ -36,6 +37,7 @@ def score(config: dict, run_dir: str, iteration: int, prompts: str, samples: str
     out = write_jsonl(iter_dir(run_dir, iteration) / "scores.jsonl", scored)
     fmt = cfg.data.prompt_format_at(iteration)
     wordings = {i: fmt.for_task(t).wording for i, t in tasks.items() if t.kind == "math"} if fmt.varies else {}
-    metrics = {**score_metrics(scored, seconds), **tool_metrics(rows), **wording_metrics(scored, wordings)}
+    metrics = {**score_metrics(scored, seconds), **tool_metrics(rows), **agent_metrics(rows),
+               **wording_metrics(scored, wordings)}
     tracking.log_iteration_metrics(cfg, run_dir, iteration, metrics)         # at the iteration's first update step
     return {"scores": str(out), "metrics": metrics, "scored_during_rollout": early is not None}

@@ -48,11 +48,15 @@ class Toolbox:
     max_iterations: int | None = None          # rounds of tool calls per rollout (None: until the budget ends)
     timeout: float = 30.0                      # seconds per tool call
     overlap: bool = False                      # rows keep decoding while calls run (not reproducible bit for bit)
+    agent: str | None = None                   # config rollout_func: an agent loop drives every turn instead
+    agent_concurrency: int = 32                # agent loops run at once (grpo_core/rollout/agents.py)
 
     @classmethod
     def from_config(cls, cfg, tools: Sequence[str] | None = None) -> "Toolbox | None":
         """The run's toolbox (`tools`, `environment`), or None when the model may call nothing. `tools`
         overrides the config's list (evaluation with and without tools)."""
+        if getattr(cfg, "rollout_func", None) and tools is None:
+            return cls([], agent=cfg.rollout_func, agent_concurrency=cfg.generation_batch_size)
         entries = list(cfg.tools if tools is None else tools)
         environment = cfg.environment if tools is None else None
         if not entries and environment is None:
@@ -107,7 +111,7 @@ def renders_tools(tokenizer) -> bool:
     return cached
 
 
-def _with_system(messages: list[dict], text: str) -> list[dict]:
+def with_system(messages: list[dict], text: str) -> list[dict]:
     if messages and messages[0]["role"] == "system":
         return [{"role": "system", "content": f"{messages[0]['content']}\n\n{text}"}] + messages[1:]
     return [{"role": "system", "content": text}] + messages
@@ -125,7 +129,7 @@ def tool_prompt_ids(tokenizer, task: Task, fmt: PromptFormat, max_prompt_length:
     elif renders_tools(tokenizer):
         text = render_chat(tokenizer, messages, tools=schemas, **kwargs)
     else:
-        text = render_chat(tokenizer, _with_system(messages, fallback_system_prompt(schemas)), **kwargs)
+        text = render_chat(tokenizer, with_system(messages, fallback_system_prompt(schemas)), **kwargs)
     ids = prompt_text_ids(tokenizer, text, task, fmt, max_prompt_length + 1)
     if len(ids) > max_prompt_length and not _warned_long:
         _warned_long.append(task.id)
@@ -138,19 +142,27 @@ _warned_long: list[str] = []          # the long-prompt warning is given once pe
 
 
 def _render_tool_turn(tokenizer, results: Sequence[ToolResult], native: bool, **template_kwargs) -> str:
-    """The text between the model's end-of-turn token and its next turn: the tool results, then the
-    opening of the model's turn (the template's rendering of one conversation with and without them;
-    `template_kwargs`: the run's chat_template_kwargs)."""
+    """The text between the model's end-of-turn token and its next turn: the tool results, then the opening of
+    the model's turn (`template_kwargs`: the run's chat_template_kwargs)."""
     if native:
-        call = {"type": "function", "function": {"name": results[0].name, "arguments": {}}}
-        before = [{"role": "user", "content": "q"}, {"role": "assistant", "content": "", "tool_calls": [call]}]
         turn = [{"role": "tool", "name": r.name, "content": r.content} for r in results]
     else:
-        before = [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]
         turn = [{"role": "user", "content": "\n".join(f"<tool_response>\n{r.content}\n</tool_response>"
                                                       for r in results)}]
+    return render_after_model_turn(tokenizer, turn, results[0].name if native else None, **template_kwargs)
+
+
+def render_after_model_turn(tokenizer, turn: list[dict], call_name: str | None = None, **template_kwargs) -> str:
+    """The text between the model's end-of-turn token and its next turn: the messages `turn` (tool results or a
+    user's reply, as the template takes them), then the opening of the model's turn: the template's rendering of
+    one conversation with and without them. `call_name`: the turn answers the model's native call of that tool."""
+    if call_name is not None:
+        call = {"type": "function", "function": {"name": call_name, "arguments": {}}}
+        before = [{"role": "user", "content": "q"}, {"role": "assistant", "content": "", "tool_calls": [call]}]
+    else:
+        before = [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]
     if not getattr(tokenizer, "chat_template", None):             # plain text prompts: paragraphs
-        return f"\n\n{turn[0]['content']}\n\n"
+        return "".join(f"\n\n{m['content']}" for m in turn) + "\n\n"
     prefix = tokenizer.apply_chat_template(before, tokenize=False, **template_kwargs)
     full = tokenizer.apply_chat_template(before + turn, tokenize=False, add_generation_prompt=True, **template_kwargs)
     eos = tokenizer.eos_token or ""
@@ -229,11 +241,15 @@ class Episode:
         self.truncated = not stopped and not glue
         self.pending = parse_tool_calls(text)
 
-    def add_tool_turn(self, results: Sequence[ToolResult], ids: list[int]) -> None:
+    def add_context(self, ids: list[int]) -> None:
+        """Tokens the model reads but did not write (a tool's or a user's turn): never trained on."""
         self.ids += ids
         self.mask += [0] * len(ids)
         if self.logprobs is not None:
             self.logprobs += [0.0] * len(ids)
+
+    def add_tool_turn(self, results: Sequence[ToolResult], ids: list[int]) -> None:
+        self.add_context(ids)
         for r in results:
             self.calls += 1
             self.errors += r.error

@@ -575,7 +575,12 @@ def rollout(backend: RolloutBackend, tokenizer, tasks: Sequence[Task], n: int, p
     if toolbox is not None:
         if params.stop_strings:
             raise ValueError("stop_strings is not supported in multi-turn rollouts (a turn ends at EOS or a tool call)")
-        groups = tool_rollout(backend, tokenizer, tasks, n, params, fmt, max_prompt_length, toolbox, ids)
+        if toolbox.agent is not None:
+            from grpo_core.rollout.agents import AgentLoop, agent_rollout
+            agent = AgentLoop.resolve(toolbox.agent, toolbox.agent_concurrency, dict(fmt.template_kwargs))
+            groups = agent_rollout(backend, tokenizer, tasks, n, params, agent, ids)
+        else:
+            groups = tool_rollout(backend, tokenizer, tasks, n, params, fmt, max_prompt_length, toolbox, ids)
         for group in groups if on_group is not None else ():
             on_group(group)
         return [s for group in groups for s in group]

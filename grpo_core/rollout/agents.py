@@ -1,0 +1,134 @@
+"""Any agent loop as a rollout (OpenPipe ART's model): the config's `rollout_func: "package.module:run"` is called
+once per rollout as `run(client, task)`, with an `openai.OpenAI` client bound to the policy endpoint
+(grpo_core/rollout/endpoint.py) and the task (grpo_core.task.Task: id, prompt, answer, meta, ...). It talks to the
+model through chat completions (with tools if it likes) in whatever loop it wants, and returns its reward: a
+number, `{"reward": number, "metrics": {name: number}}`, or None to leave the judging to the run's reward
+functions (they read the model's last turn). The rollouts of every task run concurrently (the endpoint batches
+their requests), and each one trains on the tokens the endpoint sampled for it, the model's marked, everything
+else context. A rollout whose agent raises is unscorable (left out of its group); when every one raises, the stage
+fails with the first error.
+"""
+from __future__ import annotations
+
+import logging
+import math
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence
+
+from grpo_core.plugins import PluginError, load_plugin
+from grpo_core.rollout.endpoint import PolicyEndpoint
+from grpo_core.rollout.sampling import Sample, SamplingParams
+from grpo_core.task import Task
+
+log = logging.getLogger(__name__)
+
+AGENT_GROUP = "grpo_pipeline.agents"
+CONTRACT = ("def run(client: openai.OpenAI, task: grpo_core.task.Task) -> float | dict | None  "
+            "(dict: {'reward': float, 'metrics': {name: float}})")
+
+
+@dataclass
+class AgentLoop:
+    """The run's agent loop: the function, its name (the reward's and metrics' name) and how many run at once."""
+    run: Callable[[Any, Task], Any]
+    name: str
+    concurrency: int = 32
+    template_kwargs: dict = field(default_factory=dict)
+
+    @classmethod
+    def resolve(cls, entry: str, concurrency: int = 32, template_kwargs: dict | None = None,
+                field_name: str = "rollout_func") -> "AgentLoop":
+        plugin = load_plugin(entry, AGENT_GROUP, field_name, ())
+        name = getattr(plugin.obj, "__name__", "agent")
+        return cls(plugin.obj, f"agent_{name}" if name == "run" else name, concurrency, dict(template_kwargs or {}))
+
+
+def read_outcome(value: Any, where: str) -> tuple[float | None, dict[str, float], bool]:
+    """An agent's return value -> (reward, metrics, whether it gave a reward)."""
+    if value is None:
+        return None, {}, False
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return _finite(value, where), {}, True
+    if isinstance(value, dict) and set(value) <= {"reward", "metrics"}:
+        metrics = value.get("metrics") or {}
+        if not isinstance(metrics, dict):
+            raise TypeError(f"{where}: 'metrics' must be a dict of name -> number")
+        reward = value.get("reward")
+        return (None if reward is None else _finite(reward, where), {str(k): _finite(v, f"{where} metric {k!r}")
+                                                                      for k, v in metrics.items()}, "reward" in value)
+    raise TypeError(f"{where} returned {type(value).__name__} {str(value)[:80]!r}; an agent returns {CONTRACT}")
+
+
+def _finite(v: Any, where: str) -> float:
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+        raise TypeError(f"{where}: a reward or metric must be a finite number, got {v!r}")
+    return float(v)
+
+
+def _client(endpoint: PolicyEndpoint, session: str):
+    try:
+        import openai
+    except ImportError:
+        raise PluginError("rollout_func needs the openai package, which is not installed. Fix: pip install openai "
+                          "(or pip install -e '.[agents]')") from None
+    return openai.OpenAI(base_url=endpoint.session_url(session) + "/v1", api_key="local", max_retries=2, timeout=3600)
+
+
+def _run_one(agent: AgentLoop, endpoint: PolicyEndpoint, task: Task, session: str) -> tuple[Any, str | None]:
+    try:
+        return agent.run(_client(endpoint, session), task), None
+    except PluginError:
+        raise
+    except Exception as e:  # noqa: BLE001 - one rollout's failure is that rollout's, unless every one fails
+        return None, f"{type(e).__name__}: {e}"
+
+
+def agent_rollout(backend, tokenizer, tasks: Sequence[Task], n: int, params: SamplingParams, agent: AgentLoop,
+                  group_ids: Sequence[int]) -> list[list[Sample]]:
+    """n runs of the agent loop per task, concurrently, through one endpoint -> one group of Samples per task."""
+    jobs = [(g, j) for g in range(len(tasks)) for j in range(n)]
+    sessions = [f"g{group_ids[g]}-r{j}" for g, j in jobs]
+    with PolicyEndpoint(backend, tokenizer, params, n, agent.template_kwargs) as endpoint:
+        with ThreadPoolExecutor(max_workers=max(1, min(len(jobs), agent.concurrency)), thread_name_prefix="agent") as pool:
+            outcomes = list(pool.map(lambda k: _run_one(agent, endpoint, tasks[jobs[k][0]], sessions[k]),
+                                     range(len(jobs))))
+        records = [endpoint.conversation(s) for s in sessions]
+    errors = [e for _, e in outcomes if e is not None]
+    if jobs and len(errors) == len(jobs):
+        raise RuntimeError(f"rollout_func {agent.name!r}: every rollout failed; the first: {errors[0]}")
+    for e in dict.fromkeys(errors):
+        log.warning("rollout_func %s: a rollout failed (%s); it is left out of its group", agent.name, e)
+    samples = [_sample(tasks[g], group_ids[g], rec, value, error, agent.name)
+               for (g, _), rec, (value, error) in zip(jobs, records, outcomes)]
+    return [samples[g * n:(g + 1) * n] for g in range(len(tasks))]
+
+
+def _sample(task: Task, group: int, record: dict | None, value: Any, error: str | None, name: str) -> Sample:
+    """One agent run as a Sample: the endpoint's tokens for its session (its last branch), its reward."""
+    if error is None and record is None:
+        error = "the agent made no request through the client it was given"
+    reward, metrics, rewarded = (None, {}, True) if error else read_outcome(value, f"rollout_func {name!r}")
+    record = record or {"prompt_ids": [], "completion_ids": [], "completion_mask": [], "logprobs": [], "turns": [""],
+                        "truncated": False, "branches": 0, "conversation": []}
+    extra = {"turns": len(record["turns"]), "tool_calls": 0, "tool_errors": 0, "tool_usage": {},
+             "max_turns_reached": False, "conversation": record["conversation"], "branches": record["branches"],
+             "agent_metrics": metrics, **({"agent_error": error} if error else {}),
+             **({"environment_reward": {name: reward}} if rewarded else {})}
+    return Sample(task_id=task.id, group=group, prompt_ids=record["prompt_ids"], completion_ids=record["completion_ids"],
+                  completion=record["turns"][-1] if record["turns"] else "", truncated=record["truncated"], extra=extra,
+                  sampler_logprobs=record["logprobs"] or None, completion_mask=record["completion_mask"])
+
+
+def agent_metrics(samples: Sequence[dict]) -> dict[str, float]:
+    """agent/<metric> means over the rollouts that reported it, agent/failed_frac and agent/branches_mean."""
+    rows = [s.get("extra") or {} for s in samples]
+    rows = [r for r in rows if "agent_metrics" in r]
+    if not rows:
+        return {}
+    out = {"agent/failed_frac": sum("agent_error" in r for r in rows) / len(rows),
+           "agent/branches_mean": sum(r["branches"] for r in rows) / len(rows)}
+    for k in sorted({k for r in rows for k in r["agent_metrics"]}):
+        values = [r["agent_metrics"][k] for r in rows if k in r["agent_metrics"]]
+        out[f"agent/{k}"] = sum(values) / len(values)
+    return out

@@ -105,7 +105,7 @@ def test_the_exported_template_prompts_with_tools_as_training_did(smollm2_dir, t
 @pytest.mark.smoke
 def test_the_exported_template_s_other_conversations(smollm2_dir, tmp_path):
     """Several results in a row are one user turn, joined as training joins them; text before a structured call
-    comes right before it; a caller's own system prompt gets the tool list after it (`with_system`); no `tools=`,
+    comes right before it; a caller's own system prompt gets the tool list after it (`_with_system`); no `tools=`,
     no tool list; with --with-examples, the question alone is training's full prompt."""
     cfg = TOOLS_CONFIG
     base = load_tokenizer(smollm2_dir)

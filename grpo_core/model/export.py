@@ -167,7 +167,7 @@ def with_default_turns(chat_template: str, turns: list[dict], variables: dict | 
 def with_tool_turns(chat_template: str) -> str:
     """`chat_template` for a model trained with tools that it cannot render itself (SmolLM2's): a preamble rewrites
     the conversation into the turns training wrote (grpo_core.rollout.multiturn), then hands it to the template unchanged:
-    - a `tools=` list goes into the system message in the fallback format (`with_system`: the caller's or the
+    - a `tools=` list goes into the system message in the fallback format (`_with_system`: the caller's or the
       default system prompt, a blank line, `fallback_system_prompt`; a system message of its own where none);
     - a run of tool messages becomes one user turn of `<tool_response>` blocks joined by newlines;
     - an assistant message with structured `tool_calls` becomes the text the model wrote:

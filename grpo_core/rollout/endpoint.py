@@ -28,9 +28,8 @@ from dataclasses import dataclass, field, replace
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
-from grpo_core.rollout.multiturn import Episode, render_after_model_turn, renders_tools, with_system
-from grpo_core.rollout.sampling import SamplingParams, render_chat
-from grpo_core.rollout.tools import fallback_system_prompt
+from grpo_core.rollout.multiturn import Episode, render_after_model_turn, render_with_tools, renders_tools
+from grpo_core.rollout.sampling import SamplingParams
 
 log = logging.getLogger(__name__)
 
@@ -188,6 +187,11 @@ def _openai_calls(ep: Episode) -> list[dict]:
             for i, c in enumerate(ep.pending) if c.error is None]
 
 
+def _token_logprobs(completion) -> list[float]:
+    """A completion's sampler log-probs (0.0 each where the engine gave none)."""
+    return list(getattr(completion, "logprobs", None) or [0.0] * len(completion))
+
+
 def _logprobs(ids: list[int], logprobs: list[float]) -> dict:
     return {"content": [{"token": f"token_id:{t}", "logprob": lp, "bytes": None, "top_logprobs": []}
                         for t, lp in zip(ids, logprobs)]}
@@ -275,7 +279,7 @@ class PolicyEndpoint:
         made = self._sample(ids, self._n(sp), self._budget(sp, "max_tokens", "max_new_tokens"))
         choices = []
         for i, c in enumerate(made):
-            c_ids, lps = list(c), list(getattr(c, "logprobs", None) or [0.0] * len(c))
+            c_ids, lps = list(c), _token_logprobs(c)
             choices.append({"index": i, "token_ids": c_ids, "logprobs": _logprobs(c_ids, lps),
                             "finish_reason": "stop" if c_ids and c_ids[-1] == eos else "length"})
             self._log(session, ids, c_ids, lps)
@@ -297,7 +301,7 @@ class PolicyEndpoint:
         for i, c in enumerate(made):
             ep = conv.episode if conv else Episode(logprobs=[])
             start = len(ep.ids)
-            ep.add_model_turn(list(c), list(getattr(c, "logprobs", None) or [0.0] * len(c)), self.tokenizer)
+            ep.add_model_turn(list(c), _token_logprobs(c), self.tokenizer)
             kept = [(t, lp) for t, m, lp in zip(ep.ids[start:], ep.mask[start:], ep.logprobs[start:]) if m]
             ids, lps = [t for t, _ in kept], [lp for _, lp in kept]
             self._log(session, prompt, ids, lps)
@@ -308,10 +312,7 @@ class PolicyEndpoint:
                           "total_tokens": len(prompt) + sum(len(c["token_ids"]) for c in choices)}}
 
     def _render(self, messages: list[dict], tools: list[dict]) -> list[int]:
-        if tools and not self.native_tools:
-            messages = with_system(messages, fallback_system_prompt(tools))
-        text = render_chat(self.tokenizer, messages, **({"tools": tools} if tools and self.native_tools else {}),
-                           **self.template_kwargs)
+        text = render_with_tools(self.tokenizer, messages, tools, **self.template_kwargs)
         return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
 
     def _continued(self, session: str, raw: list[dict], messages: list[dict], tools: list[dict]) -> Conversation:

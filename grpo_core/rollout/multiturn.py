@@ -111,7 +111,7 @@ def renders_tools(tokenizer) -> bool:
     return cached
 
 
-def with_system(messages: list[dict], text: str) -> list[dict]:
+def _with_system(messages: list[dict], text: str) -> list[dict]:
     if messages and messages[0]["role"] == "system":
         return [{"role": "system", "content": f"{messages[0]['content']}\n\n{text}"}] + messages[1:]
     return [{"role": "system", "content": text}] + messages
@@ -121,21 +121,24 @@ def tool_prompt_ids(tokenizer, task: Task, fmt: PromptFormat, max_prompt_length:
                     observation: str | None = None) -> list[int]:
     """The task's prompt with the tools it may call (the template's own format, else the fallback system
     prompt) and an environment's `reset()` text appended to the question."""
-    messages = prompt_messages(task, fmt, observation)
-    schemas = [t.schema for t in tools]
-    kwargs = dict(fmt.for_task(task).template_kwargs)
-    if not schemas:
-        text = render_chat(tokenizer, messages, **kwargs)
-    elif renders_tools(tokenizer):
-        text = render_chat(tokenizer, messages, tools=schemas, **kwargs)
-    else:
-        text = render_chat(tokenizer, with_system(messages, fallback_system_prompt(schemas)), **kwargs)
+    text = render_with_tools(tokenizer, prompt_messages(task, fmt, observation), [t.schema for t in tools],
+                             **dict(fmt.for_task(task).template_kwargs))
     ids = prompt_text_ids(tokenizer, text, task, fmt, max_prompt_length + 1)
     if len(ids) > max_prompt_length and not _warned_long:
         _warned_long.append(task.id)
         log.warning("task %s: its prompt with the tool list is longer than max_prompt_length (%d tokens) and loses "
                     "its beginning, where the tools are listed; raise max_prompt_length", task.id, max_prompt_length)
     return ids[-max_prompt_length:]
+
+
+def render_with_tools(tokenizer, messages: list[dict], schemas: Sequence[dict], **template_kwargs) -> str:
+    """Messages and the tools' schemas as the text before the model's turn: the template's own tool format, else
+    the fallback system prompt (`renders_tools`)."""
+    if not schemas:
+        return render_chat(tokenizer, messages, **template_kwargs)
+    if renders_tools(tokenizer):
+        return render_chat(tokenizer, messages, tools=list(schemas), **template_kwargs)
+    return render_chat(tokenizer, _with_system(messages, fallback_system_prompt(schemas)), **template_kwargs)
 
 
 _warned_long: list[str] = []          # the long-prompt warning is given once per process

@@ -31,11 +31,16 @@ test-slow: venv
 test-all: venv
 	$(BIN)/python -m pytest -q
 
-# The default suite as a CPU without AVX-512 would run it, on any machine: the fast paths' choices and the
-# compiled kernels capped at AVX2 (grpo_core/kernels/cpu_features.py), torch's and oneDNN's own kernels too.
-# TESTS=... runs other tests (e.g. TESTS="-m slow").
+# The tests whose code paths depend on the CPU, as a CPU without AVX-512 would run them, on any machine: the fast
+# paths' choices and the compiled kernels capped at AVX2 (grpo_core/kernels/cpu_features.py), torch's and oneDNN's
+# own kernels too. They are the kernels', the samplers', the policy's and the update's tests and the runs end to
+# end; the rest (config, data, sandbox, tracking, UI) runs no code that asks what the CPU has.
+# TESTS=... runs other tests (e.g. TESTS='-m "not slow"' for the whole default suite, TESTS="-m slow").
 AVX2_ENV := GRPO_MAX_CPU_ISA=avx2 ATEN_CPU_CAPABILITY=avx2 DNNL_MAX_CPU_ISA=AVX2
-TESTS ?= -m "not slow"
+CPU_PATH_TESTS := $(addprefix tests/test_,$(addsuffix .py,cpu_features cpu_linear fused_decode lean_decode \
+	lora_linear native trunk_ops engines sampling_options rollout multiturn policy logprobs loss update \
+	update_variants trl_parity models model_families learning_toy pipeline_e2e stop_strings endpoint))
+TESTS ?= -m "not slow" $(CPU_PATH_TESTS)
 test-avx2: venv
 	$(AVX2_ENV) $(BIN)/python -m pytest -q $(TESTS)
 

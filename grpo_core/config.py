@@ -388,6 +388,10 @@ class TrackingConfig(_Section):
     log_completions_steps: int = Field(1, ge=1, description="log the completion table every N iterations")
     log_completions_prompts: int = Field(4, ge=1, description="prompts per completion table, each with all its "
                                          "num_generations completions")
+    trace_rollouts: int = Field(16, ge=0, description="training rollouts per iteration logged as MLflow traces (the "
+                                "run's Traces tab: a span per model turn and tool call, the rewards as feedback), "
+                                "whole groups first, each group a session; with any value above 0 every evaluation "
+                                "answer is traced too (0: no traces)")
 
 
 class GateConfig(_Section):
@@ -810,7 +814,16 @@ class GRPOConfig(_Section):
                           "appended to the question or None; public methods are tools; optional get_reward() -> "
                           "float owns the reward), one instance per rollout: built-in rust_fix, "
                           "\"package.module:Class\", or an entry point of grpo_pipeline.environments; a mapping "
-                          "name -> entry picks one per task by the task's meta.environment")
+                          "name -> entry picks one per task by the task's meta.environment. Other standards, run "
+                          "through the policy endpoint as agent loops: \"openenv:package.module:app\" (an OpenEnv "
+                          "server the stage starts on 127.0.0.1) or \"openenv:http://host:port\" (a running one); "
+                          "\"verifiers:<taskset id>\" (a verifiers 0.4 environment); see environment_config")
+    environment_config: dict[str, Any] | None = Field(
+        None, description="options of an \"openenv:\" or \"verifiers:\" environment (docs/operations.md, one section "
+                          "per standard): for OpenEnv reset (arguments besides the task's fields), max_turns, "
+                          "system_prompt, tools, action_field, observation_field, observation_template, max_sessions, "
+                          "start_timeout (grpo_core/rollout/openenv_env.py); for verifiers the EnvConfig mapping "
+                          "load_environment takes (taskset, agent)")
     max_tool_calling_iterations: int | None = Field(
         None, ge=0, description="rounds of tool calls per rollout (None: until the model answers without a call or "
                                 "max_completion_length, counted over the model's own tokens, runs out)")
@@ -861,10 +874,29 @@ class GRPOConfig(_Section):
     @field_validator("environment")
     @classmethod
     def _environment_resolves(cls, entry):
-        if entry is not None:
-            from grpo_core.rollout.tools import resolve_environments
+        from grpo_core.rollout.tools import resolve_environments, standard
+        if entry is not None and not standard(entry):
             resolve_environments(entry, None)
         return entry
+
+    @model_validator(mode="after")
+    def _environment_of_another_standard(self):
+        from grpo_core.rollout.tools import standard
+        if not standard(self.environment):
+            if self.environment_config is not None:
+                raise ValueError("environment_config is for an \"openenv:...\" or \"verifiers:...\" environment; "
+                                 f"environment is {self.environment!r}: remove environment_config")
+            return self
+        if self.tools:
+            raise ValueError(f"environment {self.environment!r} brings its own tools (the agent loop calls them); "
+                             "remove tools")
+        if standard(self.environment)[0] == "verifiers" and not self.data.curated:
+            raise ValueError(f"environment {self.environment!r} plays the tasks of its taskset: set data.curated to a "
+                             "curation YAML whose sources are [{name: verifiers, taskset: {id: ..., its options}}] "
+                             "(configs/data/verifiers.yaml)")
+        from grpo_core.rollout.agents import AgentLoop
+        AgentLoop.resolve(self.environment, options=self.environment_config)
+        return self
     # -- sections ---------------------------------------------------------------------------
     data: DataConfig = Field(default_factory=DataConfig)
     eval: EvalConfig = Field(default_factory=EvalConfig)

@@ -73,6 +73,9 @@ class Task:
         return hashlib.sha256(json.dumps(core, sort_keys=True).encode()).hexdigest()
 
 
+VERIFIERS_TASK = "verifiers_task"   # meta key: a verifiers task's own row (grpo_core.data.sources.verifiers_tasks)
+
+
 def write_tasks(path: str | os.PathLike, tasks: Iterable[Task]) -> Path:
     return write_jsonl(path, (t.to_dict() for t in tasks))
 

@@ -1,15 +1,15 @@
 """What an evaluation reports beyond its record, on the MLflow side: metrics at step = iteration, a sample table
-per iteration, plots, the held-out split as an artifact (the curate stage logs it as a run input, after the
-training data). The question counts are the same at every evaluation of a run: they are tags
-(eval.num_questions, ...), not flat charts. Shared by the evaluate stage and `grpo eval --mlflow`; computes
-nothing itself."""
+per iteration, every answer as an MLflow trace (tasks/traces.py), plots, the held-out split as an artifact (the
+curate stage logs it as a run input, after the training data). The question counts are the same at every
+evaluation of a run: they are tags (eval.num_questions, ...), not flat charts. Shared by the evaluate stage and
+`grpo eval --mlflow`; computes nothing itself."""
 from __future__ import annotations
 
 import tempfile
 from pathlib import Path
 
 from grpo_core.config import GRPOConfig
-from tasks import tracking
+from tasks import traces, tracking
 
 TABLE_DIR = "eval_samples"
 PLOT_DIR = "plots"
@@ -53,6 +53,7 @@ def log_evaluation(cfg: GRPOConfig, run_id: str, iteration: int, metrics: dict, 
                            f"{TABLE_DIR}/iter-{iteration:03d}.json")
     if constants:
         tracking.set_tags(cfg, run_id, constants)
+    traces.log_eval_traces(cfg, run_id, iteration, rows)
     if eval_path is not None and iteration == min(history):
         tracking.log_artifact(cfg, run_id, eval_path, "data")
     if cfg.eval.plots:

@@ -12,7 +12,8 @@ this stage then only checks and adopts it. Anything else (no such file, another 
 function's source file edited since) and it scores every sample.
 
 The stage logs its metrics to the run's MLflow run itself, at the step of the iteration's first update step
-(tasks/tracking.py: log_iteration_metrics), as the rollout logs its throughput."""
+(tasks/tracking.py: log_iteration_metrics), as the rollout logs its throughput, and the first
+tracking.trace_rollouts rollouts as MLflow traces, each with its rewards and advantage (tasks/traces.py)."""
 from __future__ import annotations
 
 from grpo_core.io import read_jsonl, write_jsonl
@@ -20,7 +21,7 @@ from grpo_core.rollout.agents import agent_metrics
 from grpo_core.rollout.multiturn import tool_metrics
 from grpo_core.rewards.scoring import read_early_scores, score_metrics, score_rows, wording_metrics
 from grpo_core.task import read_tasks
-from tasks import tracking
+from tasks import traces, tracking
 from tasks.layout import cfg_of, iter_dir
 from tasks.stage import stage
 
@@ -40,4 +41,5 @@ def score(config: dict, run_dir: str, iteration: int, prompts: str, samples: str
     metrics = {**score_metrics(scored, seconds), **tool_metrics(rows), **agent_metrics(rows),
                **wording_metrics(scored, wordings)}
     tracking.log_iteration_metrics(cfg, run_dir, iteration, metrics)         # at the iteration's first update step
+    traces.log_rollout_traces(cfg, run_dir, iteration, rows, scored, {i: t.prompt for i, t in tasks.items()})
     return {"scores": str(out), "metrics": metrics, "scored_during_rollout": early is not None}

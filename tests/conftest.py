@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import os
 import shutil
+import sys
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Iterator
 
 # Before Prefect/transformers are imported anywhere.
 os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
@@ -99,6 +101,33 @@ def tiny_config(tmp_path: Path, **overrides) -> dict:
         else:
             base[k] = v
     return GRPOConfig.model_validate(base).model_dump(mode="json")
+
+
+def one_iteration(tmp_path: Path, config: dict) -> tuple[dict, list[dict]]:
+    """Iteration 1 of `config` (tiny_config's dict) through the real Prefect engine, in a fresh run under tmp_path
+    -> (the flow's stage records, the rollout's sample rows). Needs the grpo_home, prefect_engine and mlflow_uri
+    fixtures."""
+    from flows.train import iteration_flow
+    from grpo_core.config import GRPOConfig
+    from grpo_core.io import read_jsonl
+    from tasks import tracking
+    run_dir = tmp_path / "runs" / "t"
+    run_dir.mkdir(parents=True)
+    tracking.start_or_resume_run(GRPOConfig.model_validate(config), run_dir, None)
+    res = iteration_flow(config, str(run_dir), 1, None, None)
+    return res, list(read_jsonl(res["rollout"]["samples"]))
+
+
+@contextmanager
+def on_sys_path(*folders: Path) -> Iterator[None]:
+    """`folders` importable for the block (a module-scoped fixture's monkeypatch.syspath_prepend)."""
+    added = [str(f) for f in folders]
+    sys.path[:0] = added
+    try:
+        yield
+    finally:
+        for f in added:
+            sys.path.remove(f)
 
 
 def cpu_declines(path: str, dtype=None) -> str | None:

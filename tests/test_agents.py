@@ -3,7 +3,6 @@ policy through the real openai client; the sample it leaves is the tokens the en
 strictly; a run with one trains end to end through the real Prefect engine."""
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
@@ -95,6 +94,10 @@ def test_each_rollout_trains_on_the_tokens_its_agent_was_sent(tiny):
     assert all(s.extra["environment_reward"] == {"two_turns": 1.0} for s in samples if s not in failed)
     metrics = agent_metrics([s.to_dict() for s in samples])
     assert metrics["agent/failed_frac"] == 0.25 and metrics["agent/turns"] == 2.0
+    assert metrics["agent/prompts_per_group"] == 1.0                     # each group: one question
+    mixed = [{"group": 0, "prompt_ids": [1, 2], "extra": s.to_dict()["extra"]} for s in samples[:2]]
+    mixed[1]["prompt_ids"] = [3]
+    assert agent_metrics(mixed)["agent/prompts_per_group"] == 2.0
 
 
 def test_when_every_rollout_fails_the_stage_says_why(tiny):
@@ -112,17 +115,11 @@ def test_when_every_rollout_fails_the_stage_says_why(tiny):
 def test_an_agent_run_trains_through_the_pipeline(tmp_path, grpo_home, prefect_engine, mlflow_uri, monkeypatch):
     """One iteration with rollout_func = the calculator agent (examples/agents), through the real Prefect engine:
     samples carry the endpoint's tokens and mask, the score stage logs the agent's metrics, the update runs."""
-    from flows.train import iteration_flow
-    from tasks import tracking
-    from tests.conftest import tiny_config
+    from tests.conftest import one_iteration, tiny_config
     monkeypatch.syspath_prepend(str(EXAMPLES))
     config = tiny_config(tmp_path, rollout_func="calculator_agent:run", pipeline_iterations=1, max_completion_length=12,
                          eval=dict(enabled=False))
-    run_dir = tmp_path / "runs" / "t"
-    run_dir.mkdir(parents=True)
-    tracking.start_or_resume_run(GRPOConfig.model_validate(config), run_dir, None)
-    res = iteration_flow(config, str(run_dir), 1, None, None)
-    rows = [json.loads(x) for x in Path(res["rollout"]["samples"]).read_text().splitlines()]
+    res, rows = one_iteration(tmp_path, config)
     assert len(rows) == 2 * config["num_generations"]
     for r in rows:
         assert len(r["completion_mask"]) == len(r["completion_ids"]) == len(r["sampler_logprobs"])

@@ -3,8 +3,9 @@ server`, then `mlflow server` on their SQLite store, both opened in headless Chr
 system's Chromium; bench/ui_screenshots.py holds the page code). What a user sees is checked: the link
 `grpo train` prints opens the experiment in the Model training view, the runs table shows each run's dataset
 and source, a run's metrics page starts with the key curves (no flat bookkeeping charts), the adapter files
-and the evaluation plots are listed, two runs open in Compare, and the Prefect flow run page lists the stage
-task runs. Screenshots go to $GRPO_SCREENSHOTS when set, else to the test's temp dir.
+and the evaluation plots are listed, two runs open in Compare, the Prefect flow run page lists the stage
+task runs, and a run's Traces tab lists its rollouts, where a tool run's trace shows the model's call and the
+tool's answer (tasks/traces.py). Screenshots go to $GRPO_SCREENSHOTS when set, else to the test's temp dir.
 
 The browser may reach only 127.0.0.1 (anything else is aborted); servers listen on free 127.0.0.1 ports and
 are stopped at the end; every wait is bounded. Skipped without Playwright or Chromium unless REQUIRE_BROWSER=1
@@ -40,23 +41,31 @@ def need_browser() -> None:
 
 
 @pytest.fixture(scope="module")
-def seen(tmp_path_factory, tiny_model_dir):
-    """Both servers up, two finished runs, one browser page; yields what the tests look at."""
+def page():
+    """The module's one browser page (Playwright's sync API runs one browser per thread at a time)."""
     need_browser()
+    blocked: list[str] = []
+    with ui.browser(blocked) as page:
+        yield page
+    print(f"\nrequests aborted (not 127.0.0.1): {len(blocked)} {blocked[:3]}")
+
+
+@pytest.fixture(scope="module")
+def seen(tmp_path_factory, tiny_model_dir, page):
+    """Both servers up, two finished runs, the browser page; yields what the tests look at."""
     work = tmp_path_factory.mktemp("ui")
     shutil.copytree(tiny_model_dir, work / "grpo_home" / "models" / "tiny-random")
     shots = Path(os.environ.get("GRPO_SCREENSHOTS") or work / "screenshots")
     shots.mkdir(parents=True, exist_ok=True)
-    blocked: list[str] = []
     with ui.prefect_ui(work / "prefect", work) as (prefect_base, env):
         runs = ui.make_runs(work, env)
-        with ui.mlflow_ui(work / "runs" / "mlflow.db", work) as mlflow_base, ui.browser(blocked) as page:
+        with ui.mlflow_ui(work / "runs" / "mlflow.db", work) as mlflow_base:
             from mlflow.tracking import MlflowClient
             c = MlflowClient(tracking_uri=mlflow_base)
             mlflow_runs = [c.get_run(r["mlflow_run_id"]) for r in runs]
             yield SimpleNamespace(page=page, mlflow=mlflow_base, prefect=prefect_base, work=work, shots=shots,
                                   runs=runs, mlflow_runs=mlflow_runs, exp=mlflow_runs[0].info.experiment_id)
-    print(f"\nscreenshots in {shots}; requests aborted (not 127.0.0.1): {len(blocked)} {blocked[:3]}")
+    print(f"\nscreenshots in {shots}")
 
 
 def printed_link(s) -> str:
@@ -136,3 +145,67 @@ def test_prefect_flow_run_page_lists_the_stage_task_runs(seen):
     cfg = load_config(seen.work / "runs" / "run-a" / "config.yaml", [])
     for stage in [s.name for s in stages.STAGES if s.when is None or s.when(cfg, 1) or s.when(cfg, 2)]:
         assert re.search(rf"^{stage}-\w+$", got["task_runs"], re.M), (stage, got["task_runs"][-1500:])
+
+
+# -- rollouts as traces (tasks/traces.py) -------------------------------------------------------------------------
+
+def traces_tab(page, base: str, experiment_id: str, run_id: str, ready: str, shots: Path, name: str) -> dict:
+    """A run's Traces tab once the text `ready` shows: its text (a row per trace, or per session while grouped)."""
+    ui.open_page(page, f"{base}/#/experiments/{experiment_id}/runs/{run_id}/traces?{tracking.TRAINING_VIEW}",
+                 f"text={ready}")
+    ui.close_assistant(page)
+    return {"screenshot": str(ui.shoot(page, shots, name)), "text": page.inner_text("body")}
+
+
+def trace_span(page, trace_id: str, span: str, expected: str, shots: Path) -> str:
+    """On a Traces tab: one row per trace (not per session), open trace `trace_id`, select its span `span`, and
+    return the drawer's text once it shows `expected`."""
+    from playwright.sync_api import expect
+    page.get_by_text("Group by session", exact=True).first.click()
+    page.get_by_text(trace_id, exact=True).first.click()
+    drawer = page.get_by_role("dialog").first
+    drawer.get_by_text(span, exact=True).first.click()
+    expect(drawer).to_contain_text(expected, timeout=ui.PAGE_TIMEOUT_MS)
+    ui.shoot(page, shots, "mlflow-trace-tool-span")
+    return drawer.inner_text()
+
+
+@pytest.fixture(scope="module")
+def tool_run(tmp_path_factory, tiny_model_dir, page):
+    """A run whose rollouts called the calculator (scripted, tests/test_traces.py), scored by the score stage, which
+    logged them as traces; `mlflow server` on its store, and the browser page."""
+    from grpo_core.model.loading import load_tokenizer
+    from tests.conftest import isolated_run_env
+    from tests.test_traces import scored_run
+    work = tmp_path_factory.mktemp("traces-ui")
+    shots = Path(os.environ.get("GRPO_SCREENSHOTS") or work / "screenshots")
+    shots.mkdir(parents=True, exist_ok=True)
+    with isolated_run_env(work, tiny_model_dir):
+        _, _, run_id = scored_run((work, load_tokenizer(tiny_model_dir)), "tool-run", n_questions=2)
+    with ui.mlflow_ui(work / "mlflow.db", work) as base:
+        from mlflow.tracking import MlflowClient
+        c = MlflowClient(tracking_uri=base)
+        exp = c.get_run(run_id).info.experiment_id
+        yield SimpleNamespace(page=page, mlflow=base, exp=exp, run_id=run_id, shots=shots,
+                              traces=c.search_traces(locations=[exp], run_id=run_id))
+
+
+def test_a_tool_runs_trace_shows_the_call_and_the_tools_answer(tool_run):
+    s = tool_run
+    got = traces_tab(s.page, s.mlflow, s.exp, s.run_id, "What is 214*37?", s.shots, "mlflow-run-traces")
+    assert "tool-run-" in got["text"] and "-iter-1-group-0" in got["text"]            # grouped: a session per group
+    assert "reward_answered" in got["text"]                                            # the rewards, as feedback
+    right = next(t for t in s.traces if t.info.tags["group"] == "0" and t.info.tags["sample"] == "0")
+    drawer = trace_span(s.page, right.info.trace_id, "tool calculator", "7918", s.shots)
+    spans = drawer.split("Spans", 1)[1]
+    assert spans.index("model turn 1") < spans.index("tool calculator") < spans.index("model turn 2")
+    shown = drawer.split("Inputs", 1)[1]
+    assert re.search(r"expression\s+214\*37\s+Outputs", shown) and re.search(r"result\s+7918", shown), shown
+
+
+def test_a_training_runs_traces_tab_lists_its_rollouts_and_evaluation_answers(seen):
+    run_id = seen.runs[0]["mlflow_run_id"]
+    got = traces_tab(seen.page, seen.mlflow, seen.exp, run_id, "-iter-1-group-0", seen.shots,
+                     "mlflow-training-run-traces")
+    assert "run-a-" in got["text"] and "-eval-0-greedy-" in got["text"], got["text"][-2000:]
+    assert "reward" in got["text"]

@@ -61,9 +61,12 @@ def test_flat_params_cover_sections():
     assert all("." not in k or k.split(".")[0] in sections for k in flat)
 
 
-def test_shipped_configs_validate():
+def test_shipped_configs_validate(monkeypatch):
     from pathlib import Path
-    for p in sorted(Path(__file__).parent.parent.joinpath("configs").glob("*.yaml")):
+    root = Path(__file__).parent.parent
+    for example in ("openenv", "verifiers"):      # configs/<example>.yaml run with examples/<example> on PYTHONPATH
+        monkeypatch.syspath_prepend(str(root / "examples" / example))
+    for p in sorted(root.joinpath("configs").glob("*.yaml")):
         load_config(p)
 
 

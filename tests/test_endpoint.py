@@ -55,6 +55,29 @@ def test_generate_takes_token_ids_and_gives_token_ids_and_logprobs(tiny):
     assert [c["completion_ids"] for c in ep.calls] == [c["token_ids"] for c in out["choices"]]
 
 
+def test_a_token_route_session_keeps_every_turn_as_sampled_and_splits_on_a_new_prefix(tiny):
+    model, tok = tiny
+    prompt = tok("<|im_start|>user\n2+3?<|im_end|>\n<|im_start|>assistant\n", add_special_tokens=False)["input_ids"]
+    after = tok("\n<|im_start|>user\nand 4?<|im_end|>\n<|im_start|>assistant\n", add_special_tokens=False)["input_ids"]
+    with PolicyEndpoint(KVCacheSampler(model, tok, CPU, progress=False), tok, PARAMS, group_size=4) as ep:
+        url = ep.session_url("t1") + "/inference/v1/generate"
+        _, first = post(url, {"token_ids": prompt})
+        turn1 = first["choices"][0]["token_ids"]
+        _, second = post(url, {"token_ids": prompt + turn1 + after})          # the client's own render of turn 2
+        turn2 = second["choices"][0]["token_ids"]
+        kept = ep.conversation("t1")
+        status, refused = post(url, {"token_ids": prompt, "sampling_params": {"n": 2}})
+        post(url, {"token_ids": after})                                       # not a continuation: a new branch
+        split = ep.conversation("t1")
+    assert kept["prompt_ids"] == prompt and kept["branches"] == 1
+    assert kept["completion_ids"] == turn1 + after + turn2
+    assert kept["completion_mask"] == [1] * len(turn1) + [0] * len(after) + [1] * len(turn2)
+    sampled = [lp for lp, m in zip(kept["logprobs"], kept["completion_mask"]) if m]
+    assert sampled == [c["logprob"] for out in (first, second) for c in out["choices"][0]["logprobs"]["content"]]
+    assert status == 400 and "n=2" in refused["error"]["message"]
+    assert split["branches"] == 2 and split["prompt_ids"] == after
+
+
 def test_concurrent_requests_are_sampled_together(tiny):
     model, tok = tiny
     backend = KVCacheSampler(model, tok, CPU, progress=False)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from grpo_core.config import load_config
-from grpo_core.evaluation.task_identity import (parse_signature_tag, registered_model_name, signature_differences,
+from grpo_core.evaluation.task_identity import (_slug_words, parse_signature_tag, registered_model_name, signature_differences,
                                      signature_tag, task_signature, task_slug)
 
 
@@ -15,6 +15,16 @@ from grpo_core.evaluation.task_identity import (parse_signature_tag, registered_
 ])
 def test_each_shipped_config_registers_under_its_own_task(path, name):
     assert registered_model_name(load_config(path)) == name
+
+
+@pytest.mark.parametrize("entry, slug", [
+    ("openenv:calculator_env:app", "openenv-calculator-env"), ("openenv:med_safety_gym.app:app", "openenv-med-safety-gym"),
+    ("openenv:echo_env.server.app:app", "openenv-echo-env"), ("openenv:http://127.0.0.1:8000", "openenv-127-0-0-1"),
+    ("verifiers:calc_taskset", "verifiers-calc-taskset"), ("rust_fix", "rust-fix"),
+])
+def test_an_environment_of_another_standard_names_its_task(entry, slug):
+    from grpo_core.evaluation.task_identity import _environment_name
+    assert _slug_words(_environment_name(entry)) == slug
 
 
 def test_a_name_without_the_placeholder_is_kept_and_none_turns_registration_off():

@@ -11,14 +11,11 @@ from __future__ import annotations
 
 import json
 
-from grpo_core.rollout.tools import calculate
+from grpo_core.rollout.tools import calculate, resolve_tools
 
 SYSTEM = ("Use the calculator tool for the arithmetic, then reply with only the final number inside "
           "<answer></answer> tags.")
-TOOLS = [{"type": "function", "function": {
-    "name": "calculator", "description": "Evaluate an arithmetic expression exactly.",
-    "parameters": {"type": "object", "properties": {"expression": {"type": "string", "description": "e.g. 214 * 37"}},
-                   "required": ["expression"]}}}]
+TOOLS = [tool.schema for tool in resolve_tools(["calculator"])]   # the built-in's: the prompt tools.yaml renders
 MAX_TURNS = 3
 
 

@@ -266,9 +266,12 @@ def _eval_runs(cfg, seed: int) -> list[tuple]:
     tools in its own prompt; when the run has tools and eval.without_tools, each mode again with none, in the
     tool-free prompt (eval.without_tools_*: no tool named, no tool call shown); with eval.exported_shape, each mode
     on the math questions as an exported model gets them (wording EXPORTED: exported_format); when the config holds
-    foreign wordings, each mode on the math questions put in those (wording FOREIGN)."""
+    foreign wordings, each mode on the math questions put in those (wording FOREIGN). An agent loop (rollout_func,
+    an "openenv:"/"verifiers:" environment) words its own prompts: each mode once, through it."""
     toolbox, e = Toolbox.from_config(cfg), cfg.eval
     runs = [(*m, toolbox, "", cfg.data.prompt_format) for m in eval_modes(cfg, seed)]
+    if toolbox is not None and toolbox.agent is not None:
+        return runs
     if toolbox is not None and e.without_tools:
         tool_free = PromptFormat(e.without_tools_system_prompt, tuple(map(tuple, e.without_tools_few_shot)),
                                  template_kwargs=cfg.data.template_kwargs)

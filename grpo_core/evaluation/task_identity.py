@@ -17,6 +17,8 @@ import re
 from pathlib import Path
 from typing import Any
 
+from grpo_core.rollout.tools import standard
+
 TASK_PLACEHOLDER = "{task}"
 OPERATION_WORDS = {"+": "add", "-": "sub", "*": "mul"}
 SIGNATURE_PARTS = ("source", "prompt", "tools", "check")
@@ -28,7 +30,20 @@ def _slug_words(text: str) -> str:
 
 def _environment_names(environment: str | dict[str, str]) -> list[str]:
     entries = environment.values() if isinstance(environment, dict) else [environment]
-    return [re.split(r"[:.]", entry)[-1] for entry in entries]
+    return [_environment_name(entry) for entry in entries]
+
+
+def _environment_name(entry: str) -> str:
+    """rust_fix, pkg.mod:Class -> Class; openenv:calc_env.server.app:app -> openenv-calc_env (the module path's
+    last part that is not app, server or main: OpenEnv's own layout is <env>/server/app.py); verifiers:calc ->
+    verifiers-calc; openenv:http://host:port -> openenv-host."""
+    kind = standard(entry)
+    if kind is None:
+        return re.split(r"[:.]", entry)[-1]
+    if "://" in kind[1]:
+        return f"{kind[0]}-{kind[1].split('://')[-1].split('/')[0].split(':')[0]}"
+    parts = [p for p in kind[1].split(":")[0].split(".") if p not in ("app", "server", "main")]
+    return f"{kind[0]}-{parts[-1] if parts else 'server'}"
 
 
 def task_slug(cfg) -> str:
@@ -65,6 +80,8 @@ def task_signature(cfg) -> dict[str, str]:
               "response_prefix": d.prompt_format.response_prefix, "chat_template_kwargs": d.chat_template_kwargs}
     tools = {"tools": cfg.tools, "environment": cfg.environment,
              "max_tool_calling_iterations": cfg.max_tool_calling_iterations}
+    if cfg.environment_config is not None:          # only when set: older runs' signatures stay as they were
+        tools["environment_config"] = cfg.environment_config
     return {"source": _digest(source), "prompt": _digest(prompt), "tools": _digest(tools),
             "check": _digest(cfg.correctness_func)}
 

@@ -27,7 +27,7 @@ from grpo_core.model.loading import ModelError, load_base_model, load_tokenizer
 from grpo_core.rollout.multiturn import _render_tool_turn, renders_tools, tool_prompt_ids   # training's own renderings
 from grpo_core.rollout.sampling import PromptFormat, chat_template_of
 from grpo_core.task import Task
-from grpo_core.rollout.tools import FALLBACK_INSTRUCTIONS, Tool, ToolResult, parse_tool_calls
+from grpo_core.rollout.tools import FALLBACK_INSTRUCTIONS, Tool, ToolResult, parse_tool_calls, standard
 
 ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors", "adapter_model.bin")
 
@@ -91,9 +91,13 @@ class ModelCard:
         if not self.tools and self.environment is None:
             return ""
         schemas = "".join(f"```json\n{json.dumps(s, ensure_ascii=False)}\n```\n" for s in self.tools)
-        environment = (f"The run's environment ({self.environment!r}) adds tools of its own: pass its public methods "
+        environment = ("" if self.environment is None else
+                       f"The run's environment ({self.environment!r}) talked to the model through chat completions, "
+                       f"as an agent loop: prompt it with that environment's turns, as training did.\n\n"
+                       if standard(self.environment) else
+                       f"The run's environment ({self.environment!r}) adds tools of its own: pass its public methods "
                        f"(all but reset and get_reward) in `tools=` as well, and append the text its `reset()` returns "
-                       f"to the question, as training did.\n\n" if self.environment is not None else "")
+                       f"to the question, as training did.\n\n")
         template = ("The exported chat template renders `tools=` and tool turns as training did" +
                     ("; load the tokenizer from this directory, not from the base model.\n" if not self.merged else
                      ".\n") if self.tools_in_template else

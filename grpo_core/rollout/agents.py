@@ -7,18 +7,26 @@ functions (they read the model's last turn). The rollouts of every task run conc
 their requests), and each one trains on the tokens the endpoint sampled for it, the model's marked, everything
 else context. A rollout whose agent raises is unscorable (left out of its group); when every one raises, the stage
 fails with the first error.
+
+Environments written for other standards run the same way: the config's `environment: "openenv:..."` or
+`"verifiers:..."` (with `environment_config`) is an agent loop built by grpo_core/rollout/openenv_env.py or
+verifiers_env.py, whose `serving()` keeps what its rollouts share (a server process, an event loop) alive around
+them.
 """
 from __future__ import annotations
 
 import logging
 import math
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import nullcontext
 from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence
+from importlib import import_module
+from typing import Any, Callable, ContextManager, Sequence
 
 from grpo_core.plugins import PluginError, load_plugin
 from grpo_core.rollout.endpoint import PolicyEndpoint
 from grpo_core.rollout.sampling import Sample, SamplingParams
+from grpo_core.rollout.tools import STANDARDS, standard
 from grpo_core.task import Task
 
 log = logging.getLogger(__name__)
@@ -35,10 +43,20 @@ class AgentLoop:
     name: str
     concurrency: int = 32
     template_kwargs: dict = field(default_factory=dict)
+    serving: Callable[[], ContextManager] = nullcontext     # alive around a stage's rollouts (a server, a loop)
+    label: str = ""                                          # how errors name it: the config field and entry
+
+    def __post_init__(self) -> None:
+        self.label = self.label or f"rollout_func {self.name!r}"
 
     @classmethod
     def resolve(cls, entry: str, concurrency: int = 32, template_kwargs: dict | None = None,
-                field_name: str = "rollout_func") -> "AgentLoop":
+                field_name: str = "rollout_func", options: dict | None = None) -> "AgentLoop":
+        """The loop for a rollout_func entry, or for an "openenv:" / "verifiers:" environment entry (with its
+        environment_config `options`), checked but not started."""
+        if kind := standard(entry):
+            module = import_module(STANDARDS[kind[0]])
+            return module.agent_loop(kind[1], dict(options or {}), concurrency, dict(template_kwargs or {}))
         plugin = load_plugin(entry, AGENT_GROUP, field_name, ())
         name = getattr(plugin.obj, "__name__", "agent")
         return cls(plugin.obj, f"agent_{name}" if name == "run" else name, concurrency, dict(template_kwargs or {}))
@@ -89,45 +107,61 @@ def agent_rollout(backend, tokenizer, tasks: Sequence[Task], n: int, params: Sam
     """n runs of the agent loop per task, concurrently, through one endpoint -> one group of Samples per task."""
     jobs = [(g, j) for g in range(len(tasks)) for j in range(n)]
     sessions = [f"g{group_ids[g]}-r{j}" for g, j in jobs]
-    with PolicyEndpoint(backend, tokenizer, params, n, agent.template_kwargs) as endpoint:
+    with agent.serving(), PolicyEndpoint(backend, tokenizer, params, n, agent.template_kwargs) as endpoint:
         with ThreadPoolExecutor(max_workers=max(1, min(len(jobs), agent.concurrency)), thread_name_prefix="agent") as pool:
             outcomes = list(pool.map(lambda k: _run_one(agent, endpoint, tasks[jobs[k][0]], sessions[k]),
                                      range(len(jobs))))
         records = [endpoint.conversation(s) for s in sessions]
     errors = [e for _, e in outcomes if e is not None]
     if jobs and len(errors) == len(jobs):
-        raise RuntimeError(f"rollout_func {agent.name!r}: every rollout failed; the first: {errors[0]}")
+        raise RuntimeError(f"{agent.label}: every rollout failed; the first: {errors[0]}")
     for e in dict.fromkeys(errors):
-        log.warning("rollout_func %s: a rollout failed (%s); it is left out of its group", agent.name, e)
-    samples = [_sample(tasks[g], group_ids[g], rec, value, error, agent.name)
+        log.warning("%s: a rollout failed (%s); it is left out of its group", agent.label, e)
+    samples = [_sample(tasks[g], group_ids[g], rec, value, error, agent)
                for (g, _), rec, (value, error) in zip(jobs, records, outcomes)]
-    return [samples[g * n:(g + 1) * n] for g in range(len(tasks))]
+    groups = [samples[g * n:(g + 1) * n] for g in range(len(tasks))]
+    mixed = max((distinct_prompts([s.prompt_ids for s in group]) for group in groups), default=1)
+    if mixed > 1:
+        log.warning("%s: a group's rollouts began with up to %d different prompts (the environment does not start "
+                    "every episode of a task alike, e.g. a reset that ignores the task's fields), so the group's "
+                    "baseline compares different questions; agent/prompts_per_group says how often", agent.label, mixed)
+    return groups
 
 
-def _sample(task: Task, group: int, record: dict | None, value: Any, error: str | None, name: str) -> Sample:
+def distinct_prompts(prompts: Sequence[Sequence[int]]) -> int:
+    """How many different first prompts a group's rollouts had (1: one question, as GRPO's baseline assumes)."""
+    return len({tuple(p) for p in prompts if p}) or 1
+
+
+def _sample(task: Task, group: int, record: dict | None, value: Any, error: str | None, agent: AgentLoop) -> Sample:
     """One agent run as a Sample: the endpoint's tokens for its session (its last branch), its reward."""
     if error is None and record is None:
         error = "the agent made no request through the client it was given"
-    reward, metrics, rewarded = (None, {}, True) if error else read_outcome(value, f"rollout_func {name!r}")
+    reward, metrics, rewarded = (None, {}, True) if error else read_outcome(value, agent.label)
     record = record or {"prompt_ids": [], "completion_ids": [], "completion_mask": [], "logprobs": [], "turns": [""],
                         "truncated": False, "branches": 0, "conversation": []}
     extra = {"turns": len(record["turns"]), "tool_calls": 0, "tool_errors": 0, "tool_usage": {},
              "max_turns_reached": False, "conversation": record["conversation"], "branches": record["branches"],
              "agent_metrics": metrics, **({"agent_error": error} if error else {}),
-             **({"environment_reward": {name: reward}} if rewarded else {})}
+             **({"environment_reward": {agent.name: reward}} if rewarded else {})}
     return Sample(task_id=task.id, group=group, prompt_ids=record["prompt_ids"], completion_ids=record["completion_ids"],
                   completion=record["turns"][-1] if record["turns"] else "", truncated=record["truncated"], extra=extra,
                   sampler_logprobs=record["logprobs"] or None, completion_mask=record["completion_mask"])
 
 
 def agent_metrics(samples: Sequence[dict]) -> dict[str, float]:
-    """agent/<metric> means over the rollouts that reported it, agent/failed_frac and agent/branches_mean."""
+    """agent/<metric> means over the rollouts that reported it, agent/failed_frac, agent/branches_mean and
+    agent/prompts_per_group (the mean of distinct_prompts over the groups)."""
     rows = [s.get("extra") or {} for s in samples]
     rows = [r for r in rows if "agent_metrics" in r]
     if not rows:
         return {}
+    groups: dict = {}
+    for s in samples:
+        groups.setdefault(s.get("group"), []).append(s.get("prompt_ids"))
     out = {"agent/failed_frac": sum("agent_error" in r for r in rows) / len(rows),
-           "agent/branches_mean": sum(r["branches"] for r in rows) / len(rows)}
+           "agent/branches_mean": sum(r["branches"] for r in rows) / len(rows),
+           "agent/prompts_per_group": sum(map(distinct_prompts, groups.values())) / len(groups)}
     for k in sorted({k for r in rows for k in r["agent_metrics"]}):
         values = [r["agent_metrics"][k] for r in rows if k in r["agent_metrics"]]
         out[f"agent/{k}"] = sum(values) / len(values)

@@ -12,7 +12,8 @@ run's engine with the run's sampling settings (a request may lower `max_tokens` 
 sampled in one batch. A chat conversation is a session (the URL prefix `/s/<id>`, or the header X-Session-ID): a
 follow-up whose messages extend the last request's by the assistant reply the endpoint gave is the exact tokens
 so far + the new turns rendered after them, so the tokens trained on are the tokens sampled (no re-tokenisation
-drift). `conversation(id)` is that record: prompt, every later token, which are the model's, their log-probs.
+drift). On the token route a session's prompt that starts with its tokens so far continues it (the tokens
+between are context); any other prompt starts a new branch. `conversation(id)` is that record: prompt, every later token, which are the model's, their log-probs.
 Plain Python + torch; the engine is any `RolloutBackend`.
 """
 from __future__ import annotations
@@ -182,6 +183,13 @@ def template_messages(messages: Any, native: bool) -> list[dict]:
     return [{k: v for k, v in m.items() if k != "_tool_results"} for m in out]
 
 
+def turns_after_model_ids(tokenizer, new: list[dict], native: bool, template_kwargs: dict) -> list[int]:
+    """The user or tool turns that follow a model's turn, as a session continues: rendered after it, in token ids."""
+    call = new[0].get("name", "") if native and new[0].get("role") == "tool" else None
+    text = render_after_model_turn(tokenizer, template_messages(new, native), call, **template_kwargs)
+    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
 def _openai_calls(ep: Episode) -> list[dict]:
     return [{"id": f"call_{i}", "type": "function", "function": {"name": c.name, "arguments": json.dumps(c.arguments)}}
             for i, c in enumerate(ep.pending) if c.error is None]
@@ -276,14 +284,38 @@ class PolicyEndpoint:
         if set(sp.get("stop_token_ids") or []) - {eos}:
             raise RequestError(f"sampling_params.stop_token_ids: this endpoint stops at the model's EOS ({eos}) only")
         self._ignore_run_settings(sp)
-        made = self._sample(ids, self._n(sp), self._budget(sp, "max_tokens", "max_new_tokens"))
+        n = self._n(sp)
+        if n > 1 and session is not None:
+            raise RequestError(f"n={n}: a session is one conversation; ask for n > 1 without a session")
+        made = self._sample(ids, n, self._budget(sp, "max_tokens", "max_new_tokens"))
         choices = []
         for i, c in enumerate(made):
             c_ids, lps = list(c), _token_logprobs(c)
+            stopped = bool(c_ids) and c_ids[-1] == eos
             choices.append({"index": i, "token_ids": c_ids, "logprobs": _logprobs(c_ids, lps),
-                            "finish_reason": "stop" if c_ids and c_ids[-1] == eos else "length"})
+                            "finish_reason": "stop" if stopped else "length"})
             self._log(session, ids, c_ids, lps)
+            if session is not None:
+                self._extend(session, ids, c_ids, lps, stopped)
         return {"request_id": f"gen-{len(self.calls)}", "prompt_token_ids": ids, "choices": choices}
+
+    def _extend(self, session: str, prompt: list[int], ids: list[int], lps: list[float], stopped: bool) -> None:
+        """Record one token-route turn: a prompt that starts with the session's tokens so far continues it (the
+        tokens between are context: the client's rendering of the turns after the model's); any other starts a
+        new branch (as ART and verifiers split a trace)."""
+        with self._lock:
+            conv = self._sessions.get(session)
+            so_far = conv.prompt_ids + conv.episode.ids if conv else None
+            if conv is not None and len(prompt) >= len(so_far) and prompt[:len(so_far)] == so_far:
+                conv.episode.add_context(prompt[len(so_far):])
+            else:
+                conv = Conversation(list(prompt), [], [], branches=conv.branches + 1 if conv else 1)
+                self._sessions[session] = conv
+            ep, text = conv.episode, self.tokenizer.decode(ids, skip_special_tokens=True)
+            ep.ids, ep.mask, ep.logprobs = ep.ids + ids, ep.mask + [1] * len(ids), (ep.logprobs or []) + lps
+            ep.turns.append(text)
+            ep.conversation.append({"role": "assistant", "content": text})
+            ep.truncated = not stopped
 
     def chat(self, body: dict, session: str | None) -> dict:
         """POST /v1/chat/completions."""
@@ -324,13 +356,10 @@ class PolicyEndpoint:
             new = raw[k + 1:]
             if (raw[:k] == conv.messages and len(raw) > k + 1 and raw[k].get("role") == "assistant"
                     and tools == conv.tools and all(m.get("role") in ("user", "tool") for m in new)):
-                turn = template_messages(new, self.native_tools)
-                call = new[0].get("name", "") if self.native_tools and new[0]["role"] == "tool" else None
-                text = render_after_model_turn(self.tokenizer, turn, call, **self.template_kwargs)
                 ep = conv.episode
                 if ep.truncated:                         # the model's turn never ended: its end-of-turn as context
                     ep.add_context([self.tokenizer.eos_token_id])
-                ep.add_context(list(self.tokenizer(text, add_special_tokens=False)["input_ids"]))
+                ep.add_context(turns_after_model_ids(self.tokenizer, new, self.native_tools, self.template_kwargs))
                 ep.conversation += [{"role": m["role"], "content": _text(m.get("content"), "message")} for m in new]
                 conv.messages = list(raw)
                 return conv
@@ -352,7 +381,8 @@ class PolicyEndpoint:
 
     def models(self) -> dict:
         return {"object": "list", "data": [{"id": self.model_name, "object": "model", "owned_by": "grpo-pipeline",
-                                            "max_model_len": getattr(self.tokenizer, "model_max_length", None)}]}
+                                            "max_model_len": getattr(self.tokenizer, "model_max_length", None),
+                                            "root": getattr(self.tokenizer, "name_or_path", None)}]}
 
 
 def _handler(endpoint: PolicyEndpoint) -> type[BaseHTTPRequestHandler]:

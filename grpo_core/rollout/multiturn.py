@@ -35,7 +35,7 @@ from typing import Callable, Sequence
 from grpo_core.rollout.sampling import PromptFormat, Sample, SamplingParams, prompt_messages, prompt_text_ids, render_chat
 from grpo_core.task import Task
 from grpo_core.rollout.tools import (Tool, ToolResult, check_environment, environment_tools, fallback_system_prompt,
-                             parse_tool_calls, resolve_environments, resolve_tools, run_tool_calls)
+                                     parse_tool_calls, resolve_environments, resolve_tools, run_tool_calls, standard)
 
 log = logging.getLogger(__name__)
 
@@ -48,15 +48,17 @@ class Toolbox:
     max_iterations: int | None = None          # rounds of tool calls per rollout (None: until the budget ends)
     timeout: float = 30.0                      # seconds per tool call
     overlap: bool = False                      # rows keep decoding while calls run (not reproducible bit for bit)
-    agent: str | None = None                   # config rollout_func: an agent loop drives every turn instead
+    agent: str | None = None                   # config rollout_func, or an "openenv:"/"verifiers:" environment:
+    agent_options: dict | None = None          # an agent loop drives every turn instead (its environment_config)
     agent_concurrency: int = 32                # agent loops run at once (grpo_core/rollout/agents.py)
 
     @classmethod
     def from_config(cls, cfg, tools: Sequence[str] | None = None) -> "Toolbox | None":
         """The run's toolbox (`tools`, `environment`), or None when the model may call nothing. `tools`
         overrides the config's list (evaluation with and without tools)."""
-        if getattr(cfg, "rollout_func", None) and tools is None:
-            return cls([], agent=cfg.rollout_func, agent_concurrency=cfg.generation_batch_size)
+        if tools is None and (cfg.rollout_func or standard(cfg.environment)):
+            return cls([], agent=cfg.rollout_func or cfg.environment, agent_options=cfg.environment_config,
+                       agent_concurrency=cfg.generation_batch_size)
         entries = list(cfg.tools if tools is None else tools)
         environment = cfg.environment if tools is None else None
         if not entries and environment is None:
@@ -259,7 +261,8 @@ class Episode:
             tally = self.per_tool.setdefault(re.sub(r"[^\w.\-]", "_", r.name) or "_unreadable", [0, 0.0])
             tally[0] += 1
             tally[1] += r.seconds
-            self.conversation.append({"role": "tool", "name": r.name, "content": r.content})
+            self.conversation.append({"role": "tool", "name": r.name, "content": r.content, "error": r.error,
+                                      "seconds": r.seconds})           # read by the MLflow traces (tasks/traces.py)
         self.pending = []
 
     def record(self) -> dict:

@@ -577,7 +577,8 @@ def rollout(backend: RolloutBackend, tokenizer, tasks: Sequence[Task], n: int, p
             raise ValueError("stop_strings is not supported in multi-turn rollouts (a turn ends at EOS or a tool call)")
         if toolbox.agent is not None:
             from grpo_core.rollout.agents import AgentLoop, agent_rollout
-            agent = AgentLoop.resolve(toolbox.agent, toolbox.agent_concurrency, dict(fmt.template_kwargs))
+            agent = AgentLoop.resolve(toolbox.agent, toolbox.agent_concurrency, dict(fmt.template_kwargs),
+                                      options=toolbox.agent_options)
             groups = agent_rollout(backend, tokenizer, tasks, n, params, agent, ids)
         else:
             groups = tool_rollout(backend, tokenizer, tasks, n, params, fmt, max_prompt_length, toolbox, ids)

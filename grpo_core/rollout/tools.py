@@ -129,6 +129,17 @@ def _environment_factory(entry: str, sandbox: Any, field: str) -> Callable[[], o
     return factory          # TRL's contract: the class itself, called with no argument once per rollout
 
 
+# Environments of other standards run as agent loops (grpo_core.rollout.agents), built by these modules.
+STANDARDS = {"openenv": "grpo_core.rollout.openenv_env", "verifiers": "grpo_core.rollout.verifiers_env"}
+
+
+def standard(entry: Any) -> tuple[str, str] | None:
+    """("openenv" | "verifiers", target) for an environment entry of another standard ("openenv:...",
+    "verifiers:..."), else None (a TRL environment_factory entry)."""
+    kind, colon, target = entry.partition(":") if isinstance(entry, str) else ("", "", "")
+    return (kind, target) if colon and kind in STANDARDS else None
+
+
 def resolve_environments(entry: str | dict[str, str] | None, sandbox: Any = None,
                          field: str = "environment") -> dict[str | None, Callable[[], object]]:
     """TRL's normalisation: one entry -> {None: factory}; a mapping name -> entry -> {name: factory}; None -> {}."""

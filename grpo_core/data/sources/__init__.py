@@ -39,6 +39,7 @@ _REGISTRY: dict[str, tuple[str, str, str]] = {
     "hf_disk": ("grpo_core.data.sources.files", "load_hf_disk", "user"),
     "folder": ("grpo_core.data.sources.files", "load_folder", "user"),
     "stackexchange": ("grpo_core.data.sources.stackexchange", "load", "user"),
+    "verifiers": ("grpo_core.data.sources.verifiers_tasks", "load", "user"),
 }
 SOURCE_NAMES = tuple(_REGISTRY)   # the built-in names; plugins come on top
 

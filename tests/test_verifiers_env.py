@@ -5,6 +5,7 @@ them, turns bridged), and the sample trains on exactly the tokens verifiers' tra
 the `verifiers` task source yields the taskset's rows; a run trains end to end."""
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -13,6 +14,7 @@ from transformers import AutoModelForCausalLM
 
 from grpo_core.config import ConfigError, GRPOConfig
 from grpo_core.data.sources import load_source
+from grpo_core.data.validate import check_static
 from grpo_core.model.loading import load_tokenizer
 from grpo_core.plugins import PluginError
 from grpo_core.rollout import verifiers_env
@@ -103,6 +105,9 @@ def test_the_source_yields_the_tasksets_rows_as_tasks():
     assert first.kind == "math" and first.answer == str(a * b) and 100 <= a <= 999
     data = first.meta["verifiers_task"]
     assert data["answer"] == first.answer and data["prompt"][-1]["content"] == first.prompt   # the examples before
+    assert first.source == "verifiers" and first.meta["checker"] == "verifiers"     # one source in curation reports
+    spec = dataclasses.replace(first, answer="a lipogram: no letter e")             # an answer that is no number
+    assert check_static(spec) is None                                               # the environment judges it
     with pytest.raises(PluginError, match="taskset 'calc_taskset' cannot be loaded.*bogus"):
         load_source("verifiers", taskset={"id": "calc_taskset", "bogus": 1})
     with pytest.raises(PluginError, match="`taskset` must be a mapping with the taskset's `id`"):

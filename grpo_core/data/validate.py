@@ -54,8 +54,8 @@ def check_static(task: Task) -> Rejection | None:
     if bad:
         return bad
     if task.kind == "math":
-        if task.meta.get("checker") == "reasoning_gym":
-            return None  # the gold answer was checked by reasoning-gym's own scorer at load time
+        if task.meta.get("checker") in ("reasoning_gym", "verifiers"):
+            return None  # reasoning-gym's scorer checked the gold answer at load time; a verifiers task's judges it
         if not math_answer_parses(str(task.answer)):
             return Rejection(task.id, task.source, "answer_unparseable", repr(task.answer)[:80])
         return None

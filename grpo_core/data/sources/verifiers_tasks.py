@@ -2,10 +2,11 @@
 
 Options: `taskset`, the taskset's options as in the run's environment_config.taskset, with its `id` (a module
 importable by a top-level name); `limit`, the first n tasks only. Each row is a Task whose prompt is the row's
-prompt text (its last user turn, for a chat prompt), whose answer is the row's `answer` field (a row without one is
-rejected as not verifiable: the curation pipeline checks and splits math tasks by their answers), and whose
-meta["verifiers_task"] is the row itself (its TaskData, dumped), from which grpo_core.rollout.verifiers_env
-rebuilds the verifiers task for each episode.
+prompt text (its last user turn, for a chat prompt), whose answer is the row's `answer` field as text, any text
+(the environment's rewards judge an episode, so curation does not parse it, as meta["checker"] = "verifiers" says;
+a row without one is rejected as not verifiable; evaluation's correctness_func compares the model's answer with
+it, so set correctness_func to a check of your own where that means nothing), and whose meta["verifiers_task"] is
+the row itself (its TaskData, dumped), from which grpo_core.rollout.verifiers_env rebuilds the verifiers task.
 """
 from __future__ import annotations
 
@@ -25,9 +26,10 @@ def load(taskset: dict[str, Any] | None = None, limit: int | None = None, seed: 
     tasks = _taskset(taskset)
     for i, vf_task in enumerate(islice(tasks, limit)):
         data = vf_task.data
+        answer = getattr(data, "answer", None)
         row = {"id": f"verifiers/{tasks.config.id}/{data.id or data.idx}", "prompt": prompt_text(data.prompt),
-               "answer": getattr(data, "answer", None), "source": f"verifiers:{tasks.config.id}",
-               "meta": {VERIFIERS_TASK: data.model_dump(mode="json")}}
+               "answer": None if answer is None else str(answer),
+               "meta": {VERIFIERS_TASK: data.model_dump(mode="json"), "checker": "verifiers"}}
         yield row_to_task(row, "verifiers", f"verifiers taskset {tasks.config.id!r}", i, license="unknown")
 
 

@@ -279,6 +279,19 @@ def test_the_evaluation_without_tools_asks_in_a_prompt_that_names_no_tool():
         load_config("configs/tools.yaml", ['eval.without_tools_few_shot=[["What is 2 * 3?", "<tool_call>x</tool_call>"]]'])
 
 
+def test_an_agent_run_is_evaluated_through_its_agent_only(monkeypatch):
+    """An agent loop (here the calculator agent) words its own prompts: each mode runs once, through it, with no
+    tool-free, exported or foreign-worded pass that would bypass it."""
+    from pathlib import Path
+    from grpo_core.evaluation.evaluate import _eval_runs
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "examples" / "agents"))
+    cfg = load_config("configs/tools.yaml", ["tools=[]", "warmstart.enabled=false", "rollout_func=calculator_agent:run",
+                                              "eval.without_tools=false"])
+    runs = _eval_runs(cfg, seed=0)
+    assert len(runs) == 2 and all(toolbox.agent == "calculator_agent:run" and not wording
+                                  for *_, toolbox, wording, _ in runs)
+
+
 def test_the_exported_shape_asks_as_a_user_asks_the_exported_model(tmp_path, grpo_home):
     """eval/<mode>/exported/...: the training system prompt (the export's default turn), no worked examples, the
     question in one of the foreign instructions (never plain), the run's tools as the rollout renders them; rows

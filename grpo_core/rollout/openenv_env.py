@@ -39,7 +39,6 @@ import sys
 import tempfile
 import threading
 import time
-import urllib.error
 import urllib.request
 from contextlib import contextmanager
 from importlib.util import find_spec
@@ -80,7 +79,6 @@ def agent_loop(target: str, options: dict, concurrency: int, template_kwargs: di
         with episodes:
             return episode(client, task, server, options, schemas)
 
-    run.__name__ = "openenv_reward"
     return AgentLoop(run, "openenv_reward", concurrency, template_kwargs, serving=server.serving,
                      label=f"environment {entry!r}")
 

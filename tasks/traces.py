@@ -104,19 +104,6 @@ def _tool_step(message: dict, call) -> Step:
                 dict(arguments), outputs, failed, float(message.get("seconds") or 0.0))
 
 
-_READABLE_HEAD = re.compile(r"(?:^|\n\n)\[(assistant|tool|user|system)(?: ([^\]\n]*))?\]\n")
-
-
-def readable_to_conversation(text: str) -> list[dict]:
-    """`readable_conversation`'s text (what an evaluation row keeps of a tool answer) -> the messages again."""
-    heads = list(_READABLE_HEAD.finditer(text))
-    out = []
-    for head, after in zip(heads, heads[1:] + [None]):
-        content = text[head.end():after.start() if after is not None else len(text)]
-        out.append({"role": head.group(1), "content": content, **({"name": head.group(2)} if head.group(2) else {})})
-    return out
-
-
 # -- rows -> traces -----------------------------------------------------------------------------------------------
 
 def _feedback(rewards: dict, total, correct) -> dict[str, float | bool]:
@@ -148,8 +135,7 @@ def rollout_trace(row: dict, score: dict, advantage: float | None, iteration: in
 
 def eval_trace(row: dict, iteration: int) -> Trace:
     """An evaluation answer (a row of eval_samples.jsonl) as a trace; a question's answers in one mode are a session."""
-    conversation = readable_to_conversation(row["conversation"]) if row.get("conversation") else \
-        [{"role": "assistant", "content": row["completion"]}]
+    conversation = row.get("messages") or [{"role": "assistant", "content": row["completion"]}]
     mode = row["mode"] + (f"/{row['wording']}" if row.get("wording") else "")
     tags = {"kind": "evaluation", "iteration": iteration, "mode": mode, "task_id": row["task_id"],
             "sample": row["sample"], "verdict": row["verdict"], "truncated": row["truncated"],

@@ -20,7 +20,7 @@ from grpo_core.io import read_jsonl, write_jsonl
 from grpo_core.model.loading import load_tokenizer
 from grpo_core.rollout.multiturn import Toolbox
 from grpo_core.rollout.samplers import rollout
-from grpo_core.rollout.sampling import SamplingParams, readable_conversation
+from grpo_core.rollout.sampling import SamplingParams
 from grpo_core.rollout.tools import resolve_tools
 from grpo_core.task import Task, write_tasks
 from tasks import traces, tracking
@@ -239,12 +239,8 @@ def test_every_evaluation_answer_is_a_trace_with_its_tool_call_and_reward(env):
                                                           "model turn 2"]
     tool = in_order(found[0])[2]
     assert tool.inputs == {"expression": "214*37"} and tool.outputs == {"result": "7918"}
+    first = min(rows, key=lambda r: (r["task_id"], r["sample"]))
+    recorded = next(m for m in first["messages"] if m["role"] == "tool")            # the rollout's own record
+    assert tool.attributes["seconds"] == recorded["seconds"] and tool.attributes["error"] == recorded["error"]
     assert found[0].info.trace_metadata["mlflow.trace.session"] == found[1].info.trace_metadata[
         "mlflow.trace.session"] != found[2].info.trace_metadata["mlflow.trace.session"]
-
-
-def test_a_readable_conversation_reads_back_as_its_messages():
-    conversation = [{"role": "assistant", "content": 'x <tool_call>{"name": "calculator"}</tool_call>'},
-                    {"role": "tool", "name": "calculator", "content": "7918\n\nsecond paragraph"},
-                    {"role": "user", "content": "go on"}, {"role": "assistant", "content": "Answer: 7918"}]
-    assert traces.readable_to_conversation(readable_conversation({"conversation": conversation})) == conversation

@@ -132,8 +132,8 @@ def table_rows(samples, scored: Sequence[dict], tasks_by_id: dict[str, Task], cf
                      "formatted": is_well_formatted(s.completion, t.kind), "verdict": verdict, "flags": flags,
                      "length": model_token_count(s.completion_ids, mask),
                      "truncated": s.truncated, "tools": "turns" in extra,
-                     **({"conversation": readable_conversation(extra), "tool_calls": extra.get("tool_calls", 0)}
-                        if "turns" in extra else {})})
+                     **({"conversation": readable_conversation(extra), "messages": extra["conversation"],
+                         "tool_calls": extra.get("tool_calls", 0)} if "turns" in extra else {})})
         seen[t.id] += 1
     return rows
 

@@ -255,11 +255,13 @@ class PolicyEndpoint:
                 return min(body[k], self.params.max_new_tokens)
         return self.params.max_new_tokens
 
-    def _n(self, body: dict) -> int:
+    def _n(self, body: dict, session: str | None) -> int:
         n = body.get("n", 1)
         if not isinstance(n, int) or not 1 <= n <= self.group_size:
             raise RequestError(f"n={n!r}: this endpoint serves 1 to {self.group_size} completions per request "
                                f"(the run's num_generations); ask again for more")
+        if n > 1 and session is not None:
+            raise RequestError(f"n={n}: a session is one conversation; ask for n > 1 without a session")
         return n
 
     def _ignore_run_settings(self, body: dict) -> None:
@@ -284,10 +286,7 @@ class PolicyEndpoint:
         if set(sp.get("stop_token_ids") or []) - {eos}:
             raise RequestError(f"sampling_params.stop_token_ids: this endpoint stops at the model's EOS ({eos}) only")
         self._ignore_run_settings(sp)
-        n = self._n(sp)
-        if n > 1 and session is not None:
-            raise RequestError(f"n={n}: a session is one conversation; ask for n > 1 without a session")
-        made = self._sample(ids, n, self._budget(sp, "max_tokens", "max_new_tokens"))
+        made = self._sample(ids, self._n(sp, session), self._budget(sp, "max_tokens", "max_new_tokens"))
         choices = []
         for i, c in enumerate(made):
             c_ids, lps = list(c), _token_logprobs(c)
@@ -311,20 +310,14 @@ class PolicyEndpoint:
             else:
                 conv = Conversation(list(prompt), [], [], branches=conv.branches + 1 if conv else 1)
                 self._sessions[session] = conv
-            ep, text = conv.episode, self.tokenizer.decode(ids, skip_special_tokens=True)
-            ep.ids, ep.mask, ep.logprobs = ep.ids + ids, ep.mask + [1] * len(ids), (ep.logprobs or []) + lps
-            ep.turns.append(text)
-            ep.conversation.append({"role": "assistant", "content": text})
-            ep.truncated = not stopped
+            conv.episode.add_sampled(ids, lps, self.tokenizer.decode(ids, skip_special_tokens=True), stopped)
 
     def chat(self, body: dict, session: str | None) -> dict:
         """POST /v1/chat/completions."""
         tools = check_tools(body.get("tools"))
         messages = template_messages(body.get("messages"), self.native_tools)
         self._ignore_run_settings(body)
-        n, budget = self._n(body), self._budget(body, "max_completion_tokens", "max_tokens")
-        if n > 1 and session is not None:
-            raise RequestError(f"n={n}: a session is one conversation; ask for n > 1 without a session")
+        n, budget = self._n(body, session), self._budget(body, "max_completion_tokens", "max_tokens")
         with self._lock:
             conv = self._continued(session, body["messages"], messages, tools) if session is not None else None
         prompt = conv.prompt_ids + conv.episode.ids if conv else self._render(messages, tools)

@@ -246,6 +246,16 @@ class Episode:
         self.truncated = not stopped and not glue
         self.pending = parse_tool_calls(text)
 
+    def add_sampled(self, ids: list[int], logprobs: list[float], text: str, stopped: bool) -> None:
+        """Append a model turn as it was sampled, every token trained on (a client that renders and parses turns
+        itself: the endpoint's token route), where add_model_turn cuts the turn at its first tool call."""
+        self.ids += ids
+        self.mask += [1] * len(ids)
+        self.logprobs = (self.logprobs or []) + list(logprobs)
+        self.turns.append(text)
+        self.conversation.append({"role": "assistant", "content": text})
+        self.truncated = not stopped
+
     def add_context(self, ids: list[int]) -> None:
         """Tokens the model reads but did not write (a tool's or a user's turn): never trained on."""
         self.ids += ids

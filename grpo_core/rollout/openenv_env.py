@@ -115,7 +115,8 @@ class Server:
         if self.target.startswith(("http://", "https://")):
             self.url = self.target.rstrip("/")
             self._wait_healthy(None, None)
-            yield from self._with_schema()
+            self._read_schema()
+            yield self
             return
         with tempfile.TemporaryFile("w+") as log_file:
             port = _free_port()
@@ -125,7 +126,8 @@ class Server:
             try:
                 self.url = f"http://127.0.0.1:{port}"
                 self._wait_healthy(proc, log_file)
-                yield from self._with_schema()
+                self._read_schema()
+                yield self
             finally:
                 proc.terminate()
                 try:
@@ -134,9 +136,8 @@ class Server:
                     proc.kill()
                     proc.wait()
 
-    def _with_schema(self) -> Iterator["Server"]:
+    def _read_schema(self) -> None:
         self.action_schema = (_get_json(self.url + "/schema") or {}).get("action") or {}
-        yield self
 
     def _wait_healthy(self, proc: subprocess.Popen | None, log_file) -> None:
         deadline = time.monotonic() + self.start_timeout

@@ -99,7 +99,9 @@ def test_a_cap_hides_every_feature_above_it(cap, left):
     assert capped.flags == frozenset(left.split()) and capped.cap == cap
     assert capped.onednn_bf16 == (cap != "avx2")
     assert capped.summary().endswith(f"(capped at {cap})")
-    assert capped.compiler_flags() == {"avx2": ["-mno-avx512f"], "avx512": ["-mno-avx512bf16"]}.get(cap, [])
+    no_amx = ["-mno-amx-tile", "-mno-amx-bf16", "-mno-amx-int8"]     # -mno-avx512f leaves AMX on
+    assert capped.compiler_flags() == {"avx2": ["-mno-avx512f", *no_amx], "avx512": ["-mno-avx512bf16", *no_amx],
+                                       "avx512_bf16": no_amx}.get(cap, [])
     assert capped.with_cap("amx") == capped                 # a lower cap stays
     with pytest.raises(ValueError, match=r"CPU cap 'sse4' \(\$GRPO_MAX_CPU_ISA or kernels.max_cpu_isa\): use one "
                                          r"of avx2, avx512, avx512_bf16, amx"):

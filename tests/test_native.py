@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from grpo_core.kernels import cpu_features, native
-from tests.conftest import needs_cpu, skip_unless_cpu
+from tests.conftest import needs_cpu, skip_unless_cpu, use_kernels
 
 ROOT = Path(__file__).resolve().parents[1]
 needs_compiler = needs_cpu("native_ops")                # CI installs g++
@@ -189,13 +189,15 @@ def test_packed_linear_equals_torch_at_the_models_shapes(dtype):
     """The decode matmul on column-block-packed weights: the fused q|k|v, the MLP's down projection and a width
     that is no multiple of 16, at 16 rows (the register-blocked case), fewer and more, with and without bias;
     and an inner dimension taken in chunks (an LM head's input gradient: ten whole chunks and a part, the
-    bias added once)."""
+    bias added once). On AMX (bf16, inputs a multiple of 32) most take the tiles: also an update's rows (two
+    row blocks a unit, the last one short), a chunked inner dimension of whole tiles and 3 rows."""
     skip_unless_cpu("compiled_matmul", dtype)
     ops = native.load()
     assert ops.packed_linear_supported(dtype)
     g = torch.Generator().manual_seed(3)
     for (out, inp), rows, bias in (((960, 576), 16, False), ((576, 1536), 16, True), ((37, 576), 5, True),
-                                   ((960, 576), 40, True), ((40, 8 * 1024 + 2 * 1024 + 70), 19, True)):
+                                   ((960, 576), 40, True), ((40, 8 * 1024 + 2 * 1024 + 70), 19, True),
+                                   ((576, 1536), 701, True), ((40, 10 * 1024 + 96), 37, False), ((192, 576), 3, False)):
         w = (torch.randn(out, inp, generator=g) * 0.05).to(dtype)
         x = torch.randn(rows, inp, generator=g).to(dtype)
         b = torch.randn(out, generator=g).to(dtype) if bias else None
@@ -206,6 +208,21 @@ def test_packed_linear_equals_torch_at_the_models_shapes(dtype):
         _close(got, want, dtype, terms=inp)
     with pytest.raises(ValueError, match="cannot pack"):
         ops.pack(w, torch.empty(3, dtype=dtype))
+
+
+@needs_compiler
+def test_the_tiles_run_only_where_the_cpu_and_its_cap_have_amx():
+    """bf16 multiplies on AMX tiles only on a CPU with AMX, never in fp32, and a cap below AMX builds the tile
+    path out (the vector blocks then run the same packed weights)."""
+    ops = native.load()
+    assert not ops.packed_linear_tiles(torch.float32)
+    if not cpu_features.detect().amx:
+        assert not ops.packed_linear_tiles(torch.bfloat16)
+        return
+    use_kernels(max_cpu_isa="avx512_bf16")
+    capped = native.load()
+    assert capped is not None and not capped.packed_linear_tiles(torch.bfloat16)
+    assert capped.packed_linear_supported(torch.bfloat16)
 
 
 @needs_compiler

@@ -32,8 +32,10 @@ _HIDDEN = {"avx2": ("avx512", "amx", "avx_ne_convert", "avx_vnni"),
            "avx512_bf16": ("avx512_fp16", "amx", "avx_ne_convert", "avx_vnni"),
            "amx": ()}
 # gcc/clang switches that keep the compiled kernels within a cap (-march=native would use the real CPU's);
-# -mno-avx512f turns off every AVX-512 extension, AVX512-BF16 included. The kernels use no AMX.
-_NO_ISA = {"avx2": ["-mno-avx512f"], "avx512": ["-mno-avx512bf16"], "avx512_bf16": [], "amx": []}
+# -mno-avx512f turns off every AVX-512 extension, AVX512-BF16 included, but not AMX (its own switches).
+_NO_AMX = ["-mno-amx-tile", "-mno-amx-bf16", "-mno-amx-int8"]
+_NO_ISA = {"avx2": ["-mno-avx512f", *_NO_AMX], "avx512": ["-mno-avx512bf16", *_NO_AMX], "avx512_bf16": _NO_AMX,
+           "amx": []}
 NO_COMPILER = "no C++ compiler found (install g++, or set $CXX)"
 AVX512 = ("avx512f", "avx512bw", "avx512vl", "avx512dq")       # AVX-512 as oneDNN and the kernels use it
 

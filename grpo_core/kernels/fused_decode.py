@@ -292,32 +292,32 @@ def _placed_numel(kernel: str, gemm, group) -> int:
 UPDATE_ROWS = (255, 512, 701)         # the probe's row counts: a micro-batch's packed prompts and answers
 
 
-def native_update_gemm(dtype: torch.dtype, shape: tuple[int, int]) -> bool:
-    """Does the compiled matmul on packed weights multiply an [out, in] weight of this shape by the update's
-    row counts (`UPDATE_ROWS`, odd ones among them: matmul libraries often run those slower) faster than
-    torch's matmul and oneDNN's packed one? Probed once per process; it decides whether the update's forward
-    reads the sampler's packed weights. The config's `kernels.update_linear: native` or `torch` decides
-    instead."""
+def native_update_gemm(dtype: torch.dtype, shapes: tuple[tuple[int, int], ...]) -> bool:
+    """Does the compiled matmul on packed weights multiply a layer's [out, in] weights of these shapes by the
+    update's row counts (`UPDATE_ROWS`, odd ones among them: matmul libraries often run those slower) faster,
+    all shapes together, than torch's matmul and oneDNN's packed one? Probed once per process; it decides
+    whether the update's forward reads the sampler's packed weights. The config's `kernels.update_linear:
+    native` or `torch` decides instead."""
     chosen = settings.current().update_linear
-    if chosen == "torch" or _native_gemm(dtype, [shape]) is None:
+    if chosen == "torch" or _native_gemm(dtype, shapes) is None:
         return False
-    return chosen == "native" or _probe_update_gemm(dtype, shape)
+    return chosen == "native" or _probe_update_gemm(dtype, shapes)
 
 
 @settings.forget_when("native", "max_cpu_isa")      # the candidates this CPU runs
 @functools.cache
-def _probe_update_gemm(dtype: torch.dtype, shape: tuple[int, int]) -> bool:
+def _probe_update_gemm(dtype: torch.dtype, shapes: tuple[tuple[int, int], ...]) -> bool:
     ops = native.load()
-    out, inp = shape
     g = torch.Generator().manual_seed(0)
-    w = (torch.randn(out, inp, generator=g) * 0.02).to(dtype)
-    xs = [torch.randn(rows, inp, generator=g).to(dtype) for rows in UPDATE_ROWS]
-    packed = ops.pack(w, torch.empty(ops.packed_numel(out, inp), dtype=dtype))
-    candidates = {"torch": lambda: [F.linear(x, w) for x in xs],
-                  "native": lambda: [ops.packed_linear(x, packed, None, out) for x in xs]}
+    ws = [(torch.randn(out, inp, generator=g) * 0.02).to(dtype) for out, inp in shapes]
+    xs = {inp: [torch.randn(rows, inp, generator=g).to(dtype) for rows in UPDATE_ROWS] for _, inp in shapes}
+    packed = [ops.pack(w, torch.empty(ops.packed_numel(*w.shape), dtype=dtype)) for w in ws]
+    candidates = {"torch": lambda: [F.linear(x, w) for w in ws for x in xs[w.size(1)]],
+                  "native": lambda: [ops.packed_linear(x, p, None, w.size(0))
+                                     for w, p in zip(ws, packed) for x in xs[w.size(1)]]}
     if _onednn_ok(dtype):
-        onednn = onednn_pack(w, UPDATE_ROWS[1])
-        candidates["onednn"] = lambda: [onednn_linear(x, onednn, None) for x in xs]
+        onednn = [onednn_pack(w, UPDATE_ROWS[1]) for w in ws]
+        candidates["onednn"] = lambda: [onednn_linear(x, p, None) for w, p in zip(ws, onednn) for x in xs[w.size(1)]]
     secs = _stream_seconds(candidates, rounds=5)
     return secs["native"] < min(v for k, v in secs.items() if k != "native")
 
@@ -343,7 +343,7 @@ def use_packed_linears(model) -> int:
     # bf16 only (in fp32 the update's frozen weights are oneDNN-packed already, as fast here); a trained base
     # (full fine-tuning) changes every step, so its packs would be rebuilt every update
     use = dtype == torch.bfloat16 and all(m.weight.dtype == dtype and not m.weight.requires_grad for m in everything) \
-        and native_update_gemm(dtype, tuple(modules[0][2][0].weight.shape))
+        and native_update_gemm(dtype, tuple(tuple(m.weight.shape) for g in modules[0] for m in g))
     base = None
     if use:
         with torch.no_grad():            # the sampler's base as it is (its probe ran at the rows it decodes)
@@ -412,7 +412,10 @@ class FusedDecoder:
         dtype = str(self.embed.weight.dtype).removeprefix("torch.")
         rates = ", ".join(f"{k} {v:.1f} GB/s" for k, v in self.rates.items())
         ops = "native" if self.ops else "torch"
-        return f"fused {dtype} decode, {self.kernel} linears (probe: {rates}), {ops} step ops"
+        kernel = self.kernel
+        if kernel == "native" and self.layers[0].qkv.gemm.packed_linear_tiles(self.embed.weight.dtype):
+            kernel = "native (AMX tiles)"
+        return f"fused {dtype} decode, {kernel} linears (probe: {rates}), {ops} step ops"
 
     @classmethod
     @torch.no_grad()

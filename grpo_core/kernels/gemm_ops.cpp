@@ -8,7 +8,9 @@
 // load serves all rows: fp32 [N/16][K][16]; bf16 [N/16][K/2][16][2] (the pair layout of VDPBF16PS).
 // Each row's accumulators stay in registers for the whole K loop, each row's inputs come as broadcasts
 // from L1, and the column blocks are shared among the OpenMP threads. Where the CPU lacks AVX-512
-// (or AVX512-BF16, for bf16) `packed_linear_supported_*` says 0 and nothing else may be called.
+// (or AVX512-BF16, for bf16) `packed_linear_supported_*` says 0 and nothing else may be called. On a CPU
+// with AMX, bf16 goes through the tile unit instead, on the same packed weights (`amx_packed_linear`).
+// Switches the build turns off (kernels.max_cpu_isa) compile the tile path out.
 //
 // M rows, N output columns, K inputs (even for bf16); x [M, K], y [M, N] row-major, bias [N] or null.
 #include <cstdint>
@@ -178,6 +180,151 @@ void lora_add(const T* x, const T* ap, const T* bb, const int64_t* k0, T* y, int
     }
 }
 
+#if defined(__AVX512BF16__) && defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#define GRPO_AMX 1
+#include <sys/syscall.h>
+#include <unistd.h>
+// bf16 on AMX: the tile unit multiplies 16 rows of x by a 16-column block of the same packed weights (the pair
+// layout is the tiles' own: a weight tile is 16 k-pairs x 16 columns x 2) at several times VDPBF16PS's rate, so a
+// decode step's matmuls wait on memory, not arithmetic. Where K is a multiple of 32 (a tile of x holds 32
+// inputs) and the inputs fit in cache; else, or where Linux refuses the tile state, the AVX512-BF16 blocks.
+
+// Linux hands a process the tile registers' state only when asked (arch_prctl ARCH_REQ_XCOMP_PERM for
+// XFEATURE_XTILEDATA); until then a tile instruction faults. Asked once for the process.
+bool amx_ready() {
+    static const bool ok = syscall(SYS_arch_prctl, 0x1023, 18) == 0;
+    return ok;
+}
+
+struct TileConfig {
+    uint8_t palette = 1, start_row = 0, reserved[14] = {};
+    uint16_t colsb[16] = {};
+    uint8_t rows[16] = {};
+};
+
+// Two shapes of work: one block of up to 16 rows against up to four column blocks (a decode step; tiles 0-3
+// accumulate, 4 holds x's rows), or two row blocks against up to two column blocks (the update's hundreds of
+// rows: 4 tile loads per 4 products instead of 5; tile 2r+g accumulates row block r, column block g; 4 and 5
+// hold x's rows). Tiles 6 and 7 hold weights (16 k-pairs x 16 columns x 2), taken in turn so one loads while
+// the other multiplies. `rows0`/`rows1`: the rows of the first and second row block.
+void amx_configure(int R, int64_t rows0, int64_t rows1) {
+    TileConfig c;
+    for (int i = 0; i < 8; ++i) c.colsb[i] = 64;
+    for (int i : {0, 1, 4}) c.rows[i] = uint8_t(rows0);
+    for (int i : {2, 3, 5}) c.rows[i] = uint8_t(R == 1 ? rows0 : rows1);
+    c.rows[6] = c.rows[7] = 16;
+    if (R == 1) c.colsb[5] = 0, c.rows[5] = 0;
+    _tile_loadconfig(&c);
+}
+
+#define AMX_TILE_SWITCH(i, OP) switch (i) { case 0: OP(0); break; case 1: OP(1); break; case 2: OP(2); break; \
+                                            default: OP(3); break; }
+
+// R row blocks of x (row stride ldx) against G column blocks from j0 over kc inputs (w: block j0's weights
+// from the first of them; a column block's weights span `stride` elements), the tiles configured by
+// amx_configure: y = x W^T + bias, starting from the partial sums acc_in (4 tiles of [16][16] floats) where
+// given, and written as partial sums to acc_out where given instead of to y.
+template <int R, int G>
+void amx_blocks(const uint16_t* x, int64_t ldx, int64_t kc, const uint16_t* w, int64_t stride,
+                const uint16_t* bias, uint16_t* y, int64_t N, int64_t j0, int64_t rows0, int64_t rows1,
+                float* sums, const float* acc_in, float* acc_out) {
+    constexpr int ACC = R == 1 ? 1 : 2;                 // accumulator of (row block r, column block g): ACC r + g
+    static_assert(R * G <= 4 && (R == 1 || G <= 2), "four accumulator tiles");
+    constexpr bool used[4] = {true, G > 1, G > 2 || R == 2, G > 3 || (R == 2 && G > 1)};
+#define AMX_START(i) if constexpr (used[i]) { if (acc_in) _tile_loadd(i, acc_in + i * 256, 64); else _tile_zero(i); }
+    AMX_START(0) AMX_START(1) AMX_START(2) AMX_START(3)
+#undef AMX_START
+    for (int64_t k = 0; k < kc; k += 32, w += 32 * COLS) {
+        _tile_loadd(4, x + k, ldx * 2);
+        if constexpr (R == 2) _tile_loadd(5, x + 16 * ldx + k, ldx * 2);
+        _tile_loadd(6, w, 64);
+        _tile_dpbf16ps(0, 4, 6);
+        if constexpr (R == 2) _tile_dpbf16ps(2, 5, 6);
+        if constexpr (G > 1) {
+            _tile_loadd(7, w + stride, 64);
+            _tile_dpbf16ps(1, 4, 7);
+            if constexpr (R == 2) _tile_dpbf16ps(3, 5, 7);
+        }
+        if constexpr (G > 2) { _tile_loadd(6, w + 2 * stride, 64); _tile_dpbf16ps(2, 4, 6); }
+        if constexpr (G > 3) { _tile_loadd(7, w + 3 * stride, 64); _tile_dpbf16ps(3, 4, 7); }
+    }
+    if (acc_out) {
+#define AMX_KEEP(i) if constexpr (used[i]) _tile_stored(i, acc_out + i * 256, 64);
+        AMX_KEEP(0) AMX_KEEP(1) AMX_KEEP(2) AMX_KEEP(3)
+#undef AMX_KEEP
+        return;
+    }
+    for (int r = 0; r < R; ++r)
+        for (int g = 0; g < G; ++g) {
+#define AMX_STORE(i) _tile_stored(i, sums, 64)
+            AMX_TILE_SWITCH(ACC * r + g, AMX_STORE)
+#undef AMX_STORE
+            const int64_t col = (j0 + g) * COLS, rows = r ? rows1 : rows0;
+            const __mmask16 mask = lanes_below(N - col);
+            const __m512 b = bias ? load16(bias + col, mask) : _mm512_setzero_ps();
+            uint16_t* yr = y + r * 16 * N + col;
+            for (int64_t m = 0; m < rows; ++m)
+                _mm256_mask_storeu_epi16(yr + m * N, mask, narrow16(_mm512_add_ps(_mm512_loadu_ps(sums + m * COLS), b)));
+        }
+}
+#undef AMX_TILE_SWITCH
+
+// Units of G column blocks x R row blocks of 16, rows inner (a unit's weights stay in cache for the next
+// rows): one row block and up to four column blocks for a decode step's few rows (fewer where there are
+// few blocks, so both threads get work), else two by two. Past CHUNKED inputs (an LM head's input gradient)
+// the inputs go in chunks of AMX_KC, all units through one chunk before the next (its weights and rows stay
+// in cache), the partial sums kept as tiles between chunks. Unlike the vector blocks, the tiles read x in
+// place: copying each chunk out with a padded row stride cost more than it saved (about 1.5x as long for the
+// default model's LM head input gradient, 256 x 49152 by 49152 x 576).
+constexpr int64_t AMX_KC = 2048;
+
+bool amx_packed_linear(const uint16_t* x, const uint16_t* wp, const uint16_t* bias, uint16_t* y, int64_t M,
+                       int64_t N, int64_t K) {
+    if (K % 32 || !amx_ready()) return false;
+    const int64_t nb = blocks(N), R = M > 16 ? 2 : 1;
+    const int64_t G = R == 2 ? 2 : nb >= 64 ? 4 : nb >= 16 ? 2 : 1, groups = (nb + G - 1) / G;
+    const int64_t row_units = (M + 16 * R - 1) / (16 * R), units = groups * row_units;
+    const bool chunked = K > CHUNKED;
+    std::vector<float> partial(chunked ? units * 4 * 256 : 0);
+#pragma omp parallel if (units > 1 && M * N * K > (1 << 18))
+    {
+        alignas(64) float sums[256];
+        int64_t configured = -1;
+        for (int64_t k0 = 0; k0 < K; k0 += chunked ? AMX_KC : K) {
+            const int64_t len = chunked && K - k0 > AMX_KC ? AMX_KC : K - k0;
+#pragma omp for schedule(static)
+            for (int64_t u = 0; u < units; ++u) {
+                const int64_t j0 = u / row_units * G, r = u % row_units * 16 * R;
+                const int64_t left = M - r, rows0 = left < 16 ? left : 16, rows1 = left - 16 < 16 ? left - 16 : 16;
+                const int64_t shape = rows0 * 32 + (rows1 > 0 ? rows1 : 0), g = nb - j0 < G ? nb - j0 : G;
+                const uint16_t* xr = x + r * K + k0;
+                const uint16_t* w = wp + j0 * COLS * K + k0 * COLS;
+                uint16_t* yr = y + r * N;
+                float* acc = chunked ? partial.data() + u * 4 * 256 : nullptr;
+                const float* acc_in = k0 ? acc : nullptr;
+                float* acc_out = k0 + len < K ? acc : nullptr;
+                if (shape != configured) amx_configure(rows1 > 0 ? 2 : 1, rows0, rows1), configured = shape;
+#define AMX_RUN(RR, GG) amx_blocks<RR, GG>(xr, K, len, w, COLS * K, bias, yr, N, j0, rows0, rows1, sums, \
+                                           acc_in, acc_out)
+                if (rows1 > 0) {             // two row blocks (the second may be short)
+                    if (g == 2) AMX_RUN(2, 2); else AMX_RUN(2, 1);
+                } else {
+                    switch (g) {
+                        case 4: AMX_RUN(1, 4); break;
+                        case 3: AMX_RUN(1, 3); break;
+                        case 2: AMX_RUN(1, 2); break;
+                        default: AMX_RUN(1, 1); break;
+                    }
+                }
+#undef AMX_RUN
+            }
+        }
+        if (configured >= 0) _tile_release();
+    }
+    return true;
+}
+#endif
+
 #define ROWS_SWITCH(FN, rows, ...)                                                                        \
     switch (rows) {                                                                                       \
         case 1: FN<1>(__VA_ARGS__); break;   case 2: FN<2>(__VA_ARGS__); break;                           \
@@ -201,6 +348,16 @@ extern "C" void pack_bf16(const uint16_t* w, uint16_t* out, int64_t N, int64_t K
 extern "C" int packed_linear_supported_f32() {
 #if defined(__AVX512F__)
     return 1;
+#else
+    return 0;
+#endif
+}
+
+extern "C" int packed_linear_tiles_f32() { return 0; }
+
+extern "C" int packed_linear_tiles_bf16() {
+#if defined(GRPO_AMX)
+    return amx_ready();
 #else
     return 0;
 #endif
@@ -242,6 +399,9 @@ extern "C" void packed_linear_f32(const float* x, const float* wp, const float* 
 
 extern "C" void packed_linear_bf16(const uint16_t* x, const uint16_t* wp, const uint16_t* bias, uint16_t* y,
                                    int64_t M, int64_t N, int64_t K) {
+#if defined(GRPO_AMX)
+    if (amx_packed_linear(x, wp, bias, y, M, N, K)) return;
+#endif
 #if defined(__AVX512BF16__)
     packed_linear(x, wp, bias, y, M, N, K, ROWS_OF(block_bf16, uint16_t, N));
 #endif

@@ -65,6 +65,7 @@ _SIGNATURES = {
     "pack": [_PTR, _PTR, _I64, _I64],
     "packed_linear": [_PTR, _PTR, _PTR, _PTR, _I64, _I64, _I64],
     "packed_linear_supported": [],
+    "packed_linear_tiles": [],
 }
 
 
@@ -124,6 +125,9 @@ def _ptr(t: torch.Tensor | None) -> int | None:
     return None if t is None else t.data_ptr()
 
 
+_FLAGS = ("packed_linear_supported", "packed_linear_tiles")       # the functions that answer yes (1) or no (0)
+
+
 class NativeOps:
     """The compiled functions, called on torch tensors (see the .cpp sources for each one's contract)."""
 
@@ -132,7 +136,7 @@ class NativeOps:
         for name, args in _SIGNATURES.items():
             for dtype, suffix in _SUFFIX.items():
                 fn = getattr(lib, f"{name}_{suffix}")
-                fn.argtypes, fn.restype = args, ctypes.c_int if name == "packed_linear_supported" else None
+                fn.argtypes, fn.restype = args, ctypes.c_int if name in _FLAGS else None
                 self._fns[name, dtype] = fn
         self._packed_numel = lib.packed_numel
         self._packed_numel.argtypes, self._packed_numel.restype = [_I64, _I64], _I64
@@ -332,6 +336,11 @@ class NativeOps:
         """Whether `packed_linear` runs for this dtype on this CPU (AVX-512; for bf16 AVX512-BF16)."""
         return dtype in _SUFFIX and bool(self._fns["packed_linear_supported", dtype]())
 
+    def packed_linear_tiles(self, dtype: torch.dtype) -> bool:
+        """Whether `packed_linear` multiplies on AMX tiles here (bf16 on a CPU with AMX, built for it, the tile
+        state granted by Linux) where the inputs come in whole tiles (a multiple of 32)."""
+        return dtype in _SUFFIX and bool(self._fns["packed_linear_tiles", dtype]())
+
     def packed_numel(self, out_features: int, in_features: int) -> int:
         return self._packed_numel(out_features, in_features)
 
@@ -364,8 +373,8 @@ def _reference_check(ops: NativeOps) -> None:
         def rand(*shape):
             return torch.randn(*shape, generator=g).to(dtype)
 
-        def same(name, got, want):
-            if not torch.allclose(got.float(), want.float(), atol=tol, rtol=tol):
+        def same(name, got, want, slack=1.0):          # slack: for long sums, whose order differs more
+            if not torch.allclose(got.float(), want.float(), atol=tol * slack, rtol=tol * slack):
                 raise BuildError(f"{name} ({dtype}) disagrees with torch by {(got.float() - want.float()).abs().max()}")
 
         x, y, w = rand(b, C), rand(b, C), rand(C)
@@ -408,14 +417,21 @@ def _reference_check(ops: NativeOps) -> None:
         same("sample_rows", logp, (x.float() / 0.7).log_softmax(-1).gather(-1, drawn[:, None])[:, 0])
         _check_trunk_ops(ops, rand, same)
         if ops.packed_linear_supported(dtype):
-            for rows in (1, 16, 21):                         # one row block, a full one, a full one and a part
-                w, bias, x = rand(37, 2 * C), rand(37), rand(rows, 2 * C)
-                packed = ops.pack(w, torch.empty(ops.packed_numel(37, 2 * C), dtype=dtype))
-                same("packed_linear", ops.packed_linear(x, packed, bias, 37),
-                     x.float() @ w.float().T + bias.float())
-            A, B, y = rand(3, 2 * C), rand(5, 3), rand(rows, 5)
-            want = y.float() + (x.float() @ A.float().T).to(dtype).float() @ B.float().T
-            same("lora_add", ops.lora_add(x, ops.lora_pack(A, B), y), want)
+            _check_packed_linear(ops, dtype, rand, same, C)
+
+
+def _check_packed_linear(ops: NativeOps, dtype: torch.dtype, rand, same, C: int) -> None:
+    """The matmul on packed weights and the LoRA term on packed factors against torch."""
+    # one row block, a full one, a full one and a part; 64 inputs: AMX's tiles (bf16, 32 inputs a tile);
+    # 8224: inputs taken in chunks
+    for rows, K in ((1, 2 * C), (16, 2 * C), (21, 2 * C), (21, 64), (3, 64), (37, 8224)):
+        w, bias, x = rand(37, K), rand(37), (rand(rows, K).float() * 8 / K ** 0.5).to(dtype)   # sums ~ 1
+        packed = ops.pack(w, torch.empty(ops.packed_numel(37, K), dtype=dtype))
+        same("packed_linear", ops.packed_linear(x, packed, bias, 37),
+             x.float() @ w.float().T + bias.float(), slack=(K / 64) ** 0.5)
+    x, A, B, y = rand(21, 2 * C), rand(3, 2 * C), rand(5, 3), rand(21, 5)
+    want = y.float() + (x.float() @ A.float().T).to(dtype).float() @ B.float().T
+    same("lora_add", ops.lora_add(x, ops.lora_pack(A, B), y), want)
 
 
 def _check_trunk_ops(ops: NativeOps, rand, same) -> None:

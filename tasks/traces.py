@@ -266,6 +266,14 @@ def _write(trace: Trace, experiment_id: str, run_id: str, run_name: str, start_n
     return root.trace_id
 
 
+def _queue_room() -> int:
+    """How many export tasks to queue before waiting for them: MLflow's background writer discards what its queue
+    cannot hold ($MLFLOW_ASYNC_TRACE_LOGGING_MAX_QUEUE_SIZE, 1000 by default; one evaluation answers more), so half
+    of it."""
+    from mlflow.environment_variables import MLFLOW_ASYNC_TRACE_LOGGING_MAX_QUEUE_SIZE
+    return max(1, MLFLOW_ASYNC_TRACE_LOGGING_MAX_QUEUE_SIZE.get() // 2)
+
+
 def log_traces(cfg: GRPOConfig, run_id: str, traces: list[Trace], kind: str, iteration: int) -> int:
     """Log `traces` (all of one `kind` and iteration) to the run's Traces tab, their feedback after them; none
     when this iteration's are already there. -> how many were logged."""
@@ -279,8 +287,14 @@ def log_traces(cfg: GRPOConfig, run_id: str, traces: list[Trace], kind: str, ite
         return 0
     source = AssessmentSource(source_type=AssessmentSourceType.CODE, source_id=SCORE_SOURCE)
     with _tracing_to(tracking.tracking_uri(cfg)):
-        start = time.time_ns()
-        ids = [_write(t, experiment_id, run_id, run.run_name, start) for t in traces]
+        start, ids, queued, room = time.time_ns(), [], 0, _queue_room()
+        for t in traces:
+            tasks = len(t.steps) + 2           # the writer gets each span as it ends, then the trace
+            if queued and queued + tasks > room:
+                mlflow.flush_trace_async_logging()
+                queued = 0
+            ids.append(_write(t, experiment_id, run_id, run.run_name, start))
+            queued += tasks
         mlflow.flush_trace_async_logging()                  # a trace must be stored before feedback can name it
         for trace_id, t in zip(ids, traces):
             for name, value in t.feedback.items():

@@ -244,3 +244,27 @@ def test_every_evaluation_answer_is_a_trace_with_its_tool_call_and_reward(env):
     assert tool.attributes["seconds"] == recorded["seconds"] and tool.attributes["error"] == recorded["error"]
     assert found[0].info.trace_metadata["mlflow.trace.session"] == found[1].info.trace_metadata[
         "mlflow.trace.session"] != found[2].info.trace_metadata["mlflow.trace.session"]
+
+
+@pytest.fixture()
+def small_export_queue(monkeypatch):
+    """MLflow's trace writer with a queue of 12 tasks (two traces of 4 spans and more), and as before after."""
+    monkeypatch.setenv("MLFLOW_ASYNC_TRACE_LOGGING_MAX_QUEUE_SIZE", "12")
+    mlflow.tracing.reset()                                      # the writer and its queue are made again
+    yield
+    monkeypatch.delenv("MLFLOW_ASYNC_TRACE_LOGGING_MAX_QUEUE_SIZE")
+    mlflow.tracing.reset()
+
+
+def test_more_traces_than_mlflows_export_queue_holds_are_all_stored(env, small_export_queue):
+    """MLflow's trace writer queues a task per span and per trace (1000 by default) and drops what does not fit; one
+    evaluation logs more (60 questions, 4 prompt shapes, 3 answers: 720 traces of 2-5 spans). Traces go in batches
+    the queue holds: here 18 traces of 4 spans through a queue of 12 tasks."""
+    tmp, tok = env
+    cfg = GRPOConfig.model_validate(tiny_config(tmp, run_name="many", tools=["calculator"], eval=dict(plots=False)))
+    run_id = tracking.start_or_resume_run(cfg, tmp / "runs" / "many", None)
+    rows = score_samples(sampled(tok, calculator_or_error, 3, tools=True), {t.id: t for t in tasks_for(3)}, cfg,
+                         "greedy")
+    many = [dict(r, sample=r["sample"] + 2 * k) for k in range(3) for r in rows]                  # 18 answers
+    assert traces.log_eval_traces(cfg, run_id, 0, many) == 18
+    assert len(by_run(run_id)) == 18

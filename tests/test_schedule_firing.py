@@ -22,6 +22,8 @@ pytestmark = pytest.mark.slow
 GRPO = str(Path(sys.executable).parent / "grpo")
 INTERVAL_S = 5                 # shorter than one tiny run, so the next run is due while one is going
 WAIT_S = 600                   # for two runs on a busy 2-core machine
+# one iteration, no evaluation: what is checked is when runs start and end, not what they learn
+QUICK = ["--set", "pipeline_iterations=1", "--set", "eval.enabled=false"]
 
 
 @pytest.fixture(scope="module")
@@ -109,8 +111,7 @@ def test_a_served_interval_schedule_fires_runs_one_at_a_time_and_is_managed(serv
     out_dir = tmp / "served"
     log = tmp / "serve.log"
     serving = subprocess.Popen([GRPO, "schedule", "--interval", f"{INTERVAL_S}s", "--config", "configs/tiny.yaml",
-                                "--set", f"output_dir={out_dir}", "--set", "pipeline_iterations=1",
-                                "--name", "every-5s"], env=env, cwd=REPO, stdout=open(log, "w"),
+                                "--set", f"output_dir={out_dir}", *QUICK, "--name", "every-5s"], env=env, cwd=REPO, stdout=open(log, "w"),
                                stderr=subprocess.STDOUT, start_new_session=True)
     try:
         runs = wait_for_runs(out_dir, 2, serving, log)
@@ -137,7 +138,7 @@ def test_an_interval_schedule_on_a_process_work_pool_fires_runs_through_a_worker
     subprocess.run([PREFECT, "work-pool", "create", "grpo-test-pool", "--type", "process"], env=env, check=True,
                    capture_output=True, timeout=120)
     printed = grpo(env, "schedule", "--interval", f"{INTERVAL_S}s", "--config", "configs/tiny.yaml", "--set",
-                   f"output_dir={out_dir}", "--set", "pipeline_iterations=1", "--work-pool", "grpo-test-pool",
+                   f"output_dir={out_dir}", *QUICK, "--work-pool", "grpo-test-pool",
                    "--name", "pooled").stdout
     assert "prefect worker start --pool grpo-test-pool" in printed
     log = tmp / "worker.log"

@@ -61,7 +61,7 @@ EXPECTED = {   # (cpu, dtype) -> what each fast path takes, and why
         "decode_linears": "plain|onednn|native", "update_linears": "onednn"},
     ("amx (Intel Xeon Sapphire Rapids)", BF16): {
         "precision": "bfloat16 (AMX)", "step_ops": "compiled", "attention": "avx512",
-        "decode_linears": "plain|onednn|native", "update_linears": "native|torch"},
+        "decode_linears": "plain|onednn|native (AMX tiles)", "update_linears": "native (AMX tiles)|torch"},
 }
 
 

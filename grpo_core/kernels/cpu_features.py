@@ -203,7 +203,8 @@ def plan(features: CpuFeatures, dtype: torch.dtype) -> dict[str, str]:
     - step_ops: the decode step's and the update's small ops, compiled or torch's;
     - attention: the compiled attention's AVX-512 loops or its portable ones;
     - decode_linears: the kernels the sampler's probe times, fastest taken (`fused_decode.linear_kernel`);
-    - update_linears: what the update's frozen base linears multiply with."""
+    - update_linears: what the update's frozen base linears multiply with.
+    On AMX the compiled bf16 matmul runs on the tiles ("native (AMX tiles)"; gemm_ops.cpp)."""
     def why(path):
         return declines(path, dtype, features)
 
@@ -214,10 +215,12 @@ def plan(features: CpuFeatures, dtype: torch.dtype) -> dict[str, str]:
            "attention": "avx512" if not why("vector_attention") else f"portable ({why('vector_attention')})"}
     kernels = {kernel: path and why(path) for kernel, path in DECODE_LINEARS.items()}
     left_out = "; ".join(f"not {k}: {reason}" for k, reason in kernels.items() if reason)
-    out["decode_linears"] = "|".join(k for k, reason in kernels.items() if not reason) + \
+    tiles = bf16 and features.amx                                 # the compiled matmul multiplies on AMX tiles
+    named = {k: "native (AMX tiles)" if k == "native" and tiles else k for k in kernels}
+    out["decode_linears"] = "|".join(named[k] for k, reason in kernels.items() if not reason) + \
         (f" ({left_out})" if left_out else "")
     if bf16:
-        out["update_linears"] = ("native|torch" if not why("compiled_matmul")
+        out["update_linears"] = (f"{named['native']}|torch" if not why("compiled_matmul")
                                  else f"torch ({why('compiled_matmul')})")
     else:
         out["update_linears"] = "onednn" if not why("onednn_linear") else f"torch ({why('onednn_linear')})"

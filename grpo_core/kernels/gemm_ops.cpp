@@ -187,7 +187,7 @@ void lora_add(const T* x, const T* ap, const T* bb, const int64_t* k0, T* y, int
 // bf16 on AMX: the tile unit multiplies 16 rows of x by a 16-column block of the same packed weights (the pair
 // layout is the tiles' own: a weight tile is 16 k-pairs x 16 columns x 2) at several times VDPBF16PS's rate, so a
 // decode step's matmuls wait on memory, not arithmetic. Where K is a multiple of 32 (a tile of x holds 32
-// inputs) and the inputs fit in cache; else, or where Linux refuses the tile state, the AVX512-BF16 blocks.
+// inputs); else, or where Linux refuses the tile state, the AVX512-BF16 blocks.
 
 // Linux hands a process the tile registers' state only when asked (arch_prctl ARCH_REQ_XCOMP_PERM for
 // XFEATURE_XTILEDATA); until then a tile instruction faults. Asked once for the process.

@@ -24,9 +24,10 @@ run: venv
 test: venv
 	$(BIN)/python -m pytest -q -m "not slow"
 
-# The slow half: the real default model, kill-and-resume, workers, Docker-scored runs (CI runs both).
+# The slow half: the real default model, kill-and-resume, workers, Docker-scored runs (CI runs both; the 15
+# slowest are listed at the end, where CI's log tail shows them).
 test-slow: venv
-	$(BIN)/python -m pytest -q -m slow
+	$(BIN)/python -m pytest -q -m slow --durations=15
 
 test-all: venv
 	$(BIN)/python -m pytest -q

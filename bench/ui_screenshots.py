@@ -150,6 +150,23 @@ def open_page(page, url: str, ready: str) -> None:
     page.locator(ready).first.wait_for(state="visible")
 
 
+def scrolled_text(page, over: str, max_steps: int = 40) -> str:
+    """The page's text while the list under selector `over` is scrolled from top to bottom: MLflow's tables render
+    only the rows near the viewport (the Traces tab some 30 rows), so a row far down the order is not in the page's
+    text until scrolled to. Stops when a scroll shows nothing new (or after `max_steps` scrolls)."""
+    box = page.locator(over).first.bounding_box()
+    page.mouse.move(box["x"] + box["width"] / 2, box["y"] + min(box["height"] / 2, 300))
+    seen: list[str] = []
+    for _ in range(max_steps):
+        text = page.inner_text("body")
+        if seen and text == seen[-1]:
+            break
+        seen.append(text)
+        page.mouse.wheel(0, 600)
+        page.wait_for_timeout(250)
+    return "\n".join(seen)
+
+
 def close_assistant(page) -> None:
     """MLflow 3.17 opens its assistant beside every page, over a third of it; close it once (it stays closed)."""
     close = page.locator('[data-component-id="mlflow.assistant.chat_panel.close"]')

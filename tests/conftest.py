@@ -32,6 +32,18 @@ def tiny_model_dir(tmp_path_factory) -> Path:
     return build_tiny_model(tmp_path_factory.mktemp("models") / "tiny")
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _shared_kernel_builds(tmp_path_factory):
+    """One build of the compiled kernels for the session, this process's and its children's: each test's fresh
+    $GRPO_HOME would otherwise compile them again (10-25 s on 2 cores), in every `grpo` process a test starts."""
+    if "GRPO_KERNEL_CACHE" in os.environ:
+        yield
+        return
+    os.environ["GRPO_KERNEL_CACHE"] = str(tmp_path_factory.mktemp("kernels"))
+    yield
+    os.environ.pop("GRPO_KERNEL_CACHE", None)
+
+
 @pytest.fixture()
 def grpo_home(tmp_path, monkeypatch, tiny_model_dir) -> Path:
     """An isolated $GRPO_HOME whose 'tiny-random' model is the session's tiny model."""

@@ -150,11 +150,14 @@ def test_prefect_flow_run_page_lists_the_stage_task_runs(seen):
 # -- rollouts as traces (tasks/traces.py) -------------------------------------------------------------------------
 
 def traces_tab(page, base: str, experiment_id: str, run_id: str, ready: str, shots: Path, name: str) -> dict:
-    """A run's Traces tab once the text `ready` shows: its text (a row per trace, or per session while grouped)."""
+    """A run's Traces tab once the text `ready` shows: its text with the list scrolled through (a row per trace, or
+    per session while grouped; the table renders only the rows near the viewport, in an order that depends on when
+    each trace was logged)."""
     ui.open_page(page, f"{base}/#/experiments/{experiment_id}/runs/{run_id}/traces?{tracking.TRAINING_VIEW}",
                  f"text={ready}")
     ui.close_assistant(page)
-    return {"screenshot": str(ui.shoot(page, shots, name)), "text": page.inner_text("body")}
+    shot = str(ui.shoot(page, shots, name))
+    return {"screenshot": shot, "text": ui.scrolled_text(page, f"text={ready}")}
 
 
 def trace_span(page, trace_id: str, span: str, expected: str, shots: Path) -> str:
@@ -205,7 +208,14 @@ def test_a_tool_runs_trace_shows_the_call_and_the_tools_answer(tool_run):
 
 def test_a_training_runs_traces_tab_lists_its_rollouts_and_evaluation_answers(seen):
     run_id = seen.runs[0]["mlflow_run_id"]
-    got = traces_tab(seen.page, seen.mlflow, seen.exp, run_id, "-iter-1-group-0", seen.shots,
-                     "mlflow-training-run-traces")
-    assert "run-a-" in got["text"] and "-eval-0-greedy-" in got["text"], got["text"][-2000:]
+    from mlflow.tracking import MlflowClient
+    from tasks.traces import SESSION_METADATA
+    logged = MlflowClient(tracking_uri=seen.mlflow).search_traces(locations=[seen.exp], run_id=run_id,
+                                                                  include_spans=False)
+    sessions = {t.info.trace_metadata[SESSION_METADATA] for t in logged}
+    for part in ("-iter-1-group-0", "-iter-2-group-1", "-eval-0-greedy-", "-eval-2-sampled-"):
+        assert any(part in s for s in sessions), (part, sorted(sessions))
+    got = traces_tab(seen.page, seen.mlflow, seen.exp, run_id, "run-a-", seen.shots, "mlflow-training-run-traces")
+    missing = sorted(s for s in sessions if s not in got["text"])        # more sessions than the table renders
+    assert not missing, (missing, got["text"][-2000:])
     assert "reward" in got["text"]

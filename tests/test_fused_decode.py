@@ -233,6 +233,18 @@ def test_dora_falls_back_to_the_lean_forward(tiny_model_dir):
         assert FusedDecoder.snapshot(model) is None
 
 
+def test_the_probe_of_a_small_model_times_a_bounded_number_of_matrices():
+    """96 MiB of 64-wide weights would be thousands of matrices (per-call overhead, for seconds); a real model's
+    shapes stay below the bound, so its probe streams the whole ~96 MiB."""
+    from grpo_core.kernels.fused_decode import PROBE_MATRICES, streaming_weights
+    _, tiny = streaming_weights(((64, 64), (128, 64)), 96, torch.float32, huge_pages=False,
+                                max_matrices=PROBE_MATRICES)
+    assert len(tiny) <= PROBE_MATRICES
+    layer = ((576, 576), (192, 576), (192, 576), (576, 576), (1536, 576), (1536, 576), (576, 1536))   # SmolLM2-135M
+    flat, real = streaming_weights(layer, 96, torch.bfloat16, huge_pages=False, max_matrices=PROBE_MATRICES)
+    assert len(real) < PROBE_MATRICES and flat.numel() * 2 > 90 * 2**20
+
+
 def test_hugepage_buffer_is_aligned_and_the_probe_names_a_kernel():
     buf = hugepage_empty(3 << 20, torch.float32)
     assert buf.numel() == 3 << 20 and buf.data_ptr() % (2 << 20) == 0

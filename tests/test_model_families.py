@@ -319,7 +319,8 @@ def test_each_family_trains_exports_and_reloads(name, dtype, tmp_path, prefect_e
     tiny_base(name).save_pretrained(model_dir)
     load_tokenizer(grpo_home / "models" / "tiny-random").save_pretrained(model_dir)
     summary = training_run(tiny_config(tmp_path, model=str(model_dir), dtype=dtype, device="cpu",
-                                       lora_target_modules=["auto"]))
+                                       lora_target_modules=["auto"], eval=dict(every=2, plots=False),
+                                       tracking=dict(trace_rollouts=0)))   # what is checked: training, export
     run_dir = Path(summary["run_dir"])
     assert read_json(run_dir / "run.json")["status"] == "finished" and max(summary["evals"]) == 2
     checkpoint = run_dir / "iter-2" / "update" / "checkpoint"

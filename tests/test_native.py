@@ -253,11 +253,17 @@ def test_logit_sweep_equals_torch_at_the_vocabulary_size(dtype, temperature):
 
 
 @needs_compiler
-def test_the_build_is_cached_and_written_atomically(tmp_path):
+def test_the_build_is_cached_and_written_atomically(tmp_path, monkeypatch):
     first = native.library_path(tmp_path)
     stamp = first.stat().st_mtime_ns
     assert native.library_path(tmp_path) == first and first.stat().st_mtime_ns == stamp    # not rebuilt
     assert [p.name for p in tmp_path.iterdir()] == [first.name]                          # no temporary left
+    # $GRPO_KERNEL_CACHE (tests/conftest.py sets one per session) holds the build for every $GRPO_HOME
+    monkeypatch.setenv("GRPO_KERNEL_CACHE", str(tmp_path))
+    for home in ("a", "b"):
+        monkeypatch.setenv("GRPO_HOME", str(tmp_path / f"home-{home}"))
+        assert native.library_path() == first and first.stat().st_mtime_ns == stamp
+        assert not (tmp_path / f"home-{home}").exists()
 
 
 def test_a_failed_build_names_the_compilers_error(tmp_path, monkeypatch):

@@ -49,6 +49,9 @@ from grpo_core.kernels.pages import hugepage_empty
 
 # -- linear kernels -------------------------------------------------------------------------------------------
 
+PROBE_MATRICES = 256
+
+
 def _stream_seconds(candidates: dict, rounds: int = 5) -> dict:
     """Median seconds of each candidate, run in turns (A B A B ...) so that a noisy neighbour hits all alike."""
     for fn in candidates.values():
@@ -62,11 +65,14 @@ def _stream_seconds(candidates: dict, rounds: int = 5) -> dict:
     return {k: statistics.median(v) for k, v in times.items()}
 
 
-def streaming_weights(shapes, mib: int, dtype: torch.dtype, huge_pages: bool = True):
-    """Synthetic [out, in] weights of these shapes, repeated to ~`mib` MiB (far more than any cache holds),
-    in one flat buffer on 2 MiB pages (or ordinary ones) -> (flat buffer, list of weight views)."""
+def streaming_weights(shapes, mib: int, dtype: torch.dtype, huge_pages: bool = True, max_matrices: int | None = None):
+    """Synthetic [out, in] weights of these shapes, repeated to ~`mib` MiB (far more than any cache holds) or to
+    `max_matrices` matrices if fewer, in one flat buffer on 2 MiB pages (or ordinary ones) -> (flat buffer, list of
+    weight views)."""
     per_set = sum(o * i for o, i in shapes)
     sets = max(2, mib * 2**20 // (per_set * torch.empty((), dtype=dtype).element_size()))
+    if max_matrices is not None:
+        sets = max(2, min(sets, max_matrices // len(shapes)))
     flat = hugepage_empty(per_set * sets, dtype) if huge_pages else torch.empty(per_set * sets, dtype=dtype)
     flat.normal_(std=0.02, generator=torch.Generator().manual_seed(0))
     weights, off = [], 0
@@ -126,7 +132,9 @@ def linear_kernel(dtype: torch.dtype, rows: int, shapes: tuple[tuple[int, int], 
 @settings.forget_when("native", "max_cpu_isa")      # the candidates this CPU runs
 @functools.cache
 def _probe(dtype: torch.dtype, rows: int, shapes: tuple[tuple[int, int], ...], mib: int) -> tuple[str, dict]:
-    flat, weights = streaming_weights(shapes, mib, dtype)
+    # At most PROBE_MATRICES: a small model's layers fit in the caches (its decode does not stream either), and
+    # thousands of tiny calls would time per-call overhead for seconds; a 135M model's 96 MiB is ~100 matrices.
+    flat, weights = streaming_weights(shapes, mib, dtype, max_matrices=PROBE_MATRICES)
     itemsize = flat.element_size()
     g = torch.Generator().manual_seed(0)             # not the global stream: a resumed run must draw the same
     inputs = {i: torch.randn(rows, i, generator=g).to(dtype) for _, i in shapes}

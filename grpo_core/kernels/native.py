@@ -90,14 +90,15 @@ def _compiler() -> str:
 
 
 def library_path(cache_dir: Path | None = None) -> Path:
-    """Where the build for this source, compiler and CPU lives (built if missing)."""
+    """Where the build for this source, compiler and CPU lives (built if missing): in `cache_dir`, else
+    $GRPO_KERNEL_CACHE, else $GRPO_HOME/kernels. A build is named by what it was built from, so homes may share one."""
     from grpo_core.io import grpo_home
     cxx, features = _compiler(), cpu_features.detect()
     flags = [*FLAGS, *features.compiler_flags()]            # within the CPU cap, if set
     version = subprocess.run([cxx, "--version"], capture_output=True, text=True).stdout
     sources = [src.read_text() for src in SOURCES]
     key = hashlib.sha256("\0".join([*sources, cxx, version, " ".join(flags), *sorted(features.flags)]).encode())
-    out_dir = Path(cache_dir or grpo_home() / "kernels")
+    out_dir = Path(cache_dir or os.environ.get("GRPO_KERNEL_CACHE") or grpo_home() / "kernels")
     lib = out_dir / f"native_ops-{key.hexdigest()[:16]}.so"
     if lib.exists():
         return lib

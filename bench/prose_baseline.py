@@ -52,8 +52,7 @@ def readings(completion: str, question: str, gold: str) -> dict[str, bool]:
 def report(model: str, rows: list[dict], where: str) -> dict:
     """Print the readings of `rows` (each with "completion", "prompt", "answer") and a few answers; -> the JSON record,
     each row with its readings."""
-    rows = [{**{k: v for k, v in r.items() if k != "lenient_right"},        # the "first" reading, as once named
-             **readings(r["completion"], r["prompt"], str(r["answer"]))} for r in rows]
+    rows = [{**r, **readings(r["completion"], r["prompt"], str(r["answer"]))} for r in rows]
     score = {k: sum(r[k] for r in rows) / len(rows) for k in ("first", "last", "any")}
     print(f"{model}: greedy pass@1 on {len(rows)} held-out questions asked alone ({where}), read as the first new "
           f"number {score['first']:.3f}, the last number {score['last']:.3f}, any number {score['any']:.3f} "

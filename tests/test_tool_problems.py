@@ -223,14 +223,15 @@ def test_the_shipped_configs_ask_for_their_kinds(name, kinds):
 def test_the_python_tool_configs_worked_exchanges_print_what_they_show_and_ask_no_question_of_the_data():
     """configs/tools_python.yaml's examples: each call's program, run, prints the tool response shown after it and
     the answer copies it; no example question is one the data can ask (their numbers lie outside its space)."""
-    import json
     from grpo_core.config import load_config
+    from grpo_core.rollout.tools import parse_tool_calls
     shots = load_config(CONFIGS.parent / "tools_python.yaml", []).data.few_shot
     calls = [(q, a, shots[i + 1]) for i, (q, a) in enumerate(shots) if "<tool_call>" in a]
     assert len(calls) == len(tool_problems.families_of("python"))           # one exchange per kind of question
     data = {t.prompt for t in tasks(kinds=["python"], n=300)}
     for question, call, (response, answer) in calls:
-        code = json.loads(re.search(r"<tool_call>(.*)</tool_call>", call, re.S).group(1))["arguments"]["code"]
-        printed = run_program(code)
+        (parsed,) = parse_tool_calls(call)
+        assert parsed.error is None and parsed.name == "python", parsed
+        printed = run_program(parsed.arguments["code"])
         assert response == f"<tool_response>\n{printed}\n</tool_response>" and answer == f"<answer>{printed}</answer>"
         assert question not in data

@@ -426,6 +426,11 @@ class WarmstartConfig(_Section):
     policy's correct answers to training questions in the full prompt are fine-tuned in as answers to the same
     questions without the worked examples, so that what the examples show lives in the weights."""
     enabled: bool = Field(False, description="run the warm start before the first GRPO update")
+    demonstrations: Literal["policy", "reference", "both"] = Field(
+        "policy", description="what it fine-tunes in: policy (the model's own answers in the full prompt that the "
+                              "rewards judge right), reference (each question's reference exchange: its meta.call, "
+                              "e.g. the program a tool_problems question was computed with, the tool's real result, "
+                              "that result as the answer; judged by the same rewards; needs tools), or both")
     prompts: int = Field(64, ge=1, description="training questions it samples num_generations answers to")
     max_per_question: int = Field(2, ge=1, description="correct answers kept per question, at most")
     epochs: int = Field(3, ge=1, description="passes of supervised fine-tuning over the kept answers")
@@ -951,7 +956,11 @@ class GRPOConfig(_Section):
         if self.warmstart.enabled and self.environment:
             raise ValueError("warmstart is not supported with an environment yet (its demonstrations would need each "
                              "episode's own reset); set warmstart.enabled: false or use tools")
-        if self.warmstart.enabled and not self.data.few_shot:
+        if self.warmstart.enabled and self.warmstart.demonstrations != "policy" and not self.tools:
+            raise ValueError(f"warmstart.demonstrations: {self.warmstart.demonstrations} replays each question's "
+                             "reference tool call (meta.call), and the run has no tools; list them under tools: or "
+                             "use demonstrations: policy")
+        if self.warmstart.enabled and self.warmstart.demonstrations == "policy" and not self.data.few_shot:
             raise ValueError("warmstart.enabled needs data.few_shot: it moves what the worked examples show into "
                              "the weights, and there are none; add examples or set warmstart.enabled: false")
         return self

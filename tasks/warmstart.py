@@ -1,5 +1,5 @@
-"""warmstart: before the first GRPO update, the policy's correct answers in the full prompt are fine-tuned in as
-answers to the questions without the worked examples (grpo_core/update/warmstart.py); the iteration's later stages start
+"""warmstart: before the first GRPO update, the policy's correct answers in the full prompt (or the questions' reference
+exchanges, warmstart.demonstrations) are fine-tuned in as answers to the questions without the worked examples (grpo_core/update/warmstart.py); the iteration's later stages start
 from the adapter it writes. Runs in iteration 1 when warmstart.enabled."""
 from __future__ import annotations
 
@@ -29,6 +29,7 @@ def warmstart(config: dict, run_dir: str, iteration: int, checkpoint: str | None
     # 2) its correct answers in the full prompt, as demonstrations without the examples
     demos, kept, stats = collect_demonstrations(policy, read_tasks(prompts), cfg, seed=cfg.seed * 7919 + 17)
     write_jsonl(out / "demonstrations.jsonl", [{"task_id": s.task_id, "completion": s.completion,
+                                                 **({"reference": True} if s.extra.get("reference") else {}),
                                                  **({"conversation": readable_conversation(s.extra)}
                                                     if s.extra.get("conversation") else {})} for s in kept])
     # 3) supervised fine-tuning, and the adapter the iteration goes on from

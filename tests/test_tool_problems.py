@@ -85,7 +85,9 @@ def test_every_answer_is_right():
     for t in tasks(n=40):
         if t.meta["tool"] == "python":
             assert run_program(t.meta["program"]) == t.answer, t.prompt
+            assert t.meta["call"] == {"name": "python", "arguments": {"code": t.meta["program"]}}
         else:
+            assert t.meta["call"] == {"name": "calculator", "arguments": {"expression": t.meta["expression"]}}
             assert calculate(t.meta["expression"]) == t.answer, t.meta["expression"]
             assert str(from_operands(t.meta["family"], t.meta["operands"])) == t.answer, t.prompt
             if t.meta["family"] == "divide":

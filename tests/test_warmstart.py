@@ -116,3 +116,123 @@ def test_the_stage_runs_first_in_iteration_one_and_the_iteration_goes_on_from_it
     import mlflow
     logged = mlflow.MlflowClient(mlflow_uri).get_run(run_id).data.metrics
     assert logged["warmstart/answers"] == 2 * cfg.num_generations
+
+
+# -- reference demonstrations: a question's reference call, the tool's real result, that result as the answer --
+
+def _tool_task(task_id: str, question: str, answer: str, call: dict | None) -> Task:
+    return Task(id=task_id, kind="math", source="tool_problems/product", prompt=question, answer=answer,
+                meta={"call": call} if call else {})
+
+
+CALC_TASKS = [_tool_task("c1", "What is 214 * 375?", "80250",
+                         {"name": "calculator", "arguments": {"expression": "214 * 375"}}),
+              _tool_task("c2", "What is 512 * 333?", "170496",
+                         {"name": "calculator", "arguments": {"expression": "512 * 334"}}),     # computes another
+              _tool_task("c3", "What is 101 * 202?", "20402", None),                              # has no reference
+              _tool_task("c4", "What is 9 * 9?", "81", {"name": "python", "arguments": {"code": "print(81)"}})]
+
+
+def _tools_cfg(tmp_path, demonstrations="reference", tools=("calculator",), **overrides) -> GRPOConfig:
+    """SmolLM2's config and tokenizer (the tiny model's character tokenizer has <answer> as a special token, which
+    a decoded turn drops); reference demonstrations sample nothing, so its weights only load."""
+    return GRPOConfig.model_validate(tiny_config(
+        tmp_path, model="smollm2-135m-instruct", tools=list(tools), max_prompt_length=512,
+        warmstart={"enabled": True, "demonstrations": demonstrations}, **overrides))
+
+
+@pytest.fixture()
+def real_home(monkeypatch):
+    from tests.conftest import REAL_GRPO_HOME
+    monkeypatch.setenv("GRPO_HOME", str(REAL_GRPO_HOME))       # the converted default model, fetched once
+
+
+def _tokenizer(cfg):
+    from grpo_core.model.loading import load_tokenizer, resolve_model
+    return load_tokenizer(resolve_model(cfg.model))
+
+
+@pytest.mark.smoke
+def test_a_reference_exchange_is_the_call_the_tools_own_result_and_that_result_as_the_answer(real_home, tmp_path):
+    from grpo_core.rollout.multiturn import Toolbox
+    from grpo_core.update.warmstart import reference_samples
+    cfg = _tools_cfg(tmp_path)
+    tok = _tokenizer(cfg)
+    toolbox = Toolbox.from_config(cfg)
+    samples = reference_samples(tok, CALC_TASKS, cfg, toolbox)
+    # c3 has no reference call and c4's names a tool this run does not have: neither is replayed
+    assert [s.task_id for s in samples] == ["c1", "c2"]
+    right, wrong = samples
+    assert right.completion == "<answer>80250</answer>" and wrong.completion == "<answer>171008</answer>"
+    assert [m["role"] for m in right.extra["conversation"]] == ["assistant", "tool", "assistant"]
+    assert right.extra["conversation"][1]["content"] == "80250" and right.extra["reference"]
+    call_text = right.extra["conversation"][0]["content"]
+    assert call_text.startswith("<tool_call>") and '"expression": "214 * 375"' in call_text
+    # the model's two turns are trained on (each ends with EOS), the tool's turn between them is context
+    mask, ids = right.completion_mask, right.completion_ids
+    assert len(mask) == len(ids) and 0 in mask and mask[0] == 1 and mask[-1] == 1 and ids[-1] == tok.eos_token_id
+    model_text = tok.decode([t for t, m in zip(ids, mask) if m], skip_special_tokens=True)
+    assert model_text == call_text + "<answer>80250</answer>"
+    assert "80250" in tok.decode([t for t, m in zip(ids, mask) if not m])
+    # the rewards judge the replays: the reference that computes another number is not a demonstration
+    assert correct_answers(samples, CALC_TASKS, cfg, per_question=1) == [0]
+
+
+@pytest.mark.smoke
+def test_reference_calls_run_a_batch_at_a_time_and_keep_the_questions_order(real_home, tmp_path):
+    from grpo_core.rollout.multiturn import Toolbox
+    from grpo_core.update import warmstart
+    cfg = _tools_cfg(tmp_path)
+    n = 2 * warmstart.REFERENCE_CALLS_AT_ONCE + 3
+    questions = [_tool_task(f"p{a}", f"What is {a} * 7?", str(a * 7),
+                            {"name": "calculator", "arguments": {"expression": f"{a} * 7"}}) for a in range(n)]
+    samples = warmstart.reference_samples(_tokenizer(cfg), questions, cfg, Toolbox.from_config(cfg))
+    assert [s.completion for s in samples] == [f"<answer>{a * 7}</answer>" for a in range(n)]
+
+
+@pytest.mark.smoke
+def test_reference_demonstrations_need_no_sampling_and_are_asked_without_the_examples(real_home, tmp_path):
+    from grpo_core.update.warmstart import collect_demonstrations
+    cfg = _tools_cfg(tmp_path, data={"few_shot": []})       # nothing shown in the prompt: the references teach it
+    policy = load_policy(cfg, need_reference=False)
+    demos, kept, stats = collect_demonstrations(policy, CALC_TASKS, cfg, seed=0, progress=False)
+    assert stats == {"questions": 4.0, "answers": 0.0, "demonstrations": 1.0, "questions_demonstrated": 1.0,
+                     "references": 2.0, "references_kept": 1.0}
+    assert [s.task_id for s in kept] == ["c1"] and demos[0].completion_ids == kept[0].completion_ids
+    prompt = policy.tokenizer.decode(demos[0].prompt_ids)
+    assert "What is 214 * 375?" in prompt and "calculator" in prompt       # the question, and the tools listed
+    with pytest.raises(ValueError, match="none of the 1 warm-start questions has a reference call"):
+        collect_demonstrations(policy, CALC_TASKS[2:3], cfg, seed=0, progress=False)
+
+
+@pytest.mark.smoke
+def test_both_adds_the_references_to_the_policys_own_right_answers(real_home, tmp_path):
+    from grpo_core.update.warmstart import collect_demonstrations
+    cfg = _tools_cfg(tmp_path, demonstrations="both")
+    policy = load_policy(cfg, need_reference=False)
+    _, kept, stats = collect_demonstrations(policy, CALC_TASKS[:2], cfg, seed=0, progress=False)
+    assert stats["answers"] == 2 * cfg.num_generations and stats["references_kept"] == 1.0
+    assert [s.task_id for s in kept if s.extra.get("reference")] == ["c1"]
+
+
+@pytest.mark.smoke
+@pytest.mark.parametrize("backend", ["docker", "local"])
+def test_a_python_reference_program_runs_in_the_sandbox_and_its_output_is_the_answer(real_home, tmp_path, backend):
+    from sandbox_support import need_docker
+    from grpo_core.data.sources import load_source
+    from grpo_core.rollout.multiturn import Toolbox
+    from grpo_core.update.warmstart import reference_samples
+    if backend == "docker":
+        need_docker()
+    cfg = _tools_cfg(tmp_path, tools=("python",), sandbox={"backend": backend})
+    questions = list(load_source("tool_problems", kinds=["python"], n=5))
+    tok = _tokenizer(cfg)
+    samples = reference_samples(tok, questions, cfg, Toolbox.from_config(cfg))
+    assert [s.completion for s in samples] == [f"<answer>{t.answer}</answer>" for t in questions]
+    assert correct_answers(samples, questions, cfg, per_question=1) == list(range(len(questions)))
+
+
+def test_the_config_refuses_reference_demonstrations_without_tools(tmp_path):
+    with pytest.raises(ValueError, match="warmstart.demonstrations: reference replays each question's reference"):
+        GRPOConfig.model_validate(tiny_config(tmp_path) | {"warmstart": {"enabled": True,
+                                                                         "demonstrations": "reference"}})

@@ -6,11 +6,16 @@ training questions in the full prompt, as GRPO's rollouts do; the answers the ru
 and well formed become demonstrations of the same questions asked *without* the examples (the shape an exported
 model's chat template gives: the system prompt, the question plain or in one of the training instructions, the
 run's tools); a few epochs of supervised fine-tuning (next-token loss on the model's own tokens; tool turns are
-context) move the behaviour into the LoRA adapter. Nothing is hand-written: the demonstrations are the model's
-own answers, checked by the reward. Torch and the project's sampler and scorer; no Prefect, no MLflow.
+context) move the behaviour into the LoRA adapter. The demonstrations are the model's own answers, checked by the
+reward; or, where a model writes none right (a program for the `python` tool), the exchange each question's
+reference call makes (`meta["call"]`, e.g. the program a generated question was computed with): the call, the tool's
+real result, that result as the answer, judged by the same rewards before it is kept (warmstart.demonstrations).
+Torch and the project's sampler and scorer; no Prefect, no MLflow.
 `cfg` is the run's GRPOConfig (grpo_core/config.py), read by field: the config sits above this room."""
 from __future__ import annotations
 
+import json
+import logging
 import random
 from collections import defaultdict
 from typing import Sequence
@@ -18,7 +23,8 @@ from typing import Sequence
 import torch
 
 from grpo_core.update.logprobs import completion_logprobs
-from grpo_core.rollout.multiturn import Toolbox, tool_prompt_ids
+from grpo_core.rollout.multiturn import Episode, Toolbox, tool_prompt_ids, tool_turn_ids
+from grpo_core.rollout.tools import run_tool_calls
 from grpo_core.model.policy import Policy
 from grpo_core.rewards.rewards import is_well_formatted
 from grpo_core.rollout.samplers import make_backend, rollout
@@ -26,6 +32,8 @@ from grpo_core.rollout.sampling import PromptFormat, Sample, SamplingParams, cha
 from grpo_core.rewards.scoring import score_rows
 from grpo_core.task import Task
 from grpo_core.update.step import ScoredSample, pad_batch
+
+log = logging.getLogger(__name__)
 
 
 def demonstration_format(cfg) -> PromptFormat:
@@ -66,19 +74,85 @@ def as_demonstrations(tokenizer, kept: Sequence[Sample], tasks: Sequence[Task], 
                          completion_mask=s.completion_mask) for i, s in enumerate(kept)]
 
 
+REFERENCE_CALLS_AT_ONCE = 16   # a rollout's batch of calls runs at once; 128 at once (each a sandbox box) timed out
+
+
+def reference_call(task: Task, toolbox: Toolbox | None) -> dict | None:
+    """The task's reference call ({"name", "arguments"}: a call of one of the run's tools that computes the answer),
+    or None where it has none or names a tool the run does not have."""
+    call = (task.meta or {}).get("call")
+    tools = toolbox.toolset(None) if toolbox is not None else {}
+    if isinstance(call, dict) and call.get("name") in tools and isinstance(call.get("arguments"), dict):
+        return call
+    return None
+
+
+def reference_samples(tokenizer, tasks: Sequence[Task], cfg, toolbox: Toolbox) -> list[Sample]:
+    """The exchange each task's reference call makes, as a rollout of it would look: the call as the model's first
+    turn, the tool's own result (run as a rollout's calls run, in the sandbox where the tool uses one), then that
+    result as the answer in tags. Tasks without a reference call are skipped; the run's rewards judge the rest
+    (correct_answers), so a reference that computes something else never becomes a demonstration."""
+    fmt, eos = demonstration_format(cfg), tokenizer.eos_token_id
+    chosen = [(t, c) for t in tasks if (c := reference_call(t, toolbox)) is not None]
+
+    def turn(text: str) -> list[int]:
+        return tokenizer(text, add_special_tokens=False)["input_ids"] + [eos]
+
+    episodes = []
+    for task, call in chosen:
+        episode = Episode()
+        text = json.dumps({"name": call["name"], "arguments": call["arguments"]}, ensure_ascii=False)
+        episode.add_model_turn(turn(f"<tool_call>{text}</tool_call>"), None, tokenizer,
+                               fmt.for_task(task).response_prefix)
+        episodes.append(episode)
+    toolset, results = toolbox.toolset(None), []
+    for start in range(0, len(episodes), REFERENCE_CALLS_AT_ONCE):
+        batch = episodes[start:start + REFERENCE_CALLS_AT_ONCE]
+        results += run_tool_calls([e.pending for e in batch], [toolset] * len(batch), toolbox.timeout)
+    if failed := [r[0] for r in results if r[0].error]:
+        log.warning("%d of %d reference calls failed in the tool (those questions get no demonstration); the first: "
+                    "%s", len(failed), len(results), failed[0].content[:300])
+    samples = []
+    for group, ((task, _), episode, result) in enumerate(zip(chosen, episodes, results)):
+        episode.add_tool_turn(result, tool_turn_ids(tokenizer, result, dict(fmt.template_kwargs)))
+        answer = "" if result[0].error else result[0].content.strip()
+        episode.add_model_turn(turn(f"<answer>{answer}</answer>"), None, tokenizer)
+        samples.append(Sample(task_id=task.id, group=group, prompt_ids=[], completion_ids=episode.ids,
+                              completion=episode.turns[-1], truncated=episode.truncated,
+                              extra={**episode.record(), "reference": True},
+                              completion_mask=episode.mask))
+    return samples
+
+
 def collect_demonstrations(policy: Policy, tasks: Sequence[Task], cfg, seed: int,
                            progress: bool = True) -> tuple[list[ScoredSample], list[Sample], dict[str, float]]:
-    """Sample num_generations answers per task in the full prompt, keep the correct ones (correct_answers), and
-    make them demonstrations (as_demonstrations). -> (demonstrations, the kept samples as sampled, statistics)."""
-    toolbox = Toolbox.from_config(cfg)
-    params = SamplingParams(max_new_tokens=cfg.max_completion_length, temperature=cfg.temperature,
-                            **sampling_options(cfg), seed=seed)
-    samples = rollout(make_backend(cfg, policy, progress=progress), policy.tokenizer, tasks, cfg.num_generations,
-                      params, cfg.data.prompt_format, cfg.max_prompt_length, toolbox=toolbox)
+    """The warm start's demonstrations (warmstart.demonstrations): `policy`, num_generations answers sampled per
+    task in the full prompt; `reference`, each task's reference exchange (reference_samples); `both`, the two.
+    The correct ones are kept (correct_answers) and made demonstrations (as_demonstrations).
+    -> (demonstrations, the kept samples as sampled, statistics)."""
+    toolbox, source = Toolbox.from_config(cfg), cfg.warmstart.demonstrations
+    samples: list[Sample] = []
+    if source in ("policy", "both"):
+        params = SamplingParams(max_new_tokens=cfg.max_completion_length, temperature=cfg.temperature,
+                                **sampling_options(cfg), seed=seed)
+        samples = rollout(make_backend(cfg, policy, progress=progress), policy.tokenizer, tasks,
+                          cfg.num_generations, params, cfg.data.prompt_format, cfg.max_prompt_length, toolbox=toolbox)
+    sampled = len(samples)
     kept = [samples[i] for i in correct_answers(samples, tasks, cfg, cfg.warmstart.max_per_question)]
+    references: list[Sample] = []
+    if source in ("reference", "both"):
+        references = reference_samples(policy.tokenizer, tasks, cfg, toolbox)
+        if not references:
+            raise ValueError(f"warmstart.demonstrations is {source!r}, but none of the {len(tasks)} warm-start "
+                             "questions has a reference call (meta.call: {\"name\": <one of the run's tools>, "
+                             "\"arguments\": {...}}, as tool_problems questions carry); use demonstrations: policy")
+        kept += [references[i] for i in correct_answers(references, tasks, cfg, 1)]
     demos = as_demonstrations(policy.tokenizer, kept, tasks, cfg, toolbox)
-    stats = {"questions": float(len(tasks)), "answers": float(len(samples)), "demonstrations": float(len(demos)),
-             "questions_demonstrated": float(len({s.task_id for s in kept}))}
+    stats = {"questions": float(len(tasks)), "answers": float(sampled), "demonstrations": float(len(demos)),
+             "questions_demonstrated": float(len({s.task_id for s in kept})),
+             **({"references": float(len(references)),
+                 "references_kept": float(sum(s.extra.get("reference", False) for s in kept))}
+                if source != "policy" else {})}
     return demos, kept, stats
 
 

@@ -16,7 +16,8 @@ is '3 * 5'), not of a story, so this source keeps content apart itself: no two t
 computation (a step such as 148 * 267, in either order, with whatever nouns) nor two operands, so a
 held-out question's operands never meet in a training question. Two separate `tool_problems` entries
 in one build are not kept apart that way: put every kind in one entry. The stories are templates over a
-small set of scenes, not a word-problem corpus; answers are integers.
+small set of scenes, not a word-problem corpus; answers are integers. meta["call"] is the tool call that
+computes the answer (the warm start's reference demonstrations replay it: warmstart.demonstrations).
 """
 from __future__ import annotations
 
@@ -431,6 +432,11 @@ def _shown(step: tuple) -> str:
     return f" {op} ".join(map(str, operands)) if op in "+-*/" else f"{op}({', '.join(map(str, operands))})"
 
 
+def reference_call(tool: str, expression: str) -> dict:
+    """The tool call that answers a problem (meta["call"]; the warm start's reference demonstrations replay it)."""
+    return {"name": tool, "arguments": {"code" if tool == "python" else "expression": expression}}
+
+
 def _task(problem: Problem, digits: int, seed: int, thousands_separator: bool) -> Task:
     family = FAMILIES[problem.family]
     key = f"{problem.family}:{','.join(map(str, problem.operands))}"
@@ -446,6 +452,7 @@ def _task(problem: Problem, digits: int, seed: int, thousands_separator: bool) -
         meta={"kind": family.kind, "family": problem.family, "tool": family.tool,
               "operands": list(problem.operands),
               "program" if family.tool == "python" else "expression": problem.expression,
+              "call": reference_call(family.tool, problem.expression),
               "steps": [_shown(step) for step in problem.steps], "digits": digits,
               "eval_prompt": fill(_pick(family.eval_templates, "eval", key), problem.fields, commas)},
     )

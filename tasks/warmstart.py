@@ -1,6 +1,7 @@
 """warmstart: before the first GRPO update, the policy's correct answers in the full prompt (or the questions' reference
-exchanges, warmstart.demonstrations) are fine-tuned in as answers to the questions without the worked examples (grpo_core/update/warmstart.py); the iteration's later stages start
-from the adapter it writes. Runs in iteration 1 when warmstart.enabled."""
+exchanges, warmstart.demonstrations) are fine-tuned in as answers to the questions without the worked examples
+(grpo_core/update/warmstart.py); the iteration's later stages start from the adapter it writes. Runs in iteration 1
+when warmstart.enabled."""
 from __future__ import annotations
 
 import torch

@@ -27,7 +27,7 @@ from grpo_core.model.loading import ModelError, load_base_model, load_tokenizer
 from grpo_core.rollout.multiturn import _render_tool_turn, renders_tools, tool_prompt_ids   # training's own renderings
 from grpo_core.rollout.sampling import PromptFormat, chat_template_of
 from grpo_core.task import Task
-from grpo_core.rollout.tools import FALLBACK_INSTRUCTIONS, Tool, ToolResult, parse_tool_calls, standard
+from grpo_core.rollout.tools import FALLBACK_INSTRUCTIONS, Tool, ToolResult, call_text, parse_tool_calls, standard
 
 ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors", "adapter_model.bin")
 
@@ -235,12 +235,6 @@ def example_call(schemas: Sequence[dict], few_shot=()) -> dict:
         if calls:
             return {"name": calls[0].name, "arguments": calls[0].arguments}
     return {"name": (list(schemas) or [STAND_IN_SCHEMA])[0]["function"]["name"], "arguments": {}}
-
-
-def call_text(call: dict) -> str:
-    """A call as the model writes it (the worked examples' format)."""
-    body = json.dumps({"name": call["name"], "arguments": call["arguments"]}, ensure_ascii=False)
-    return f"<tool_call>{body}</tool_call>"
 
 
 def training_exchange(tokenizer, schemas: Sequence[dict], fmt: PromptFormat, call: dict,

@@ -230,6 +230,12 @@ def parse_tool_calls(text: str) -> list[ToolCall]:
             for body, close in _CALL.findall(text)]
 
 
+def call_text(call: dict) -> str:
+    """A call ({"name", "arguments"}) as the model writes it (the worked examples' format; parse_tool_calls reads it)."""
+    body = json.dumps({"name": call["name"], "arguments": call["arguments"]}, ensure_ascii=False)
+    return f"<tool_call>{body}</tool_call>"
+
+
 FALLBACK_INSTRUCTIONS = (
     "You may call these tools:\n<tools>\n{tools}\n</tools>\n"
     'To call a tool, write <tool_call>{{"name": <name>, "arguments": <args-dict>}}</tool_call> and stop. '

@@ -14,7 +14,6 @@ Torch and the project's sampler and scorer; no Prefect, no MLflow.
 `cfg` is the run's GRPOConfig (grpo_core/config.py), read by field: the config sits above this room."""
 from __future__ import annotations
 
-import json
 import logging
 import random
 from collections import defaultdict
@@ -24,7 +23,7 @@ import torch
 
 from grpo_core.update.logprobs import completion_logprobs
 from grpo_core.rollout.multiturn import Episode, Toolbox, tool_prompt_ids, tool_turn_ids
-from grpo_core.rollout.tools import run_tool_calls
+from grpo_core.rollout.tools import call_text, run_tool_calls
 from grpo_core.model.policy import Policy
 from grpo_core.rewards.rewards import is_well_formatted
 from grpo_core.rollout.samplers import make_backend, rollout
@@ -101,9 +100,7 @@ def reference_samples(tokenizer, tasks: Sequence[Task], cfg, toolbox: Toolbox) -
     episodes = []
     for task, call in chosen:
         episode = Episode()
-        text = json.dumps({"name": call["name"], "arguments": call["arguments"]}, ensure_ascii=False)
-        episode.add_model_turn(turn(f"<tool_call>{text}</tool_call>"), None, tokenizer,
-                               fmt.for_task(task).response_prefix)
+        episode.add_model_turn(turn(call_text(call)), None, tokenizer, fmt.for_task(task).response_prefix)
         episodes.append(episode)
     toolset, results = toolbox.toolset(None), []
     for start in range(0, len(episodes), REFERENCE_CALLS_AT_ONCE):
@@ -137,7 +134,6 @@ def collect_demonstrations(policy: Policy, tasks: Sequence[Task], cfg, seed: int
                                 **sampling_options(cfg), seed=seed)
         samples = rollout(make_backend(cfg, policy, progress=progress), policy.tokenizer, tasks,
                           cfg.num_generations, params, cfg.data.prompt_format, cfg.max_prompt_length, toolbox=toolbox)
-    sampled = len(samples)
     kept = [samples[i] for i in correct_answers(samples, tasks, cfg, cfg.warmstart.max_per_question)]
     references: list[Sample] = []
     if source in ("reference", "both"):
@@ -148,7 +144,7 @@ def collect_demonstrations(policy: Policy, tasks: Sequence[Task], cfg, seed: int
                              "\"arguments\": {...}}, as tool_problems questions carry); use demonstrations: policy")
         kept += [references[i] for i in correct_answers(references, tasks, cfg, 1)]
     demos = as_demonstrations(policy.tokenizer, kept, tasks, cfg, toolbox)
-    stats = {"questions": float(len(tasks)), "answers": float(sampled), "demonstrations": float(len(demos)),
+    stats = {"questions": float(len(tasks)), "answers": float(len(samples)), "demonstrations": float(len(demos)),
              "questions_demonstrated": float(len({s.task_id for s in kept})),
              **({"references": float(len(references)),
                  "references_kept": float(sum(s.extra.get("reference", False) for s in kept))}

@@ -432,7 +432,7 @@ def _shown(step: tuple) -> str:
     return f" {op} ".join(map(str, operands)) if op in "+-*/" else f"{op}({', '.join(map(str, operands))})"
 
 
-def reference_call(tool: str, expression: str) -> dict:
+def _answering_call(tool: str, expression: str) -> dict:
     """The tool call that answers a problem (meta["call"]; the warm start's reference demonstrations replay it)."""
     return {"name": tool, "arguments": {"code" if tool == "python" else "expression": expression}}
 
@@ -452,7 +452,7 @@ def _task(problem: Problem, digits: int, seed: int, thousands_separator: bool) -
         meta={"kind": family.kind, "family": problem.family, "tool": family.tool,
               "operands": list(problem.operands),
               "program" if family.tool == "python" else "expression": problem.expression,
-              "call": reference_call(family.tool, problem.expression),
+              "call": _answering_call(family.tool, problem.expression),
               "steps": [_shown(step) for step in problem.steps], "digits": digits,
               "eval_prompt": fill(_pick(family.eval_templates, "eval", key), problem.fields, commas)},
     )

@@ -551,7 +551,10 @@ class GRPOConfig(_Section):
         default_factory=list, description="a completion also ends as soon as its text contains one of these (the "
                                           "name transformers' generate uses; the string is kept in the completion "
                                           "and no EOS is added). For base models, which write on after their answer, "
-                                          "e.g. ['</answer>']; `grpo export` writes them into generation_config.json")
+                                          "e.g. ['</answer>']; `grpo export` writes them into generation_config.json. "
+                                          "Training never sees what follows the string, so the model does not learn "
+                                          "to stop there itself (runtimes that ignore the export's stop string see "
+                                          "it write on)")
     generation_kwargs: dict[str, Any] | None = Field(
         None, description="more generation options (TRL): top_p, top_k, min_p, repetition_penalty (these override "
                           "the fields) with any rollout_backend; with vllm also any vLLM SamplingParams field (the other "

@@ -20,7 +20,6 @@ from prefect import flow
 from grpo_core import stages
 from grpo_core.config import ConfigError, GRPOConfig
 from tasks import tracking
-from tasks.splits import say
 from tasks.layout import cfg_of
 from tasks.stage import registered_task, with_policy
 
@@ -137,8 +136,8 @@ def _deployment_for(pool: str) -> str:
     with get_client(sync_client=True) as client:
         status = client.read_work_pool(pool).status
     if status is None or status.value != "READY":
-        say(f"work pool {pool!r} has no worker online ({status.value if status else 'unknown'}): its stages wait "
-            f"until one starts (`prefect worker start --pool {pool}`)")
+        tracking.console(f"work pool {pool!r} has no worker online ({status.value if status else 'unknown'}): its "
+                         f"stages wait until one starts (`prefect worker start --pool {pool}`)")
     remote = flow.from_source(source=str(REPO_ROOT), entrypoint=STAGE_ENTRYPOINT)
     remote.to_deployment(name=pool, tags=["grpo", "stage"],            # what `.deploy` does, without its console
                          description="one GRPO pipeline stage (tasks/remote.py: stage_flow)").apply(work_pool_name=pool)

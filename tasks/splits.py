@@ -9,16 +9,8 @@ from grpo_core.data import arithmetic
 from grpo_core.data import iteration as data_iteration
 from grpo_core.io import grpo_home
 from grpo_core.task import write_tasks
+from tasks import tracking
 from tasks.layout import eval_split_path
-
-
-def say(message: str) -> None:
-    """To the Prefect log (which the console shows) inside a flow, else to the console."""
-    try:
-        from prefect import get_run_logger
-        get_run_logger().info(message)
-    except Exception:  # noqa: BLE001 - outside a flow/task run there is no run logger
-        print(message, flush=True)
 
 
 def curated_cache() -> Path:
@@ -33,7 +25,7 @@ def ensure_eval_split(cfg: GRPOConfig, run_dir: str | Path) -> Path:
         d = cfg.data
         if d.curated:  # curated data: its own held-out split (grpo_core.data.iteration)
             write_tasks(path, data_iteration.eval_tasks(d.curated, run_dir, d.eval_size, curated_cache()))
-            say(data_iteration.describe_rejections(
+            tracking.console(data_iteration.describe_rejections(
                 d.curated, data_iteration.resolve_curated(d.curated, run_dir, curated_cache())))
         else:
             write_tasks(path, held_out_preview(cfg, run_dir))

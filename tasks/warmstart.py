@@ -41,6 +41,20 @@ def warmstart(config: dict, run_dir: str, iteration: int, checkpoint: str | None
     adapter = policy.save(out / "checkpoint")
     metrics = {**{f"warmstart/{k}": v for k, v in stats.items()}, "warmstart/steps": float(len(losses)),
                **({"warmstart/loss_first": losses[0], "warmstart/loss_last": losses[-1]} if losses else {})}
+    tracking.console(warmstart_summary(stats, losses))
     if (run_id := mlflow_run_id(run_dir)):
         tracking.log_metrics(cfg, run_id, metrics, step=0)
     return {"checkpoint": str(adapter), "metrics": metrics}
+
+
+def warmstart_summary(stats: dict[str, float], losses: list[float]) -> str:
+    """One line for the run log: what was demonstrated and how far the fine-tuning went."""
+    line = (f"warm start: {int(stats['demonstrations'])} demonstrations on {int(stats['questions_demonstrated'])} "
+            f"of {int(stats['questions'])} questions")
+    if stats.get("answers"):
+        line += f" ({int(stats['answers'])} answers sampled)"
+    if "references" in stats:
+        line += f"; reference exchanges kept {int(stats['references_kept'])} of {int(stats['references'])}"
+    if not losses:
+        return line + "; nothing to fine-tune (no correct answer), the run starts from the model as it is"
+    return line + f"; SFT loss {losses[0]:.3f} -> {losses[-1]:.3f} over {len(losses)} steps"

@@ -9,6 +9,7 @@ import json
 import operator
 import re
 import shutil
+from fractions import Fraction
 from pathlib import Path
 
 import pytest
@@ -219,12 +220,16 @@ def test_an_environment_run_renders_the_tools_it_is_given(tiny_model_dir, tmp_pa
 # -- a plain tool loop on the exported model ------------------------------------------------------------------
 
 def calculate(expression: str) -> str:
-    """The calculator, in plain Python: integer + - * on literals."""
-    ops = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul}
+    """The calculator, in plain Python: + - * / on integer literals (a quotient exact as an integer or a fraction);
+    anything else is answered with an error, as a user's tool would."""
+    ops = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: Fraction}
 
     def value(node):
         return node.value if isinstance(node, ast.Constant) else ops[type(node.op)](value(node.left), value(node.right))
-    return str(value(ast.parse(expression, mode="eval").body))
+    try:
+        return str(value(ast.parse(expression, mode="eval").body))
+    except (SyntaxError, KeyError, AttributeError, TypeError, ZeroDivisionError) as e:
+        return f"error: not an arithmetic expression ({type(e).__name__})"
 
 
 def plain_tool_loop(model, tok, question: str, tools: list, budget: int, rounds: int) -> list[tuple[str, str]]:
@@ -243,8 +248,11 @@ def plain_tool_loop(model, tok, question: str, tools: list, budget: int, rounds:
         found = re.search(r"<tool_call>(.*?)</tool_call>", reply, re.DOTALL)
         if found is None or round_ == rounds or budget <= 0:
             break
-        call = json.loads(found.group(1))
-        result = calculate(call["arguments"]["expression"])
+        try:
+            call = json.loads(found.group(1))
+            result = calculate(call["arguments"]["expression"])
+        except (ValueError, KeyError, TypeError) as e:          # a malformed call: the model is told, as a tool would
+            call, result = {"name": "calculator", "arguments": {}}, f"error: invalid tool call ({type(e).__name__})"
         messages += [{"role": "assistant", "content": reply[:found.start()],
                       "tool_calls": [{"id": f"call_{round_}", "type": "function", "function": call}]},
                      {"role": "tool", "tool_call_id": f"call_{round_}", "name": call["name"], "content": result}]

@@ -118,6 +118,19 @@ def test_the_stage_runs_first_in_iteration_one_and_the_iteration_goes_on_from_it
     assert logged["warmstart/answers"] == 2 * cfg.num_generations
 
 
+
+def test_the_stage_says_in_one_line_what_it_demonstrated_and_how_far_the_loss_went():
+    from tasks.warmstart import warmstart_summary
+    policy = {"questions": 64.0, "answers": 512.0, "demonstrations": 40.0, "questions_demonstrated": 30.0}
+    assert warmstart_summary(policy, [1.25, 0.5, 0.0312]) == (
+        "warm start: 40 demonstrations on 30 of 64 questions (512 answers sampled); "
+        "SFT loss 1.250 -> 0.031 over 3 steps")
+    reference = {"questions": 128.0, "answers": 0.0, "demonstrations": 120.0, "questions_demonstrated": 120.0,
+                 "references": 128.0, "references_kept": 120.0}
+    assert "reference exchanges kept 120 of 128" in warmstart_summary(reference, [1.0])
+    assert "sampled" not in warmstart_summary(reference, [1.0])
+    assert "no correct answer" in warmstart_summary({**policy, "demonstrations": 0.0}, [])
+
 # -- reference demonstrations: a question's reference call, the tool's real result, that result as the answer --
 
 def _tool_task(task_id: str, question: str, answer: str, call: dict | None) -> Task:

@@ -225,11 +225,20 @@ def calculate(expression: str) -> str:
     ops = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: Fraction}
 
     def value(node):
+        if isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.USub):
+            return -value(node.operand)
         return node.value if isinstance(node, ast.Constant) else ops[type(node.op)](value(node.left), value(node.right))
     try:
         return str(value(ast.parse(expression, mode="eval").body))
     except (SyntaxError, KeyError, AttributeError, TypeError, ZeroDivisionError) as e:
         return f"error: not an arithmetic expression ({type(e).__name__})"
+
+
+def test_the_plain_loops_calculator_computes_what_the_tasks_ask_and_refuses_the_rest():
+    assert [calculate(e) for e in ("591260 / 740", "139 / 66", "1583 * 906 + 2750", "-5 + 3")] == \
+        ["799", "139/66", "1436948", "-2"]
+    for bad in ("224 shelves * 689", "7 / 0", "print(1)", "2 ** 3"):
+        assert calculate(bad).startswith("error: not an arithmetic expression"), bad
 
 
 def plain_tool_loop(model, tok, question: str, tools: list, budget: int, rounds: int) -> list[tuple[str, str]]:

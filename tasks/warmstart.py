@@ -27,7 +27,8 @@ def warmstart(config: dict, run_dir: str, iteration: int, checkpoint: str | None
     prompts = training_prompts(cfg, run_dir, iteration, w.prompts, out, cfg.seed + 1_000_003)["prompts"]
     torch.manual_seed(cfg.seed * 31 + iteration)                # the fresh adapter, as the update would make it
     policy = load_policy(cfg, checkpoint, need_reference=False, init_adapter=init_adapter_path(run_dir))
-    # 2) its correct answers in the full prompt, as demonstrations without the examples
+    # 2) its correct answers in the full prompt (or the questions' reference exchanges), as demonstrations without
+    #    the examples
     demos, kept, stats = collect_demonstrations(policy, read_tasks(prompts), cfg, seed=cfg.seed * 7919 + 17)
     write_jsonl(out / "demonstrations.jsonl", [{"task_id": s.task_id, "completion": s.completion,
                                                  **({"reference": True} if s.extra.get("reference") else {}),

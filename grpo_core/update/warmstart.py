@@ -76,12 +76,11 @@ def as_demonstrations(tokenizer, kept: Sequence[Sample], tasks: Sequence[Task], 
 REFERENCE_CALLS_AT_ONCE = 16   # a rollout's batch of calls runs at once; 128 at once (each a sandbox box) timed out
 
 
-def reference_call(task: Task, toolbox: Toolbox | None) -> dict | None:
-    """The task's reference call ({"name", "arguments"}: a call of one of the run's tools that computes the answer),
-    or None where it has none or names a tool the run does not have."""
+def reference_call(task: Task, tool_names) -> dict | None:
+    """The task's reference call ({"name", "arguments"}: a call of one of the run's tools, `tool_names`, that computes
+    the answer), or None where it has none or names a tool the run does not have."""
     call = (task.meta or {}).get("call")
-    tools = toolbox.toolset(None) if toolbox is not None else {}
-    if isinstance(call, dict) and call.get("name") in tools and isinstance(call.get("arguments"), dict):
+    if isinstance(call, dict) and call.get("name") in tool_names and isinstance(call.get("arguments"), dict):
         return call
     return None
 
@@ -91,8 +90,8 @@ def reference_samples(tokenizer, tasks: Sequence[Task], cfg, toolbox: Toolbox) -
     turn, the tool's own result (run as a rollout's calls run, in the sandbox where the tool uses one), then that
     result as the answer in tags. Tasks without a reference call are skipped; the run's rewards judge the rest
     (correct_answers), so a reference that computes something else never becomes a demonstration."""
-    fmt, eos = demonstration_format(cfg), tokenizer.eos_token_id
-    chosen = [(t, c) for t in tasks if (c := reference_call(t, toolbox)) is not None]
+    fmt, eos, toolset = demonstration_format(cfg), tokenizer.eos_token_id, toolbox.toolset(None)
+    chosen = [(t, c) for t in tasks if (c := reference_call(t, toolset)) is not None]
 
     def turn(text: str) -> list[int]:
         return tokenizer(text, add_special_tokens=False)["input_ids"] + [eos]
@@ -102,7 +101,7 @@ def reference_samples(tokenizer, tasks: Sequence[Task], cfg, toolbox: Toolbox) -
         episode = Episode()
         episode.add_model_turn(turn(call_text(call)), None, tokenizer, fmt.for_task(task).response_prefix)
         episodes.append(episode)
-    toolset, results = toolbox.toolset(None), []
+    results = []
     for start in range(0, len(episodes), REFERENCE_CALLS_AT_ONCE):
         batch = episodes[start:start + REFERENCE_CALLS_AT_ONCE]
         results += run_tool_calls([e.pending for e in batch], [toolset] * len(batch), toolbox.timeout)

@@ -1,7 +1,7 @@
 """Step speed: one GRPO step (rollout + score + update) on a fixed workload, ours vs TRL's GRPOTrainer.
 
 Workload (identical for both): the default model (SmolLM2-135M-Instruct) in fp32 on CPU, 2 prompts x 8
-completions, at most 64 new tokens, LoRA r=16 (alpha 32) on q/k/v/o, beta 0.04, lr 1e-5, temperature 1.0,
+completions, at most 64 new tokens (--max-new-tokens), LoRA r=16 (alpha 32) on q/k/v/o, beta 0.04, lr 1e-5, temperature 1.0,
 accuracy + format rewards on 1-digit addition, no gradient checkpointing, one optimizer step per rollout.
 
     python bench/step_speed.py --steps 5            # ours, fp32
@@ -51,7 +51,8 @@ def peak_rss_gb() -> float:
 
 def workload_config(args) -> GRPOConfig:
     return GRPOConfig(model=args.model, device=args.device, dtype="bfloat16" if args.bf16 else "float32",
-                      num_generations=8, max_completion_length=64, temperature=1.0, top_p=1.0, top_k=0,
+                      num_generations=8, max_completion_length=getattr(args, "max_new_tokens", 64), temperature=1.0,
+                      top_p=1.0, top_k=0,
                       learning_rate=1e-5, beta=0.04, epsilon=0.2, loss_type="grpo", scale_rewards="group",
                       lora_r=16, lora_alpha=32, lora_target_modules=["q_proj", "k_proj", "v_proj", "o_proj"],
                       steps_per_iteration=1, num_iterations=1, gradient_checkpointing=False,
@@ -143,7 +144,8 @@ class TRL:
 
         self.times, self.tokens = times, tokens
         tcfg = TRLConfig(output_dir=tmp, per_device_train_batch_size=16, num_generations=8, gradient_accumulation_steps=1,
-                         max_completion_length=64, temperature=1.0, top_p=1.0, learning_rate=1e-5, beta=0.04,
+                         max_completion_length=args.max_new_tokens, temperature=1.0, top_p=1.0, learning_rate=1e-5,
+                         beta=0.04,
                          epsilon=0.2, loss_type="grpo", scale_rewards="group", num_iterations=1, max_steps=steps,
                          logging_steps=1, save_strategy="no", report_to=[], bf16=args.bf16, fp16=False,
                          use_cpu=args.device == "cpu", gradient_checkpointing=False, seed=0,
@@ -178,6 +180,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--model", default="smollm2-135m-instruct")
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     ap.add_argument("--bf16", action="store_true", help="bf16 weights for both (reported separately)")
+    ap.add_argument("--max-new-tokens", type=int, default=64, help="completion length limit for both (64: the "
+                                                                     "workload the recorded figures used)")
     ap.add_argument("--threads", type=int, default=0, help="torch CPU threads for both (0: torch default)")
     ap.add_argument("--backend", default="auto", choices=["auto", "fused", "torch", "vllm", "static"],
                     help="our rollout_backend (static: the old name of auto)")

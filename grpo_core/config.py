@@ -457,6 +457,9 @@ class KernelsConfig(_Section):
     cpu_bf16: Literal["auto"] | bool = Field(
         "auto", description="dtype auto with LoRA on a CPU: bf16 base weights (true), float32 (false), or bf16 "
                             "where the CPU multiplies bf16 natively, AMX or AVX512-BF16 (auto)")
+    cuda_graphs: bool = Field(True, description="the torch engine's decode step on a GPU, for Llama-family models: "
+                              "fixed shapes replayed as CUDA graphs, one per rows and cache-length bucket "
+                              "(grpo_core/kernels/graph_decode.py); false: the lean forward, eagerly")
     reuse_model: bool = Field(True, description="stages of one process share the LoRA model (grpo_core/model/policy.py: "
                               "a released policy's model is pooled and the next load of a checkpoint takes it); "
                               "false: every stage loads its own")

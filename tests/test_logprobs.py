@@ -183,6 +183,27 @@ def test_shared_prompt_path_equals_full_pass_value_and_gradient(tiny_model_dir, 
         assert torch.allclose(a, b, atol=1e-5)
 
 
+@pytest.mark.parametrize("device", ["cpu"] + (["cuda"] if torch.cuda.is_available() else []))
+def test_the_packed_lean_path_in_bf16_on_the_device(tiny_model_dir, device):
+    """The update's bf16 forward takes the packed-lean path on every device (on CUDA, through SDPA: part of
+    bench/gpu_checks.sh), and its log-probs and LoRA gradients are those of the padded pass of every row, within
+    bf16 rounding."""
+    model = _lora_model(tiny_model_dir, torch.bfloat16).to(device)
+    ids, attn, G, P, C = _grouped_batch()
+    ids, attn = ids.to(device), attn.to(device)
+    mask = attn[:, P:].float()
+    assert logprob_path(model, ids, attn, C, G) == "packed-lean" and logprob_path(model, ids, attn, C, 1) == "rows"
+    params = [p for p in model.parameters() if p.requires_grad]
+    out = []
+    for gs in (1, G):
+        lp, _ = completion_logprobs(model, ids, attn, C, group_size=gs)
+        grads = torch.autograd.grad((lp.float() * mask).sum(), params)
+        out.append((lp.float() * mask, grads))
+    assert torch.allclose(out[0][0], out[1][0], atol=0.03), (out[0][0] - out[1][0]).abs().max()
+    for a, b in zip(out[0][1], out[1][1]):              # bf16 sums in another order: a few percent of the norm
+        assert (a.float() - b.float()).norm() <= 0.05 * a.float().norm() + 1e-6
+
+
 @pytest.mark.parametrize("layout", ["lean_segments", "packed_mask"])
 def test_packed_gradients_are_the_same_bits_on_every_run(tiny_model_dir, monkeypatch, layout):
     """A group's answers all read their prompt's last hidden state, so the packed paths pick some rows

@@ -454,7 +454,7 @@ def plain_logprobs(model, sample) -> list[float]:
 
 
 @pytest.mark.parametrize("path, tasks, n, chunk", [("fused", 2, 4, 256), ("fused", 1, 1, 256), ("lean", 2, 4, 3),
-                                                   ("model", 2, 4, 3)])
+                                                   ("model", 2, 4, 3), ("fixed", 2, 4, 3)])
 def test_streamed_turns_continue_each_rows_cache_with_the_plain_forwards_log_probs(grpo_home, monkeypatch, path,
                                                                                    tasks, n, chunk):
     """Every model token of a streamed multi-turn rollout was drawn from the distribution the model's plain
@@ -462,6 +462,7 @@ def test_streamed_turns_continue_each_rows_cache_with_the_plain_forwards_log_pro
     conversation is encoded once (one prefill), tool turns are fed after each row's own cache (one token a
     step beside rows that sample, in chunks when none does), and the cache grows as the turns come."""
     from grpo_core.kernels.fused_decode import FusedDecoder
+    from grpo_core.kernels.graph_decode import GraphDecoder
     from grpo_core.kernels.lean_decode import LeanDecoder
     from grpo_core.model.policy import load_policy
     from grpo_core.rollout.samplers import ModelForward, TorchEngine
@@ -471,9 +472,11 @@ def test_streamed_turns_continue_each_rows_cache_with_the_plain_forwards_log_pro
     cfg = GRPOConfig(model="tiny-random", device="cpu", dtype="float32", lora_r=4, lora_alpha=8)
     policy = load_policy(cfg, need_reference=False)
     backend = {"fused": lambda *a, **k: KVCacheSampler(*a, **k), "lean": lambda *a, **k: TorchEngine(*a, **k),
-               "model": lambda *a, **k: TorchEngine(*a, lean=False, **k)}[path](policy.model, policy.tokenizer, CPU,
-                                                                                  progress=False)
-    record = Recorder(monkeypatch, {"fused": FusedDecoder, "lean": LeanDecoder, "model": ModelForward}[path])
+               "model": lambda *a, **k: TorchEngine(*a, lean=False, **k),
+               "fixed": lambda *a, **k: TorchEngine(*a, fixed_shapes=True, **k)}[path](policy.model, policy.tokenizer,
+                                                                                       CPU, progress=False)
+    record = Recorder(monkeypatch, {"fused": FusedDecoder, "lean": LeanDecoder, "model": ModelForward,
+                                    "fixed": GraphDecoder}[path])
     calls = []
     box = Toolbox([tool_of(make_lookup(calls, 0.0), "test")], max_iterations=3)
     params = SamplingParams(max_new_tokens=48, seed=5, logprobs=True)

@@ -150,6 +150,7 @@ def test_a_released_model_is_reused_with_the_checkpoint_loaded_into_it(grpo_home
     pooled = lambda: [e.model for e in policy_module._pool.values()]  # noqa: E731
     cfg = cfg_of(beta=0.0)
     _trained(cfg_of(beta=0.0, lora_r=4), tmp_path / "r4")
+    gc.collect()          # the r=4 policy released now, not by a later collection after `pol` (the pool keeps the last)
     pol, trained = _trained(cfg, tmp_path / "a")
     model, tokenizer = pol.model, pol.tokenizer
     del pol

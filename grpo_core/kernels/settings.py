@@ -28,6 +28,7 @@ class KernelSettings:
     native: bool = True                 # the compiled kernels (native.py); false: torch ops everywhere
     max_cpu_isa: str | None = None      # see the CPU as one of at most this level: ISA_LEVELS
     cpu_bf16: bool | str = "auto"       # dtype auto on the CPU: bf16 base weights (True), fp32 (False), detect
+    cuda_graphs: bool = True            # the torch engine's decode step on CUDA as CUDA graphs (graph_decode)
 
     def __post_init__(self):
         for name, allowed in (("decode_linear", DECODE_LINEARS), ("update_linear", UPDATE_LINEARS),

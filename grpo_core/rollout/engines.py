@@ -65,10 +65,12 @@ ENGINES: dict[str, Engine] = {e.name: e for e in (
     Engine("torch", "grpo_core.rollout.samplers:TorchEngine",
            "auto, where the fused engine does not apply (CUDA, other architectures); or named", "any device and "
            "architecture, the same loop and draws as fused: Llama-family models through the lean forward "
-           "(`kernels/lean_decode.py`), others through the model's own forward with a transformers cache",
+           "(`kernels/lean_decode.py`; on CUDA its step at fixed shapes, replayed as CUDA graphs: "
+           "`kernels/graph_decode.py`), others through the model's own forward with a transformers cache",
            "CPU, CUDA", "any causal LM transformers loads",
            "streamed (re-encoded for sliding-window models on the model's own forward)", True,
-           "yes (processed)", _OUR_LOOP, "none", "none (the lean forward's compiled trunk ops follow `kernels.native`)"),
+           "yes (processed)", _OUR_LOOP, "none", "`kernels:` cuda_graphs (the CUDA-graph step on a GPU, else the lean forward eagerly); "
+           "the lean forward's compiled trunk ops follow `kernels.native`"),
     Engine("vllm", "grpo_core.rollout.vllm_backend:VLLMBackend",
            "named (`rollout_backend: vllm`, the vllm extra)", "GPU throughput: a colocated vLLM engine, the adapter "
            "passed each call", "CUDA", "what vLLM runs (`vllm_model_impl`)",

@@ -24,7 +24,9 @@ from grpo_core.rollout.sampling import (Completion, PromptFormat, RolloutBackend
                                         chat_prompt_ids, check_generation_kwargs)
 from grpo_core.rollout.engines import ENGINES, engine_name
 from grpo_core.task import Task
+from grpo_core.kernels import settings
 from grpo_core.kernels.fused_decode import FusedDecoder
+from grpo_core.kernels.graph_decode import GraphDecoder
 from grpo_core.kernels.lean_decode import LeanDecoder, chunk_positions, positions, sliding_window
 
 
@@ -289,17 +291,30 @@ class KVCacheSampler(BatchedBackend):
     are dropped from the batch (and from the KV cache) so late steps run only the long answers; stops when every
     row has ended. Llama-family models on the CPU run through the fused forward (`fused_decode`: a snapshot of the
     weights taken when sampling starts, adapter included; the fused engine) or, where it does not apply, the
-    torch engine's forwards: the lean one (`lean_decode`) for Llama-family models, the model's own call with a
-    transformers cache for others. `path` says which one the last rollout took, `engine` which engine that is."""
+    torch engine's forwards: the lean one (`lean_decode`) for Llama-family models (on CUDA its step at fixed shapes,
+    replayed as CUDA graphs, the adapter unmerged: `graph_decode`; `fixed_shapes` forces or refuses that step, which
+    runs eagerly off CUDA), the model's own call with a transformers cache for others. `path` says which one the
+    last rollout took, `engine` which engine that is."""
 
     def __init__(self, model, tokenizer, device: torch.device, batch_size: int = 64, progress: bool = True,
-                 merge_lora: bool = True, lean: bool = True, fused: bool = True):
+                 merge_lora: bool = True, lean: bool = True, fused: bool = True, fixed_shapes: bool | None = None):
         super().__init__(model, tokenizer, device, batch_size, progress)
         self.merge_lora, self.fused = merge_lora, fused and lean
-        self.forward = (LeanDecoder.of(model) if lean else None) or ModelForward(model)
+        if fixed_shapes is None:                 # the CUDA-graph step where the model decodes on a GPU
+            fixed_shapes = settings.current().cuda_graphs and torch.device(device).type == "cuda"
+        fixed = GraphDecoder.of(model) if lean and fixed_shapes else None
+        self.forward = fixed or (LeanDecoder.of(model) if lean else None) or ModelForward(model)
         self._active = self.forward
-        self._fallback_path = self.path = "lean" if isinstance(self.forward, LeanDecoder) else "model"
+        self.path = self._fallback_path
         self.engine = "fused" if self.fused else "torch"
+
+    @property
+    def _fallback_path(self) -> str:
+        """The torch engine's forward: graphs (the fixed-shape step as CUDA graphs), fixed (it, eagerly), lean or
+        model."""
+        if isinstance(self.forward, GraphDecoder):
+            return "graphs" if self.forward.graphs else "fixed"
+        return "lean" if isinstance(self.forward, LeanDecoder) else "model"
 
     def _no_fused(self) -> None:
         """Where the fused forward does not apply: auto samples with the torch engine's forwards."""
@@ -319,7 +334,8 @@ class KVCacheSampler(BatchedBackend):
         if self.fused:
             self._no_fused()
         self.path = self._fallback_path
-        with merged_lora(self.model, self.merge_lora):
+        # the fixed-shape step reads the adapter unmerged (a graph replays on the policy's own tensors)
+        with merged_lora(self.model, self.merge_lora and not isinstance(self.forward, GraphDecoder)):
             self._active = self.forward
             yield
 
@@ -528,9 +544,9 @@ class TorchEngine(KVCacheSampler):
     a Llama-family model too (the tests compare the two)."""
 
     def __init__(self, model, tokenizer, device: torch.device, batch_size: int = 64, progress: bool = True,
-                 merge_lora: bool = True, lean: bool = True):
+                 merge_lora: bool = True, lean: bool = True, fixed_shapes: bool | None = None):
         super().__init__(model, tokenizer, device, batch_size, progress, merge_lora=merge_lora, lean=lean,
-                         fused=False)
+                         fused=False, fixed_shapes=fixed_shapes)
 
 
 def make_backend(cfg, policy, progress: bool = True, merge_lora: bool = True) -> RolloutBackend:

@@ -177,7 +177,7 @@ EOF
       run_part "${name}_ours" "$((T_SPEED / 2))" $PY "${speed[@]}"
       cat "$TMPD/${name}_ours.log" >> "$TMPD/$name.log"
     fi
-    grep -E "^ +(ours|TRL)|speed-up|RSS|sampler" "$TMPD/$name.log" | sed "s/^/   [$label] /" | tee -a "$OUT/summary.txt"
+    grep -E "^ +(ours|TRL)|speed-up|RSS|sampler|peak CUDA" "$TMPD/$name.log" | sed "s/^/   [$label] /" | tee -a "$OUT/summary.txt"
   }
 
   say "== 1. step speed on $DEVICE, bf16, G=8, $MAX_NEW new tokens, ours$( [ "${TRL:-1}" != 0 ] && echo ' vs TRL') [weights: $WEIGHTS]"

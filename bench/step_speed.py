@@ -8,8 +8,9 @@ accuracy + format rewards on 1-digit addition, no gradient checkpointing, one op
     python bench/step_speed.py --steps 5 --bf16     # ours, bf16 (reported separately; never compared to fp32)
     python bench/step_speed.py --steps 3 --trl      # ours and TRL 1.16 side by side (pip install -e .[bench])
 
-Prints median seconds per step, completion tokens per second and peak RSS; with --trl also the ratios
-(s/step, and tokens/s, which does not depend on how long the sampled answers happened to be).
+Prints median seconds per step, completion tokens per second, peak RSS and (CUDA) the peak GPU memory of a step;
+with --trl also the ratios (s/step, and tokens/s, which does not depend on how long the sampled answers happened
+to be).
 The ratio is the figure to trust on a shared machine: both run in one invocation, interleaved step by
 step (TRL step k, then our step k), so both see the same load. Use --threads 1 on a busy machine: with
 more threads than free cores, OpenMP barriers make every matmul several times slower, for both.
@@ -49,6 +50,22 @@ def peak_rss_gb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6  # Linux: KiB
 
 
+def cuda_peak_reset() -> None:
+    """Start counting the CUDA memory peak of one step (no-op without CUDA)."""
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+
+
+def cuda_peak_gb() -> float | None:
+    """The CUDA memory allocated at the peak since `cuda_peak_reset`, GB (None without CUDA). With --trl both
+    models are resident throughout, so ours and TRL's peaks share one baseline."""
+    if not torch.cuda.is_available():
+        return None
+    torch.cuda.synchronize()
+    return torch.cuda.max_memory_allocated() / 1e9
+
+
 def workload_config(args) -> GRPOConfig:
     return GRPOConfig(model=args.model, device=args.device, dtype="bfloat16" if args.bf16 else "float32",
                       num_generations=8, max_completion_length=getattr(args, "max_new_tokens", 64), temperature=1.0,
@@ -75,6 +92,7 @@ class Ours:
 
     def step(self, k: int) -> dict:
         cfg, pol = self.cfg, self.policy
+        cuda_peak_reset()
         t0 = time.perf_counter()
         params = SamplingParams(max_new_tokens=cfg.max_completion_length, temperature=cfg.temperature,
                                 top_p=cfg.top_p, top_k=cfg.top_k, seed=k)
@@ -91,6 +109,7 @@ class Ours:
         t2 = time.perf_counter()
         tokens = sum(len(s.completion_ids) for s in samples)
         return {"seconds": t2 - t0, "generate_s": t1 - t0, "update_s": t2 - t1, "tokens": tokens,
+                "peak_cuda_gb": cuda_peak_gb(),
                 "longest": max(len(s.completion_ids) for s in samples),
                 "prompt_tokens": statistics.mean(len(s.prompt_ids) for s in samples), "reward": statistics.mean(totals)}
 
@@ -130,19 +149,22 @@ class TRL:
 
         times: list[float] = []
         tokens: list[float] = []
+        peaks: list[float | None] = []
 
         class Timer(TrainerCallback):
             def on_step_begin(self, a, s, c, **kw):
+                cuda_peak_reset()
                 self.t0 = time.perf_counter()
 
             def on_step_end(self, a, s, c, **kw):
                 times.append(time.perf_counter() - self.t0)
+                peaks.append(cuda_peak_gb())
 
             def on_log(self, a, s, c, logs=None, **kw):
                 if logs and "completions/mean_length" in logs:
                     tokens.append(logs["completions/mean_length"] * cfg.num_generations * 2)
 
-        self.times, self.tokens = times, tokens
+        self.times, self.tokens, self.peaks = times, tokens, peaks
         tcfg = TRLConfig(output_dir=tmp, per_device_train_batch_size=16, num_generations=8, gradient_accumulation_steps=1,
                          max_completion_length=args.max_new_tokens, temperature=1.0, top_p=1.0, learning_rate=1e-5,
                          beta=0.04,
@@ -220,10 +242,11 @@ def main(argv=None) -> dict:
                 Interleave.k += 1
 
         with tempfile.TemporaryDirectory() as tmp:
-            times, tokens = TRL(args, tmp, [Interleave()]).run()
+            trl = TRL(args, tmp, [Interleave()])
+            times, tokens = trl.run()
             for t in times:
                 print(f"  TRL step: {t:.2f} s", flush=True)
-        times, tokens = times[args.warmup:], tokens[args.warmup:len(times)]
+        times, tokens, trl_peaks = times[args.warmup:], tokens[args.warmup:len(times)], trl.peaks[args.warmup:]
     else:
         for k in range(args.warmup + args.steps):
             our_step(k)
@@ -234,8 +257,15 @@ def main(argv=None) -> dict:
     result["ours"]["prompt_tokens_mean"] = statistics.mean(r["prompt_tokens"] for r in rec)
     result["ours"]["sampler"] = getattr(ours.backend, "path", args.backend)
     print(f"our sampler: {result['ours']['sampler']}", flush=True)
+    ours_peaks = [r["peak_cuda_gb"] for r in rec if r["peak_cuda_gb"] is not None]
+    if ours_peaks:
+        result["ours"]["peak_cuda_gb"] = max(ours_peaks)
     if args.trl:
         result["trl"] = summarise(f"TRL 1.16 {dtype}", times, tokens)
+        if ours_peaks and any(p is not None for p in trl_peaks):
+            result["trl"]["peak_cuda_gb"] = max(p for p in trl_peaks if p is not None)
+            print(f"peak CUDA memory in a step (both models resident in both): ours {result['ours']['peak_cuda_gb']:.2f} "
+                  f"GB, TRL {result['trl']['peak_cuda_gb']:.2f} GB", flush=True)
         result["ratio_trl_over_ours"] = result["trl"]["median_s"] / result["ours"]["median_s"]
         result["ratio_tokens_per_s"] = result["ours"]["tokens_per_s"] / result["trl"]["tokens_per_s"]
         print(f"speed-up (TRL median s/step / ours): {result['ratio_trl_over_ours']:.2f}x; in completion "

@@ -17,17 +17,19 @@ from collections import defaultdict
 from pathlib import Path
 
 
-def shape(row: dict) -> str:
-    return "without_tools" if row.get("tools") is False else row.get("wording") or "training"
+def shape(row: dict, tools_run: bool = True) -> str:
+    """The row's prompt shape; "without_tools" only in a run that offered tools (without any, every row has none)."""
+    return "without_tools" if tools_run and row.get("tools") is False else row.get("wording") or "training"
 
 
 def breakdown(rows, mode: str = "sampled") -> dict[tuple[str, str], dict]:
     """{(shape, source): {"right", "answers", "called"}} over the rows of `mode`, sorted."""
     counts: dict = defaultdict(lambda: {"right": 0, "answers": 0, "called": 0})
+    tools_run = any(r.get("tools") for r in rows)
     for r in rows:
         if r["mode"] != mode:
             continue
-        c = counts[shape(r), r["source"].rsplit("/", 1)[-1]]
+        c = counts[shape(r, tools_run), r["source"].rsplit("/", 1)[-1]]
         c["right"] += bool(r["correct"])
         c["answers"] += 1
         c["called"] += (r.get("tool_calls") or 0) > 0

@@ -34,3 +34,11 @@ def test_answers_are_counted_per_shape_and_source_sampled_only_by_default(tmp_pa
     assert source_breakdown.main([str(path)]) == 0
     printed = capsys.readouterr().out
     assert "training       product              right    1 /    2  (0.500)  called a tool 0.500" in printed
+
+
+def test_a_run_without_tools_is_counted_by_wording():
+    """Every row of a run that offered no tools has tools false: that is its training shape, not "without tools"."""
+    rows = [row("arithmetic", True, tools=False, calls=0), row("arithmetic", False, tools=False, calls=0,
+                                                               wording="foreign")]
+    assert source_breakdown.breakdown(rows) == {("foreign", "arithmetic"): {"right": 0, "answers": 1, "called": 0},
+                                                ("training", "arithmetic"): {"right": 1, "answers": 1, "called": 0}}

@@ -24,6 +24,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from floor import copy_bandwidth  # noqa: E402
 from grpo_core.kernels.graph_decode import GraphDecoder  # noqa: E402
 from grpo_core.kernels.lean_decode import LeanDecoder  # noqa: E402
 
@@ -56,20 +57,6 @@ def build(name: str, device: torch.device, dtype: torch.dtype, lora_r: int):
 def sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize()
-
-
-def copy_bandwidth(device: torch.device, gib: float = 1.0, rounds: int = 5) -> float:
-    """Bytes read + written per second by a copy of `gib` GiB on `device` (median of rounds)."""
-    n = int(gib * 2**30) // 4
-    src, dst = torch.ones(n, device=device), torch.empty(n, device=device)
-    times = []
-    for _ in range(rounds + 1):
-        sync(device)
-        t0 = time.perf_counter()
-        dst.copy_(src)
-        sync(device)
-        times.append(time.perf_counter() - t0)
-    return 2 * n * 4 / statistics.median(times[1:])
 
 
 def step_seconds(forward, rows: int, prompt: int, steps: int, device: torch.device) -> float:
@@ -130,7 +117,7 @@ def main(argv=None) -> dict:
     device, dtype = torch.device(args.device), getattr(torch, args.dtype)
     if device.type == "cuda" and not torch.cuda.is_available():
         sys.exit("--device cuda: torch sees no CUDA device")
-    bandwidth = copy_bandwidth(device)
+    bandwidth = copy_bandwidth(1024, 5, device)
     print(f"device {device} ({torch.cuda.get_device_name() if device.type == 'cuda' else 'CPU'}), {args.dtype}, "
           f"{args.rows} rows, prompt {args.prompt}, {args.steps} steps x {args.rounds} rounds; copy bandwidth "
           f"{bandwidth / 1e9:.0f} GB/s (read + write)", flush=True)

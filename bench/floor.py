@@ -52,11 +52,17 @@ def _median_seconds(fn, repeats: int) -> float:
     return statistics.median(times)
 
 
-def copy_bandwidth(mib: int, repeats: int) -> float:
-    """Bytes read + written per second by a large tensor copy."""
-    src = torch.ones(mib * 2**20 // 4)
+def copy_bandwidth(mib: int, repeats: int, device: torch.device | str = "cpu") -> float:
+    """Bytes read + written per second by a large tensor copy on `device` (on CUDA, timed to its end)."""
+    src = torch.ones(mib * 2**20 // 4, device=device)
     dst = torch.empty_like(src)
-    return 2 * src.numel() * 4 / _median_seconds(lambda: dst.copy_(src), repeats)
+    done = torch.cuda.synchronize if src.is_cuda else (lambda: None)
+
+    def copy():
+        dst.copy_(src)
+        done()
+    done()
+    return 2 * src.numel() * 4 / _median_seconds(copy, repeats)
 
 
 def matmul_rate(n: int, dtype: torch.dtype, repeats: int) -> float:

@@ -39,7 +39,8 @@ from grpo_core.model.policy import load_policy  # noqa: E402
 from grpo_core.rewards.rewards import compute_rewards  # noqa: E402
 from grpo_core.rollout.sampling import SamplingParams  # noqa: E402
 from grpo_core.rollout.samplers import make_backend, rollout  # noqa: E402
-from grpo_core.update.step import ScoredSample, grpo_update, make_optimizer, make_scheduler  # noqa: E402
+from grpo_core.update.step import (ScoredSample, grpo_update, make_optimizer, make_scheduler,  # noqa: E402
+                                  peak_memory_gib)
 
 
 # Pinned (the pipeline's default prompt format may change): the prompt the TRL anchor was measured with.
@@ -57,13 +58,13 @@ def cuda_peak_reset() -> None:
         torch.cuda.reset_peak_memory_stats()
 
 
-def cuda_peak_gb() -> float | None:
-    """The CUDA memory allocated at the peak since `cuda_peak_reset`, GB (None without CUDA). With --trl both
+def cuda_peak_gib() -> float | None:
+    """The CUDA memory allocated at the peak since `cuda_peak_reset`, GiB (None without CUDA). With --trl both
     models are resident throughout, so ours and TRL's peaks share one baseline."""
     if not torch.cuda.is_available():
         return None
     torch.cuda.synchronize()
-    return torch.cuda.max_memory_allocated() / 1e9
+    return peak_memory_gib(torch.device("cuda"))
 
 
 def workload_config(args) -> GRPOConfig:
@@ -109,7 +110,7 @@ class Ours:
         t2 = time.perf_counter()
         tokens = sum(len(s.completion_ids) for s in samples)
         return {"seconds": t2 - t0, "generate_s": t1 - t0, "update_s": t2 - t1, "tokens": tokens,
-                "peak_cuda_gb": cuda_peak_gb(),
+                "peak_cuda_gib": cuda_peak_gib(),
                 "longest": max(len(s.completion_ids) for s in samples),
                 "prompt_tokens": statistics.mean(len(s.prompt_ids) for s in samples), "reward": statistics.mean(totals)}
 
@@ -158,7 +159,7 @@ class TRL:
 
             def on_step_end(self, a, s, c, **kw):
                 times.append(time.perf_counter() - self.t0)
-                peaks.append(cuda_peak_gb())
+                peaks.append(cuda_peak_gib())
 
             def on_log(self, a, s, c, logs=None, **kw):
                 if logs and "completions/mean_length" in logs:
@@ -257,15 +258,15 @@ def main(argv=None) -> dict:
     result["ours"]["prompt_tokens_mean"] = statistics.mean(r["prompt_tokens"] for r in rec)
     result["ours"]["sampler"] = getattr(ours.backend, "path", args.backend)
     print(f"our sampler: {result['ours']['sampler']}", flush=True)
-    ours_peaks = [r["peak_cuda_gb"] for r in rec if r["peak_cuda_gb"] is not None]
+    ours_peaks = [r["peak_cuda_gib"] for r in rec if r["peak_cuda_gib"] is not None]
     if ours_peaks:
-        result["ours"]["peak_cuda_gb"] = max(ours_peaks)
+        result["ours"]["peak_cuda_gib"] = max(ours_peaks)
     if args.trl:
         result["trl"] = summarise(f"TRL 1.16 {dtype}", times, tokens)
         if ours_peaks and any(p is not None for p in trl_peaks):
-            result["trl"]["peak_cuda_gb"] = max(p for p in trl_peaks if p is not None)
-            print(f"peak CUDA memory in a step (both models resident in both): ours {result['ours']['peak_cuda_gb']:.2f} "
-                  f"GB, TRL {result['trl']['peak_cuda_gb']:.2f} GB", flush=True)
+            result["trl"]["peak_cuda_gib"] = max(p for p in trl_peaks if p is not None)
+            print(f"peak CUDA memory in a step (both models resident in both): ours {result['ours']['peak_cuda_gib']:.2f} "
+                  f"GiB, TRL {result['trl']['peak_cuda_gib']:.2f} GiB", flush=True)
         result["ratio_trl_over_ours"] = result["trl"]["median_s"] / result["ours"]["median_s"]
         result["ratio_tokens_per_s"] = result["ours"]["tokens_per_s"] / result["trl"]["tokens_per_s"]
         print(f"speed-up (TRL median s/step / ours): {result['ratio_trl_over_ours']:.2f}x; in completion "

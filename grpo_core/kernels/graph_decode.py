@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 
 from grpo_core.kernels.cpu_features import note_declined
-from grpo_core.kernels.lean_decode import KVState, LeanDecoder, causal_pad_mask, positions
+from grpo_core.kernels.lean_decode import KVState, LeanDecoder
 from grpo_core.kernels.lora_linear import Unsupported, lora_parts
 from grpo_core.kernels.trunk_ops import rms_norm
 
@@ -64,11 +64,11 @@ class GraphDecoder(LeanDecoder):
 
     @classmethod
     def of(cls, model, graphs: bool = True) -> "GraphDecoder | None":
-        lean = LeanDecoder.of(model)
-        if lean is None:
-            return None
-        base = model.get_base_model() if hasattr(model, "get_base_model") else model
-        return cls(base, graphs)
+        """The fixed-shape decoder for `model`, or None where the lean forward does not apply (LeanDecoder.of)."""
+        decoder = super().of(model)
+        if decoder is not None:
+            decoder.graphs = graphs and decoder.device.type == "cuda"
+        return decoder
 
     # -- the preallocated cache ------------------------------------------------------------------------------
 
@@ -116,12 +116,9 @@ class GraphDecoder(LeanDecoder):
             self._allocate(max(U, self.capacity), max(slots_bucket(T + max_new_tokens, 1 << 62), self.slots))
         s = self.state
         s.valid.zero_()
-        s.valid[:U, :T] = attention_mask.bool()
-        pos = positions(attention_mask)                                                   # [U, T]
-        s.next_pos[:U] = pos[:, -1] + 1
         s.length, self.live = 0, U
         view = self._view()
-        logits = self._forward(ids, pos, view, causal_pad_mask(attention_mask))
+        logits = self._prefill_into(view, ids, attention_mask)
         s.length = view.length
         return logits
 

@@ -160,11 +160,18 @@ class LeanDecoder:
         Tmax = T + max_new_tokens
         dtype = self.embed.weight.dtype
         new = lambda: torch.zeros(b, self.n_kv, Tmax, self.d, dtype=dtype, device=ids.device)  # noqa: E731
-        valid = torch.zeros(b, Tmax, dtype=torch.bool, device=ids.device)
-        valid[:, :T] = attention_mask.bool()
+        self.state = KVState([new() for _ in self.layers], [new() for _ in self.layers],
+                             torch.zeros(b, Tmax, dtype=torch.bool, device=ids.device),
+                             torch.zeros(b, dtype=torch.long, device=ids.device), 0)
+        return self._prefill_into(self.state, ids, attention_mask)
+
+    def _prefill_into(self, state: KVState, ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        """Encode left-padded prompts ids/attention_mask [b, T] into an empty cache `state` (its first T slots) ->
+        logits of the last position [b, V]."""
+        state.valid[:, :ids.size(1)] = attention_mask.bool()
         pos = positions(attention_mask)                                                   # [b, T]
-        self.state = KVState([new() for _ in self.layers], [new() for _ in self.layers], valid, pos[:, -1] + 1, 0)
-        return self._forward(ids, pos, self.state, causal_pad_mask(attention_mask))
+        state.next_pos[:] = pos[:, -1] + 1
+        return self._forward(ids, pos, state, causal_pad_mask(attention_mask))
 
     def select(self, rows: torch.Tensor) -> None:
         self.state.select(rows)

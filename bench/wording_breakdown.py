@@ -24,7 +24,7 @@ def breakdown(samples: Path, foreign_format) -> dict[str, dict]:
     rows = [r for r in read_jsonl(samples) if r["mode"] == "sampled" and r["kind"] == "math"]
     in_wording = defaultdict(list)
     for r in rows:
-        if r.get("wording") != "foreign":
+        if r.get("wording") is None:       # the training prompt; "exported" and "foreign" are other shapes
             in_wording[r["task_id"]].append(r["correct"])
     kinds = defaultdict(lambda: {"answers": 0, "correct": 0, "formatted": 0, "in_wording_correct": 0.0})
     for r in rows:

@@ -22,7 +22,8 @@ def test_each_foreign_answer_is_counted_under_the_wording_its_question_drew(tmp_
     for i in range(40):
         base = dict(mode="sampled", task_id=f"q{i}", source="arithmetic", kind="math", prompt=f"What is {i} + 1?",
                     answer=str(i + 1), formatted=True)
-        rows += [dict(base, correct=True), dict(base, correct=i % 2 == 0, wording="foreign")]
+        rows += [dict(base, correct=True), dict(base, correct=i % 2 == 0, wording="foreign"),
+                 dict(base, correct=False, wording="exported")]        # another shape: not in-wording
     rows.append(dict(rows[0], mode="greedy", correct=False, wording="foreign"))      # greedy rows are not counted
     path = tmp_path / "eval_samples.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))

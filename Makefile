@@ -38,7 +38,7 @@ test-all: venv
 # end; the rest (config, data, sandbox, tracking, UI) runs no code that asks what the CPU has.
 # TESTS=... runs other tests (e.g. TESTS='-m "not slow"' for the whole default suite, TESTS="-m slow").
 AVX2_ENV := GRPO_MAX_CPU_ISA=avx2 ATEN_CPU_CAPABILITY=avx2 DNNL_MAX_CPU_ISA=AVX2
-CPU_PATH_TESTS := $(addprefix tests/test_,$(addsuffix .py,cpu_features cpu_linear fused_decode lean_decode \
+CPU_PATH_TESTS := $(addprefix tests/test_,$(addsuffix .py,cpu_features cpu_linear fused_decode kernel_probes lean_decode \
 	lora_linear native trunk_ops engines sampling_options rollout multiturn policy logprobs loss update \
 	update_variants trl_parity models model_families learning_toy pipeline_e2e stop_strings endpoint))
 TESTS ?= -m "not slow" $(CPU_PATH_TESTS)

@@ -75,7 +75,7 @@ def weight_stream_rate(dtype: torch.dtype, huge_pages: bool, rows: int = 16, mib
     """Bytes per second at which [rows, 576] x [576, out] matmuls read ~`mib` MiB of distinct weights (the
     shapes of a fused decode layer of the default model), on 2 MiB pages or on ordinary (4 KiB) ones."""
     import torch.nn.functional as F
-    from grpo_core.kernels.fused_decode import streaming_weights
+    from grpo_core.kernels.kernel_probes import streaming_weights
     shapes = [(960, 576), (576, 576), (3072, 576), (576, 1536)]
     flat, weights = streaming_weights(shapes, mib, dtype, huge_pages)
     x = {i: torch.randn(rows, i).to(dtype) for _, i in shapes}

@@ -12,7 +12,8 @@ model) and at the last iteration, greedy and sampled at the training temperature
 pass@1 (correct and in the required format) and the format rate. Each run's CPU time (user + system,
 all threads) and wall time are measured; `--max-cpu-minutes` marks a run that went over budget.
 Results, with the CPU model, versions and git commit, go to `--out` (JSON); the held-out answers before and
-after, to bench/results/answers/ (gzipped JSONL), and which monitors tripped, if any, into the JSON.
+after, to bench/results/answers/ (gzipped JSONL); which monitors tripped, if any, and which kernels the rollouts
+and updates took (probed per process where `kernels:` is auto), into the JSON.
 """
 from __future__ import annotations
 
@@ -134,6 +135,21 @@ def keep_answers(run_dir: Path, iterations: list[int], stem: str) -> list[str]:
     return kept
 
 
+def kernels_taken(run_dir: Path) -> dict[str, list[str]]:
+    """The kernels each iteration's rollout and update took (their records, the probes' timings left out), each
+    choice once: where `kernels:` is auto a probe picks per process, and two runs that took different kernels
+    round differently, so they can differ however alike their configs."""
+    import re
+    taken = {"sampler": set(), "update": set()}
+    for k in sorted(int(p.name.split("-")[1]) for p in run_dir.glob("iter-*") if p.name.split("-")[1].isdigit()):
+        for stage, key, probe in (("rollout", "sampler", r" \(probe: [^)]*\)"), ("update", "linears", r"; probe: [^)]*")):
+            record = run_dir / f"iter-{k}" / f"{stage}.json"
+            said = json.loads(record.read_text()).get(key) if record.is_file() else None
+            if said:
+                taken["sampler" if stage == "rollout" else "update"].add(re.sub(probe, "", said))
+    return {k: sorted(v) for k, v in taken.items()}
+
+
 def summarise(run_dir: Path, answers_stem: str | None = None) -> dict:
     summary = json.loads((run_dir / "summary.json").read_text())
     state = json.loads((run_dir / "run.json").read_text())
@@ -146,7 +162,8 @@ def summarise(run_dir: Path, answers_stem: str | None = None) -> dict:
            "train_eval_content_overlap": content_overlap(run_dir), "before": before, "after": after,
            "gain_points": gain, "mlflow_run_id": summary.get("mlflow_run_id"),
            # the monitors' marks (grpo_core/evaluation/monitors.py): a healthy run has none
-           "monitors_tripped": [f"{m['monitor']}@{m['iteration']}" for m in state.get("suspect", [])]}
+           "monitors_tripped": [f"{m['monitor']}@{m['iteration']}" for m in state.get("suspect", [])],
+           "kernels": kernels_taken(run_dir)}
     if answers_stem:
         out["answers"] = keep_answers(run_dir, [min(evals), max(evals)], answers_stem)
     return out

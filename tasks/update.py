@@ -1,6 +1,6 @@
-"""update: one GRPO update on the scored rollouts, on one process or several (tasks/distributed.py); the
-first process checkpoints adapter + optimizer state atomically; the stage logs the steps, the completion
-table (tasks/completions.py) and the adapter to MLflow. samples.jsonl and scores.jsonl are read once, here."""
+"""update: one GRPO update on the scored rollouts (samples.jsonl, scores.jsonl: read once, here) on one process or
+several (tasks/distributed.py); the first checkpoints adapter + optimizer state atomically; the stage logs the
+steps, the completion table (tasks/completions.py), the adapter to MLflow, and which kernels the update took."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -9,6 +9,7 @@ import torch
 from tqdm.auto import tqdm
 
 from grpo_core.io import read_jsonl
+from grpo_core.kernels.fused_decode import update_linears
 from grpo_core.model.policy import load_policy
 from grpo_core.parallel import DataParallel
 from grpo_core.update.checkpoint import ADAPTER_DIR, STATE_FILE, load_trainer_state, save_checkpoint
@@ -54,7 +55,7 @@ def train_on_batch(data_parallel: DataParallel, config: dict, run_dir: str, iter
                               iter_dir(run_dir, iteration) / "update")
     return {"steps": steps, "batch_stats": batch_stats, "global_step": global_step + len(steps),
             "out_dir": str(out_dir), "num_processes": data_parallel.world_size, "advantages": advantages,
-            "prompts": completions.prompt_texts(samples, policy.tokenizer)}
+            "prompts": completions.prompt_texts(samples, policy.tokenizer), "linears": update_linears(policy.model)}
 
 
 @stage("update", key=lambda config, samples, scores, checkpoint, state, **_: {
@@ -70,11 +71,10 @@ def update(config: dict, run_dir: str, iteration: int, samples: str, scores: str
     # per-step metrics (steps a killed attempt logged are skipped), the batch's statistics with the first
     steps, out_dir, global_step = trained["steps"], Path(trained["out_dir"]), trained["global_step"]
     batch_metrics = {f"train/{k}": v for k, v in trained["batch_stats"].items()}
-    run_id = mlflow_run_id(run_dir)
+    run_id, last = mlflow_run_id(run_dir), steps[-1] if steps else {}
     tracking.log_update_steps(cfg, run_id, steps, global_step - len(steps) + 1, batch_metrics)
     completions.log_completions(cfg, run_id, iteration, rows, scored, trained["advantages"], trained["prompts"])
     tracking.log_artifacts(cfg, run_id, out_dir / ADAPTER_DIR, f"adapters/iter-{iteration}")
-    last = steps[-1] if steps else {}
     return {"checkpoint": str(out_dir / ADAPTER_DIR), "state": str(out_dir / STATE_FILE), "global_step": global_step,
-            "num_processes": trained["num_processes"],
+            "num_processes": trained["num_processes"], "linears": trained["linears"],
             "metrics": {**{f"train/{k}": v for k, v in last.items()}, **batch_metrics}}

@@ -285,10 +285,10 @@ def test_the_update_forward_multiplies_on_the_samplers_packed_weights(tiny_model
     forward (views into its fused buffer): the same log-probs and LoRA gradients as torch's matmul, every
     matmul of the forward on them, and a weight changed in place is not read from its stale pack. An fp32
     base keeps oneDNN's packed weights."""
-    from grpo_core.kernels import fused_decode, lora_linear, native
+    from grpo_core.kernels import fused_decode, kernel_probes, lora_linear, native
     dtype = torch.bfloat16
     skip_unless_cpu("compiled_matmul", dtype)
-    assert fused_decode._native_gemm(dtype, [(64, 64)]) is not None
+    assert kernel_probes.native_gemm(dtype, [(64, 64)]) is not None
     use_kernels(decode_linear="native", update_linear="native")
     assert fused_decode.use_packed_linears(_lora_model(tiny_model_dir, torch.float32)) == 0
     model = _lora_model(tiny_model_dir, dtype)
@@ -309,7 +309,9 @@ def test_the_update_forward_multiplies_on_the_samplers_packed_weights(tiny_model
         return lp * mask, grads, (n_forward, len(calls) - n_forward)
 
     lp_torch, grads_torch, n_torch = run("torch")
+    assert fused_decode.update_linears(model) == "torch (15 of 15 base linears; kernels.update_linear: torch)"
     lp_packed, grads_packed, n_packed = run("native")
+    assert fused_decode.update_linears(model) == "native (15 of 15 base linears; kernels.update_linear: native)"
     # forward: 7 linears per layer and the head; backward (input gradients on packed W^T): the same but layer
     # 0's q, k, v (the embeddings need no gradient)
     assert n_torch == (0, 0) and n_packed == (2 * 7 + 1, 2 * 7 - 3 + 1)
@@ -325,6 +327,12 @@ def test_the_update_forward_multiplies_on_the_samplers_packed_weights(tiny_model
     assert fused_decode.use_packed_linears(model) == 15 and lora_linear._packed(up) is not None   # repacked
     use_kernels(update_linear="torch")
     assert fused_decode.use_packed_linears(model) == 0 and lora_linear._packed(up) is None
+    # auto: the probe's timings decide, and the record says so (two runs can decide differently under load)
+    use_kernels(update_linear="auto")
+    n = fused_decode.use_packed_linears(model)
+    said = fused_decode.update_linears(model)
+    assert said.startswith(f"{'native' if n else 'torch'} ({n or 15} of 15 base linears; probe: torch "), said
+    assert " native " in said and said.endswith(" ms)")
 
 
 @pytest.mark.parametrize("heads", [4, 6], ids=["rep2", "rep3"])

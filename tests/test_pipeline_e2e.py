@@ -59,6 +59,11 @@ def test_two_iterations_log_metrics_adapters_and_change_weights(finished_run, ml
             assert (run_dir / f"iter-{k}/{stage}.json").exists()
     assert not list(run_dir.rglob(".*.tmp"))
     assert set(summary["evals"]) == {0, 1, 2}
+    # Which kernels made the numbers (a probe may pick another under load): the rollout's sampler, the update's linears
+    from grpo_core.io import read_json
+    for k in (1, 2):
+        assert read_json(run_dir / f"iter-{k}/rollout.json")["sampler"]
+        assert read_json(run_dir / f"iter-{k}/update.json")["linears"].split(" (")[0] in ("native", "onednn", "torch")
 
     # keep_trainer_states: 1 keeps the newest optimizer state alone; every adapter stays, without a tokenizer copy.
     assert not (run_dir / "iter-1/update/trainer_state.pt").exists()

@@ -192,7 +192,7 @@ def declines(path: str, dtype: torch.dtype = torch.float32, features: CpuFeature
     raise ValueError(f"unknown fast path {path!r}")
 
 
-# the sampler's linear kernels (`fused_decode.linear_kernel`) and the fast path each one is
+# the sampler's linear kernels (`kernel_probes.linear_kernel`) and the fast path each one is
 DECODE_LINEARS = {"plain": None, "onednn": "onednn_linear", "native": "compiled_matmul"}
 
 
@@ -202,7 +202,7 @@ def plan(features: CpuFeatures, dtype: torch.dtype) -> dict[str, str]:
     - precision: what `dtype: auto` gives a LoRA run (bf16 only with native bf16 matmul);
     - step_ops: the decode step's and the update's small ops, compiled or torch's;
     - attention: the compiled attention's AVX-512 loops or its portable ones;
-    - decode_linears: the kernels the sampler's probe times, fastest taken (`fused_decode.linear_kernel`);
+    - decode_linears: the kernels the sampler's probe times, fastest taken (`kernel_probes.linear_kernel`);
     - update_linears: what the update's frozen base linears multiply with.
     On AMX the compiled bf16 matmul runs on the tiles ("native (AMX tiles)"; gemm_ops.cpp)."""
     def why(path):

@@ -11,8 +11,8 @@ rotary tables computed once per batch, one KV-cache write).
 
 Which linear kernel reads the weights fastest here (plain rows on huge pages, oneDNN's packed layout, or
 the compiled matmul's column blocks) is decided once per process by a short probe that streams synthetic
-weights of the model's shapes through each kernel this CPU can run (`linear_kernel`; `cpu_features` says
-which can, and a kernel left out says why once), not by CPU vendor.
+weights of the model's shapes through each kernel this CPU can run (`kernel_probes.linear_kernel`; `cpu_features`
+says which can, and a kernel left out says why once), not by CPU vendor.
 
 The fused base weights are built once and kept while the base does not change (under LoRA it never
 does); each rollout takes only the adapter. In fp32 it is merged into a copy of the groups it touches
@@ -32,123 +32,18 @@ dim, C hidden size, I MLP width, L layers.
 """
 from __future__ import annotations
 
-import functools
-import statistics
-import time
 import weakref
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
-from grpo_core.kernels import cpu_features, native, settings
+from grpo_core.kernels import native
 from grpo_core.kernels.cpu_linear import onednn_linear, onednn_pack
+from grpo_core.kernels.kernel_probes import linear_kernel, native_update_gemm, update_reason
 from grpo_core.kernels.lean_decode import LeanDecoder, causal_pad_mask, chunk_mask, chunk_positions, positions
-from grpo_core.kernels.lora_linear import Unsupported, lora_parts, set_packed
+from grpo_core.kernels.lora_linear import Unsupported, lora_parts, reads_packed, set_packed
 from grpo_core.kernels.pages import hugepage_empty
-
-# -- linear kernels -------------------------------------------------------------------------------------------
-
-PROBE_MATRICES = 256
-
-
-def _stream_seconds(candidates: dict, rounds: int = 5) -> dict:
-    """Median seconds of each candidate, run in turns (A B A B ...) so that a noisy neighbour hits all alike."""
-    for fn in candidates.values():
-        fn()
-    times: dict = {k: [] for k in candidates}
-    for _ in range(rounds):
-        for name, fn in candidates.items():
-            t0 = time.perf_counter()
-            fn()
-            times[name].append(time.perf_counter() - t0)
-    return {k: statistics.median(v) for k, v in times.items()}
-
-
-def streaming_weights(shapes, mib: int, dtype: torch.dtype, huge_pages: bool = True, max_matrices: int | None = None):
-    """Synthetic [out, in] weights of these shapes, repeated to ~`mib` MiB (far more than any cache holds) or to
-    `max_matrices` matrices if fewer, in one flat buffer on 2 MiB pages (or ordinary ones) -> (flat buffer, list of
-    weight views)."""
-    per_set = sum(o * i for o, i in shapes)
-    sets = max(2, mib * 2**20 // (per_set * torch.empty((), dtype=dtype).element_size()))
-    if max_matrices is not None:
-        sets = max(2, min(sets, max_matrices // len(shapes)))
-    flat = hugepage_empty(per_set * sets, dtype) if huge_pages else torch.empty(per_set * sets, dtype=dtype)
-    flat.normal_(std=0.02, generator=torch.Generator().manual_seed(0))
-    weights, off = [], 0
-    for _ in range(sets):
-        for o, i in shapes:
-            weights.append(flat[off:off + o * i].view(o, i))
-            off += o * i
-    return flat, weights
-
-
-def _native_gemm(dtype: torch.dtype, shapes) -> "native.NativeOps | None":
-    """The compiled packed-weight matmul, where it runs for this dtype and these [out, in] shapes (where this
-    CPU cannot run it, says why once)."""
-    ops = native.load()
-    if ops is None:
-        return None
-    name = str(dtype).removeprefix("torch.")
-    reason = cpu_features.declines("compiled_matmul", dtype)
-    if reason is None and not ops.packed_linear_supported(dtype):
-        reason = f"the compiler built it without the {name} instructions this CPU has"
-    if reason is not None:
-        cpu_features.note_declined(f"compiled {name} matmul", reason)
-        return None
-    odd = dtype == torch.bfloat16 and any(i % 2 for _, i in shapes)          # bf16 packs inputs in pairs
-    return None if odd else ops
-
-
-def _onednn_ok(dtype: torch.dtype) -> bool:
-    """Does oneDNN pack weights of this dtype here (where not, says why once)?"""
-    reason = cpu_features.declines("onednn_linear", dtype)
-    if reason is not None:
-        cpu_features.note_declined(f"oneDNN {str(dtype).removeprefix('torch.')} linears", reason)
-    return reason is None
-
-
-def linear_kernel(dtype: torch.dtype, rows: int, shapes: tuple[tuple[int, int], ...],
-                  mib: int = 96) -> tuple[str, dict]:
-    """"plain" (F.linear on rows of a huge-page buffer), "onednn" (oneDNN's packed layout) or "native" (the
-    compiled matmul on column blocks in the huge-page buffer, `gemm_ops.cpp`), whichever streams ~`mib` MiB
-    of synthetic weights of these [out, in] shapes fastest at `rows` rows, here (probed once per process);
-    oneDNN only when more than 10% faster than the best other (it costs a second layout, outside the huge
-    pages). The config's `kernels.decode_linear` names one instead (no probe). Returns (kernel, GB/s of each
-    candidate)."""
-    chosen = settings.current().decode_linear
-    if chosen == "auto":
-        return _probe(dtype, rows, shapes, mib)
-    if chosen == "native" and _native_gemm(dtype, shapes) is None:
-        raise ValueError(f"kernels.decode_linear=native: the compiled matmul does not run for {dtype} here "
-                         f"({cpu_features.declines('compiled_matmul', dtype) or 'odd input width, or no build'}); "
-                         f"set kernels.decode_linear: auto")
-    if chosen == "onednn" and not _onednn_ok(dtype):
-        raise ValueError(f"kernels.decode_linear=onednn: {cpu_features.declines('onednn_linear', dtype)}; set "
-                         f"kernels.decode_linear: auto")
-    return chosen, {}
-
-
-@settings.forget_when("native", "max_cpu_isa")      # the candidates this CPU runs
-@functools.cache
-def _probe(dtype: torch.dtype, rows: int, shapes: tuple[tuple[int, int], ...], mib: int) -> tuple[str, dict]:
-    # At most PROBE_MATRICES: a small model's layers fit in the caches (its decode does not stream either), and
-    # thousands of tiny calls would time per-call overhead for seconds; a 135M model's 96 MiB is ~100 matrices.
-    flat, weights = streaming_weights(shapes, mib, dtype, max_matrices=PROBE_MATRICES)
-    itemsize = flat.element_size()
-    g = torch.Generator().manual_seed(0)             # not the global stream: a resumed run must draw the same
-    inputs = {i: torch.randn(rows, i, generator=g).to(dtype) for _, i in shapes}
-    candidates = {"plain": lambda: [F.linear(inputs[w.size(1)], w) for w in weights]}
-    if _onednn_ok(dtype):
-        packed = [(onednn_pack(w, rows), w.size(1)) for w in weights]
-        candidates["onednn"] = lambda: [onednn_linear(inputs[i], p, None) for p, i in packed]
-    ops = _native_gemm(dtype, shapes)
-    if ops is not None:
-        blocks = [(ops.pack(w, hugepage_empty(ops.packed_numel(*w.shape), dtype)), *w.shape) for w in weights]
-        candidates["native"] = lambda: [ops.packed_linear(inputs[i], p, None, o) for p, o, i in blocks]
-    gbs = {k: flat.numel() * itemsize / s / 1e9 for k, s in _stream_seconds(candidates).items()}
-    return max(gbs, key=lambda k: gbs[k] / (1.1 if k == "onednn" else 1.0)), gbs
-
 
 # -- the snapshot --------------------------------------------------------------------------------------------
 
@@ -294,40 +189,40 @@ def _placed_numel(kernel: str, gemm, group) -> int:
     out, inp = sum(w.size(0) for w, _, _ in group), group[0][0].size(1)
     return gemm.packed_numel(out, inp) if kernel == "native" else out * inp
 
-
 # -- the update's forward on the same weights -----------------------------------------------------------------
 
-UPDATE_ROWS = (255, 512, 701)         # the probe's row counts: a micro-batch's packed prompts and answers
+def _base_groups(lean: LeanDecoder) -> list[list[torch.nn.Linear]]:
+    """The base linears of every layer's fused groups (`GROUPS`), then the LM head's; raises Unsupported."""
+    modules = [[lora_parts(getattr(getattr(layer, block), name))[0] for name in names]
+               for layer in lean.layers for block, names in GROUPS]
+    return modules + [[lora_parts(lean.head)[0]]]
 
 
-def native_update_gemm(dtype: torch.dtype, shapes: tuple[tuple[int, int], ...]) -> bool:
-    """Does the compiled matmul on packed weights multiply a layer's [out, in] weights of these shapes by the
-    update's row counts (`UPDATE_ROWS`, odd ones among them: matmul libraries often run those slower) faster,
-    all shapes together, than torch's matmul and oneDNN's packed one? Probed once per process; it decides
-    whether the update's forward reads the sampler's packed weights. The config's `kernels.update_linear:
-    native` or `torch` decides instead."""
-    chosen = settings.current().update_linear
-    if chosen == "torch" or _native_gemm(dtype, shapes) is None:
-        return False
-    return chosen == "native" or _probe_update_gemm(dtype, shapes)
+def _layer_shapes(groups: list[list[torch.nn.Linear]]) -> tuple[tuple[int, int], ...]:
+    """[out, in] of one layer's base linears (the first len(GROUPS) groups), what the update probe times."""
+    return tuple(tuple(m.weight.shape) for g in groups[:len(GROUPS)] for m in g)
 
 
-@settings.forget_when("native", "max_cpu_isa")      # the candidates this CPU runs
-@functools.cache
-def _probe_update_gemm(dtype: torch.dtype, shapes: tuple[tuple[int, int], ...]) -> bool:
-    ops = native.load()
-    g = torch.Generator().manual_seed(0)
-    ws = [(torch.randn(out, inp, generator=g) * 0.02).to(dtype) for out, inp in shapes]
-    xs = {inp: [torch.randn(rows, inp, generator=g).to(dtype) for rows in UPDATE_ROWS] for _, inp in shapes}
-    packed = [ops.pack(w, torch.empty(ops.packed_numel(*w.shape), dtype=dtype)) for w in ws]
-    candidates = {"torch": lambda: [F.linear(x, w) for w in ws for x in xs[w.size(1)]],
-                  "native": lambda: [ops.packed_linear(x, p, None, w.size(0))
-                                     for w, p in zip(ws, packed) for x in xs[w.size(1)]]}
-    if _onednn_ok(dtype):
-        onednn = [onednn_pack(w, UPDATE_ROWS[1]) for w in ws]
-        candidates["onednn"] = lambda: [onednn_linear(x, p, None) for w, p in zip(ws, onednn) for x in xs[w.size(1)]]
-    secs = _stream_seconds(candidates, rounds=5)
-    return secs["native"] < min(v for k, v in secs.items() if k != "native")
+def update_linears(model) -> str:
+    """What the update's frozen base linears multiplied with in their last forward, for the run's records: the
+    compiled matmul on the sampler's packed weights ("native"), oneDNN's packed fp32 weights ("onednn",
+    `cpu_linear`) or torch's matmul, how many of the base linears, and what decided it (the probe's median
+    seconds per candidate, or the `kernels.update_linear` setting). The kernels round bf16 differently, so two
+    runs that took different ones diverge after their first update."""
+    from grpo_core.kernels.cpu_linear import PackedLinear
+    lean = LeanDecoder.of(model)
+    try:
+        bases_by_group = _base_groups(lean) if lean is not None else []
+    except Unsupported:
+        bases_by_group = []
+    bases = [m for g in bases_by_group for m in g]
+    if not bases:
+        return "torch (no Llama-family decoder the packed paths read)"
+    native_n = sum(reads_packed(m) for m in bases)
+    onednn_n = sum(isinstance(m, PackedLinear) for m in bases)
+    kernel, n = ("native", native_n) if native_n else ("onednn", onednn_n) if onednn_n else ("torch", len(bases))
+    why = update_reason(lean.embed.weight.dtype, _layer_shapes(bases_by_group))
+    return f"{kernel} ({n} of {len(bases)} base linears{'; ' + why if why else ''})"
 
 
 def use_packed_linears(model) -> int:
@@ -342,16 +237,14 @@ def use_packed_linears(model) -> int:
         return 0
     dtype = lean.embed.weight.dtype
     try:
-        modules = [[[lora_parts(getattr(getattr(layer, block), name))[0] for name in names] for block, names in GROUPS]
-                   for layer in lean.layers]
-        groups = [g for layer in modules for g in layer] + [[lora_parts(lean.head)[0]]]
+        groups = _base_groups(lean)
     except Unsupported:
         return 0
     everything = [m for g in groups for m in g]
     # bf16 only (in fp32 the update's frozen weights are oneDNN-packed already, as fast here); a trained base
     # (full fine-tuning) changes every step, so its packs would be rebuilt every update
     use = dtype == torch.bfloat16 and all(m.weight.dtype == dtype and not m.weight.requires_grad for m in everything) \
-        and native_update_gemm(dtype, tuple(tuple(m.weight.shape) for g in modules[0] for m in g))
+        and native_update_gemm(dtype, _layer_shapes(groups))
     base = None
     if use:
         with torch.no_grad():            # the sampler's base as it is (its probe ran at the rows it decodes)

@@ -68,6 +68,11 @@ def _packed(base, x: torch.Tensor | None = None) -> tuple | None:
     return hit
 
 
+def reads_packed(base) -> bool:
+    """Does this frozen base linear multiply on a packed weight (`set_packed`, still valid)?"""
+    return _packed(base) is not None
+
+
 def base_forward(base, x: torch.Tensor) -> torch.Tensor:
     """base(x) for a frozen base linear, on its packed weight where it has one (no autograd: for the forward
     of an autograd function, or under no_grad)."""

@@ -16,8 +16,8 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 from typing import Any, Callable
 
-DECODE_LINEARS = ("auto", "plain", "onednn", "native")    # auto: the probe picks (fused_decode.linear_kernel)
-UPDATE_LINEARS = ("auto", "native", "torch")              # auto: the probe decides (fused_decode.native_update_gemm)
+DECODE_LINEARS = ("auto", "plain", "onednn", "native")    # auto: the probe picks (kernel_probes.linear_kernel)
+UPDATE_LINEARS = ("auto", "native", "torch")              # auto: the probe decides (kernel_probes.native_update_gemm)
 ISA_LEVELS = ("avx2", "avx512", "avx512_bf16", "amx")      # the CPU caps, lowest first (cpu_features)
 
 

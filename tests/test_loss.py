@@ -592,3 +592,21 @@ def test_gspo_token_equals_gspo_with_sequence_advantages(loss_type):
         out.append((loss.item(), torch.autograd.grad(loss, logits)[0]))
     assert out[0][0] == pytest.approx(out[1][0], rel=1e-6)
     assert torch.allclose(out[0][1], out[1][1], atol=1e-7)
+
+
+@pytest.mark.parametrize("loss_type", ["vespo", "cispo"])
+def test_on_policy_vespo_and_cispo_take_dapos_gradient(loss_type):
+    """With one optimizer step per rollout the ratio is 1 (old log-probs are the log-probs, detached): VESPO's
+    weight phi(1) = 1 and CISPO's capped weight is 1, so their gradients are DAPO's bit for bit (their loss values
+    differ: -A log p against -A ratio). Two runs of them that differ took different kernels, not objectives."""
+    g = torch.Generator().manual_seed(0)
+    logp = (torch.rand(4, 7, generator=g) * -3).requires_grad_()                           # [B, L]
+    mask = (torch.rand(4, 7, generator=g) > 0.2).float()
+    advantages = torch.randn(4, generator=g)
+
+    def grad(kind: str, epsilon_high: float) -> torch.Tensor:
+        s = LossSettings(loss_type=kind, beta=0.0, epsilon_low=0.2, epsilon_high=epsilon_high, max_completion_length=7)
+        loss, _ = grpo_loss(logp, logp.detach(), None, advantages, mask, s, num_tokens_in_batch=mask.sum().item())
+        return torch.autograd.grad(loss, logp)[0]
+
+    assert torch.equal(grad(loss_type, 5.0 if loss_type == "cispo" else 0.28), grad("dapo", 0.28))

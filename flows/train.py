@@ -147,7 +147,7 @@ def preflight(cfg: GRPOConfig) -> None:
     kinds = {"math"}                                              # the built-in arithmetic task
     if cfg.data.curated:
         kinds = data_iteration.check_curated(cfg.data.curated, run_dir_of(cfg), curated_cache()) or set()
-    cfg.sandbox.check_ready(kinds & {"python", "rust"})
+    cfg.sandbox.check_ready((kinds | set(cfg.tools)) & {"python", "rust"})     # code tasks, and the code tools
     remote.check_work_pools(cfg)
     if cfg.run_name:            # the CLI names every run before this; a stored gate set must not hold eval questions
         gate.check_before_run(cfg, run_dir_of(cfg))

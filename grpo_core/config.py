@@ -316,8 +316,10 @@ class EvalConfig(_Section):
 
 class SandboxConfig(_Section):
     """Where model-written code runs (code tasks only)."""
-    backend: Literal["auto", "docker", "local"] = Field(
-        "auto", description="auto: Docker when an engine answers, else the weaker local (bubblewrap) backend")
+    backend: Literal["auto", "docker", "local", "unisolated"] = Field(
+        "auto", description="auto: Docker when an engine answers, else the weaker local (bubblewrap) backend; a run "
+                            "refuses to start where neither isolates code. unisolated: rlimits alone on this host, "
+                            "for code you trust")
     reward_mode: Literal["fraction", "binary"] = Field(
         "fraction", description="code correctness: fraction of hidden tests passed, or 1 only if all pass")
     images: dict[Literal["python", "rust"], str] = Field(
@@ -325,9 +327,22 @@ class SandboxConfig(_Section):
                                           "grpo-sandbox-python:1 and grpo-sandbox-rust:1 (`grpo sandbox build-images`)")
 
     def check_ready(self, languages: set[str]) -> None:
-        """Before a run with code tasks in `languages` on backend docker: the engine answers and every image
-        exists, else a ConfigError naming the field to fix (auto falls back to local; local needs neither)."""
-        if self.backend != "docker" or not languages:
+        """Before a run whose code (tasks or tools) in `languages` runs in the sandbox: on backend docker the
+        engine answers and every image exists; on local, and on auto without Docker, bubblewrap isolates code
+        here; else a ConfigError naming the field to fix."""
+        if not languages or self.backend == "unisolated":
+            return
+        if self.backend != "docker":
+            from sandbox.docker_backend import docker_available
+            from sandbox.local_backend import NO_ISOLATION_FIX, bwrap_problem
+            if self.backend == "auto" and docker_available(self.images or None):
+                return
+            problem = bwrap_problem()
+            if problem is not None:
+                raise ConfigError(f"sandbox.backend is {self.backend!r}"
+                                  + (" and no Docker engine with the sandbox images answers" if self.backend == "auto"
+                                     else "") + f", and {problem}: model-written code would run on this host "
+                                  f"unisolated. {NO_ISOLATION_FIX}")
             return
         from sandbox.docker_backend import missing_images
         from sandbox.images import IMAGES

@@ -32,9 +32,10 @@ with ``...[truncated]`` and the program is stopped). ``RunOutput.status``: ``ok`
 are in ``stderr``), ``timeout``, ``infra_error`` (the sandbox failed, not the program).
 
 ``backend``: ``"docker"`` (containers; needs an engine and the images from
-``python -m sandbox.images build``), ``"local"`` (subprocess + rlimits + bubblewrap when
-available; weaker, warns loudly), or ``"auto"`` (docker when an engine answers and the images
-exist, else local). A caller that names none (library use; a run names its config's ``sandbox.backend``)
+``python -m sandbox.images build``), ``"local"`` (bubblewrap namespaces + rlimits; weaker, warns
+loudly; refuses where bubblewrap is not usable), ``"auto"`` (docker when an engine answers and the
+images exist, else local), or ``"unisolated"`` (rlimits alone on this host: only for code you trust,
+asked for by name, never a fallback). A caller that names none (library use; a run names its config's ``sandbox.backend``)
 gets ``$GRPO_SANDBOX_BACKEND``, else ``"auto"``: :func:`default_backend_name`, the one place it is read.
 
 The ``tests`` formats (the hidden tests of a task; never shown to the model)
@@ -124,19 +125,23 @@ _BACKENDS: dict[str, Any] = {}
 
 
 def default_backend_name() -> str:
-    """The backend of a call that names none: ``$GRPO_SANDBOX_BACKEND`` (auto|docker|local), else ``"auto"``."""
+    """The backend of a call that names none: ``$GRPO_SANDBOX_BACKEND`` (auto|docker|local|unisolated), else
+    ``"auto"``."""
     return os.environ.get("GRPO_SANDBOX_BACKEND") or "auto"
 
 
 def get_backend(name: str | None = None, images: dict[str, str] | None = None):
-    """Return a backend object: ``"docker"``, ``"local"`` or ``"auto"`` (None: :func:`default_backend_name`).
+    """Return a backend object: ``"docker"``, ``"local"``, ``"auto"`` or ``"unisolated"`` (None:
+    :func:`default_backend_name`); ``"local"``, and ``"auto"`` without Docker, raise ``NoIsolation`` (saying how to
+    fix it) where bubblewrap is not usable.
     ``images``: language -> Docker image, overriding ``sandbox.images.IMAGES`` for those languages. Instances
     are shared (their warm containers are reused across calls)."""
     name = name or default_backend_name()
-    if name not in ("auto", "docker", "local"):
+    if name not in BACKEND_NAMES:
         raise ValueError(f"sandbox backend {name!r} (sandbox.backend, or $GRPO_SANDBOX_BACKEND): use 'auto', "
-                         f"'docker' or 'local'")
-    if name == "auto":
+                         f"'docker', 'local' or 'unisolated'")
+    auto = name == "auto"
+    if auto:
         from sandbox.docker_backend import docker_available
         name = "docker" if docker_available(images) else "local"
     key = (name, tuple(sorted((images or {}).items()))) if name == "docker" and images else name
@@ -147,9 +152,16 @@ def get_backend(name: str | None = None, images: dict[str, str] | None = None):
             from sandbox.images import IMAGES
             _BACKENDS[key] = DockerBackend({**IMAGES, **(images or {})})
         else:
-            from sandbox.local_backend import LocalBackend
-            _BACKENDS[key] = LocalBackend()
+            from sandbox.local_backend import LocalBackend, NoIsolation
+            try:
+                _BACKENDS[key] = LocalBackend(use_bwrap=False if name == "unisolated" else None)
+            except NoIsolation as e:
+                raise NoIsolation(f"sandbox backend auto: no Docker engine with the images answers, and {e}"
+                                  if auto else f"sandbox backend local: {e}") from None
     return _BACKENDS[key]
+
+
+BACKEND_NAMES = ("auto", "docker", "local", "unisolated")
 
 
 def score_batch(jobs: Sequence[Job], backend: Any = "auto", workers: int | None = None,

@@ -32,6 +32,10 @@ class EngineUnavailable(InfraError):
     back. A job's verdict becomes infra_error; `Backend.check_engine` raises it for the caller to retry later."""
 
 
+class NoIsolation(InfraError):
+    """The local backend cannot isolate code here (no usable bubblewrap) and was not told to run it unisolated."""
+
+
 class BoxDied(RuntimeError):
     """The box stopped answering mid-job (killed runner, OOM of the supervisor, deadline)."""
 

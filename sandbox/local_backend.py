@@ -4,9 +4,11 @@ With bubblewrap, a few warm ``bwrap --unshare-all ... python_runner.py serve`` b
 at a time each (no network, private PID/IPC namespaces, a size-capped tmpfs ``/tmp`` wiped and
 every other process killed between jobs, a read-only root holding read-only binds of only /usr,
 /etc/alternatives, the runner and the host Rust toolchain); as root with cgroup v1 each box also gets
-its own pids + memory cgroup. Without bubblewrap each job is one ``python_runner.py once`` process in
-its own session with rlimits (and cgroups as root), and the code sees the host filesystem and network:
-a loud warning is logged. The verdict protocol is the same as Docker's (outputs compared on the host).
+its own pids + memory cgroup. Without usable bubblewrap the backend refuses (:class:`NoIsolation`, saying
+how to fix it) unless it was asked to run unisolated (``LocalBackend(use_bwrap=False)``, the backend name
+``unisolated``): then each job is one ``python_runner.py once`` process in its own session with rlimits (and
+cgroups as root), the code sees the host filesystem and network, and a loud warning is logged. The verdict
+protocol is the same as Docker's (outputs compared on the host).
 """
 from __future__ import annotations
 
@@ -27,7 +29,7 @@ import uuid
 from typing import Any
 
 from sandbox.types import Limits
-from sandbox.backends import RUNNER_PATH, Backend, BoxDied, InfraError, NonceChannel
+from sandbox.backends import RUNNER_PATH, Backend, BoxDied, InfraError, NoIsolation, NonceChannel
 
 log = logging.getLogger("sandbox.local")
 
@@ -37,22 +39,39 @@ BOX_RUST = "/opt/rust"       # where the host Rust sysroot appears inside bubble
 _warned = False
 
 
-def bwrap_works() -> bool:
-    """True when bubblewrap is installed and can create its namespaces here."""
+def bwrap_problem() -> str | None:
+    """Why bubblewrap cannot isolate code here (None: it is installed and can create its namespaces)."""
     exe = shutil.which("bwrap")
     if not exe:
-        return False
+        return "bubblewrap (bwrap) is not installed"
     r = subprocess.run([exe, "--ro-bind", "/", "/", "--unshare-all", "--die-with-parent", "true"],
-                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    return r.returncode == 0
+                       stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    return None if r.returncode == 0 else f"bwrap cannot create its namespaces here ({r.stderr.strip()[:200]})"
+
+
+def bwrap_works() -> bool:
+    """True when bubblewrap is installed and can create its namespaces here."""
+    return bwrap_problem() is None
+
+
+NO_ISOLATION_FIX = ("Fix: install bubblewrap (apt-get install bubblewrap; infra/setup_docker.sh installs it with "
+                    "Docker), or start Docker and its images for sandbox.backend: docker; only for code you trust, "
+                    "sandbox.backend: unisolated runs it on this host, with its files and network")
 
 
 class LocalBackend(Backend):
     name = "local"
 
     def __init__(self, use_bwrap: bool | None = None):
+        """use_bwrap: None (checked) or True, bubblewrap (NoIsolation where it is not usable); False, unisolated."""
         global _warned
-        self.bwrap = bwrap_works() if use_bwrap is None else use_bwrap
+        if use_bwrap is None:
+            problem = bwrap_problem()
+            if problem is not None:
+                raise NoIsolation(f"the local sandbox isolates code with bubblewrap, and {problem}: model-written "
+                                  f"code would run on this host as this user. {NO_ISOLATION_FIX}")
+        self.bwrap = use_bwrap is not False
+        self.name = "local" if self.bwrap else "unisolated"
         self.python = SYSTEM_PYTHON if os.path.exists(SYSTEM_PYTHON) else sys.executable
         self._runner_dir = tempfile.mkdtemp(prefix="grpo-sbx-local-")
         shutil.copy(RUNNER_PATH, os.path.join(self._runner_dir, "python_runner.py"))
@@ -69,7 +88,7 @@ class LocalBackend(Backend):
                 "SANDBOX: using the LOCAL backend (%s). It is WEAKER than Docker: untrusted code "
                 "runs on this kernel as this user%s. Use the docker backend for training runs.",
                 "bubblewrap: no network, private PID namespace, read-only system dirs"
-                if self.bwrap else "NO bubblewrap: host filesystem and network are visible",
+                if self.bwrap else "UNISOLATED, asked for: no bubblewrap, host filesystem and network are visible",
                 "" if self.bwrap else ", with only rlimits and a process group")
 
     def default_workers(self) -> int:

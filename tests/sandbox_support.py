@@ -1,7 +1,9 @@
 """Fixtures for the sandbox tests (imported by tests/test_sandbox_*.py).
 
 Docker tests skip when no engine (or no sandbox image) is there, unless ``REQUIRE_DOCKER=1``:
-then a missing engine fails the test instead, so CI cannot pass by skipping.
+then a missing engine fails the test instead, so CI cannot pass by skipping. The same for the local backend's
+isolation tests without bubblewrap (infra/setup_docker.sh installs it with Docker). Tests that run only trusted
+code (references, the verdict logic) take `TRUSTED_LOCAL`: the local backend, unisolated where bubblewrap is not.
 """
 from __future__ import annotations
 
@@ -12,6 +14,24 @@ import threading
 import pytest
 
 from sandbox.types import Job, Limits
+
+def need_bwrap() -> None:
+    from sandbox.local_backend import bwrap_problem
+    problem = bwrap_problem()
+    if problem is None:
+        return
+    if os.environ.get("REQUIRE_DOCKER") == "1":
+        pytest.fail(f"REQUIRE_DOCKER=1 (infra/setup_docker.sh installs bubblewrap with Docker) but {problem}")
+    pytest.skip(f"{problem}: the local backend refuses to run code unisolated")
+
+
+def _trusted_local() -> str:
+    from sandbox.local_backend import bwrap_works
+    return "local" if bwrap_works() else "unisolated"
+
+
+TRUSTED_LOCAL = _trusted_local()
+
 
 def need_docker() -> None:
     from sandbox.docker_backend import docker_available, engine_answers
@@ -35,8 +55,9 @@ def docker_backend():
 
 @pytest.fixture(scope="module")
 def local_backend():
+    """The local backend for trusted test code: with bubblewrap where it works, else unisolated."""
     from sandbox.local_backend import LocalBackend
-    be = LocalBackend()
+    be = LocalBackend(use_bwrap=None if TRUSTED_LOCAL == "local" else False)
     yield be
     be.close()
 
@@ -49,6 +70,7 @@ def backend(request):
         from sandbox.docker_backend import DockerBackend
         be = DockerBackend()
     else:
+        need_bwrap()
         from sandbox.local_backend import LocalBackend
         be = LocalBackend()
     yield be

@@ -13,14 +13,13 @@ from grpo_core.rollout.code_tools import (RustFix, TestSplit, check_report, outp
                                   rust_tool, split_rust_tests)
 from grpo_core.config import SandboxConfig
 from sandbox.types import Limits, RunOutput
-from sandbox_support import listening_socket, need_docker
+from sandbox_support import listening_socket, need_bwrap, need_docker
 
 
 @pytest.fixture(scope="module", params=["docker", "local"])
 def sandbox(request) -> SandboxConfig:
     """The run's sandbox settings, as a run passes them: each test runs on both backends."""
-    if request.param == "docker":
-        need_docker()
+    need_docker() if request.param == "docker" else need_bwrap()
     return SandboxConfig(backend=request.param)
 
 

@@ -204,7 +204,8 @@ def test_verdict_fractions():
 
 def test_malformed_task_is_infra_error_not_crash():
     from sandbox.local_backend import LocalBackend
-    v = LocalBackend().score_one(Job("python", "def f(): pass", {"format": "io", "cases": "x"}, "f"))
+    from sandbox_support import TRUSTED_LOCAL
+    v = LocalBackend(use_bwrap=None if TRUSTED_LOCAL == "local" else False).score_one(Job("python", "def f(): pass", {"format": "io", "cases": "x"}, "f"))
     assert v.status == "infra_error" and "cases" in v.detail
 
 
@@ -216,9 +217,10 @@ def test_a_call_that_names_no_backend_gets_the_environments_or_auto(monkeypatch)
     from sandbox.local_backend import LocalBackend
     monkeypatch.delenv("GRPO_SANDBOX_BACKEND", raising=False)
     assert default_backend_name() == "auto"
-    monkeypatch.setenv("GRPO_SANDBOX_BACKEND", "local")
+    from sandbox_support import TRUSTED_LOCAL
+    monkeypatch.setenv("GRPO_SANDBOX_BACKEND", TRUSTED_LOCAL)
     assert isinstance(get_backend(), LocalBackend) and isinstance(_backend(None), LocalBackend)
     monkeypatch.setenv("GRPO_SANDBOX_BACKEND", "remote")
-    assert isinstance(_backend({"backend": "local"}), LocalBackend)
+    assert isinstance(_backend({"backend": TRUSTED_LOCAL}), LocalBackend)
     with pytest.raises(ValueError, match=r"sandbox backend 'remote' \(sandbox.backend, or \$GRPO_SANDBOX_BACKEND\)"):
         get_backend()

@@ -6,7 +6,7 @@ import pytest
 from grpo_core.rewards.code_rewards import build_job, code_accuracy, extract_code, score_code, verdict_reward
 from grpo_core.task import Task
 from sandbox.types import StageResult, TestResult, Verdict
-from sandbox_support import need_docker
+from sandbox_support import TRUSTED_LOCAL, need_bwrap, need_docker
 
 
 def test_extract_code_prefers_last_tagged_block():
@@ -70,8 +70,7 @@ def test_build_job_from_task():
 
 @pytest.mark.parametrize("backend", ["local", "docker"])
 def test_code_accuracy_end_to_end(backend):
-    if backend == "docker":
-        need_docker()
+    need_docker() if backend == "docker" else need_bwrap()
     completions = ["```python\ndef add(a, b):\n    return a + b\n```",
                    "```python\ndef add(a, b):\n    return 3\n```",
                    "no code at all",
@@ -92,7 +91,7 @@ def test_rust_reward_end_to_end_docker():
 
 def test_malformed_task_gives_none():
     bad = Task(id="bad", kind="python", source="t", prompt="p", entry_point="f", tests={"format": "io", "cases": []})
-    assert code_accuracy(["def f(): pass"], [bad], backend="local", retries=0) == [None]
+    assert code_accuracy(["def f(): pass"], [bad], backend=TRUSTED_LOCAL, retries=0) == [None]
 
 
 @pytest.mark.parametrize("backend", ["local", "docker"])
@@ -100,8 +99,7 @@ def test_accuracy_reward_runs_code_tasks_through_the_same_columns(backend):
     """The built-in `accuracy`, called the TRL way (prompts, completions, **columns), mixes math and code:
     code is judged in the sandbox named by the run context, math in-process; a malformed code task is None
     and so is its total (the sample is left out, never scored 0)."""
-    if backend == "docker":
-        need_docker()
+    need_docker() if backend == "docker" else need_bwrap()
     from grpo_core.rewards.rewards import compute_rewards
     math_task = Task(id="m", kind="math", source="s", prompt="What is 1 + 1?", answer="2")
     bad = Task(id="bad", kind="python", source="t", prompt="p", entry_point="f", tests={"format": "io", "cases": []})

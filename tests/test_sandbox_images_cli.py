@@ -12,6 +12,7 @@ import pytest
 
 from flows.cli import sandbox as cli
 from sandbox import images
+from sandbox_support import TRUSTED_LOCAL
 from sandbox_support import need_docker
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -40,7 +41,7 @@ def test_run_file_with_local_backend(tmp_path, capsys):
     code.write_text("def f(x):\n    return x * 2\n")
     tests.write_text(json.dumps({"format": "io", "cases": [{"args": [2], "expected": 4}]}))
     args = _parser().parse_args(["sandbox", "run-file", str(code), str(tests), "--language", "python",
-                                 "--entry-point", "f", "--backend", "local"])
+                                 "--entry-point", "f", "--backend", TRUSTED_LOCAL])
     assert args.func(args) == 0
     assert json.loads(capsys.readouterr().out)["status"] == "pass"
 

@@ -1,4 +1,5 @@
-"""Local backend (no Docker): same protocol, weaker isolation, loud warning."""
+"""Local backend (no Docker): same protocol, weaker isolation, loud warning; without bubblewrap it refuses unless
+asked by name to run unisolated."""
 from __future__ import annotations
 
 import logging
@@ -8,8 +9,9 @@ import subprocess
 import pytest
 
 from sandbox.types import Job
-from sandbox.local_backend import LocalBackend, bwrap_works
-from sandbox_support import local_backend, py_job, rust_job  # noqa: F401 - fixtures
+from sandbox.backends import NoIsolation
+from sandbox.local_backend import LocalBackend
+from sandbox_support import TRUSTED_LOCAL, local_backend, need_bwrap, py_job, rust_job  # noqa: F401 - fixtures
 
 ADD = "def f(a, b):\n    return a + b\n"
 CASES = [((1, 2), 3), ((2, 2), 4)]
@@ -19,8 +21,39 @@ def test_local_warns_loudly(caplog):
     import sandbox.local_backend as lb
     lb._warned = False
     with caplog.at_level(logging.WARNING, logger="sandbox.local"):
+        be = LocalBackend(use_bwrap=False)
+    be.close()
+    assert "WEAKER" in caplog.text and "UNISOLATED, asked for" in caplog.text and be.name == "unisolated"
+
+
+def test_without_bubblewrap_local_and_auto_refuse_and_say_how_to_fix_it(monkeypatch, tmp_path):
+    """Model-written code never runs on the host unisolated by a fallback: the local backend, auto without Docker
+    and a run's config check refuse where bubblewrap is not usable, naming the fixes; `unisolated` is asked by
+    name."""
+    import sandbox.api as api
+    import sandbox.docker_backend as docker_backend
+    import sandbox.local_backend as lb
+    from grpo_core.config import SandboxConfig
+    from grpo_core.errors import ConfigError
+    monkeypatch.setattr(lb, "bwrap_problem", lambda: "bubblewrap (bwrap) is not installed")
+    monkeypatch.setattr(docker_backend, "docker_available", lambda images=None: False)
+    monkeypatch.setattr(api, "_BACKENDS", {})
+    fixes = r"apt-get install bubblewrap.*sandbox.backend: docker.*sandbox.backend: unisolated"
+    with pytest.raises(NoIsolation, match="bubblewrap \(bwrap\) is not installed: model-written code would run on "
+                                          "this host as this user. Fix: install bubblewrap"):
         LocalBackend()
-    assert "WEAKER" in caplog.text
+    with pytest.raises(NoIsolation, match="^sandbox backend local: .*" + fixes):
+        api.get_backend("local")
+    with pytest.raises(NoIsolation, match="^sandbox backend auto: no Docker engine with the images answers, and "):
+        api.get_backend("auto")
+    for backend in ("auto", "local"):
+        with pytest.raises(ConfigError, match=f"sandbox.backend is '{backend}'.*not installed.*" + fixes):
+            SandboxConfig(backend=backend).check_ready({"python"})
+    SandboxConfig(backend="local").check_ready(set())                   # no code to run: nothing to isolate
+    SandboxConfig(backend="unisolated").check_ready({"python", "rust"})
+    be = api.get_backend("unisolated")
+    assert be.name == "unisolated" and not be.bwrap
+    assert be.score_batch([py_job(ADD, CASES)])[0].backend == "unisolated"
 
 
 def test_local_python_verdicts(local_backend):
@@ -28,11 +61,11 @@ def test_local_python_verdicts(local_backend):
                                     py_job("def f(a, b):\n    1/0\n", CASES)])
     assert [v.status for v in vs] == ["pass", "fail", "fail"]
     assert "ZeroDivisionError" in vs[2].tests[0].detail
-    assert vs[0].backend == "local"
+    assert vs[0].backend == TRUSTED_LOCAL
 
 
-@pytest.mark.skipif(not bwrap_works(), reason="bubblewrap not usable here")
 def test_local_runs_in_private_namespaces_without_host_files(local_backend):
+    need_bwrap()
     code = ("import os\ndef f():\n    return [os.path.exists('/work'), os.path.exists('/root'), os.path.exists('/home'),"
             " len(os.listdir('/sys/class/net')) if os.path.exists('/sys/class/net') else 1]\n")
     v = local_backend.score_batch([Job("python", code, {"format": "io", "cases": [{"args": [], "expected": [False, False, False, 1]}]}, "f")])[0]
@@ -40,6 +73,7 @@ def test_local_runs_in_private_namespaces_without_host_files(local_backend):
 
 
 def test_local_leaves_no_process_or_cgroup():
+    need_bwrap()
     be = LocalBackend()
     code = "import os, time\ndef f(a, b):\n    if os.fork() == 0:\n        os.setsid()\n        time.sleep(3600)\n    return a + b\n"
     assert be.score_batch([py_job(code, CASES)] * 3, workers=2)[0].status == "pass"

@@ -231,12 +231,11 @@ def test_both_adds_the_references_to_the_policys_own_right_answers(real_home, tm
 @pytest.mark.smoke
 @pytest.mark.parametrize("backend", ["docker", "local"])
 def test_a_python_reference_program_runs_in_the_sandbox_and_its_output_is_the_answer(real_home, tmp_path, backend):
-    from sandbox_support import need_docker
+    from sandbox_support import need_bwrap, need_docker
     from grpo_core.data.sources import load_source
     from grpo_core.rollout.multiturn import Toolbox
     from grpo_core.update.warmstart import reference_samples
-    if backend == "docker":
-        need_docker()
+    need_docker() if backend == "docker" else need_bwrap()
     cfg = _tools_cfg(tmp_path, tools=("python",), sandbox={"backend": backend})
     questions = list(load_source("tool_problems", kinds=["python"], n=5))
     tok = _tokenizer(cfg)

@@ -21,13 +21,14 @@ from grpo_core.io import DiskFullError, InputError
 from grpo_core.model.loading import ModelError
 from grpo_core.plugins import PluginError
 from grpo_core.rewards.rewards import RewardOutputError, plugin_failure
-from sandbox.backends import EngineUnavailable
+from sandbox.backends import EngineUnavailable, NoIsolation
 from sandbox.types import TaskFormatError
 from tasks.run_state import stop_signal
 
 COMMAND_GROUPS = (train, evaluate, export, ops, data, sandbox, infra)  # the order `grpo --help` lists them in
-# Errors in what the user gave (config, model, data, plugins): their messages name the field or file and the fix.
-USER_ERRORS = (ConfigError, ModelError, InputError, PluginError, RewardOutputError, TaskFormatError)
+# Errors in what the user gave (config, model, data, plugins) or chose (a sandbox that cannot isolate code here):
+# their messages name the field or file and the fix.
+USER_ERRORS = (ConfigError, ModelError, InputError, PluginError, RewardOutputError, TaskFormatError, NoIsolation)
 # What the machine lacked mid-run (the Docker engine, still down after the stage's retries; disk space): one line
 # too, with the fix and the resume command.
 RESUMABLE_ERRORS = (EngineUnavailable, DiskFullError)

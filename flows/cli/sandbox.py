@@ -32,7 +32,7 @@ def register(subparsers) -> argparse.ArgumentParser:
     r.add_argument("tests", help="JSON file with the tests dict (see sandbox/api.py)")
     r.add_argument("--language", required=True, choices=["python", "rust"])
     r.add_argument("--entry-point", default=None, help="function name (python)")
-    r.add_argument("--backend", default="auto", choices=["auto", "docker", "local"])
+    r.add_argument("--backend", default="auto", choices=["auto", "docker", "local", "unisolated"])
     r.set_defaults(func=cmd_run_file)
 
     x = sub.add_parser("reap", help="remove sandbox containers whose owning process is gone")
@@ -47,14 +47,16 @@ def cmd_build_images(args) -> int:
 def cmd_check(args) -> int:
     from sandbox.docker_backend import docker_available, engine_answers
     from sandbox.images import IMAGES, image_exists
-    from sandbox.local_backend import bwrap_works
+    from sandbox.local_backend import bwrap_problem
     engine = engine_answers()
     print(f"docker engine: {'answers' if engine else 'NOT answering (run infra/setup_docker.sh as root)'}")
     if engine:
         for ref in IMAGES.values():
             print(f"image {ref}: {'present' if image_exists(ref) else 'MISSING (grpo sandbox build-images)'}")
-    print(f"bubblewrap: {'works' if bwrap_works() else 'not usable'}")
-    print(f"backend 'auto' picks: {'docker' if docker_available() else 'local (weaker)'}")
+    problem = bwrap_problem()
+    print(f"bubblewrap: {'works' if problem is None else f'NOT usable: {problem} (apt-get install bubblewrap)'}")
+    print("backend 'auto' picks: " + ("docker" if docker_available() else "local (weaker)" if problem is None else
+                                      "nothing: it refuses to run code unisolated (start Docker or install bubblewrap)"))
     return 0
 
 

@@ -73,11 +73,17 @@ BatchChecker = Callable[[Sequence[Task]], list[Check]]
 
 
 def _sandbox_checker(workers: int) -> BatchChecker | None:
-    """Reference checks through `sandbox.api.check_references`, or None when the sandbox is absent."""
+    """Reference checks through `sandbox.api.check_references`, or None when the sandbox is absent or cannot
+    isolate code here (no Docker, no bubblewrap: the references then go to the local reference runner)."""
     try:
         from sandbox import api  # owned by the sandbox package
+        from sandbox.backends import NoIsolation
         check_references = api.check_references
     except Exception:  # noqa: BLE001 - any import failure means "no sandbox"
+        return None
+    try:
+        api.get_backend()
+    except NoIsolation:
         return None
 
     def run(tasks: Sequence[Task]) -> list[Check]:

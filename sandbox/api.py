@@ -156,7 +156,7 @@ def get_backend(name: str | None = None, images: dict[str, str] | None = None):
             try:
                 _BACKENDS[key] = LocalBackend(use_bwrap=False if name == "unisolated" else None)
             except NoIsolation as e:
-                raise NoIsolation(f"sandbox backend auto: no Docker engine with the images answers, and {e}"
+                raise NoIsolation(f"sandbox backend auto: no Docker engine with the images answers; {e}"
                                   if auto else f"sandbox backend local: {e}") from None
     return _BACKENDS[key]
 

@@ -44,7 +44,7 @@ def test_without_bubblewrap_local_and_auto_refuse_and_say_how_to_fix_it(monkeypa
         LocalBackend()
     with pytest.raises(NoIsolation, match="^sandbox backend local: .*" + fixes):
         api.get_backend("local")
-    with pytest.raises(NoIsolation, match="^sandbox backend auto: no Docker engine with the images answers, and "):
+    with pytest.raises(NoIsolation, match="^sandbox backend auto: no Docker engine with the images answers; the local sandbox "):
         api.get_backend("auto")
     for backend in ("auto", "local"):
         with pytest.raises(ConfigError, match=f"sandbox.backend is '{backend}'.*not installed.*" + fixes):

@@ -189,6 +189,7 @@ def _placed_numel(kernel: str, gemm, group) -> int:
     out, inp = sum(w.size(0) for w, _, _ in group), group[0][0].size(1)
     return gemm.packed_numel(out, inp) if kernel == "native" else out * inp
 
+
 # -- the update's forward on the same weights -----------------------------------------------------------------
 
 def _base_groups(lean: LeanDecoder) -> list[list[torch.nn.Linear]]:

@@ -140,13 +140,14 @@ def kernels_taken(run_dir: Path) -> dict[str, list[str]]:
     choice once: where `kernels:` is auto a probe picks per process, and two runs that took different kernels
     round differently, so they can differ however alike their configs."""
     import re
-    taken = {"sampler": set(), "update": set()}
-    for k in sorted(int(p.name.split("-")[1]) for p in run_dir.glob("iter-*") if p.name.split("-")[1].isdigit()):
-        for stage, key, probe in (("rollout", "sampler", r" \(probe: [^)]*\)"), ("update", "linears", r"; probe: [^)]*")):
-            record = run_dir / f"iter-{k}" / f"{stage}.json"
-            said = json.loads(record.read_text()).get(key) if record.is_file() else None
+    records = {"sampler": ("rollout.json", "sampler", r" \(probe: [^)]*\)"),
+               "update": ("update.json", "linears", r"; probe: [^)]*")}
+    taken = {kind: set() for kind in records}
+    for kind, (name, key, probe) in records.items():
+        for record in run_dir.glob(f"iter-*/{name}"):
+            said = json.loads(record.read_text()).get(key)
             if said:
-                taken["sampler" if stage == "rollout" else "update"].add(re.sub(probe, "", said))
+                taken[kind].add(re.sub(probe, "", said))
     return {k: sorted(v) for k, v in taken.items()}
 
 

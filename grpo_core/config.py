@@ -333,9 +333,9 @@ class SandboxConfig(_Section):
         if not languages or self.backend == "unisolated":
             return
         if self.backend != "docker":
-            from sandbox.docker_backend import docker_available
+            from sandbox.api import resolve_backend
             from sandbox.local_backend import NO_ISOLATION_FIX, bwrap_problem
-            if self.backend == "auto" and docker_available(self.images or None):
+            if resolve_backend(self.backend, dict(self.images) or None) == "docker":
                 return
             problem = bwrap_problem()
             if problem is not None:

@@ -130,20 +130,27 @@ def default_backend_name() -> str:
     return os.environ.get("GRPO_SANDBOX_BACKEND") or "auto"
 
 
+def resolve_backend(name: str | None = None, images: dict[str, str] | None = None) -> str:
+    """The backend a name stands for here: ``"auto"`` is ``"docker"`` when an engine answers and the images exist,
+    else ``"local"``; the others are themselves (None: :func:`default_backend_name`). Builds no backend."""
+    name = name or default_backend_name()
+    if name not in BACKEND_NAMES:
+        raise ValueError(f"sandbox backend {name!r} (sandbox.backend, or $GRPO_SANDBOX_BACKEND): use 'auto', "
+                         f"'docker', 'local' or 'unisolated'")
+    if name == "auto":
+        from sandbox.docker_backend import docker_available
+        return "docker" if docker_available(images) else "local"
+    return name
+
+
 def get_backend(name: str | None = None, images: dict[str, str] | None = None):
     """Return a backend object: ``"docker"``, ``"local"``, ``"auto"`` or ``"unisolated"`` (None:
     :func:`default_backend_name`); ``"local"``, and ``"auto"`` without Docker, raise ``NoIsolation`` (saying how to
     fix it) where bubblewrap is not usable.
     ``images``: language -> Docker image, overriding ``sandbox.images.IMAGES`` for those languages. Instances
     are shared (their warm containers are reused across calls)."""
-    name = name or default_backend_name()
-    if name not in BACKEND_NAMES:
-        raise ValueError(f"sandbox backend {name!r} (sandbox.backend, or $GRPO_SANDBOX_BACKEND): use 'auto', "
-                         f"'docker', 'local' or 'unisolated'")
-    auto = name == "auto"
-    if auto:
-        from sandbox.docker_backend import docker_available
-        name = "docker" if docker_available(images) else "local"
+    auto = (name or default_backend_name()) == "auto"
+    name = resolve_backend(name, images)
     key = (name, tuple(sorted((images or {}).items()))) if name == "docker" and images else name
     cached = _BACKENDS.get(key)
     if cached is None or getattr(cached, "pid", os.getpid()) != os.getpid():  # new after fork

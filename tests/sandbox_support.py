@@ -33,6 +33,12 @@ def _trusted_local() -> str:
 TRUSTED_LOCAL = _trusted_local()
 
 
+def trusted_local_backend():
+    """A new local backend for trusted test code: with bubblewrap where it works, else unisolated."""
+    from sandbox.local_backend import LocalBackend
+    return LocalBackend(use_bwrap=None if TRUSTED_LOCAL == "local" else False)
+
+
 def need_docker() -> None:
     from sandbox.docker_backend import docker_available, engine_answers
     if docker_available():
@@ -55,9 +61,8 @@ def docker_backend():
 
 @pytest.fixture(scope="module")
 def local_backend():
-    """The local backend for trusted test code: with bubblewrap where it works, else unisolated."""
-    from sandbox.local_backend import LocalBackend
-    be = LocalBackend(use_bwrap=None if TRUSTED_LOCAL == "local" else False)
+    """The local backend for trusted test code (`trusted_local_backend`)."""
+    be = trusted_local_backend()
     yield be
     be.close()
 

@@ -203,9 +203,8 @@ def test_verdict_fractions():
 
 
 def test_malformed_task_is_infra_error_not_crash():
-    from sandbox.local_backend import LocalBackend
-    from sandbox_support import TRUSTED_LOCAL
-    v = LocalBackend(use_bwrap=None if TRUSTED_LOCAL == "local" else False).score_one(Job("python", "def f(): pass", {"format": "io", "cases": "x"}, "f"))
+    from sandbox_support import trusted_local_backend
+    v = trusted_local_backend().score_one(Job("python", "def f(): pass", {"format": "io", "cases": "x"}, "f"))
     assert v.status == "infra_error" and "cases" in v.detail
 
 

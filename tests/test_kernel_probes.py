@@ -73,7 +73,8 @@ def test_a_kernel_this_cpu_cannot_run_is_declined_with_the_reason(monkeypatch, c
 
 def test_the_updates_choice_says_what_decided_it():
     """Pinned, the setting decides (and where it names a kernel this CPU lacks, the record says so); on auto, the
-    probe's timings, every candidate's, are the reason (a timing: under load two processes can decide differently)."""
+    probe's timings of the compiled matmul and torch's are the reason (a timing: under load two processes can
+    decide differently)."""
     shapes = ((96, 64), (64, 96))
     use_kernels(update_linear="torch")
     assert native_update_gemm(torch.bfloat16, shapes) is False
@@ -90,6 +91,6 @@ def test_the_updates_choice_says_what_decided_it():
         assert chose is False and said == "no compiled matmul here"
         return
     timed = dict((k, float(v)) for k, v in re.findall(r"(\w+) ([\d.]+) ms", said.removeprefix("probe: ")))
-    assert said.startswith("probe: ") and {"torch", "native"} <= set(timed)
-    assert chose == (timed["native"] < min(v for k, v in timed.items() if k != "native")) or \
-        abs(timed["native"] - min(v for k, v in timed.items() if k != "native")) < 0.15     # rounded to 0.1 ms
+    # the two the bf16 update can take: oneDNN's packed matmul, faster than both under load once, is not one of them
+    assert said.startswith("probe: ") and set(timed) == {"torch", "native"}
+    assert chose == (timed["native"] < timed["torch"]) or abs(timed["native"] - timed["torch"]) < 0.15  # 0.1 ms

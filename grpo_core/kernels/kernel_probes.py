@@ -130,8 +130,8 @@ UPDATE_ROWS = (255, 512, 701)         # the probe's row counts: a micro-batch's 
 def native_update_gemm(dtype: torch.dtype, shapes: tuple[tuple[int, int], ...]) -> bool:
     """Does the compiled matmul on packed weights multiply a layer's [out, in] weights of these shapes by the
     update's row counts (`UPDATE_ROWS`, odd ones among them: matmul libraries often run those slower) faster,
-    all shapes together, than torch's matmul and oneDNN's packed one? Probed once per process; it decides
-    whether the update's forward reads the sampler's packed weights. The config's `kernels.update_linear:
+    all shapes together, than torch's matmul, the one the update takes otherwise? Probed once per process; it
+    decides whether the update's forward reads the sampler's packed weights. The config's `kernels.update_linear:
     native` or `torch` decides instead. What decided is kept for the run's records (`update_reason`)."""
     chosen = settings.current().update_linear
     if chosen != "auto":
@@ -144,7 +144,7 @@ def native_update_gemm(dtype: torch.dtype, shapes: tuple[tuple[int, int], ...]) 
         return False
     secs = _probe_update_gemm(dtype, shapes)
     _UPDATE_REASONS[dtype, shapes] = "probe: " + ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in secs.items())
-    return secs["native"] < min(v for k, v in secs.items() if k != "native")
+    return secs["native"] < secs["torch"]
 
 
 _UPDATE_REASONS: dict = {}          # (dtype, shapes) -> what decided `native_update_gemm` last
@@ -167,7 +167,4 @@ def _probe_update_gemm(dtype: torch.dtype, shapes: tuple[tuple[int, int], ...]) 
     candidates = {"torch": lambda: [F.linear(x, w) for w in ws for x in xs[w.size(1)]],
                   "native": lambda: [ops.packed_linear(x, p, None, w.size(0))
                                      for w, p in zip(ws, packed) for x in xs[w.size(1)]]}
-    if onednn_ok(dtype):
-        onednn = [onednn_pack(w, UPDATE_ROWS[1]) for w in ws]
-        candidates["onednn"] = lambda: [onednn_linear(x, p, None) for w, p in zip(ws, onednn) for x in xs[w.size(1)]]
     return _stream_seconds(candidates, rounds=5)

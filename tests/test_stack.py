@@ -244,6 +244,11 @@ def test_stack_is_up_private_and_refuses_unauthenticated_requests(stack):
     assert http("GET", api)[0] == 401
     assert http("GET", api, auth=(stack.mlflow_auth[0], "wrong"))[0] == 401
     assert http("GET", api, auth=stack.mlflow_auth)[0] == 200
+    # the server remembers verified logins for a while (mlflow-auth.ini): a wrong password stays refused after a
+    # right one, on each of its workers
+    for _ in range(4):
+        assert http("GET", api, auth=stack.mlflow_auth)[0] == 200
+        assert http("GET", api, auth=(stack.mlflow_auth[0], stack.mlflow_auth[1] + "x"))[0] == 401
     assert http("GET", f"{stack.mlflow}/health")[0] == 200                    # open for health probes
     # Prefect's auth string: the same.
     api = f"{stack.prefect}/api/flows/filter"

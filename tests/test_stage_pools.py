@@ -149,7 +149,9 @@ def test_stages_run_on_their_pools_and_share_one_gpu_slot(tmp_path, tiny_model_d
     shutil.copytree(tiny_model_dir, home / "models" / "tiny-random")
     env = {**os.environ, "PREFECT_HOME": str(tmp_path / "prefect"), "PREFECT_API_URL": api,
            "PREFECT_SERVER_ANALYTICS_ENABLED": "false", "GRPO_HOME": str(home), "PYTHONPATH": str(REPO),
-           "PREFECT_WORKER_QUERY_SECONDS": "1", "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+           "PREFECT_WORKER_QUERY_SECONDS": "1", "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1",
+           # a stage refused the GPU slot asks again after 1 s (the server's default, 10 s, is idle time here)
+           "PREFECT_SERVER_TASKS_TAG_CONCURRENCY_SLOT_WAIT_SECONDS": "1"}
     env.pop("MLFLOW_TRACKING_URI", None)
     stages = {name: {"retries": 0, "work_pool": pool} for name, pool in POOLS.items()}
     config = tmp_path / "cfg.yaml"

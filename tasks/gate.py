@@ -48,7 +48,11 @@ def _model_tags(cfg: GRPOConfig) -> dict[str, str] | None:
     from mlflow.exceptions import MlflowException
     try:
         return tracking.client(cfg).get_registered_model(registered_model_name(cfg)).tags
-    except MlflowException:
+    except MlflowException as e:
+        if not registry.not_found(e):
+            e.add_note(f"reading the registered model {registered_model_name(cfg)}: the gate cannot tell its gate "
+                       f"set and champion; resume the run (`grpo resume`) once MLflow answers")
+            raise
         return None
 
 
@@ -144,7 +148,7 @@ def prepare_gate_set(cfg: GRPOConfig, run_dir: str | Path, run_id: str) -> Path 
         return dst if dst.is_file() else None
     held_out = read_tasks(ensure_eval_split(cfg, run_dir))
     signature = task_signature(cfg)
-    update_run_state(run_dir, task_signature=signature)
+    update_run_state(run_dir, task_signature=signature, gate_refusal=None)    # a resume may have fixed the name
     if (why := task_mismatch(cfg, signature)):
         update_run_state(run_dir, gate_refusal=why)
         tracking.console(f"gate: this run will not be compared for `champion`: {why}")
@@ -194,18 +198,11 @@ def init_gate_set(cfg: GRPOConfig) -> dict:
 
 # -- the decision -------------------------------------------------------------------------------------------
 
-def _champion(c, name: str):
-    from mlflow.exceptions import MlflowException
-    try:
-        return c.get_model_version_by_alias(name, registry.CHAMPION)
-    except MlflowException:
-        return None
-
-
 def champion_score(cfg: GRPOConfig) -> float | None:
     """The champion's tracking.best_metric: on the gate set when a gate promoted it, else on its run's eval split
     (None without a champion)."""
-    champion = _champion(tracking.client(cfg), registered_model_name(cfg)) if current_gate_set(cfg) else None
+    c = tracking.client(cfg)
+    champion = registry.champion_version(c, registered_model_name(cfg)) if current_gate_set(cfg) else None
     if champion is None:
         return None
     value = champion.tags.get("gate_new_score", champion.tags.get(cfg.tracking.best_metric))
@@ -248,7 +245,7 @@ def compare_with_champion(cfg: GRPOConfig, run_dir: Path, run_id: str, checkpoin
         return forced(stats.GateDecision(False, reason=f"not compared: {state['gate_refusal']}"))
     if current_gate_set(cfg) is None and gate_set_path(run_dir).is_file():     # stored at the start, unless it crashed
         store_gate_set(cfg, run_id, gate_set_path(run_dir), state.get("task_signature") or {})
-    champion = _champion(c, name)
+    champion = registry.champion_version(c, name)
     if champion is None:
         return stats.GateDecision(True, reason="first champion")
     if (why := _not_compared(cfg, run_dir, champion)):
@@ -276,17 +273,30 @@ def gate_tags(d: stats.GateDecision, gate_set_hash: str | None) -> dict[str, str
     return tags
 
 
+def _decision_inputs(cfg: GRPOConfig, run_dir: Path, iteration: int) -> dict:
+    """What a decision is made on besides the answers: the iteration, the registered model and the champion it
+    faces, the run's suspect marks and gate refusal, and the gate's settings (a resume may change any of them:
+    another run takes `champion`, `--set monitors...` judges again, gate and tracking names are operational)."""
+    name = registered_model_name(cfg)
+    champion = registry.champion_version(tracking.client(cfg), name)
+    return {"iteration": iteration, "registered_model": name, "champion": champion.version if champion else None,
+            "suspect": suspect_reasons(run_dir), "refusal": read_run_state(run_dir).get("gate_refusal"),
+            "gate": cfg.gate.model_dump(mode="json")}
+
+
 def decision(cfg: GRPOConfig, run_dir: Path, run_id: str, iteration: int) -> stats.GateDecision | None:
     """The gate's decision for the adapter of `iteration`, made once per run (kept in <run_dir>/gate/
-    decision.json, so a re-run of the bookkeeping does not evaluate again); None with the gate off."""
+    decision.json, so a re-run of the bookkeeping does not evaluate again while nothing it was made on changed:
+    another champion, a suspect mark or other gate settings decide again); None with the gate off."""
     if not gate_enabled(cfg):
         return None
     path = run_dir / "gate" / "decision.json"
-    if path.is_file() and (done := read_json(path)).get("iteration") == iteration:
+    inputs = _decision_inputs(cfg, run_dir, iteration)
+    if path.is_file() and (done := read_json(path)).get("inputs") == inputs:
         return stats.GateDecision(**done["decision"])
     checkpoint = read_json(run_dir / f"iter-{iteration}" / "update.json")["checkpoint"]
     d = compare_with_champion(cfg, run_dir, run_id, checkpoint)
-    write_json(path, {"iteration": iteration, "decision": d.as_dict()})
+    write_json(path, {"iteration": iteration, "inputs": inputs, "decision": d.as_dict()})
     return d
 
 

@@ -30,15 +30,33 @@ def ensure_registered_model(c, name: str, description: str) -> None:
             raise
 
 
+def not_found(e) -> bool:
+    """Whether an MlflowException says the registered model (RESOURCE_DOES_NOT_EXIST) or the alias
+    (INVALID_PARAMETER_VALUE) does not exist. Any other (the server out of reach, refusing, failing) must not
+    read as "none": `champion` would pass to the new adapter as to a task's first."""
+    return e.error_code in ("RESOURCE_DOES_NOT_EXIST", "INVALID_PARAMETER_VALUE")
+
+
+def champion_version(c, name: str):
+    """The version `name`@champion, None when the model or the alias does not exist; any other MLflow error
+    is raised with a note saying to resume once MLflow answers."""
+    from mlflow.exceptions import MlflowException
+    try:
+        return c.get_model_version_by_alias(name, CHAMPION)
+    except MlflowException as e:
+        if not not_found(e):
+            e.add_note(f"reading {name}@{CHAMPION}: cannot tell whether there is a champion; resume the run "
+                       f"(`grpo resume`) once MLflow answers")
+            raise
+        return None
+
+
 def _beats_champion(c, name: str, metric: str, value: float | None) -> bool:
     """The rule with the gate off (gate.enabled: false): a new version with `value` of `metric` takes the
     champion alias when there is no champion yet, the champion has no value, or the new one is at least as
     good (higher is better) on its own held-out split."""
-    from mlflow.exceptions import MlflowException
-    try:
-        held = c.get_model_version_by_alias(name, CHAMPION).tags.get(metric)
-    except MlflowException:
-        return True
+    champion = champion_version(c, name)
+    held = champion.tags.get(metric) if champion is not None else None
     return held is None or (value is not None and float(value) >= float(held))
 
 
@@ -128,16 +146,11 @@ def previous_best_adapter(cfg: GRPOConfig, exclude_run_id: str | None = None) ->
     """What `init_adapter: previous` starts from, as 'runs:/.../adapters/iter-k': the champion's adapter when
     the gate is on and there is a champion (the best so far, not merely the latest), else that of the most
     recent FINISHED run in the experiment that recorded one."""
-    from mlflow.exceptions import MlflowException
     c = client(cfg)
     name = registered_model_name(cfg)
-    if cfg.gate.enabled and name:
-        try:
-            mv = c.get_model_version_by_alias(name, CHAMPION)
-            if mv.run_id and mv.tags.get("iteration") and mv.run_id != exclude_run_id:
-                return f"runs:/{mv.run_id}/adapters/iter-{mv.tags['iteration']}"
-        except MlflowException:
-            pass
+    if cfg.gate.enabled and name and (mv := champion_version(c, name)) is not None:
+        if mv.run_id and mv.tags.get("iteration") and mv.run_id != exclude_run_id:
+            return f"runs:/{mv.run_id}/adapters/iter-{mv.tags['iteration']}"
     exp = c.get_experiment_by_name(cfg.tracking.experiment_name)
     if exp is None:
         return None

@@ -371,3 +371,81 @@ def test_the_config_refuses_a_gate_metric_the_evaluation_does_not_produce():
     with pytest.raises(ValueError, match=r"tracking.best_metric 'eval/num_questions' cannot be compared"):
         GRPOConfig(tracking={"best_metric": "eval/num_questions"})
     assert GRPOConfig(tracking={"best_metric": "eval/num_questions"}, gate={"enabled": False}).gate.enabled is False
+
+
+# -- a resumed run: the kept decision, MLflow out of reach, a refusal fixed ----------------------------------
+
+def _update_record(run_dir: Path, iteration: int) -> None:
+    from grpo_core.io import write_json
+    write_json(run_dir / f"iter-{iteration}" / "update.json", {"checkpoint": f"iter-{iteration}/adapter"})
+
+
+def test_a_kept_decision_holds_only_while_what_it_was_made_on_holds(tmp_path, mlflow_uri, grpo_home):
+    """A run whose registration failed after the gate decided is resumed: the decision in gate/decision.json is
+    reused only against the same champion, suspect marks and gate settings. Another run's adapter took
+    `champion` meanwhile: compared (here: not comparable) instead of taking `champion` as the task's first; a
+    resume's monitors flag the run: refused; `--force-promote` on the resume: forced."""
+    from grpo_core.evaluation.monitors import Alert
+    from tasks import gate as gate_steps, tracking
+    from tasks.registry import CHAMPION, registered_model_name
+    from tasks.run_state import flag_suspect
+    cfg, run_dir = GRPOConfig(output_dir=str(tmp_path / "runs")), tmp_path / "run"
+    _update_record(run_dir, 3)
+    first = gate_steps.decision(cfg, run_dir, "r", 3)
+    assert (first.promote, first.reason) == (True, "first champion")
+    kept = run_dir / "gate" / "decision.json"
+    made = kept.read_text()
+    assert gate_steps.decision(cfg, run_dir, "r", 3) == first and kept.read_text() == made
+    c, name = tracking.client(cfg), registered_model_name(cfg)
+    c.create_registered_model(name)
+    mv = c.create_model_version(name, str(tmp_path / "other"), tags={"base_model": "someone/else"})
+    c.set_registered_model_alias(name, CHAMPION, mv.version)
+    again = gate_steps.decision(cfg, run_dir, "r", 3)
+    assert not again.promote and again.reason.startswith("not compared: the champion (version 1) is an adapter of")
+    flag_suspect(run_dir, 3, [Alert("restated_answers", "30% of held-out answers restate the question")])
+    refused = gate_steps.decision(cfg, run_dir, "r", 3)
+    assert not refused.promote and refused.reason.startswith("refused: the run is suspect (restated_answers")
+    forced = gate_steps.decision(cfg.model_copy(update={"gate": cfg.gate.model_copy(update={"force_promote": True})}),
+                                 run_dir, "r", 3)
+    assert (forced.promote, forced.reason) == (True, "forced")
+
+
+@pytest.mark.parametrize("read", ["gate", "rule without the gate", "init_adapter previous"])
+def test_mlflow_out_of_reach_is_not_read_as_no_champion(read, tmp_path, monkeypatch, grpo_home):
+    """Only "no such model / alias" means the task has no champion yet. A server that does not answer fails the
+    step (the run is resumable) instead of handing `champion` on as to the task's first adapter."""
+    from mlflow.exceptions import MlflowException
+    from tasks import gate as gate_steps, registry, tracking
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_TIMEOUT", "5")
+    cfg = GRPOConfig(output_dir=str(tmp_path / "runs"), tracking={"tracking_uri": "http://127.0.0.1:9"})
+    calls = {"gate": lambda: gate_steps.compare_with_champion(cfg, tmp_path, "r", "iter-1/adapter"),
+             "rule without the gate": lambda: registry._beats_champion(
+                 tracking.client(cfg), registry.registered_model_name(cfg), METRIC, 0.5),
+             "init_adapter previous": lambda: registry.previous_best_adapter(cfg)}
+    with pytest.raises(MlflowException) as e:
+        calls[read]()
+    assert e.value.error_code == "INTERNAL_ERROR"
+    assert "once MLflow answers" in "".join(getattr(e.value, "__notes__", []))
+
+
+def test_a_refusal_does_not_outlive_the_fix_it_names(tmp_path, mlflow_uri, grpo_home):
+    """Refused at the start (the registered model holds another task's champion), the run is resumed with its own
+    tracking.registered_model_name, as the refusal says to: its gate set is prepared and it is compared."""
+    from tasks import gate as gate_steps, tracking
+    from tasks.run_state import read_run_state
+    shared = {"registered_model_name": "one-name"}
+    add = GRPOConfig(output_dir=str(tmp_path / "runs"), tracking=shared)
+    c = tracking.client(add)
+    add_run, wide_run = (c.create_run(tracking.experiment_id(add)).info.run_id for _ in range(2))
+    assert gate_steps.prepare_gate_set(add, tmp_path / "add", add_run).is_file()
+    two_digit = GRPOConfig(output_dir=str(tmp_path / "runs"), tracking=shared, data={"max_digits": 2})
+    run_dir = tmp_path / "two-digit"
+    assert gate_steps.prepare_gate_set(two_digit, run_dir, wide_run) is None
+    assert "one-name holds another task's champion" in read_run_state(run_dir)["gate_refusal"]
+    _update_record(run_dir, 1)
+    assert gate_steps.decision(two_digit, run_dir, wide_run, 1).reason.startswith("not compared: one-name holds")
+    own = GRPOConfig(output_dir=str(tmp_path / "runs"), data={"max_digits": 2})
+    assert gate_steps.prepare_gate_set(own, run_dir, wide_run).is_file()
+    assert read_run_state(run_dir)["gate_refusal"] is None
+    assert gate_steps.decision(own, run_dir, wide_run, 1).reason == "first champion"

@@ -16,7 +16,8 @@ from dataclasses import asdict
 from typing import Any
 
 from sandbox import programs, python_tests, rust_harness
-from sandbox.types import Job, Limits, Program, RunOutput, TaskFormatError, TestResult, Verdict, infra_error
+from sandbox.types import (Job, Limits, Program, RunOutput, StageResult, TaskFormatError, TestResult, Verdict,
+                           infra_error)
 
 log = logging.getLogger("sandbox")
 
@@ -159,7 +160,7 @@ class Backend:
         tests = plan.judge(reply.get("records", []))
         v = Verdict(status="pass", tests=tests, stdout=reply.get("stdout", ""),
                     stderr=reply.get("stderr", ""))
-        load = [r["load_error"] for r in reply.get("records", []) if "load_error" in r]
+        load = [r["load_error"] for r in reply.get("records", []) if isinstance(r, dict) and "load_error" in r]
         rc = reply.get("rc")
         if reply.get("box_error"):
             v.status, v.detail = "error", reply["box_error"]
@@ -186,6 +187,11 @@ class Backend:
         names = fields.pop("test_names")
         if not job.code.strip():
             return _all_failed(len(names), "error", "empty completion: no code to build", names)
+        why = rust_harness.fake_comparison(job.code)
+        if why:
+            return Verdict(status="error", detail=why, tests=[TestResult(n, False, why) for n in names],
+                           stages={"build": StageResult("build", "fail", 0.0, why),
+                                   "clippy": StageResult("clippy", "skipped"), "test": StageResult("test", "skipped")})
         msg = {"kind": "rust", **fields, "limits": self._limits_dict(lim), **self._rust_toolchain()}
         budget = lim.build_timeout_s + lim.clippy_timeout_s + lim.test_timeout_s + 20
         try:

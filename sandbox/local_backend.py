@@ -195,7 +195,7 @@ class LocalBackend(Backend):
              "--ro-bind", "/usr", "/usr", "--ro-bind", self._runner_dir, "/sbx",
              "--ro-bind-try", "/etc/alternatives", "/etc/alternatives",
              "--ro-bind-try", "/etc/ld.so.cache", "/etc/ld.so.cache",
-             "--proc", "/proc", "--dev", "/dev",
+             "--proc", "/proc", "--dev", "/dev", "--mqueue", "/dev/mqueue",
              "--size", str(lim.tmpfs_mb << 20), "--tmpfs", "/tmp",
              "--uid", "65534", "--gid", "65534", "--chdir", "/tmp"]
         for d in ("bin", "lib", "lib64", "sbin"):

@@ -32,7 +32,7 @@ import subprocess
 import sys
 import time
 
-SCRATCH_DIRS = ("/tmp", "/dev/shm")
+SCRATCH_DIRS = ("/tmp", "/dev/shm", "/dev/mqueue")   # mqueue: POSIX message queues
 MAX_ENCODED = 1 << 20        # bytes of one encoded value
 MAX_DEPTH = 64
 
@@ -225,9 +225,17 @@ def _live_pids(spare):
                 state = f.read().rsplit(b")", 1)[1].split()[0]
         except (OSError, IndexError):
             continue
-        if state != b"Z":
+        if state != b"Z" or _threads_left(name):
             pids.append(int(name))
     return pids
+
+
+def _threads_left(pid):
+    """A 'Z' leader may have live threads (its main thread called SYS_exit): the process still runs."""
+    try:
+        return len(os.listdir("/proc/%s/task" % pid)) > 1
+    except OSError:
+        return False
 
 
 def _sysvipc_in_use():
@@ -580,6 +588,10 @@ def _write_crate(work, source, target="lib"):
 
 def _rmtree(path):
     """Remove a tree, including directories left read-only (the crate dir, or by the code)."""
+    try:
+        os.chmod(path, 0o700, follow_symlinks=False)   # the top too: a mode-000 dir cannot be listed
+    except (OSError, NotImplementedError):
+        pass
     for root, dirs, _ in os.walk(path):
         for d in dirs:
             try:

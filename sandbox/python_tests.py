@@ -209,6 +209,7 @@ def _plan_assert_cached(check_src: _Check):
     calls: list[list[Any]] = []
     keys: dict[str, int] = {}
     n_asserts = [0]
+    order: list[int] = []       # line of each executed assert: judging must run the same ones
 
     def recorder(*args, **kwargs):
         enc = _encode_call(args, kwargs, "a candidate(...) call in tests['check']")
@@ -220,6 +221,7 @@ def _plan_assert_cached(check_src: _Check):
 
     def on_assert(thunk, lineno):
         n_asserts[0] += 1
+        order.append(lineno)
         try:
             thunk()
         except TaskFormatError:
@@ -238,15 +240,16 @@ def _plan_assert_cached(check_src: _Check):
     if not n_asserts[0] or not calls:
         raise TaskFormatError("tests['check'] made no assert with a candidate(...) call; "
                               "add asserts or use 'io' cases")
-    return calls, keys, n_asserts[0]
+    return calls, keys, n_asserts[0], tuple(order)
 
 
 def _plan_assert(check_src: _Check) -> Plan:
-    calls, keys, n_tests = _plan_assert_cached(check_src)
+    calls, keys, n_tests, order = _plan_assert_cached(check_src)
 
     def judge(records: list[dict]) -> list[TestResult]:
         by_index, problem = _index_records(records, len(calls))
         results: list[TestResult] = []
+        ran: list[int] = []
 
         def lookup(*args, **kwargs):
             key = json.dumps(_encode_call(args, kwargs, "candidate call"))
@@ -260,6 +263,7 @@ def _plan_assert(check_src: _Check) -> Plan:
 
         def on_assert(thunk, lineno):
             name = f"assert line {lineno} #{len(results)}"
+            ran.append(lineno)
             try:
                 passed = bool(thunk())
                 results.append(TestResult(name, passed, "" if passed else "assertion false"))
@@ -271,6 +275,9 @@ def _plan_assert(check_src: _Check) -> Plan:
         except Exception as e:  # noqa: BLE001 - check aborted: the rest count as failed
             detail = f"check() aborted: {type(e).__name__}: {str(e)[:200]}"
             results.append(TestResult("check", False, detail))
+        if tuple(ran) != order[:len(ran)]:  # outputs steered the check (e.g. a loop over them)
+            return [TestResult(f"assert #{k}", False, "the check ran other asserts than planned: its control "
+                               "flow depends on the outputs; convert the task to 'io' cases") for k in range(n_tests)]
         results = results[:n_tests]
         while len(results) < n_tests:
             results.append(TestResult(f"assert #{len(results)}", False, "not reached"))
@@ -291,6 +298,8 @@ def _index_records(records: list[dict], n: int) -> tuple[dict[int, dict], str]:
     """Map call index -> record. Duplicated or foreign records poison the whole run."""
     by_index: dict[int, dict] = {}
     for rec in records:
+        if not isinstance(rec, dict):
+            return {}, "malformed result records (tampering?)"
         if "load_error" in rec:
             return {}, f"code failed to load: {rec['load_error']}"
         i = rec.get("i")

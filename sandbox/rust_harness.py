@@ -36,6 +36,51 @@ STD_MACROS = ("assert", "assert_eq", "assert_ne", "debug_assert", "debug_assert_
               "debug_assert_ne", "panic", "vec", "format", "print", "println", "eprint",
               "eprintln", "matches", "unreachable", "unimplemented", "todo", "write", "writeln")
 
+# The hidden tests see the completion through `use solution::*`; a glob import shadows the prelude, so
+# these are imported by name (explicit imports beat globs): `Some(2)` or `String::from(..)` in a test
+# always mean std's, whatever the completion exports.
+PRELUDE = ("Copy", "Send", "Sized", "Sync", "Unpin", "Drop", "Fn", "FnMut", "FnOnce", "drop", "Box",
+           "ToOwned", "Clone", "PartialEq", "PartialOrd", "Eq", "Ord", "AsRef", "AsMut", "Into", "From",
+           "Default", "Iterator", "Extend", "IntoIterator", "DoubleEndedIterator", "ExactSizeIterator",
+           "Option", "Some", "None", "Result", "Ok", "Err", "String", "ToString", "Vec", "TryFrom",
+           "TryInto", "FromIterator", "Debug", "Hash")
+PRIMITIVES = ("bool", "char", "f32", "f64", "i8", "i16", "i32", "i64", "i128", "isize", "str", "u8",
+              "u16", "u32", "u64", "u128", "usize")
+
+# A completion's own comparison/operator impls against *another* type make `assert_eq!(f(1), 3)`,
+# `assert!(f(1) == 3)`, `assert!(f(1))` or `assert!((f(1) - 2.0).abs() < 1e-9)` hold for a value that
+# is not the answer (Rust's always-equal object). Impls for Self (what `#[derive]` makes) stay allowed.
+_OPS = r"(?:PartialEq|PartialOrd|Add|Sub|Mul|Div|Rem|BitAnd|BitOr|BitXor|Shl|Shr)"
+_FAKE_CMP = (
+    (re.compile(r"\b" + _OPS + r"\s*(?:::\s*)?<(?!\s*(?:Output\b|Self\s*>))"), "against another type"),
+    (re.compile(r"\b(?:" + _OPS[3:-1] + r"|Not|Neg)\s+as\b"), "renamed"),
+    (re.compile(r"\bNot\s+for\b"), "for `!`"),
+)
+_WORDS = re.compile(r"\b(?:" + _OPS[3:-1] + r"|Not|Neg)\b")
+
+
+def fake_comparison(code: str) -> str | None:
+    """Why ``code`` may not be judged by the hidden tests (it implements comparison or operator traits
+    against other types), or None. Comments and string literals do not count."""
+    out, i = [], 0
+    while i < len(code):
+        j = _skip_literal(code, i)
+        if j != i:
+            out.append(" ")
+            i = j
+        else:
+            out.append(code[i])
+            i += 1
+    bare = "".join(out)
+    for pattern, what in _FAKE_CMP:
+        m = pattern.search(bare)
+        if m:
+            return f"comparison/operator trait impl {what} (`{m.group(0).strip()}`): not allowed in solutions"
+    if "macro_rules" in bare and _WORDS.search(bare):
+        return "macro_rules! together with comparison/operator traits: not allowed in solutions"
+    return None
+
+
 _TEST_ATTR = re.compile(r"#\s*\[\s*test\s*\]")
 _ATTR = re.compile(r"\s*#\s*\[\s*([A-Za-z_]+)[^\]]*\]")
 _FN = re.compile(r"\s*(?:pub(?:\([^)]*\))?\s+)?fn\s+([A-Za-z_][A-Za-z0-9_]*)\s*\(\s*\)\s*(->\s*[^{]+)?\{")
@@ -249,6 +294,10 @@ pub mod hidden {{
     pub use solution::*;
     #[allow(unused_imports)]
     pub use ::std::{{{macros}}};
+    #[allow(unused_imports)]
+    pub use ::std::prelude::rust_2021::{{{", ".join(PRELUDE)}}};
+    #[allow(unused_imports)]
+    pub use ::std::primitive::{{{", ".join(PRIMITIVES)}}};
 {body}
 }}
 

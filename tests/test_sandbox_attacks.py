@@ -284,3 +284,74 @@ def f(a, b):
                               py_job("def f(a, b):\n    return a + b\n", CASES)], workers=1)
     assert [v.status for v in vs] == ["fail", "fail", "pass"], vs
     assert [v.passed for v in vs] == [0, 1, 2]
+
+
+# ------------------------------------------------------------------ a later audit: verdict forging
+def test_junk_records_are_a_failure_not_an_infra_error(backend):
+    """A non-object line on the results pipe crashed the host's judge: infra_error, reward None (dropped)."""
+    for junk in (b"[]\n", b"0\n", b'"load_error"\n'):
+        code = f"import os\nos.write(3, {junk!r})\ndef f(a, b):\n    return a * b + 1\n"
+        v = run(backend, py_job(code, CASES))
+        assert v.status == "fail" and v.passed == 0, v
+
+
+def test_outputs_cannot_steer_which_asserts_count(backend):
+    """Asserts in a loop over an output ran 0 times when planned, N times when judged: N passing asserts
+    filled every slot and the real asserts after them were cut off."""
+    check = ("def check(candidate):\n"
+             "    for w in candidate('a b'):\n"
+             "        assert w in ('a', 'b')\n"
+             "    assert candidate('x y z') == ['x', 'y', 'z']\n"
+             "    assert candidate('') == []\n")
+    bad = "def split_words(s):\n    return ['a'] * 50\n"
+    v = run(backend, Job("python", bad, {"format": "assert", "check": check}, "split_words"))
+    assert v.status == "fail" and v.passed == 0, v
+
+
+# ------------------------------------------------------------------ processes and state that outlive a job
+def test_thread_only_exit_does_not_survive_the_sweep(backend):
+    """The leader of a process whose main thread called SYS_exit shows as 'Z' while its threads run."""
+    plant = '''
+import os, time, threading, ctypes
+def f(a, b):
+    if os.fork() == 0:
+        os.setsid()
+        if os.fork() == 0:
+            def spin():
+                while True:
+                    open("/tmp/zombie-was-here", "w").write(str(os.getpid()))
+                    time.sleep(0.2)
+            threading.Thread(target=spin).start()
+            ctypes.CDLL(None).syscall(60, 0)
+        os._exit(0)
+    return a + b
+'''
+    assert run(backend, py_job(plant, CASES)).status == "pass"
+    time.sleep(1.5)
+    probe = "import os\ndef f(a, b):\n    return os.path.exists('/tmp/zombie-was-here')\n"
+    v = run(backend, py_job(probe, [((1, 2), False)]))
+    assert v.status == "pass", v
+
+
+def test_unreadable_dirs_and_message_queues_are_wiped(backend):
+    """A mode-000 directory in /tmp defeated the wipe (state and a full disk for the next completions);
+    POSIX message queues were never wiped."""
+    plant = '''
+import ctypes, os
+def f(a, b):
+    os.makedirs("/tmp/keep/sub")
+    open("/tmp/keep/sub/fill", "wb").write(b"x" * (8 << 20))
+    os.chmod("/tmp/keep", 0)
+    libc = ctypes.CDLL(None)
+    fd = libc.mq_open(b"/leak", os.O_CREAT | os.O_RDWR, 0o600, None)
+    return [fd >= 0, libc.mq_send(fd, b"x", 1, 0) == 0 if fd >= 0 else False]
+'''
+    assert run(backend, py_job(plant, [((1, 2), [True, True])])).status == "pass"
+    probe = '''
+import ctypes, os, shutil
+def f(a, b):
+    return [os.path.lexists("/tmp/keep"), shutil.disk_usage("/tmp").used > (4 << 20),
+            ctypes.CDLL(None).mq_open(b"/leak", os.O_RDWR, 0, None) >= 0]
+'''
+    v = run(backend, py_job(probe, [((1, 2), [False, False, False])]))
+    assert v.status == "pass", v

@@ -130,3 +130,81 @@ def test_rust_test_that_never_ends_times_out(backend):
     v = backend.score_batch([job])[0]
     assert v.status == "timeout" and v.stages["test"].status == "timeout" and v.passed == 0, v
     assert v.duration_s < 30
+
+
+# -- a later audit: always-equal values and a shadowed prelude -----------------------------------------------
+GUARD_TESTS = '''
+#[cfg(test)]
+mod tests {
+    use super::*;
+    #[test]
+    fn some_case() { assert_eq!(safe_div(6, 3), Some(2)); }
+    #[test]
+    fn none_case() { assert_eq!(safe_div(1, 0), None); }
+    #[test]
+    fn greet_case() { assert_eq!(greet("Bob"), String::from("Hello, Bob!")); }
+    #[test]
+    fn greet_is() { assert!(greet("Al") == "Hello, Al!".to_string()); }
+}
+'''
+ALWAYS_EQUAL = {
+    "good": ('''#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Greeting(pub String);
+pub fn safe_div(a: i32, b: i32) -> Option<i32> {
+    if b == 0 { None } else { Some(a / b) }
+}
+pub fn greet(name: &str) -> String {
+    Greeting(format!("Hello, {}!", name)).0
+}''', "pass", 4),
+    # glob-imported `Some` / `String` of the completion shadowed std's in the tests
+    "shadow_prelude": ('''pub fn safe_div(_a: i32, _b: i32) -> Option<i32> { Option::None }
+#[allow(non_snake_case)]
+pub fn Some<T>(_x: T) -> Option<T> { Option::None }
+pub fn greet(_name: &str) -> std::string::String { std::string::String::new() }
+pub struct String;
+impl String {
+    pub fn from(_s: &str) -> std::string::String { std::string::String::new() }
+}''', "fail", 1),
+    # an always-equal value: PartialEq against the expected values' types
+    "fake_eq": ('''#[derive(Debug)]
+pub struct Anything;
+impl PartialEq<Option<i32>> for Anything { fn eq(&self, _o: &Option<i32>) -> bool { true } }
+impl PartialEq<std::string::String> for Anything { fn eq(&self, _o: &std::string::String) -> bool { true } }
+pub fn safe_div(_a: i32, _b: i32) -> Anything { Anything }
+pub fn greet(_n: &str) -> Anything { Anything }''', "error", 0),
+    "fake_eq_via_macro": ('''#[derive(Debug)]
+pub struct Anything;
+macro_rules! always { ($tr:path, $t:ty) => { impl $tr<$t> for Anything { fn eq(&self, _o: &$t) -> bool { true } } } }
+always!(PartialEq, Option<i32>);
+always!(PartialEq, std::string::String);
+pub fn safe_div(_a: i32, _b: i32) -> Anything { Anything }
+pub fn greet(_n: &str) -> Anything { Anything }''', "error", 0),
+}
+
+
+def test_rust_always_equal_values_and_prelude_shadowing_fail(backend):
+    names = list(ALWAYS_EQUAL)
+    vs = backend.score_batch([rust_job(ALWAYS_EQUAL[n][0], GUARD_TESTS) for n in names], workers=1)
+    for name, v in zip(names, vs):
+        _, status, passed = ALWAYS_EQUAL[name]
+        assert (v.status, v.passed) == (status, passed), (name, v)
+
+
+@pytest.mark.parametrize("code, refused", [
+    ("impl PartialEq<Option<i32>> for Anything { fn eq(&self, _: &Option<i32>) -> bool { true } }", True),
+    ("impl<T> std::cmp::PartialOrd<T> for A { }", True),
+    ("impl core::ops::Sub<f64> for A { type Output = f64; }", True),
+    ("use std::cmp::PartialEq as P;", True),
+    ("impl std::ops::Not for A { type Output = bool; }", True),
+    ("macro_rules! m { ($t:ty) => { impl PartialEq<$t> for A {} } }", True),
+    ("#[derive(Debug, Clone, PartialEq, Eq, PartialOrd)] pub struct P(i32);", False),
+    ("impl PartialEq for P { fn eq(&self, o: &Self) -> bool { self.0 == o.0 } }", False),
+    ("impl PartialEq<Self> for P { fn eq(&self, o: &Self) -> bool { self.0 == o.0 } }", False),
+    ("fn sum<T: std::ops::Add<Output = T> + Copy>(a: T, b: T) -> T { a + b }", False),
+    ("// impl PartialEq<i32> for A\nlet s = \"PartialEq<i32> for\"; let r = r#\"Not for\"#;", False),
+])
+def test_the_always_equal_guard_reads_code_not_comments(code, refused):
+    """Unit check of the guard (no box): comparison/operator impls against another type are refused; derives,
+    impls for Self, trait bounds with Output = T, and the words in comments or strings are not."""
+    from sandbox.rust_harness import fake_comparison
+    assert bool(fake_comparison(code)) is refused, fake_comparison(code)

@@ -14,7 +14,11 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import re
+import select
+import subprocess
+import sys
 import threading
 from dataclasses import dataclass
 from fractions import Fraction
@@ -52,7 +56,17 @@ NOT_UNITS = frozenset({
     "billions", "trillion", "dozen", "dozens", "half", "halves", "thirds", "quarters", "tenths", "hundredths",
     "thousandths", "squared", "cubed", "factorial", "plus", "minus", "times", "over", "mod", "modulo", "divided",
     "pi",
+    # Words that join a second answer or bound the first ('6 or seven', '5 to six', '5 at most'), or change
+    # the value ('5 root two', '5 inverse').
+    "or", "and", "to", "nor", "not", "than", "versus", "vs", "through", "least", "most", "root", "roots", "sqrt",
+    "inverse", "reciprocal", "negative", "recurring", "repeating",
 })
+# A number word is never a unit: '6 or seven' is two answers, '5 sevenths' and '5 lakh' other values.
+NUMBER_WORD_RE = re.compile(
+    r"(?:zero|one|two|three|four|five|six|seven|eight|nine|ten|eleven|twelve|thirteen|fourteen|fifteen|sixteen"
+    r"|seventeen|eighteen|nineteen|twenty|thirty|forty|fifty|sixty|seventy|eighty|ninety|hundred|thousand"
+    r"|[a-z]*illion|lakh|crore|dozen|half|halve|third|quarter|fourth|fifth|sixth|seventh|eighth|ninth|tenth"
+    r"|eleventh|twelfth|[a-z]+teenth|[a-z]+tieth)(?:s|th|ths)?")
 # A currency sign before the number, or after its sign; not the '$' that opens '$...$'.
 CURRENCY_RE = re.compile(r"([+-]?)\s*(?:\\\$|\$|€|£|¥|₹)\s*([^$]*)", re.DOTALL)
 
@@ -63,6 +77,11 @@ DECIMAL_RE = re.compile(r"(?:\d{1,3}(?:,\d{3})+|\d{1,3}(?: \d{3})+|\d+)(?:\.\d*)
                         r"|\.\d+(?:[eE][+-]?\d+)?")
 SLASH_FRACTION_RE = re.compile(r"(\d+)\s*/\s*(\d+)")
 LATEX_FRACTION_RE = re.compile(r"\\[dt]?frac\s*(?:\{\s*([+-]?\d+)\s*\}|(\d))\s*(?:\{\s*(\d+)\s*\}|(\d))")
+# Longer text is not one number as a reader writes it; reading it costs time quadratic in its length (the
+# wrappers come off one layer at a time) and int() refuses more than 4300 digits. An exponent beyond
+# MAX_EXPONENT would build a number of that many digits ('1e999999999' hangs).
+MAX_NUMBER_TEXT = 500
+MAX_EXPONENT = 1000
 
 
 def extract_answer(completion: str) -> str | None:
@@ -94,7 +113,7 @@ def read_number(text: str | None) -> NumberReading | None:
     decimal ('0.5', '5.'), an exponent ('1e3'), or a fraction of two integers ('1/2', '\\frac{1}{2}',
     '\\dfrac12'). Anything else -- an operation, a function call, two numbers, a number word -- is not one.
     """
-    if text is None:
+    if text is None or len(text) > MAX_NUMBER_TEXT:
         return None
     core = _plain_characters(text)
     is_percent = False
@@ -150,7 +169,7 @@ def _without_unit(text: str) -> str:
     if found is None:
         return text
     words = re.split(r"[\s/]+", found.group(2).lower())
-    if any(word in NOT_UNITS for word in words):
+    if any(word in NOT_UNITS or NUMBER_WORD_RE.fullmatch(word) for word in words):
         return text
     return found.group(1).strip()
 
@@ -167,6 +186,8 @@ def _single_number(text: str, is_percent: bool) -> NumberReading | None:
     sign, body = SIGN_RE.fullmatch(text).groups()
     negative = sign == "-"
     if DECIMAL_RE.fullmatch(body):
+        if abs(int(body.lower().partition("e")[2] or 0)) > MAX_EXPONENT:
+            return None
         value = Fraction(body.replace(",", "").replace(" ", ""))
         return NumberReading(-value if negative else value, is_percent, is_fraction=False)
     fraction = _fraction_value(body)
@@ -261,12 +282,17 @@ def restates_question(answer: str | None, question: str) -> bool:
     "45 - 98" is not a restatement, nor is '45' alone)."""
     if not answer:
         return False
-    question_numbers = {Fraction(n) for n in NUMBER_TOKEN_RE.findall(question)}
+    question_numbers = {_token_value(n) for n in NUMBER_TOKEN_RE.findall(question)} - {None}
     text = _operators_as_symbols(answer)
     pairs = FUNCTION_CALL_RE.findall(text)
     pairs += JOINED_NUMBERS_RE.findall(re.sub(r"[(){}\[\]]", "", text))
-    return any(Fraction(left) in question_numbers and Fraction(right) in question_numbers
+    return any(_token_value(left) in question_numbers and _token_value(right) in question_numbers
                for left, right in pairs)
+
+
+def _token_value(token: str) -> Fraction | None:
+    """A number token's value; None past MAX_NUMBER_TEXT characters (int() refuses over 4300 digits)."""
+    return Fraction(token) if len(token) <= MAX_NUMBER_TEXT else None
 
 
 def _operators_as_symbols(answer: str) -> str:
@@ -280,9 +306,11 @@ def _operators_as_symbols(answer: str) -> str:
 
 
 def _latex_math(text: str) -> str:
-    """math-verify reads LaTeX only between math delimiters: add them to bare LaTeX like '\\frac12'."""
+    """math-verify reads LaTeX only between math delimiters: add them to bare math like '\\frac12' or
+    '(1, 2)' (as `data.validate` does). Undelimited, it falls back to the last number in the text: '(1, 2)'
+    would read as 2, and '(7, 2)' or '2' would match it."""
     text = text.strip()
-    return f"${text}$" if "\\" in text and "$" not in text else text
+    return f"${text}$" if "$" not in text and re.search(r"[\d\\]", text) else text
 
 
 @lru_cache(maxsize=4096)
@@ -291,29 +319,80 @@ def _parsed_gold(gold: str):
     return parse(_latex_math(gold), parsing_timeout=None)
 
 
+def _verify_in_worker(predicted: str, gold: str) -> bool | None:
+    """math-verify's verdict, computed where it may be killed (`_math_verify`)."""
+    from math_verify import parse, verify
+    logging.getLogger("math_verify").setLevel(logging.ERROR)   # it warns that we time it out ourselves
+    try:
+        gold_parsed = _parsed_gold(gold)
+        return bool(verify(gold_parsed, parse(_latex_math(predicted), parsing_timeout=None),
+                           timeout_seconds=None)) if gold_parsed else None
+    except Exception:  # noqa: BLE001 - math-verify failed on this input: fall back
+        return None
+
+
+def _serve_math_verify() -> None:
+    """The worker's loop: one JSON [predicted, gold] a line on stdin, one JSON verdict a line back."""
+    out = os.fdopen(os.dup(sys.stdout.fileno()), "w")
+    sys.stdout = sys.stderr                      # nothing math-verify or sympy prints can reach the replies
+    for line in sys.stdin:
+        out.write(json.dumps(_verify_in_worker(*json.loads(line))) + "\n")
+        out.flush()
+
+
+class _VerifyWorker:
+    """A Python process that runs math-verify, killed when a check overruns."""
+
+    def __init__(self) -> None:
+        self.owner = os.getpid()                 # a forked child starts its own: the pipes are not shareable
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
+        self.process = subprocess.Popen(
+            [sys.executable, "-c", "from grpo_core.rewards.answers import _serve_math_verify; _serve_math_verify()"],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env, text=True)
+        self.ask("1", "1", None)                 # start-up and imports: not timed
+
+    def ask(self, predicted: str, gold: str, timeout_s: float | None) -> bool | None:
+        self.process.stdin.write(json.dumps([predicted, gold]) + "\n")
+        self.process.stdin.flush()
+        if not select.select([self.process.stdout], [], [], timeout_s)[0]:
+            raise TimeoutError
+        line = self.process.stdout.readline()
+        if not line:
+            raise EOFError("the math-verify worker exited")
+        return json.loads(line)
+
+    def kill(self) -> None:
+        self.process.kill()
+        self.process.wait()
+
+
+_VERIFY_WORKER: _VerifyWorker | None = None
+_VERIFY_LOCK = threading.Lock()
+
+
 def _math_verify(predicted: str, gold: str, timeout_s: float) -> bool | None:
     """math-verify's verdict; False when it runs past `timeout_s`; None when it cannot judge (not
-    installed, the gold answer does not parse, or it raised). Its own timeouts use signals, which work
-    only on the main thread, so the check runs in a daemon thread that is abandoned if it overruns."""
+    installed, the gold answer does not parse, or it raised). It runs in a worker process, killed if it
+    overruns: a thread cannot be stopped, and sympy's big-integer arithmetic ('10**10**10') holds the GIL,
+    so not even a thread's join(timeout) returns until it is done."""
+    global _VERIFY_WORKER
     try:
-        from math_verify import parse, verify
+        import math_verify  # noqa: F401 - only to know it is installed
     except ImportError:
         return None
-    logging.getLogger("math_verify").setLevel(logging.ERROR)   # it warns that we time it out ourselves
-    outcome: dict[str, bool | None] = {}
-
-    def check() -> None:
+    with _VERIFY_LOCK:
         try:
-            gold_parsed = _parsed_gold(gold)
-            outcome["match"] = bool(verify(gold_parsed, parse(_latex_math(predicted), parsing_timeout=None),
-                                           timeout_seconds=None)) if gold_parsed else None
-        except Exception:  # noqa: BLE001 - math-verify failed on this input: fall back
-            outcome["match"] = None
-
-    worker = threading.Thread(target=check, daemon=True)
-    worker.start()
-    worker.join(timeout_s)
-    return False if worker.is_alive() else outcome.get("match")
+            if _VERIFY_WORKER is None or _VERIFY_WORKER.owner != os.getpid():
+                _VERIFY_WORKER = _VerifyWorker()
+            return _VERIFY_WORKER.ask(predicted, gold, timeout_s)
+        except TimeoutError:
+            verdict = False
+        except (OSError, EOFError, ValueError):
+            verdict = None
+        if _VERIFY_WORKER is not None and _VERIFY_WORKER.owner == os.getpid():
+            _VERIFY_WORKER.kill()
+        _VERIFY_WORKER = None
+        return verdict
 
 
 # -- reasoning-gym --------------------------------------------------------------------------------------

@@ -41,8 +41,18 @@ def make_schedule(cron: str | None = None, interval: str | None = None, timezone
     from prefect.schedules import Cron, Interval
     if bool(cron) == bool(interval):
         raise ConfigError("give exactly one of --cron (e.g. \"0 3 * * *\") and --interval (e.g. 6h)")
+    from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
+    try:
+        ZoneInfo(timezone or "UTC")
+    except (ZoneInfoNotFoundError, ValueError):
+        raise ConfigError(f"--timezone {timezone!r} is not a time zone; use an IANA name, e.g. UTC, Europe/Berlin "
+                          f"or America/New_York") from None
     if cron:
-        return Cron(cron, timezone=timezone or "UTC")
+        try:
+            return Cron(cron, timezone=timezone or "UTC")
+        except ValueError:
+            raise ConfigError(f"--cron {cron!r} is not a cron expression; write five fields, minute hour "
+                              f"day-of-month month day-of-week, e.g. \"0 3 * * *\" (03:00 every day)") from None
     return Interval(parse_interval(interval), timezone=timezone or "UTC")
 
 

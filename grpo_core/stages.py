@@ -21,7 +21,7 @@ from pydantic_core import InitErrorDetails, ValidationError as CoreValidationErr
 class StageRetryConfig(BaseModel):
     """Retry policy (and work pool) of one stage. Only transient errors (I/O, connection, timeout, container engine,
     CUDA out-of-memory) are retried; bad input (invalid config, malformed data) fails at once."""
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
     retries: int = Field(1, ge=0, le=10, description="extra attempts after a transient failure")
     retry_delay_seconds: float = Field(2.0, ge=0, description="wait before the first retry")
     backoff_factor: float = Field(2.0, ge=1, description="each later retry waits this many times longer")

@@ -153,7 +153,9 @@ def main(argv=None) -> int:
 
 def add_build_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--force", action="store_true", help="rebuild even if the image exists")
-    p.add_argument("--method", default="auto", choices=["auto", "dockerfile", "debootstrap"])
+    p.add_argument("--method", default="auto", choices=["auto", "dockerfile", "debootstrap"],
+                   help="dockerfile (needs a reachable registry), debootstrap (offline), or auto: dockerfile "
+                        "when the registry answers (default: auto)")
     p.add_argument("--only", choices=sorted(IMAGES), help="build just one language's image")
 
 

@@ -52,10 +52,10 @@ class Work:
         self.tmp, self.out, self.adapter_32 = tmp_path, tmp_path / "runs", adapter_32
         self.base = self.write("base.yaml", yaml.safe_dump(tiny_config(tmp_path, pipeline_iterations=1)))
 
-    def write(self, name: str, text: str) -> Path:
+    def write(self, name: str, text: str, encoding: str = "utf-8") -> Path:
         p = self.tmp / name
         p.parent.mkdir(parents=True, exist_ok=True)
-        p.write_text(text)
+        p.write_text(text, encoding=encoding)
         return p
 
     def train(self, *extra: str, config: Path | None = None) -> list[str]:
@@ -132,6 +132,12 @@ CASES = [
          ["bad.yaml", "is not valid YAML: line 2, column 7", "fix the syntax there"]),
     Case("yaml_not_a_mapping", lambda w: w.train(config=w.write("list.yaml", "- a\n- b\n")),
          ["list.yaml", "must hold a mapping", "write one `field: value` per line"]),
+    Case("yaml_not_utf8", lambda w: w.train(config=w.write("latin1.yaml", "run_name: caf\xe9\n", "latin-1")),
+         ["latin1.yaml' is not UTF-8 text (byte 0xe9", "save it as UTF-8"]),
+    Case("infinite_learning_rate", lambda w: w.train("--set", "learning_rate=1e400"),
+         ["config field 'learning_rate': must be a finite number, got '1e400'"]),
+    Case("schedule_bad_cron", lambda w: ["schedule", "--cron", "0 3 * *", "--config", str(w.base)],
+         ["--cron '0 3 * *' is not a cron expression", "e.g. \"0 3 * * *\""]),
     Case("set_without_value", lambda w: w.train("--set", "learning_rate"),
          ["override 'learning_rate'", "key=value"]),
     Case("unknown_field_in_file", lambda w: w.train(config=w.write("typo.yaml", w.base.read_text()
@@ -221,6 +227,10 @@ CASES = [
                                                                                    "What is 2 + 2?,4\n"))),
          ["no usable rows in", "qa.csv", "2 invalid_schema", "no prompt column", "['a', 'q']",
           "give the file a prompt column"]),
+    Case("data_jsonl_row_not_an_object", lambda w: w.train("--data", str(w.rows("nums.jsonl", MATH_ROWS, "42\n"))),
+         ["nums.jsonl:4: a row must be a JSON object", "got a number", "fix or remove the line"]),
+    Case("data_curation_yaml_not_a_mapping", lambda w: w.train("--data", str(w.write("cur.yaml", "- {name: jsonl}\n"))),
+         ["data.curated: data config", "cur.yaml' must hold a mapping (name:, sources:, ...)"]),
     Case("data_too_few_rows", lambda w: w.train("--data", str(w.rows("two.jsonl", MATH_ROWS[:2]))),
          ["two.jsonl' has 2 training and 0 held-out tasks", "add distinct rows"]),
     # -- runs: resume, re-run ---------------------------------------------------------------------------------

@@ -37,3 +37,17 @@ def test_configure_env_sets_defaults_and_keeps_user_values(monkeypatch):
     assert os.environ["HF_HUB_OFFLINE"] == "0"
     assert {k: os.environ[k] for k in ENV_DEFAULTS if k != "HF_HUB_OFFLINE"} == \
         {k: v for k, v in ENV_DEFAULTS.items() if k != "HF_HUB_OFFLINE"}
+
+
+def test_every_option_of_every_command_says_what_it_is():
+    """`grpo <command> --help` explains each argument: none is listed bare."""
+    from flows.cli.main import build_parser
+
+    def bare(parser, path):
+        for a in parser._actions:
+            if isinstance(a, argparse._SubParsersAction):
+                for name, sub in a.choices.items():
+                    yield from bare(sub, f"{path} {name}")
+            elif not a.help:
+                yield f"{path} {'/'.join(a.option_strings) or a.dest}"
+    assert list(bare(build_parser(), "grpo")) == []

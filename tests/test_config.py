@@ -1,3 +1,5 @@
+import re
+
 import pytest
 import yaml
 
@@ -38,6 +40,18 @@ def test_invalid_values_name_the_field(override, field):
     assert field in str(e.value)
 
 
+@pytest.mark.parametrize("override, field", [
+    ("learning_rate=1e400", "learning_rate"),            # YAML reads 1e400 as a string, float() makes it inf
+    ("temperature=.inf", "temperature"),
+    ("delta=.nan", "delta"),
+    ("data.weights={user: .nan}", "data.weights.user"),
+    ("stages.rollout.retry_delay_seconds=.inf", "stages.rollout.retry_delay_seconds"),
+])
+def test_infinite_or_nan_values_are_refused(override, field):
+    with pytest.raises(ConfigError, match=rf"config field '{field}': must be a finite number"):
+        load_config(None, [override])
+
+
 def test_cross_field_digits_order():
     with pytest.raises(ConfigError, match="min_digits"):
         load_config(None, ["data.min_digits=3", "data.max_digits=2"])
@@ -52,6 +66,14 @@ def test_bad_files(tmp_path):
         load_config(bad)
     with pytest.raises(ConfigError, match="key=value"):
         load_config(None, ["beta"])
+    for bad in (".max_digits=2", "data..max_digits=2", "data.=3"):
+        with pytest.raises(ConfigError, match=rf"override '{re.escape(bad)}': .* has an empty part; write "
+                                              r"section.field=value"):
+            load_config(None, [bad])
+    latin1 = tmp_path / "latin1.yaml"
+    latin1.write_bytes(b"learning_rate: 1.0e-4\nrun_name: caf\xe9\n")     # saved as Latin-1, not UTF-8
+    with pytest.raises(ConfigError, match=r"latin1.yaml' is not UTF-8 text \(byte 0xe9 .*\); save it as UTF-8"):
+        load_config(latin1)
 
 
 def test_flat_params_cover_sections():

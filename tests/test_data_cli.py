@@ -56,6 +56,21 @@ def test_build_errors_are_reported_not_raised(tmp_path, capsys):
     assert "unknown" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("content, says", [
+    (b"name: x\n  sources: [\n", "bad.yaml' is not valid YAML: line 2, column 10: mapping values are not allowed here"),
+    (b"- {name: jsonl}\n", "bad.yaml' must hold a mapping (name:, sources:, ...)"),
+    (b"name: caf\xe9\n", "bad.yaml' is not UTF-8 text (0xe9 at byte 9); save it as UTF-8"),
+    (b"sources: [{name: jsonl}]\n", "sources[0] (jsonl): missing a required argument: 'path'; fix its options"),
+])
+def test_a_bad_data_config_is_one_error_not_a_traceback(tmp_path, capsys, monkeypatch, content, says):
+    monkeypatch.chdir(tmp_path)                                  # the default out_dir, data/built, is relative
+    bad = tmp_path / "bad.yaml"
+    bad.write_bytes(content)
+    assert run(["data", "build", "--config", str(bad), "--no-progress"]) == 2
+    assert says in capsys.readouterr().err
+    assert [p.name for p in tmp_path.iterdir()] == ["bad.yaml"]  # nothing built
+
+
 def test_sources_command_and_help(capsys):
     assert run(["data", "sources"]) == 0
     out = capsys.readouterr().out

@@ -76,6 +76,25 @@ def test_eval_command_explains_bad_arguments(tmp_path, grpo_home, mlflow_uri):
         args.func(args)
     with pytest.raises(SystemExit):
         p.parse_args(["eval", "--adapter", "x", "--run", "y"])
+    for limit in ("0", "-3", "two"):                 # 0 meant all tasks, -3 all but the last 3
+        with pytest.raises(SystemExit):
+            p.parse_args(["eval", "--limit", limit])
+    assert p.parse_args(["eval", "--limit", "2"]).limit == 2
+
+
+def test_eval_outputs_are_written_whole_or_not_at_all(tmp_path, monkeypatch):
+    """--output-dir's metrics.json goes through a temp file: a write that fails keeps the previous one."""
+    from flows.cli.eval import _write_outputs
+    from grpo_core.config import GRPOConfig
+    cfg = GRPOConfig(eval={"plots": False})
+    _write_outputs(tmp_path, cfg, {"eval/greedy/pass_at_1": 0.5}, [{"length": 3}])
+    def disk_full(fd):
+        raise OSError(28, "No space left on device")
+    monkeypatch.setattr("grpo_core.io.os.fsync", disk_full)
+    with pytest.raises(OSError):
+        _write_outputs(tmp_path, cfg, {"eval/greedy/pass_at_1": 0.75}, [{"length": 3}])
+    assert json.loads((tmp_path / "metrics.json").read_text()) == {"eval/greedy/pass_at_1": 0.5}
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["eval_samples.jsonl", "metrics.json"]
 
 
 def test_eval_command_on_the_arithmetic_set(tmp_path, grpo_home, capsys):

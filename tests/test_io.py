@@ -43,6 +43,18 @@ def test_json_and_jsonl_round_trip_and_bad_line_is_named(tmp_path):
         list(read_jsonl(p))
 
 
+@pytest.mark.parametrize("line, says", [
+    (b"42", r"r.jsonl:2: a row must be a JSON object .*, got a number; fix or remove the line"),
+    (b'["What is 1 + 1?", "2"]', r"r.jsonl:2: a row must be a JSON object .*, got an array"),
+    (b'{"prompt": "caf\xe9"}', r"r.jsonl:2: not UTF-8 text \(0xe9 at byte 16 of the line\); save the file as UTF-8"),
+])
+def test_a_jsonl_line_that_is_no_object_or_not_utf8_is_named(tmp_path, line, says):
+    p = tmp_path / "r.jsonl"
+    p.write_bytes(b'{"prompt": "What is 1 + 2?", "answer": "3"}\n' + line + b"\n")
+    with pytest.raises(InputError, match=says):
+        list(read_jsonl(p))
+
+
 def test_next_write_removes_temps_a_killed_writer_left_but_not_a_live_ones(tmp_path):
     """A writer killed mid-write (SIGKILL: no cleanup) leaves its temp; the next write of the same target
     removes it. A temp whose writer is alive (here: this process) is kept."""

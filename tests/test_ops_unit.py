@@ -221,6 +221,17 @@ def test_a_bad_interval_names_the_option_and_the_form(text):
         parse_interval(text)
 
 
+@pytest.mark.parametrize("kwargs, says", [
+    ({"cron": "0 3 * *"}, r"--cron '0 3 \* \*' is not a cron expression; write five fields"),
+    ({"cron": "61 * * * *"}, r"--cron '61 \* \* \* \*' is not a cron expression"),
+    ({"interval": "6h", "timezone": "Mars/Olympus"}, r"--timezone 'Mars/Olympus' is not a time zone; use an IANA"),
+])
+def test_a_bad_cron_or_timezone_names_the_option_and_the_form(kwargs, says):
+    from flows.schedule import make_schedule
+    with pytest.raises(ConfigError, match=says):
+        make_schedule(**kwargs)
+
+
 def test_a_schedule_needs_exactly_one_of_cron_and_interval():
     from flows.schedule import make_schedule
     for kwargs in ({}, {"cron": "0 3 * * *", "interval": "1h"}):

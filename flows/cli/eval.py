@@ -28,6 +28,17 @@ Exit status: 0, or 3 when a reward-hacking monitor tripped and --fail-on-monitor
 """
 
 
+def _positive(text: str) -> int:
+    """argparse type: an int >= 1 (`--limit 0` would evaluate everything, `--limit -3` all but the last 3)."""
+    try:
+        n = int(text)
+    except ValueError:
+        n = 0
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of tasks >= 1")
+    return n
+
+
 def register(subparsers) -> argparse.ArgumentParser:
     """Add the `eval` subcommand to the `grpo` parser's subparsers."""
     e = subparsers.add_parser(
@@ -36,8 +47,8 @@ def register(subparsers) -> argparse.ArgumentParser:
                     "reward function, completion length, truncation, per source and overall, plus the "
                     "reward-hacking monitors. The same implementation as the evaluate stage of a run.",
         epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
-    e.add_argument("--model", help="base model: 'smollm2-135m-instruct', 'tiny-random' or a local HF model dir "
-                                   "(default: the config's model)")
+    e.add_argument("--model", help="base model: 'smollm2-135m-instruct', 'gemma3-270m', 'tiny-random' or a local HF "
+                                   "model dir (default: the config's model)")
     src = e.add_mutually_exclusive_group()
     src.add_argument("--adapter", metavar="PATH", help="LoRA adapter directory (e.g. runs/<run>/iter-3/update/checkpoint)")
     src.add_argument("--run", metavar="RUN_ID", help="MLflow run id of a training run: evaluate its adapter")
@@ -49,7 +60,7 @@ def register(subparsers) -> argparse.ArgumentParser:
     e.add_argument("--tools", metavar="NAMES", help="comma-separated tools the model may call (multi-turn "
                                                    "answers): calculator, python, rust, \"package.module:function\";"
                                                    " 'none' for none (default: the config's tools)")
-    e.add_argument("--limit", type=int, help="evaluate only the first N tasks")
+    e.add_argument("--limit", type=_positive, metavar="N", help="evaluate only the first N tasks (N >= 1)")
     e.add_argument("--output-dir", help="write metrics.json, eval_samples.jsonl and plots there")
     e.add_argument("--json", action="store_true", help="print the metrics as JSON instead of a table")
     e.add_argument("--mlflow", action="store_true", help="also log the results (metrics, sample table, plots) as a "
@@ -163,9 +174,9 @@ def _log_to_mlflow(cfg, args, metrics: dict, rows: list[dict], alerts: list, ada
 
 
 def _write_outputs(out: Path, cfg, metrics: dict, rows: list[dict]) -> None:
-    from grpo_core.io import write_jsonl
+    from grpo_core.io import write_json, write_jsonl
     out.mkdir(parents=True, exist_ok=True)
-    (out / "metrics.json").write_text(json.dumps(metrics, indent=2, sort_keys=True))
+    write_json(out / "metrics.json", metrics)
     write_jsonl(out / "eval_samples.jsonl", rows)
     if cfg.eval.plots:
         from grpo_core.evaluation.plots import make_plots

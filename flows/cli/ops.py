@@ -282,7 +282,7 @@ def register(sub) -> None:
 
     c = sub.add_parser("compare", help="side-by-side config differences and final metrics of runs; PNG of curves")
     c.add_argument("runs", nargs="+", metavar="RUN", help="run names, run directories or MLflow run ids")
-    c.add_argument("--output-dir", default="runs")
+    c.add_argument("--output-dir", default="runs", help="where the run directories live (default: runs)")
     c.add_argument("--tracking-uri", help="MLflow URI (default: the runs' own)")
     c.add_argument("--png", help="write the main curves to this PNG")
     c.add_argument("--metrics", nargs="*", help="metric name prefixes to show (default: main eval/reward/train)")
@@ -296,9 +296,9 @@ def register(sub) -> None:
     f = asub.add_parser("fetch", help="download an adapter (models:/NAME@ALIAS, e.g. "
                         "models:/grpo-arithmetic-1d-add-sub@champion or @run-<run name>; models:/NAME/VERSION; "
                         "runs:/ID/PATH) to a directory")
-    f.add_argument("uri")
-    f.add_argument("--dest", default=".")
-    f.add_argument("--tracking-uri")
+    f.add_argument("uri", help="models:/NAME@ALIAS, models:/NAME/VERSION or runs:/ID/PATH")
+    f.add_argument("--dest", default=".", help="directory to download into (default: the current one)")
+    f.add_argument("--tracking-uri", help="MLflow tracking and registry URI (default: $MLFLOW_TRACKING_URI)")
     f.set_defaults(func=cmd_adapter_fetch)
 
 
@@ -367,7 +367,8 @@ def _register_schedule(sub, set_opt) -> None:
     s.add_argument("--config", "-c", metavar="YAML", help="the training config of each run (start)")
     set_opt(s)
     s.add_argument("--name", default="nightly", help="schedule (deployment) name (default: nightly)")
-    s.add_argument("--timezone", default="UTC")
+    s.add_argument("--timezone", default="UTC", help="IANA time zone of --cron and --interval, e.g. Europe/Berlin "
+                   "(default: UTC)")
     s.add_argument("--init-from-previous", action="store_true",
                    help="start each run from the champion (else the best adapter of the last finished run in the "
                         "experiment)")

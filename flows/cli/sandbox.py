@@ -30,9 +30,10 @@ def register(subparsers) -> argparse.ArgumentParser:
     r = sub.add_parser("run-file", help="run one code file against a tests JSON file; print the verdict")
     r.add_argument("code", help="source file (the completion's code)")
     r.add_argument("tests", help="JSON file with the tests dict (see sandbox/api.py)")
-    r.add_argument("--language", required=True, choices=["python", "rust"])
+    r.add_argument("--language", required=True, choices=["python", "rust"], help="the code's language")
     r.add_argument("--entry-point", default=None, help="function name (python)")
-    r.add_argument("--backend", default="auto", choices=["auto", "docker", "local", "unisolated"])
+    r.add_argument("--backend", default="auto", choices=["auto", "docker", "local", "unisolated"],
+                   help="where the code runs, as sandbox.backend (default: auto)")
     r.set_defaults(func=cmd_run_file)
 
     x = sub.add_parser("reap", help="remove sandbox containers whose owning process is gone")

@@ -24,6 +24,7 @@ Config (YAML; either at top level or under a `curation:` key):
 from __future__ import annotations
 
 import hashlib
+import inspect
 import json
 import time
 from collections import Counter, defaultdict
@@ -35,6 +36,7 @@ from typing import Any, Iterator
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
+from grpo_core.config import _yaml_problem
 from grpo_core.data import curation
 from grpo_core.data.records import REASONS, Rejection
 from grpo_core.task import Task, read_tasks
@@ -107,6 +109,12 @@ class BuildConfig(_Strict):
             if not isinstance(s, dict) or "name" not in s:
                 raise ValueError(f"sources[{i}] must be a mapping with a 'name' (one of {', '.join(SOURCE_NAMES)})")
             check_source(s["name"], f"sources[{i}].name")    # built in or a plugin; the error says the fix
+            options = {"seed": 0, **{k: v for k, v in s.items() if k != "name"}}   # load_sources adds the seed
+            try:
+                inspect.signature(get_loader(s["name"])[0]).bind(**options)
+            except TypeError as e:
+                raise ValueError(f"sources[{i}] ({s['name']}): {e}; fix its options (`grpo data sources` lists "
+                                 f"them)") from None
         return v
 
 
@@ -114,9 +122,19 @@ def load_build_config(path: str | Path, overrides: dict[str, Any] | None = None)
     p = Path(path)
     if not p.is_file():
         raise FileNotFoundError(f"data config {str(p)!r} does not exist; pass an existing YAML file to --config")
-    raw = yaml.safe_load(p.read_text()) or {}
+    try:
+        raw = yaml.safe_load(p.read_text(encoding="utf-8")) or {}
+    except UnicodeDecodeError as e:
+        raise ValueError(f"data config {str(p)!r} is not UTF-8 text ({e.object[e.start]:#04x} at byte {e.start}); "
+                         f"save it as UTF-8") from None
+    except yaml.YAMLError as e:
+        raise ValueError(f"data config {str(p)!r} is not valid YAML: {_yaml_problem(e)}; fix the syntax "
+                         f"there") from None
     if isinstance(raw, dict) and "curation" in raw:
         raw = raw["curation"]
+    if not isinstance(raw, dict):
+        raise ValueError(f"data config {str(p)!r} must hold a mapping (name:, sources:, ...), not a list or a single "
+                         f"value; `grpo data build --help` shows one")
     raw = {**raw, **(overrides or {})}
     try:
         return BuildConfig.model_validate(raw)

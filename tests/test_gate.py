@@ -107,6 +107,14 @@ def test_only_questions_both_answered_are_paired():
         gate.decide({"a": 1.0}, {"b": 1.0})
 
 
+@pytest.mark.parametrize("bad", [math.nan, math.inf, -math.inf])
+def test_a_score_that_is_not_finite_stops_the_gate(bad):
+    """+inf on one question of 40 made its gain NaN and the gate promoted at p = 0: any non-finite score fails."""
+    new = {f"q{i}": 1.0 for i in range(40)}
+    with pytest.raises(ValueError, match=r"1 gate question\(s\) have a score that is not a finite number"):
+        gate.decide({**new, "q7": bad}, {q: 0.0 for q in new})
+
+
 def test_the_closing_line_has_both_scores_and_the_p_value():
     d = gate.decide(_scores([1, 0, 1, 0]), _scores([1, 0, 1, 0]))
     line = gate.summary_line(d, "eval/greedy/pass_at_1", 0.95, "3")

@@ -213,6 +213,23 @@ def test_metrics_clipping_and_masking(grpo_home):
     assert batch["completion_length_max"] == max(len(s.completion_ids) for s in samples)
 
 
+def test_a_step_with_a_gradient_that_is_not_finite_is_skipped(grpo_home):
+    """A NaN in one LoRA gradient (a real hook on the backward pass) would make every weight NaN after the step,
+    and the adapter would be saved that way: the step is skipped and says so; the next finite step moves."""
+    cfg, policy = tiny_policy()
+    params = [p for p in policy.trainable_parameters()]
+    before = [p.detach().clone() for p in params]
+    hook = params[0].register_hook(lambda g: g * float("nan"))
+    opt = make_optimizer(policy, cfg)
+    metrics, _, _ = grpo_update(policy, opt, make_scheduler(opt, cfg), make_samples(2, 1), cfg, seed=0)
+    assert not math.isfinite(metrics[0]["grad_norm"]) and metrics[0]["skipped_nonfinite"] == 1.0
+    assert all(torch.equal(p, b) for p, b in zip(params, before))
+    hook.remove()
+    metrics, _, _ = grpo_update(policy, opt, make_scheduler(opt, cfg), make_samples(2, 1), cfg, seed=0)
+    assert metrics[0]["skipped_nonfinite"] == 0.0
+    assert all(torch.isfinite(p).all() for p in params) and not all(torch.equal(p, b) for p, b in zip(params, before))
+
+
 def test_unscorable_samples_leave_their_group_to_the_survivors(grpo_home):
     """A sample that could not be scored (None, or no reward) is left out and its group trains on the
     others; a group left with one member (no baseline) is dropped. tests/test_update_variants.py checks

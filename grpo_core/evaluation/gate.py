@@ -97,6 +97,9 @@ def paired(new: dict[str, float], champion: dict[str, float]) -> tuple[list[floa
     common = sorted(new.keys() & champion.keys())
     if not common:
         raise ValueError("the new adapter and the champion have no gate question scored in common")
+    if (bad := [q for q in common if not (math.isfinite(new[q]) and math.isfinite(champion[q]))]):
+        raise ValueError(f"{len(bad)} gate question(s) have a score that is not a finite number (first: {bad[0]!r}); "
+                         f"the gate cannot compare them: fix the reward or metric that produced it")
     return [new[q] for q in common], [champion[q] for q in common]
 
 

@@ -406,8 +406,8 @@ def controlled_entropy(entropy: torch.Tensor, mask: torch.Tensor, top_entropy_qu
 def optimizer_step(policy: Policy, optimizer, scheduler, micro_batches: Sequence[MicroBatch], cfg,
                    tokens_per_step: float, data_parallel: DataParallel = DataParallel()) -> dict[str, float]:
     """One optimizer step: accumulate the gradients of its micro-batches (summed over the processes),
-    clip, step, and move the adaptive entropy coefficient (`EntropyControl`) by the entropy it measured;
-    return its metrics (`step_statistics`; entropy_coef: the coefficient after the step, as TRL logs it,
+    clip, step (skipped when the gradient norm is not finite: skipped_nonfinite 1), and move the adaptive entropy
+    coefficient (`EntropyControl`) by the entropy it measured; return its metrics (`step_statistics`; entropy_coef: the coefficient after the step, as TRL logs it,
     entropy_coef_applied: the one this step's loss used)."""
     t0 = time.perf_counter()
     optimizer.zero_grad(set_to_none=True)
@@ -441,9 +441,14 @@ def optimizer_step(policy: Policy, optimizer, scheduler, micro_batches: Sequence
     if control.adaptive or cfg.entropy_coef != 0.0:
         metrics.update({"entropy_coef": control.coef, "entropy_coef_applied": entropy_coef})
     grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm if cfg.max_grad_norm > 0 else float("inf")).item()
-    optimizer.step()
+    finite = math.isfinite(grad_norm)           # the same on every process: the gradients are summed first
+    if finite:
+        optimizer.step()
+    else:                    # a NaN/inf gradient would write NaN into the adapter for good: skip (GradScaler's rule)
+        optimizer.zero_grad(set_to_none=True)
     scheduler.step()
-    metrics.update({"grad_norm": grad_norm, "learning_rate": scheduler.get_last_lr()[0],
+    metrics.update({"grad_norm": grad_norm, "skipped_nonfinite": float(not finite),
+                    "learning_rate": scheduler.get_last_lr()[0],
                     "step_seconds": time.perf_counter() - t0, "peak_memory_gib": peak_memory_gib(policy.device)})
     return metrics
 

@@ -61,6 +61,8 @@ def test_build_errors_are_reported_not_raised(tmp_path, capsys):
     (b"- {name: jsonl}\n", "bad.yaml' must hold a mapping (name:, sources:, ...)"),
     (b"name: caf\xe9\n", "bad.yaml' is not UTF-8 text (0xe9 at byte 9); save it as UTF-8"),
     (b"sources: [{name: jsonl}]\n", "sources[0] (jsonl): missing a required argument: 'path'; fix its options"),
+    (b"sources: [{name: jsonl, path: q.jsonl, limt: 5}]\n",
+     "sources[0] (jsonl): unknown option(s) limt; it takes path, source, kind"),
 ])
 def test_a_bad_data_config_is_one_error_not_a_traceback(tmp_path, capsys, monkeypatch, content, says):
     monkeypatch.chdir(tmp_path)                                  # the default out_dir, data/built, is relative

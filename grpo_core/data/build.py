@@ -109,13 +109,23 @@ class BuildConfig(_Strict):
             if not isinstance(s, dict) or "name" not in s:
                 raise ValueError(f"sources[{i}] must be a mapping with a 'name' (one of {', '.join(SOURCE_NAMES)})")
             check_source(s["name"], f"sources[{i}].name")    # built in or a plugin; the error says the fix
-            options = {"seed": 0, **{k: v for k, v in s.items() if k != "name"}}   # load_sources adds the seed
-            try:
-                inspect.signature(get_loader(s["name"])[0]).bind(**options)
-            except TypeError as e:
-                raise ValueError(f"sources[{i}] ({s['name']}): {e}; fix its options (`grpo data sources` lists "
-                                 f"them)") from None
+            _check_options(i, s["name"], {"seed": 0, **{k: v for k, v in s.items() if k != "name"}})
         return v
+
+
+def _check_options(i: int, name: str, options: dict[str, Any]) -> None:
+    """The options of sources[i] against its loader's signature (`options` with the seed load_sources adds). A
+    built-in loader's `**_` only takes what other loaders are given: an option it does not name is a typo."""
+    signature = inspect.signature(get_loader(name)[0])
+    params = signature.parameters
+    try:
+        signature.bind(**options)
+    except TypeError as e:
+        raise ValueError(f"sources[{i}] ({name}): {e}; fix its options (`grpo data sources` lists them)") from None
+    named = [p for p in params if params[p].kind not in (inspect.Parameter.VAR_KEYWORD, inspect.Parameter.VAR_POSITIONAL)]
+    if "_" in params and (unknown := sorted(set(options) - set(named) - {"seed"})):
+        raise ValueError(f"sources[{i}] ({name}): unknown option(s) {', '.join(unknown)}; it takes "
+                         f"{', '.join(named) or 'none'}")
 
 
 def load_build_config(path: str | Path, overrides: dict[str, Any] | None = None) -> BuildConfig:

@@ -77,7 +77,9 @@ The ``tests`` formats (the hidden tests of a task; never shown to the model)
    injected into a harness-generated binary that imports the library with ``use solution::*``.
    Helpers (non-test fns, ``use`` lines) may appear in ``tests`` too. Staged: build -> clippy
    (``-F clippy::all``) -> tests; per-stage results are in ``Verdict.stages``. ``entry_point`` is
-   optional for Rust.
+   optional for Rust. Optional ``"signature": "pub fn add(a: i32, b: i32) -> i32"`` (after any
+   ``use`` lines its types need): the completion's function of that name must take as many arguments
+   and return that type, or the test binary does not build (``rust_harness.signature_pin``).
 
 Verdict statuses
 ----------------

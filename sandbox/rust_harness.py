@@ -18,6 +18,10 @@ construction). Calling rustc directly is also faster than three cargo runs (docs
   report; missing tests count as failed.
 * ``main.rs`` is written only after the library has been built and linted, and the whole build
   tree is deleted before the binary runs, so the completion cannot ``include_str!`` the tests.
+* ``tests['signature']`` (optional): the entry point's header as the task states it (``pub fn f(a: i32)
+  -> Option<i32>``, after any ``use`` lines its types need). ``main.rs`` then requires the completion's
+  ``f`` to take as many arguments and return that type (``let _: fn(_) -> Option<i32> = f;``): a type of
+  the completion's own standing in for the answer (its inherent ``is_some`` always true) does not compile.
 
 Not defended: a completion that deliberately reads its own process memory (``/proc/self/mem``)
 to find the nonce could forge its Rust test lines (Python is immune: outputs are compared on
@@ -97,7 +101,56 @@ def validate_tests(tests: Any) -> list[tuple[str, bool]]:
     _, found = _transform(src)
     if not found:
         raise TaskFormatError("tests['tests'] has no `#[test] fn name() {` functions; add some")
+    signature_pin(tests.get("signature"))
     return found
+
+
+_USE = re.compile(r"\s*use\s+[^;{}]*(?:\{[^;]*\})?[^;]*;")
+_HEADER = re.compile(r"\s*(?:pub(?:\([^)]*\))?\s+)?(?:const\s+|async\s+)?fn\s+([A-Za-z_][A-Za-z0-9_]*)\s*([<(])")
+
+
+def signature_pin(signature: Any) -> str:
+    """The module `main.rs` adds for ``tests['signature']``: the completion's entry point must take as many
+    arguments and return the stated type. "" when there is none to pin, or it cannot be written as a fn
+    pointer (generics or ``impl Trait``, a method, a returned reference or lifetime, no return type)."""
+    if signature is None:
+        return ""
+    if not isinstance(signature, str) or not signature.strip():
+        raise TaskFormatError("tests['signature'] must be the entry point's header, e.g. "
+                              "'pub fn f(a: i32) -> Option<i32>'")
+    uses, i = [], 0
+    while (u := _USE.match(signature, i)):
+        uses.append(u.group(0).strip())
+        i = u.end()
+    head = _HEADER.match(signature, i)
+    if not head:
+        raise TaskFormatError(f"tests['signature'] {signature[i:i + 80]!r} is not a `fn name(...) -> Type` header")
+    name = head.group(1)
+    if head.group(2) == "<":                    # generic: its types cannot be named outside it
+        return ""
+    depth, j, arity, any_param = 1, head.end(), 0, False
+    while j < len(signature) and depth:
+        c = signature[j]
+        if c in "([{<" and not (c == "<" and signature[j - 1] == "-"):
+            depth += 1
+        elif c in ")]}>" and not (c == ">" and signature[j - 1] == "-"):
+            depth -= 1
+        elif c == "," and depth == 1:
+            arity += 1
+        if depth and not c.isspace() and not (c == "," and depth == 1):
+            any_param = True
+        j += 1
+    if depth:
+        raise TaskFormatError(f"tests['signature'] {signature!r}: unbalanced parentheses")
+    params = signature[head.end():j - 1]
+    arity += 1 if any_param and not params.rstrip().endswith(",") else 0
+    ret = re.match(r"\s*->\s*(.+?)\s*(?:\bwhere\b.*)?\{?\s*$", signature[j:], re.S)
+    if not ret or re.search(r"&|'|\bimpl\b|\bSelf\b", ret.group(1)) or re.search(r"\bimpl\b|\bself\b", params):
+        return ""
+    holes = ", ".join(["_"] * arity)
+    return ("pub mod __signature {\n    #![allow(unused_imports, dead_code, clippy::all)]\n    use super::*;\n"
+            + "".join(f"    {u}\n" for u in uses)
+            + f"    pub fn pin() {{ let _: fn({holes}) -> {ret.group(1)} = super::{name}; }}\n}}\n")
 
 
 def _transform(src: str) -> tuple[str, list[tuple[str, bool]]]:
@@ -299,7 +352,7 @@ pub mod hidden {{
     #[allow(unused_imports)]
     pub use ::std::primitive::{{{", ".join(PRIMITIVES)}}};
 {body}
-}}
+{signature_pin(tests.get("signature"))}}}
 
 pub trait Outcome {{ fn passed(self) -> bool; }}
 impl Outcome for () {{ fn passed(self) -> bool {{ true }} }}

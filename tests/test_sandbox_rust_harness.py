@@ -208,3 +208,61 @@ def test_the_always_equal_guard_reads_code_not_comments(code, refused):
     impls for Self, trait bounds with Output = T, and the words in comments or strings are not."""
     from sandbox.rust_harness import fake_comparison
     assert bool(fake_comparison(code)) is refused, fake_comparison(code)
+
+
+# -- the entry point's signature pinned: a type of the completion's own cannot stand in for the answer -------
+PREDICATE_TESTS = '''
+#[test]
+fn some() { assert!(safe_div(6, 3).is_some()); }
+#[test]
+fn none() { assert!(safe_div(1, 0).is_none()); }
+'''
+SIGNATURE = "pub fn safe_div(a: i32, b: i32) -> Option<i32>"
+PINNED = {
+    "good": ("pub fn safe_div(a: i32, b: i32) -> Option<i32> { if b == 0 { None } else { Some(a / b) } }", True,
+             ("pass", 2)),
+    # inherent methods that answer whatever the tests ask: no trait, so the always-equal guard cannot see it
+    "fake_predicates": ('''pub struct Fake;
+impl Fake {
+    pub fn is_some(&self) -> bool { true }
+    pub fn is_none(&self) -> bool { true }
+}
+pub fn safe_div(_a: i32, _b: i32) -> Fake { Fake }''', True, ("error", 0)),
+    "fake_predicates_unpinned": (None, False, ("pass", 2)),     # the hole the pin closes, shown open without it
+    "other_argument_types": ("pub fn safe_div(a: i64, b: i64) -> Option<i32> { if b == 0 { None } else "
+                             "{ Some((a / b) as i32) } }", True, ("pass", 2)),
+}
+
+
+def test_a_pinned_signature_refuses_a_stand_in_return_type(backend):
+    """With tests['signature'] (grpo_core.data.formats.sandbox_tests adds it from the reference solution), the
+    completion's entry point must return the stated type; its arguments' types stay free."""
+    from sandbox.types import Job
+    jobs = []
+    for name, (code, pinned, _) in PINNED.items():
+        tests = {"format": "rust", "tests": PREDICATE_TESTS, **({"signature": SIGNATURE} if pinned else {})}
+        jobs.append(Job("rust", code or PINNED["fake_predicates"][0], tests))
+    for name, v in zip(PINNED, backend.score_batch(jobs, workers=1)):
+        assert (v.status, v.passed) == PINNED[name][2], (name, v)
+
+
+@pytest.mark.parametrize("signature, pin", [
+    (SIGNATURE, "let _: fn(_, _) -> Option<i32> = super::safe_div;"),
+    ("use std::any::Any;\nfn f(x: Box<dyn Any>, y: &[(i32, i32)]) -> Vec<String> {",
+     "use std::any::Any;\n    pub fn pin() { let _: fn(_, _) -> Vec<String> = super::f; }"),
+    ("fn f() -> i64", "let _: fn() -> i64 = super::f;"),
+    ("fn f(g: impl Fn(i32) -> i32) -> i32", ""),                  # generic: its types cannot be named outside it
+    ("fn f<T: Ord>(v: Vec<T>) -> T", ""),
+    ("fn f(s: &str) -> &str", ""),                               # a returned reference: no pin
+    ("fn f(values: &mut [i32])", ""),                            # nothing returned
+])
+def test_the_signature_pin_names_arity_and_return_type(signature, pin):
+    from sandbox.rust_harness import signature_pin
+    assert (pin in signature_pin(signature)) if pin else signature_pin(signature) == ""
+
+
+def test_a_signature_that_is_not_a_header_is_a_task_format_error():
+    from sandbox.rust_harness import validate_tests
+    from sandbox.types import TaskFormatError
+    with pytest.raises(TaskFormatError, match="is not a `fn name"):
+        validate_tests({"format": "rust", "tests": PREDICATE_TESTS, "signature": "safe_div returns Option<i32>"})

@@ -25,6 +25,10 @@ def call(fn, completions, tasks, **context):
     ("<answer>5</answer> and more text", 0.0),
     ("<answer>5", 0.0),
     ("5", 0.0),
+    ("<answer></answer></answer>", 0.0),                            # a duplicated tag is not the answer
+    ("<answer><answer></answer>", 0.0),
+    ("<answer><answer>5</answer>", 0.0),
+    ("<answer>5</answer></answer>", 0.0),
 ])
 def test_format_reward(completion, fmt):
     assert call(format_reward, [completion], [T]) == [fmt]
@@ -46,6 +50,8 @@ def test_format_reward_follows_the_task_kind():
     assert call(format_reward, ["```python\n\n```"], [py]) == [0.0]                      # empty block
     assert call(format_reward, ["```python\na=1\n```\n```python\nb=2\n```"], [py]) == [0.0]   # two blocks
     assert call(format_reward, ["```rust\nfn f() {}\n```"], [py]) == [0.0]               # wrong language
+    assert call(format_reward, ["```python\n```\n```"], [py]) == [0.0]                 # empty, a third fence
+    assert call(format_reward, ["```python\n````"], [py]) == [0.0]                      # empty, four backticks
     assert call(format_reward, ["```rust\npub fn f() -> i32 { 1 }\n```\n"], [rs]) == [1.0]
     assert call(format_reward, ["<answer>5</answer>"], [rs]) == [0.0]
 
@@ -97,3 +103,18 @@ def test_bad_scores_are_reported_with_the_function_name(values, message):
 
 def test_good_scores_become_floats():
     assert check_scores("f", (1, True, None, 0.25), 4) == [1.0, 1.0, None, 0.25]
+
+
+@pytest.mark.parametrize("kind, completion", [
+    ("math", "Let me think. <answer>" + "The sum is 7, so " * 6000),    # cut off inside the answer block
+    ("math", "<answer>" + "a" * 100_000 + "</answer>x"),
+    ("python", "```python\n" + "x = 1\n" * 17_000),                       # cut off inside the code block
+    ("rust", "```rust\n" + "a" * 100_000 + "```x"),
+])
+def test_format_takes_linear_time_on_long_completions(kind, completion):
+    """An unclosed block was matched in quadratic time (10 s at 32 kB, minutes at 100 kB)."""
+    import time
+    t0 = time.perf_counter()
+    assert call(format_reward, [completion], [Task(id="k", kind=kind, source="s", prompt="p", answer="7",
+                                                    tests={"format": "io", "cases": []})]) == [0.0]
+    assert time.perf_counter() - t0 < 1

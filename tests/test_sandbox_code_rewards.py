@@ -22,6 +22,17 @@ def test_extract_code_prefers_last_tagged_block():
     assert extract_code("```python\nprint(1)\n```", "rust") == ""      # wrong language only
 
 
+@pytest.mark.parametrize("text", ["x" + "\n" * 100_000 + "x", "```" * 33_000, "``` " * 25_000 + "\n```py" * 3,
+                                  "<answer>" * 12_500])
+def test_extract_code_and_answer_take_linear_time(text):
+    """Blank-line runs, a line of fences, repeated open tags: quadratic before (12-20 s at 100 kB)."""
+    import time
+    from grpo_core.rewards.answers import extract_answer
+    t0 = time.perf_counter()
+    extract_code(text, "python"), extract_code(text, "rust"), extract_answer(text)
+    assert time.perf_counter() - t0 < 1
+
+
 def _v(status, passed, total, stages=None):
     tests = [TestResult(str(i), i < passed) for i in range(total)]
     return Verdict(status, tests=tests, stages=stages or {})
@@ -53,6 +64,19 @@ def test_verdict_reward_rust_staged_weights():
     assert verdict_reward(_v("fail", 1, 2, _stages("pass", "fail")), rust_weights=(0, 0, 1)) == 0.5
     with pytest.raises(ValueError):
         verdict_reward(_v("fail", 1, 2), mode="nope")
+
+    # The tests did not build against the code ('// todo', an unrelated fn): no build or lint credit.
+    assert verdict_reward(_v("error", 0, 2, _stages("pass", "pass", "error"))) == 0.0
+    assert verdict_reward(_v("error", 1, 2, _stages("pass", "pass", "pass"))) == 0.75  # tests ran, output limit hit
+
+
+@pytest.mark.slow
+def test_rust_code_that_defines_nothing_the_tests_call_earns_nothing_docker():
+    need_docker()
+    scores = score_code(["```rust\n// I could not solve this.\n```", "```rust\npub fn unrelated() {}\n```"],
+                        [RS_TASK, RS_TASK], backend="docker")
+    assert [s.reward for s in scores] == [0.0, 0.0]
+    assert all(s.verdict.stages["build"].status == "pass" for s in scores)
 
 
 PY_TASK = Task(id="t-add", kind="python", source="test", prompt="Write add(a, b).", entry_point="add",

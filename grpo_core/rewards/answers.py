@@ -86,8 +86,10 @@ MAX_EXPONENT = 1000
 
 def extract_answer(completion: str) -> str | None:
     """The content of the single <answer> block, or None if there is not exactly one."""
+    if completion.count("<answer>") != 1:      # first: findall over many open tags is quadratic
+        return None
     found = ANSWER_RE.findall(completion)
-    if len(found) != 1 or completion.count("<answer>") != 1:
+    if len(found) != 1:
         return None
     return found[0].strip()
 

@@ -7,7 +7,8 @@ The only bridge between GRPO and ``sandbox/`` (which knows nothing about GRPO):
 * :func:`build_job` turns a :class:`~grpo_core.task.Task` + completion into a ``sandbox.Job``.
 * :func:`verdict_reward` maps a verdict to a reward in [0, 1]:
   Python: pass fraction (``mode="fraction"``) or all-or-nothing (``mode="binary"``);
-  Rust: staged build / clippy / tests with weights (default 1 / 1 / 2, normalised), or binary.
+  Rust: staged build / clippy / tests with weights (default 1 / 1 / 2, normalised), or binary; code the
+  tests do not build against (it defines nothing they call: a comment, an unrelated item) earns 0.
   An ``infra_error`` verdict gives ``None``: the caller drops the sample instead of scoring 0.
 * :func:`code_accuracy` does all of it for a batch (the ``accuracy`` reward's code half).
 
@@ -29,7 +30,20 @@ RUST_STAGE_WEIGHTS = (1.0, 1.0, 2.0)   # build, clippy, tests (Oxen.ai's 1 / 1 /
 MODES = ("fraction", "binary")
 
 _FENCE = re.compile(r"```[ \t]*([A-Za-z0-9_+#.-]*)[^\n]*\n(.*?)(?:```|\Z)", re.DOTALL)
+_OPENING = re.compile(r"```[ \t]*([A-Za-z0-9_+#.-]*)[^\n]*\n")   # where _FENCE can start
 _LANG_TAGS = {"python": {"python", "py", "python3"}, "rust": {"rust", "rs"}}
+
+
+def _fenced_blocks(text: str) -> list[tuple[str, str]]:
+    """``_FENCE.findall(text)`` in linear time. A fence after the last newline cannot open a block, so the
+    search for an opening stops there: findall tried each fence of such a line up to its end (13 s for a
+    line of 33 000 fences)."""
+    blocks, pos, end = [], 0, text.rfind("\n") + 1
+    while (opening := _OPENING.search(text, pos, end)) is not None:
+        block = _FENCE.match(text, opening.start())
+        blocks.append(block.groups())
+        pos = block.end()
+    return blocks
 
 
 def extract_code(completion: str, language: str) -> str:
@@ -37,7 +51,7 @@ def extract_code(completion: str, language: str) -> str:
     untagged fenced block; else the whole text if it looks like code; else ""."""
     if not completion:
         return ""
-    blocks = [(tag.lower(), body) for tag, body in _FENCE.findall(completion)]
+    blocks = [(tag.lower(), body) for tag, body in _fenced_blocks(completion)]
     tagged = [b for t, b in blocks if t in _LANG_TAGS.get(language, {language})]
     if tagged:
         return tagged[-1].strip("\n")
@@ -46,7 +60,10 @@ def extract_code(completion: str, language: str) -> str:
         return untagged[-1].strip("\n")
     if blocks:
         return ""  # only blocks in another language: nothing to run
-    marker = r"^\s*(def|class|import|from)\s" if language == "python" else r"^\s*(pub\s+)?(fn|struct|enum|impl|use)\s"
+    # Indentation within the line only: `^\s*` from every line start ran over all the blank lines after it
+    # (quadratic: 17 s for 40 000 newlines).
+    marker = (r"^[^\S\n]*(def|class|import|from)\s" if language == "python"
+              else r"^[^\S\n]*(pub\s+)?(fn|struct|enum|impl|use)\s")
     return completion.strip("\n") if re.search(marker, completion, re.M) else ""
 
 
@@ -77,6 +94,8 @@ def verdict_reward(verdict, mode: str = "fraction",
     total = w_build + w_clippy + w_test
     if total <= 0:
         raise ValueError("rust_weights must sum to a positive number")
+    if verdict.stages.get("test") is not None and verdict.stages["test"].status == "error":
+        return 0.0  # the tests did not build against the code: no build or lint credit for '// todo'
     built = verdict.stages["build"].status == "pass"
     linted = verdict.stages["clippy"].status == "pass"
     return (w_build * built + w_clippy * linted + w_test * (verdict.pass_fraction if built else 0.0)) / total

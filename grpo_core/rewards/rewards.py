@@ -29,10 +29,12 @@ from grpo_core.rewards.answers import extract_answer, math_answers_match, reason
 from grpo_core.plugins import REWARD_GROUP, check_reward_signature, load_plugin, metric_names
 from grpo_core.task import Task
 
-# The whole completion: optional reasoning, then exactly one non-empty answer block, nothing after it.
-FORMAT_RE = re.compile(r"^(?:(?!<answer>|</answer>).)*<answer>(?:(?!<answer>|</answer>).)*\S(?:(?!<answer>|</answer>).)*</answer>\s*$",
-                       re.DOTALL)
-CODE_BLOCK_RE = {lang: re.compile(rf"^(?:(?!```).)*```{lang}[ \t]*\n(?:(?!```).)*\S(?:(?!```).)*```\s*$", re.DOTALL)
+# The whole completion: optional reasoning, then exactly one non-empty answer block, nothing after it. The block's
+# first non-space character may not start a tag or fence either (else '<answer></answer></answer>' passed), and it is
+# found after white space only, so the match takes linear time (an unclosed block took quadratic: 10 s at 32 kB).
+FORMAT_RE = re.compile(r"^(?:(?!<answer>|</answer>).)*<answer>\s*(?!<answer>|</answer>)\S(?:(?!<answer>|</answer>).)*"
+                       r"</answer>\s*$", re.DOTALL)
+CODE_BLOCK_RE = {lang: re.compile(rf"^(?:(?!```).)*```{lang}[ \t]*\n\s*(?!```)\S(?:(?!```).)*```\s*$", re.DOTALL)
                  for lang in ("python", "rust")}
 
 TASK_COLUMNS = tuple(f.name for f in fields(Task) if f.name != "prompt")

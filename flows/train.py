@@ -14,10 +14,11 @@ from grpo_core.model import loading as models
 from grpo_core import stages
 from grpo_core.config import GRPOConfig
 from grpo_core.data import iteration as data_iteration
-from grpo_core.io import atomic_write_text, read_json, write_json
+from grpo_core.io import atomic_write_text, check_writable, read_json, write_json
 from grpo_core.kernels import settings as kernel_settings
 from tasks import gate, monitoring, remote, run as run_steps, tracking
-from tasks.run_state import mark_ended_by, mark_running, mark_stopped, suspect_reasons, update_run_state
+from tasks.run_state import (check_not_running, claim_run, mark_ended_by, mark_running, mark_stopped, release_run,
+                             suspect_reasons, update_run_state)
 from tasks.splits import curated_cache
 from tasks.data_logging import fetch_parent_questions
 
@@ -135,9 +136,12 @@ def preflight(cfg: GRPOConfig) -> None:
     has the LoRA target modules; a local init_adapter fits it; data.curated yields training and held-out tasks;
     the sandbox has its images when code tasks run on backend docker; stages sent to work pools have a Prefect
     server with those pools; the task's stored gate set shares no question with the eval split. Reward plugins are imported when the config is validated. Each failure is a
-    ConfigError, ModelError or InputError naming the field and the fix."""
+    ConfigError, ModelError or InputError naming the field and the fix. Also: output_dir is writable, and no other
+    process is running this run now."""
     if cfg.run_name:
         run_steps.check_same_config(cfg, run_dir_of(cfg))
+        check_writable(run_dir_of(cfg), "output_dir")
+        check_not_running(run_dir_of(cfg))
     models.select_device(cfg.device)
     tracking.check_reachable(cfg)
     model_dir = models.check_model(cfg.model, cfg.lora_target_modules if cfg.use_peft else [])
@@ -175,6 +179,14 @@ def training_run(config: dict) -> dict:
     run_steps.check_same_config(cfg, run_dir)
     remote.check_work_pools(cfg)           # stages on work pools: a server with those pools, before any write
     run_dir.mkdir(parents=True, exist_ok=True)
+    claim_run(run_dir)                     # refused while another process runs this run
+    try:
+        return _training_run(cfg, config, run_dir)
+    finally:
+        release_run(run_dir)
+
+
+def _training_run(cfg: GRPOConfig, config: dict, run_dir: Path) -> dict:
     atomic_write_text(run_dir / "config.yaml", cfg.to_yaml())
     mark_running(run_dir, flow_run.get_id())
     if (schedule := deployment.get_name()):            # started by a schedule (grpo schedule): `grpo runs` shows it

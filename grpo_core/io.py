@@ -102,6 +102,29 @@ def remove_stale_temps(target: Path) -> None:
             p.unlink(missing_ok=True)
 
 
+def _fsync_path(path: str | os.PathLike, directory: bool = False) -> None:
+    """fsync a file, or a directory (its entries: a rename); a filesystem that cannot sync a directory is let be."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+    except OSError:
+        if not directory:
+            raise
+
+
+def _fsync_tree(root: Path) -> None:
+    """Flush every file under `root`, then its directories, to disk: what a rename publishes must be on disk
+    before anything that points at it (the stage record), or a power cut can leave the record and empty files."""
+    for dirpath, _, filenames in os.walk(root, topdown=False):
+        for name in filenames:
+            if not os.path.islink(os.path.join(dirpath, name)):
+                _fsync_path(os.path.join(dirpath, name))
+        _fsync_path(dirpath, directory=True)
+
+
 def atomic_write_text(path: str | os.PathLike, text: str) -> Path:
     """Write a file so that readers see either the old content or the whole new content."""
     path = Path(path)
@@ -114,6 +137,7 @@ def atomic_write_text(path: str | os.PathLike, text: str) -> Path:
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
+        _fsync_path(path.parent, directory=True)   # the rename itself, before a record written next can point at it
     except BaseException as e:
         full = _disk_full_error(e, path)
         Path(tmp).unlink(missing_ok=True)
@@ -132,12 +156,14 @@ def atomic_dir(final: str | os.PathLike, build: Callable[[Path], None], replace:
     tmp = Path(tempfile.mkdtemp(dir=final.parent, prefix=_temp_prefix(final)))
     try:
         build(tmp)
+        _fsync_tree(tmp)
         if final.exists() and replace:
             shutil.rmtree(final)
         if final.exists():
             shutil.rmtree(tmp)
         else:
             os.replace(tmp, final)
+            _fsync_path(final.parent, directory=True)
     except BaseException as e:
         full = _disk_full_error(e, final)
         shutil.rmtree(tmp, ignore_errors=True)
@@ -145,6 +171,17 @@ def atomic_dir(final: str | os.PathLike, build: Callable[[Path], None], replace:
             raise full from e
         raise
     return final
+
+
+def check_writable(path: str | os.PathLike, field: str) -> None:
+    """InputError naming `field` when `path` (or, where it does not exist yet, the nearest folder above it) is not a
+    directory this process can write in: a read-only filesystem, no permission, a file in the way."""
+    path = Path(path).expanduser().absolute()
+    existing = next(p for p in (path, *path.parents) if p.exists())
+    if not existing.is_dir() or not os.access(existing, os.W_OK | os.X_OK):
+        why = "is not a directory" if not existing.is_dir() else "is not writable (a read-only filesystem, or no permission)"
+        raise InputError(f"{field}: cannot write {path}: {existing} {why}. Fix: give {field} a directory you can "
+                         f"write to")
 
 
 def read_json(path: str | os.PathLike) -> Any:

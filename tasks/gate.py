@@ -292,8 +292,10 @@ def decision(cfg: GRPOConfig, run_dir: Path, run_id: str, iteration: int) -> sta
         return None
     path = run_dir / "gate" / "decision.json"
     inputs = _decision_inputs(cfg, run_dir, iteration)
-    if path.is_file() and (done := read_json(path)).get("inputs") == inputs:
-        return stats.GateDecision(**done["decision"])
+    if path.is_file() and ((done := read_json(path)).get("inputs") == inputs or (
+            done.get("iteration") == iteration and registry.registered_version(
+                tracking.client(cfg), registered_model_name(cfg), run_id, iteration, cfg.run_name) is not None)):
+        return stats.GateDecision(**done["decision"])     # same inputs, or already acted on: its version exists
     checkpoint = read_json(run_dir / f"iter-{iteration}" / "update.json")["checkpoint"]
     d = compare_with_champion(cfg, run_dir, run_id, checkpoint)
     write_json(path, {"iteration": iteration, "inputs": inputs, "decision": d.as_dict()})

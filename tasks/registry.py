@@ -60,6 +60,20 @@ def _beats_champion(c, name: str, metric: str, value: float | None) -> bool:
     return held is None or (value is not None and float(value) >= float(held))
 
 
+def registered_version(c, name: str, run_id: str, iteration: int, run_name: str | None):
+    """The version of `name` that run `run_id` (named `run_name`) already registered for `iteration`'s adapter, else
+    None: a registration cut off (killed, MLflow gone) after it created its version is finished, not repeated."""
+    from mlflow.exceptions import MlflowException
+    try:
+        versions = c.search_model_versions(f"name='{name}' and run_id='{run_id}'")
+    except MlflowException as e:
+        if not not_found(e):
+            raise
+        return None
+    return next((v for v in versions if v.source.endswith(f"/adapters/iter-{iteration}")
+                 and v.tags.get("run_name") == (run_name or "")), None)
+
+
 REGISTERED_MODEL_DESCRIPTION = ("LoRA adapters trained by grpo-pipeline. Load one with tasks.registry."
                                 "load_adapter('models:/NAME@champion') or '@run-<run name>'.")
 
@@ -82,7 +96,8 @@ def register_adapter(cfg: GRPOConfig, run_id: str, iteration: int, metrics: dict
     if value is not None:
         version_tags[cfg.tracking.best_metric] = str(value)
     champion = _beats_champion(c, name, cfg.tracking.best_metric, value) if promote is None else promote
-    mv = c.create_model_version(name, source, run_id=run_id, tags=version_tags)
+    mv = registered_version(c, name, run_id, iteration, cfg.run_name) or \
+        c.create_model_version(name, source, run_id=run_id, tags=version_tags)
     aliases = [run_alias(cfg.run_name or run_id)] + ([CHAMPION] if champion else [])
     for alias in aliases:
         c.set_registered_model_alias(name, alias, mv.version)

@@ -3,6 +3,7 @@ the status `grpo runs` / `grpo resume` show, derived from run.json and the stage
 Stage records themselves are tasks/layout.py's."""
 from __future__ import annotations
 
+import fcntl
 import os
 import socket
 import time
@@ -10,7 +11,11 @@ from pathlib import Path
 from typing import Any
 
 from grpo_core import stages
+from grpo_core.errors import ConfigError
 from grpo_core.io import pid_alive, read_json, write_json
+
+LOCK_FILE = ".run.lock"
+_claimed: dict[str, Any] = {}          # run dir -> the open lock file of the run this process is running
 
 
 def mlflow_run_id(run_dir: str | Path) -> str | None:
@@ -43,6 +48,38 @@ def update_run_state(run_dir: str | Path, **fields: Any) -> dict:
     state.update(fields)
     write_json(run_state_path(run_dir), state)
     return state
+
+
+def claim_run(run_dir: str | Path) -> None:
+    """Hold an exclusive lock on <run_dir>/.run.lock while this process runs the run: a second `grpo train` of the
+    same run name, or a `grpo resume` while the first is alive, is refused (ConfigError) instead of running the same
+    stages beside it. The kernel drops the lock with its process (SIGKILL, OOM, power cut): no stale lock."""
+    run_dir = Path(run_dir)
+    lock = open(run_dir / LOCK_FILE, "a")
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        lock.close()
+        state = read_run_state(run_dir)
+        who = f" (pid {state['pid']} on {state.get('host')})" if state.get("pid") else ""
+        raise ConfigError(f"run {run_dir.name!r} is already running{who}: wait for it to end, or stop it and then "
+                          f"`grpo resume {run_dir.name}`") from None
+    _claimed[str(run_dir.resolve())] = lock
+
+
+def release_run(run_dir: str | Path) -> None:
+    """Let go of the lock claim_run took (the run ended in this process, however)."""
+    lock = _claimed.pop(str(Path(run_dir).resolve()), None)
+    if lock is not None:
+        lock.close()
+
+
+def check_not_running(run_dir: str | Path) -> None:
+    """ConfigError when another process runs this run now (claim_run, then let go at once): said before anything
+    starts."""
+    if (Path(run_dir) / LOCK_FILE).is_file():          # no such file: no process has ever run it here
+        claim_run(run_dir)
+        release_run(run_dir)
 
 
 def mark_running(run_dir: str | Path, flow_run_id: str | None) -> dict:

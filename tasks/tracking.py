@@ -161,9 +161,14 @@ def _start_or_resume_run(cfg: GRPOConfig, run_dir: Path, flow_run_id: str | None
             "git_commit": git_commit(), "config_hash": cfg.config_hash(), "run_dir": str(run_dir.resolve()),
             "base_model": cfg.model, "cpu": cpu_features.detect().summary(), **source_tags()})
         run_id = run.info.run_id
-        log_params(c, run_id, cfg.flat())
-        c.log_text(run_id, cfg.to_yaml(), "config.yaml")
         state["mlflow_run_id"] = run_id
+        write_json(state_path, state)          # at once: a run killed from here on reopens this MLflow run
+    if not state.get("mlflow_inputs_logged"):  # the config as params and as config.yaml, once (a kill may cut it)
+        logged = c.get_run(run_id).data.params
+        log_params(c, run_id, {k: v for k, v in cfg.flat().items() if k not in logged})
+        if not any(f.path == "config.yaml" for f in c.list_artifacts(run_id)):
+            c.log_text(run_id, cfg.to_yaml(), "config.yaml")
+        state["mlflow_inputs_logged"] = True
         write_json(state_path, state)
     if flow_run_id:
         c.set_tag(run_id, "prefect_flow_run_id", flow_run_id)

@@ -240,6 +240,8 @@ CASES = [
                                                                      "--set", "learning_rate=0.5"])[1],
          ["run 't' already exists with a different config (learning_rate: 0.01 -> 0.5)",
           "resume it unchanged with `grpo resume t`"]),
+    Case("output_dir_not_writable", lambda w: w.train("--output-dir", str(w.write("plain.txt", "x"))),
+         ["output_dir: cannot write", "plain.txt is not a directory", "Fix: give output_dir a directory you can write"]),
     Case("rerun_with_changed_config", lambda w: (w.existing_run(), w.train("--set", "learning_rate=0.5"))[1],
          ["run 't' already exists with a different config (learning_rate: 0.01 -> 0.5)",
           "start a new run with another --run-name"]),

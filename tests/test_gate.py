@@ -457,3 +457,28 @@ def test_a_refusal_does_not_outlive_the_fix_it_names(tmp_path, mlflow_uri, grpo_
     assert gate_steps.prepare_gate_set(own, run_dir, wide_run).is_file()
     assert read_run_state(run_dir)["gate_refusal"] is None
     assert gate_steps.decision(own, run_dir, wide_run, 1).reason == "first champion"
+
+
+def test_a_registration_cut_off_after_its_version_was_made_is_finished_not_repeated(tmp_path, mlflow_uri, grpo_home,
+                                                                                    monkeypatch):
+    """Killed (here: MLflow gone) after the run's version was created and aliased, before the run recorded it: the
+    resume does not register a second version of the same adapter, nor judge the adapter against itself (it would
+    then read "not better" and split `champion` and run-<name> over two copies)."""
+    from tasks import gate as gate_steps, registry, tracking
+    from tasks.registry import CHAMPION, registered_model_name
+    cfg = GRPOConfig(output_dir=str(tmp_path / "runs"), run_name="r")
+    c, name = tracking.client(cfg), registered_model_name(cfg)
+    run_id, run_dir = c.create_run(tracking.experiment_id(cfg)).info.run_id, tmp_path / "r"
+    _update_record(run_dir, 2)
+    real = registry.set_tags
+
+    def gone(*args):
+        raise ConnectionError("MLflow went away")
+    monkeypatch.setattr(registry, "set_tags", gone)
+    with pytest.raises(ConnectionError):
+        gate_steps.register_with_gate(cfg, run_dir, run_id, 2, {METRIC: 0.5})
+    monkeypatch.setattr(registry, "set_tags", real)
+    again = gate_steps.register_with_gate(cfg, run_dir, run_id, 2, {METRIC: 0.5})
+    assert [v.version for v in c.search_model_versions(f"name='{name}'")] == [again["version"]]
+    assert again["gate"]["reason"] == "first champion" and again["aliases"] == ["run-r", CHAMPION]
+    assert c.get_model_version_by_alias(name, CHAMPION).version == again["version"]

@@ -73,3 +73,25 @@ def test_next_write_removes_temps_a_killed_writer_left_but_not_a_live_ones(tmp_p
     atomic_write_text(tmp_path / "f.txt", "whole")
     atomic_dir(tmp_path / "out", lambda d: (d / "a").write_text("1"))
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["f.txt", "out", live_file.name])
+
+
+def test_a_directory_is_on_disk_before_its_rename_and_the_rename_before_what_comes_next(tmp_path, monkeypatch):
+    """A power cut after a stage record is written must not find the checkpoint it names empty: atomic_dir flushes
+    every file it built (and the directories) before the rename, then the rename; atomic_write_text its rename."""
+    import os
+    from grpo_core import io
+    synced, real_fsync = [], os.fsync
+    monkeypatch.setattr(io.os, "fsync", lambda fd: (synced.append(os.readlink(f"/proc/self/fd/{fd}")), real_fsync(fd)))
+
+    def build(d):
+        (d / "checkpoint").mkdir()
+        (d / "checkpoint" / "adapter.safetensors").write_bytes(b"w" * 100)
+        (d / "trainer_state.pt").write_bytes(b"s" * 100)
+    out = atomic_dir(tmp_path / "update", build)
+    built = [p for p in synced if "/.update." in p]
+    assert {p.rsplit("/.update.", 1)[1].split("/", 1)[-1] for p in built} >= {"checkpoint/adapter.safetensors",
+                                                                                "trainer_state.pt", "checkpoint"}
+    assert synced[-1] == str(tmp_path)                                        # the rename, after the contents
+    synced.clear()
+    atomic_write_text(out / "update.json", "{}")
+    assert synced[-1] == str(out)

@@ -212,6 +212,41 @@ def test_sigkill_during_update_then_resume(prefect_engine, grpo_home, mlflow_uri
 
 
 @pytest.mark.slow
+@pytest.mark.slow
+def test_a_run_is_refused_while_another_process_runs_it_and_a_kill_leaves_no_stale_lock(
+        prefect_engine, grpo_home, mlflow_uri, tmp_path, capsys):
+    """`grpo train` of the same run name, or `grpo resume`, while a live process runs that run is refused with one
+    line naming it (both would run the same stages, log each metric twice and register two versions); once that
+    process is SIGKILLed, nothing it left blocks the resume, which finishes the run."""
+    import signal
+    from prefect.settings import PREFECT_API_URL
+    from flows.cli.main import main
+    from flows.train import training_run
+    from grpo_core.config import ConfigError
+    from grpo_core.io import read_json
+    cfg = tiny_config(tmp_path, pipeline_iterations=1, eval={"enabled": False})
+    cfg_file = tmp_path / "t.yaml"
+    cfg_file.write_text(yaml.safe_dump(cfg))
+    marker = tmp_path / "hung"
+    proc = faults.spawn_cli(["train", "--config", str(cfg_file)], [{"point": "rollout", "iteration": 1,
+                            "action": "hang", "marker": str(marker)}], tmp_path,
+                            env={"PREFECT_API_URL": PREFECT_API_URL.value()})
+    try:
+        faults.wait_for(marker, proc, 300, tmp_path / "child.log")
+        with pytest.raises(ConfigError, match=rf"run 't' is already running \(pid {proc.pid} on "):
+            training_run(cfg)
+        capsys.readouterr()
+        assert main(["resume", "t", "--output-dir", cfg["output_dir"]]) == 2
+        assert "error: run 't' is already running" in capsys.readouterr().err
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(30)
+    summary = training_run(cfg)
+    state = read_json(Path(summary["run_dir"]) / "run.json")
+    assert state["status"] == "finished" and state["attempts"] == 2
+    _assert_no_duplicate_steps(mlflow_uri, summary["mlflow_run_id"])
+
+
 def test_prefect_flow_run_retry_reruns_failed_stage_onward(prefect_engine, grpo_home, mlflow_uri, tmp_path,
                                                             monkeypatch):
     """A run fails in score; `prefect flow-run retry <id>` re-runs the same flow run: curate and rollout

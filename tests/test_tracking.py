@@ -370,3 +370,28 @@ def test_a_read_whose_answer_is_cut_off_is_made_again_and_a_write_is_not():
         assert [m for m, _ in server.requests] == ["GET", "GET", "GET", "POST"]
     finally:
         server.httpd.shutdown()
+
+
+def test_a_run_cut_off_while_its_mlflow_run_is_made_reopens_that_run(tmp_path, monkeypatch):
+    """Killed (here: MLflow gone) after the MLflow run was created, before its params were all logged: the resume
+    reopens that run and logs what was missing, instead of leaving it RUNNING for good beside a second run."""
+    from grpo_core.io import read_json
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path / 'mlflow.db'}")
+    cfg = GRPOConfig(model="tiny-random", output_dir=str(tmp_path), run_name="r")
+    run_dir = tmp_path / "r"
+    run_dir.mkdir()
+    real = tracking.log_params
+
+    def cut_off(c, run_id, params):
+        real(c, run_id, dict(list(params.items())[:100]))
+        raise ConnectionError("MLflow went away")
+    monkeypatch.setattr(tracking, "log_params", cut_off)
+    with pytest.raises(ConnectionError):
+        tracking.start_or_resume_run(cfg, run_dir, None)
+    monkeypatch.setattr(tracking, "log_params", real)
+    run_id = tracking.start_or_resume_run(cfg, run_dir, None)
+    c = tracking.client(cfg)
+    runs = c.search_runs([tracking.experiment_id(cfg)], "attributes.run_name = 'r'")
+    assert [r.info.run_id for r in runs] == [run_id] == [read_json(run_dir / "run.json")["mlflow_run_id"]]
+    assert runs[0].data.params == {k: str(v) for k, v in cfg.flat().items()}
+    assert [f.path for f in c.list_artifacts(run_id)] == ["config.yaml"]

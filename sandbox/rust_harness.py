@@ -56,8 +56,11 @@ PRIMITIVES = ("bool", "char", "f32", "f64", "i8", "i16", "i32", "i64", "i128", "
 # is not the answer (Rust's always-equal object). Impls for Self (what `#[derive]` makes) stay allowed.
 _OPS = r"(?:PartialEq|PartialOrd|Add|Sub|Mul|Div|Rem|BitAnd|BitOr|BitXor|Shl|Shr)"
 _FAKE_CMP = (
-    (re.compile(r"\b" + _OPS + r"\s*(?:::\s*)?<(?!\s*(?:Output\b|Self\s*>))"), "against another type"),
-    (re.compile(r"\b(?:" + _OPS[3:-1] + r"|Not|Neg)\s+as\b"), "renamed"),
+    # the trait of an impl block (after its own generics: `impl<T: PartialOrd<T>> PartialEq<Self>` is fine, as
+    # are bounds such as `T: Add<T, Output = T>` and an argument's `impl PartialEq<i32>`)
+    (re.compile(r"(?:^|[;{}\]])\s*(?:unsafe\s+)?impl\b(?:\s*<[^{};]*?>)?\s*(?:[\w:#]*::)?\s*(?:r#)?" + _OPS
+                + r"\s*(?:::\s*)?<(?!\s*(?:Output\b|Self\s*>))"), "against another type"),
+    (re.compile(r"\b(?:r#)?(?:" + _OPS[3:-1] + r"|Not|Neg)\s+as\b"), "renamed"),
     (re.compile(r"\bNot\s+for\b"), "for `!`"),
 )
 _WORDS = re.compile(r"\b(?:" + _OPS[3:-1] + r"|Not|Neg)\b")

@@ -201,6 +201,13 @@ def test_rust_always_equal_values_and_prelude_shadowing_fail(backend):
     ("impl PartialEq for P { fn eq(&self, o: &Self) -> bool { self.0 == o.0 } }", False),
     ("impl PartialEq<Self> for P { fn eq(&self, o: &Self) -> bool { self.0 == o.0 } }", False),
     ("fn sum<T: std::ops::Add<Output = T> + Copy>(a: T, b: T) -> T { a + b }", False),
+    ("impl r#PartialEq<i32> for A { fn eq(&self, _: &i32) -> bool { true } }", True),
+    ("impl<T: std::fmt::Display> ::core::cmp::PartialEq<T> for A {}", True),
+    ("impl<'a> PartialEq<&'a str> for Token {}", True),
+    ("fn largest<T: PartialOrd<T> + Copy>(v: &[T]) -> T { v[0] }", False),       # bounds, not impls
+    ("fn add_all<T: Add<T, Output = T> + Copy>(a: T, b: T) -> T where T: Mul<T, Output = T> { a + b }", False),
+    ("fn f(x: impl PartialEq<i32>) -> bool { for _ in 0..1 {} x == 1 }", False),
+    ("impl<T: PartialOrd<T>> PartialEq<Self> for W<T> { fn eq(&self, o: &Self) -> bool { true } }", False),
     ("// impl PartialEq<i32> for A\nlet s = \"PartialEq<i32> for\"; let r = r#\"Not for\"#;", False),
 ])
 def test_the_always_equal_guard_reads_code_not_comments(code, refused):

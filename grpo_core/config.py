@@ -947,6 +947,15 @@ class GRPOConfig(_Section):
                                  f"the evaluation settings turn off; set eval.greedy: true / eval.num_samples > 0, "
                                  f"pick a metric of the other mode, or gate.enabled: false")
             resolve_test(self.gate.test, self.tracking.best_metric, self.eval.num_samples)
+        # a pass@k the evaluation does not log is missing from every evaluation: 'best' would silently be the
+        # final iteration and the registry would record no value (the rule without the gate then always promotes)
+        m = re.fullmatch(r"eval/(?:[^/]+/)?(greedy|sampled)/pass_at_(\d+)", self.tracking.best_metric)
+        if m and (self.eval.greedy if m[1] == "greedy" else self.eval.num_samples > 0):
+            logged = [1] if m[1] == "greedy" else self.eval.ks
+            if int(m[2]) not in logged:
+                raise ValueError(f"tracking.best_metric {self.tracking.best_metric!r} is not logged: the evaluation "
+                                 f"computes {m[1]} pass@k for k in {logged}; pick one of those, or add k to "
+                                 f"eval.pass_k (k <= eval.num_samples)")
         return self
 
     @model_validator(mode="after")

@@ -381,6 +381,20 @@ def test_the_config_refuses_a_gate_metric_the_evaluation_does_not_produce():
     assert GRPOConfig(tracking={"best_metric": "eval/num_questions"}, gate={"enabled": False}).gate.enabled is False
 
 
+@pytest.mark.parametrize("metric, evaluation", [
+    ("eval/sampled/pass_at_2", {"num_samples": 8}),                 # ks 1, 4, 8
+    ("eval/sampled/pass_at_1", {"num_samples": 8, "pass_k": [4, 8]}),
+    ("eval/greedy/pass_at_4", {"num_samples": 8}),                  # greedy logs pass@1 only
+])
+def test_the_config_refuses_a_pass_at_k_the_evaluation_does_not_log(metric, evaluation):
+    """Missing from every evaluation, it would leave 'best' the final iteration and the registry without a value."""
+    for gate_cfg in ({}, {"enabled": False}):
+        with pytest.raises(ValueError, match=r"is not logged.*eval.pass_k"):
+            GRPOConfig(tracking={"best_metric": metric}, eval=evaluation, gate=gate_cfg)
+    cfg = GRPOConfig(tracking={"best_metric": "eval/sampled/pass_at_4"}, eval={"num_samples": 8})
+    assert 4 in cfg.eval.ks
+
+
 # -- a resumed run: the kept decision, MLflow out of reach, a refusal fixed ----------------------------------
 
 def _update_record(run_dir: Path, iteration: int) -> None:

@@ -187,6 +187,19 @@ def test_length_is_judged_per_model_turn():
     assert _names(alerts) == ["length_blowup"] and out["monitor/length_ratio"] == 3.0
 
 
+def test_a_sampled_evaluation_without_pass_at_1_is_still_judged():
+    """eval.greedy false and eval.pass_k [4]: no eval/sampled/pass_at_1, but strict pass@1 and tokens per turn are
+    there, and their monitors judge them."""
+    mc = MonitorConfig()
+    def evalm(strict, per_turn):
+        return {"eval/sampled/pass_at_4": 0.5, "eval/sampled/format_rate": 1.0, "eval/sampled/strict_pass_at_1": strict,
+                "eval/sampled/tokens_per_turn": per_turn}
+    base = evalm(0.9, 100.0)
+    out, alerts = check_monitors(evalm(0.1, 2.0), base, base, mc, reward_rise=0.5)
+    assert _names(alerts) == ["length_collapse", "reward_up_heldout_down"]
+    assert out["monitor/tripped/format_up_accuracy_down"] == 0.0          # it needs pass@1: not judged
+
+
 # -- iterations ---------------------------------------------------------------------------------
 def _group(group, rewards, correct):
     return [{"group": group, "reward": r, "correct": c} for r, c in zip(rewards, correct)]

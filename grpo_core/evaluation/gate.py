@@ -2,7 +2,10 @@
 
 Both adapters answer the same frozen gate questions with the same seeds and sampling, so the evidence is
 paired: one score per question and adapter (`per_question_scores`, from the evaluation rows, for the
-metric `tracking.best_metric` names; its mean is that metric). The test is one-sided, H0 "the new adapter
+metric `tracking.best_metric` names; its mean is that metric, except that the means over completions
+(accuracy, strict_pass_at_1, reward/*) weigh each completion alike and the gate each question alike, so they
+part where questions have different numbers of scored samples, e.g. sampled answers the sandbox could not
+score). The test is one-sided, H0 "the new adapter
 is no better", and `gate.test` picks it (`resolve_test`; the default `auto` takes the first two):
   - mcnemar, the exact sign test (0/1 scores): of the questions the two answer differently, the new one
     wins b and loses c; under H0 b ~ Binomial(b + c, 1/2) and p = P(X >= b);
@@ -75,8 +78,9 @@ def per_question_scores(rows: Iterable[dict], metric: str,
                         source_name: Callable[[str], str] = str) -> dict[str, float]:
     """{task id: score} of `metric` (an eval/... name, see metric_parts) from evaluation rows
     (grpo_core.evaluation.evaluate; `source_name` makes a row's source the metric's segment: evaluation.metric_name);
-    the mean over questions is the metric. Rows in a foreign wording and questions with nothing to score are
-    left out."""
+    the mean over questions is the metric (for pass@k; for a mean over completions only where every question has
+    as many scored completions, see the module docstring). Rows in a foreign wording and questions with nothing to
+    score are left out."""
     source, mode, name = metric_parts(metric)
     by_question: dict[str, list[dict]] = defaultdict(list)
     for r in rows:

@@ -186,7 +186,10 @@ class Verdicts:
 
 
 def _modes(metrics: dict) -> list[str]:
-    return [m for m in ("greedy", "sampled") if f"eval/{m}/pass_at_1" in metrics]
+    """The modes evaluated: every mode with answers logs its tokens per turn (pass@1 is absent from a sampled
+    evaluation whose eval.pass_k leaves 1 out, and from one with no answer scored)."""
+    return [m for m in ("greedy", "sampled")
+            if f"eval/{m}/pass_at_1" in metrics or f"eval/{m}/tokens_per_turn" in metrics]
 
 
 def answer_monitors(metrics: dict[str, float], baseline: dict[str, float] | None, mcfg, verdicts: Verdicts) -> None:
@@ -210,7 +213,7 @@ def _format_up_accuracy_down(metrics: dict, previous: dict, mcfg, verdicts: Verd
     why = []
     for m in _modes(metrics):
         fk, ak = f"eval/{m}/format_rate", f"eval/{m}/pass_at_1"
-        if fk in previous and ak in previous and fk in metrics:
+        if fk in previous and ak in previous and fk in metrics and ak in metrics:
             df, da = metrics[fk] - previous[fk], metrics[ak] - previous[ak]
             out[f"monitor/{m}/format_delta"], out[f"monitor/{m}/pass_at_1_delta"] = df, da
             if df >= mcfg.min_delta and da <= -mcfg.min_delta:

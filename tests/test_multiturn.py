@@ -135,6 +135,31 @@ def test_a_bad_call_answers_with_an_error_text_and_the_rollout_goes_on(tok, bad,
     assert all(re.fullmatch(r"[\w./\-]+", k) for k in metrics), metrics          # valid MLflow names
 
 
+@pytest.mark.parametrize("made_up", [".", "..", "calc" * 70])
+def test_a_made_up_tool_name_is_tallied_as_unknown_and_every_metric_name_is_valid_for_mlflow(made_up, tmp_path):
+    """A name the model makes up ('.', '..', 280 characters) became a metric name MLflow refuses: the score stage
+    failed on every resume. Unknown names are tallied as _unknown; the conversation keeps what the model wrote."""
+    from mlflow import MlflowClient
+    from mlflow.entities import Metric
+    from grpo_core.rollout.multiturn import Episode
+    from grpo_core.rollout.tools import parse_tool_calls, run_tool_calls
+    box = {t.name: t for t in resolve_tools(["calculator"])}
+    ep = Episode()
+    for text in (call(made_up), call("calculator", expression="2*3"), "<tool_call>{oops}</tool_call>"):
+        [results] = run_tool_calls([parse_tool_calls(text)], [box], timeout=5)
+        ep.add_tool_turn(results, [])
+    assert [m["name"] for m in ep.conversation] == [made_up, "calculator", ""]       # the conversation keeps it
+    metrics = tool_metrics([{"extra": ep.record()}])
+    assert {k for k in metrics if k.count("/") == 2} == {f"tools/{n}/{s}" for n in ("_unknown", "calculator",
+                                                                                   "_unreadable")
+                                                          for s in ("calls", "seconds")}
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    c = MlflowClient(tracking_uri=uri)
+    run = c.create_run(c.create_experiment("tools"))
+    c.log_batch(run.info.run_id, metrics=[Metric(k, float(v), 0, 1) for k, v in metrics.items()])
+    assert set(c.get_run(run.info.run_id).data.metrics) == set(metrics)
+
+
 def test_rounds_stop_at_max_tool_calling_iterations_and_at_the_token_budget(tok):
     always = lambda text, j: call("calculator", expression="1+1")          # noqa: E731
     box = Toolbox(resolve_tools(["calculator"]), max_iterations=2)

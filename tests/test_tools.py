@@ -433,6 +433,23 @@ def test_a_tool_calling_sys_exit_is_an_error_not_an_exit():
     assert time.perf_counter() - t0 < 1.0
 
 
+def test_an_async_tool_raising_cancelled_error_or_keyboard_interrupt_is_an_error_not_a_crash():
+    async def gave_up() -> str:
+        """Cancel, as a tool that awaits a task it cancelled does."""
+        raise asyncio.CancelledError("upstream request cancelled")
+
+    async def interrupted() -> str:
+        """Interrupt."""
+        raise KeyboardInterrupt("stop")
+    t0 = time.perf_counter()
+    [[a, b, ok]] = run_tool_calls([[ToolCall("gave_up", {}), ToolCall("interrupted", {}),
+                                    ToolCall("anap", {"seconds": 0.01})]], [_toolset(gave_up, interrupted, anap)],
+                                  timeout=5)
+    assert (a.content, b.content) == ("error: CancelledError: upstream request cancelled",
+                                      "error: KeyboardInterrupt: stop") and a.error and b.error
+    assert ok.content == '{"slept": 0.01}' and not ok.error and time.perf_counter() - t0 < 1.0
+
+
 def test_async_errors_and_per_row_toolsets():
     async def boom(x: int) -> str:
         """Fail.

@@ -268,7 +268,10 @@ class Episode:
         for r in results:
             self.calls += 1
             self.errors += r.error
-            tally = self.per_tool.setdefault(re.sub(r"[^\w.\-]", "_", r.name) or "_unreadable", [0, 0.0])
+            # a name the model made up is no metric key of its own (MLflow refuses '.', '..' and keys over 250
+            # characters, and each new name would be a new curve)
+            key = re.sub(r"[^\w.\-]", "_", r.name) if r.known else ("_unknown" if r.name else "_unreadable")
+            tally = self.per_tool.setdefault(key or "_unreadable", [0, 0.0])
             tally[0] += 1
             tally[1] += r.seconds
             self.conversation.append({"role": "tool", "name": r.name, "content": r.content, "error": r.error,

@@ -261,6 +261,7 @@ class ToolResult:
     content: str
     error: bool
     seconds: float
+    known: bool = True          # `name` is one of the rollout's tools (else the model made it up, or wrote none)
 
 
 @dataclass
@@ -322,10 +323,16 @@ def _wait_sync(job: _Job, timeout: float) -> tuple[str, bool, float]:
 
 
 async def _guarded(job: _Job) -> tuple[str, bool]:
-    # Caught inside the task that awaits the tool: a SystemExit escaping a task stops the event loop itself.
+    # Caught inside the task that awaits the tool: a SystemExit or KeyboardInterrupt escaping a task stops the
+    # event loop itself, and a CancelledError the tool raises (not a cancellation of this task: wait_for's timeout,
+    # or a batch given up) would cancel the whole batch and escape run_tool_calls.
     try:
         return _text(await job.tool.fn(**job.arguments)), False
-    except (Exception, SystemExit) as e:  # noqa: BLE001 - whatever the tool raises goes back as text
+    except asyncio.CancelledError as e:
+        if asyncio.current_task().cancelling():
+            raise
+        return _failure(e), True
+    except BaseException as e:  # noqa: BLE001 - whatever the tool raises goes back as text
         return _failure(e), True
 
 
@@ -395,7 +402,7 @@ def run_tool_calls(calls: Sequence[Sequence[ToolCall]], toolsets: Sequence[dict[
         for c, call in enumerate(row):
             problem = _unrunnable(call, toolset)
             if problem is not None:
-                out[r][c] = ToolResult(call.name, _clip(problem, max_chars), True, 0.0)
+                out[r][c] = ToolResult(call.name, _clip(problem, max_chars), True, 0.0, call.name in toolset)
             else:
                 jobs.append((r, c, _Job(toolset[call.name], call.arguments)))
     # 2) sync jobs start on their threads, then the async ones run meanwhile on the loop

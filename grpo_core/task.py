@@ -7,6 +7,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Iterable
@@ -72,6 +73,15 @@ class Task:
                 "entry_point": self.entry_point}
         return hashlib.sha256(json.dumps(core, sort_keys=True).encode()).hexdigest()
 
+    def sandbox_tests(self) -> dict[str, Any]:
+        """The tests as the sandbox gets them (scoring and reference checks alike): a Rust task's with its entry
+        point's signature pinned (``signature``: its header in the reference solution) unless they state one."""
+        tests = dict(self.tests or {})
+        if self.kind == "rust" and "signature" not in tests and (
+                signature := rust_signature(self.reference_solution, self.entry_point)):
+            tests["signature"] = signature
+        return tests
+
 
 VERIFIERS_TASK = "verifiers_task"   # meta key: a verifiers task's own row (grpo_core.data.sources.verifiers_tasks)
 
@@ -87,3 +97,28 @@ def read_tasks(path: str | os.PathLike) -> list[Task]:
         raise
     except InputError as e:
         raise TaskValidationError(str(e)) from e
+
+
+_STD_USE_RE = re.compile(r"^use\s+(?:::)?(?:std|core|alloc)\b[^;]*;", re.M)
+
+
+def rust_signature(reference: str | None, entry_point: str | None) -> str | None:
+    """The header of `entry_point` in a Rust reference solution (``pub fn f(a: i32) -> Option<i32>``), after the
+    reference's top-level std ``use`` lines its types may need; None when the reference does not define it."""
+    if not reference or not entry_point:
+        return None
+    m = re.search(rf"^[ \t]*(?:pub(?:\([^)]*\))?\s+)?fn\s+{re.escape(entry_point)}\s*[<(]", reference, re.M)
+    if not m:
+        return None
+    depth, i = 0, m.end() - 1
+    while i < len(reference):                   # to the `{` of the body, outside the parameters' brackets
+        c = reference[i]
+        if c in "([<" and reference[i - 1] != "-":
+            depth += 1
+        elif c in ")]>" and reference[i - 1] != "-":
+            depth -= 1
+        elif c in "{;" and depth == 0:
+            break
+        i += 1
+    uses = _STD_USE_RE.findall(reference[:m.start()])
+    return "\n".join([*uses, " ".join(reference[m.start():i].split())])

@@ -215,24 +215,3 @@ def test_stackexchange_references_are_validated():
     kept, failed = validate([r for r in records if isinstance(r, Task)], backend="local")
     assert sorted(t.id.rsplit("/", 1)[1] for t in kept) == ["1", "13", "3"]
     assert [(r.id.rsplit("/", 1)[1], r.reason) for r in failed] == [("15", "reference_failed")]
-
-
-def test_a_rust_task_is_scored_with_its_reference_s_signature_pinned():
-    """formats.sandbox_tests: the entry point's header from the reference solution (after its std `use` lines),
-    for scoring and reference checks alike; a task without a reference, or whose tests state one, is left as is."""
-    reference = ("use std::collections::HashMap;\n// counts\npub fn count(words: &[&str], min: usize)\n"
-                 "    -> HashMap<String, usize> {\n    let mut m = HashMap::new();\n    m\n}\n"
-                 "fn helper(x: i32) -> i32 { x }\n")
-    tests = formats.rust_tests("#[test]\nfn t() { assert!(count(&[], 1).is_empty()); }")
-    got = formats.sandbox_tests("rust", tests, reference, "count")
-    assert got["signature"] == ("use std::collections::HashMap;\n"
-                                "pub fn count(words: &[&str], min: usize) -> HashMap<String, usize>")
-    assert "signature" not in tests                                        # the task's own dict is not changed
-    assert formats.sandbox_tests("rust", tests, reference, "missing") == tests
-    assert formats.sandbox_tests("rust", tests, None, "count") == tests
-    assert formats.sandbox_tests("python", {"format": "io", "cases": []}, "def count(): pass", "count") == \
-        {"format": "io", "cases": []}
-    stated = {**tests, "signature": "pub fn count(w: &[&str], m: usize) -> Vec<String>"}
-    assert formats.sandbox_tests("rust", stated, reference, "count") == stated
-    from sandbox.rust_harness import signature_pin
-    assert "let _: fn(_, _) -> HashMap<String, usize> = super::count;" in signature_pin(got["signature"])

@@ -242,7 +242,7 @@ pub fn safe_div(_a: i32, _b: i32) -> Fake { Fake }''', True, ("error", 0)),
 
 
 def test_a_pinned_signature_refuses_a_stand_in_return_type(backend):
-    """With tests['signature'] (grpo_core.data.formats.sandbox_tests adds it from the reference solution), the
+    """With tests['signature'] (grpo_core.task.Task.sandbox_tests adds it from the reference solution), the
     completion's entry point must return the stated type; its arguments' types stay free."""
     from sandbox.types import Job
     jobs = []

@@ -9,8 +9,8 @@ These mirror what the sandbox scores (see `sandbox/api.py`); curation only build
 - ``rust``:    {"format": "rust", "tests": "#[test]\nfn t() { assert_eq!(f(1), 2); }"}
               top-level ``#[test]`` fns compiled in a separate crate that does ``use solution::*``,
               so the items they use must be ``pub`` in the completion. At scoring (and reference
-              checking) ``sandbox_tests`` adds ``"signature"``, the entry point's header from the reference
-              solution: the completion's function must return that type.
+              checking) ``Task.sandbox_tests`` adds ``"signature"``, the entry point's header from the
+              reference solution: the completion's function must return that type.
 - ``python_script`` (curation only, the sandbox does not score it): {"check": "<assert script>"}
               run after the solution; used to validate exercise references before conversion.
 """
@@ -77,39 +77,3 @@ def unwrap_test_module(src: str) -> str:
         return src
     body = re.sub(r"^\s*use\s+super::\*;\s*$", "", m.group(1), flags=re.M)
     return textwrap.dedent(body).strip() + "\n"
-
-
-_STD_USE_RE = re.compile(r"^use\s+(?:::)?(?:std|core|alloc)\b[^;]*;", re.M)
-
-
-def rust_signature(reference: str | None, entry_point: str | None) -> str | None:
-    """The header of `entry_point` in a Rust reference solution (``pub fn f(a: i32) -> Option<i32>``), after the
-    reference's top-level std ``use`` lines its types may need; None when the reference does not define it."""
-    if not reference or not entry_point:
-        return None
-    m = re.search(rf"^[ \t]*(?:pub(?:\([^)]*\))?\s+)?fn\s+{re.escape(entry_point)}\s*[<(]", reference, re.M)
-    if not m:
-        return None
-    depth, i = 0, m.end() - 1
-    while i < len(reference):                   # to the `{` of the body, outside the parameters' brackets
-        c = reference[i]
-        if c in "([<" and reference[i - 1] != "-":
-            depth += 1
-        elif c in ")]>" and reference[i - 1] != "-":
-            depth -= 1
-        elif c in "{;" and depth == 0:
-            break
-        i += 1
-    uses = _STD_USE_RE.findall(reference[:m.start()])
-    return "\n".join([*uses, " ".join(reference[m.start():i].split())])
-
-
-def sandbox_tests(kind: str, tests: dict[str, Any] | None, reference: str | None,
-                  entry_point: str | None) -> dict[str, Any]:
-    """A code task's tests as the sandbox gets them: a Rust task's with its entry point's signature pinned
-    (``signature``, from the reference solution) unless the tests already state one."""
-    tests = dict(tests or {})
-    if kind == "rust" and "signature" not in tests and (signature := rust_signature(reference, entry_point)):
-        tests["signature"] = signature
-    return tests
-

@@ -87,8 +87,7 @@ def _sandbox_checker(workers: int) -> BatchChecker | None:
         return None
 
     def run(tasks: Sequence[Task]) -> list[Check]:
-        items = [(t.reference_solution, formats.sandbox_tests(t.kind, t.tests, t.reference_solution, t.entry_point),
-                  t.kind, t.entry_point) for t in tasks]
+        items = [(t.reference_solution, t.sandbox_tests(), t.kind, t.entry_point) for t in tasks]
         return [(r.passed, r.detail, r.clippy_clean, r.infra_error)
                 for r in check_references(items, workers=workers)]
     return run

@@ -69,13 +69,11 @@ def extract_code(completion: str, language: str) -> str:
 
 def build_job(task: Task, completion: str, limits: Any = None):
     """A sandbox job for one completion of a code task (a Rust task's with its entry point's signature pinned:
-    `formats.sandbox_tests`)."""
+    `Task.sandbox_tests`)."""
     from sandbox.types import Job
     if task.kind not in ("python", "rust"):
         raise ValueError(f"task {task.id!r} has kind {task.kind!r}; only python and rust tasks run in the sandbox")
-    from grpo_core.data.formats import sandbox_tests
-    tests = sandbox_tests(task.kind, task.tests, task.reference_solution, task.entry_point)
-    return Job(language=task.kind, code=extract_code(completion, task.kind), tests=tests,
+    return Job(language=task.kind, code=extract_code(completion, task.kind), tests=task.sandbox_tests(),
                entry_point=task.entry_point, limits=limits, id=task.id)
 
 

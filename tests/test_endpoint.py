@@ -171,6 +171,22 @@ def test_a_conversation_that_does_not_extend_the_last_request_starts_a_new_branc
         assert ep.conversation("b")["branches"] == 2 and ep.conversation("b")["turns"] == ["two"]
 
 
+def test_a_conversation_whose_assistant_turn_is_not_the_endpoints_reply_starts_a_new_branch(tiny):
+    """An agent that rewrites the model's reply (or writes an assistant turn of its own) is not continuing the
+    tokens sampled: the model reads the messages the agent sent, as context, not the reply it had sampled."""
+    _, tok = tiny
+    with PolicyEndpoint(ScriptedEngine(tok, ["hello there", "second"]), tok, PARAMS, group_size=1) as ep:
+        client = openai.OpenAI(base_url=ep.session_url("e") + "/v1", api_key="local", max_retries=0)
+        client.chat.completions.create(model="policy", messages=[{"role": "user", "content": "hi"}])
+        edited = client.chat.completions.create(model="policy", messages=[
+            {"role": "user", "content": "hi"}, {"role": "assistant", "content": "written by the agent"},
+            {"role": "user", "content": "next"}])
+        record = ep.conversation("e")
+    prompt = tok.decode(edited.model_extra["prompt_token_ids"])
+    assert "written by the agent" in prompt and "hello there" not in prompt
+    assert record["branches"] == 2 and record["turns"] == ["second"] and all(record["completion_mask"])
+
+
 @pytest.mark.parametrize("route,body,names", [
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "n": 5}, "n=5"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "tools": [{"name": "calc"}]},
@@ -180,6 +196,11 @@ def test_a_conversation_that_does_not_extend_the_last_request_starts_a_new_branc
     ("/inference/v1/generate", {"token_ids": [1, 2], "sampling_params": {"stop_token_ids": [7]}}, "stop_token_ids"),
     ("/inference/v1/generate", {"prompt": "text"}, "token_ids"),
     ("/v1/completions", {"prompt": "x"}, "no route"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "stream": True}, "stream"),
+    ("/inference/v1/generate", {"token_ids": [1, 10 ** 6]}, "token_ids: 1000000 is not a token"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}, {"role": "assistant", "content": "",
+                                                                             "tool_calls": [{"function": "calc"}]}]},
+     "messages[1].tool_calls must be"),
 ])
 def test_what_the_endpoint_cannot_serve_is_refused_by_name(tiny, route, body, names):
     _, tok = tiny

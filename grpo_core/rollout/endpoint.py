@@ -51,6 +51,7 @@ class Conversation:
     tools: list[dict]
     episode: Episode = field(default_factory=lambda: Episode(logprobs=[]))
     branches: int = 1                          # a request that does not extend the last one starts a new branch
+    reply: tuple | None = None                 # the last reply the endpoint gave (reply_key), which a follow-up repeats
 
     def record(self) -> dict:
         ep = self.episode
@@ -162,6 +163,10 @@ def template_messages(messages: Any, native: bool) -> list[dict]:
         if not isinstance(m, dict) or m.get("role") not in ROLES:
             raise RequestError(f"{where}.role must be one of {', '.join(ROLES)}")
         text = _text(m.get("content"), where)
+        if not (isinstance(m.get("tool_calls") or [], list) and all(
+                isinstance(c, dict) and isinstance(c.get("function"), dict) for c in m.get("tool_calls") or [])):
+            raise RequestError(f"{where}.tool_calls must be a list of {{'type': 'function', 'function': "
+                               f"{{'name': <name>, 'arguments': <JSON object>}}}}")
         calls = [((c.get("function") or {}).get("name", ""), _arguments(c, f"{where}.tool_calls[{j}]"))
                  for j, c in enumerate(m.get("tool_calls") or [])]
         if m["role"] == "assistant" and calls and native:
@@ -181,6 +186,14 @@ def template_messages(messages: Any, native: bool) -> list[dict]:
         else:
             out.append({"role": m["role"], "content": text})
     return [{k: v for k, v in m.items() if k != "_tool_results"} for m in out]
+
+
+def reply_key(message: dict) -> tuple:
+    """What an assistant message says (its text and its calls): a follow-up continues a session only where its
+    assistant message is the reply the endpoint gave."""
+    calls = tuple(((c.get("function") or {}).get("name", ""), json.dumps(_arguments(c, "tool_call"), sort_keys=True))
+                  for c in message.get("tool_calls") or [])
+    return _text(message.get("content"), "message").strip(), calls
 
 
 def turns_after_model_ids(tokenizer, new: list[dict], native: bool, template_kwargs: dict) -> list[int]:
@@ -213,6 +226,8 @@ class PolicyEndpoint:
         self.backend, self.tokenizer, self.params, self.group_size = backend, tokenizer, params, group_size
         self.template_kwargs, self.model_name, self.window_s = dict(template_kwargs or {}), model_name, window_s
         self.native_tools = renders_tools(tokenizer)
+        model = getattr(backend, "model", None) or getattr(getattr(backend, "policy", None), "model", None)
+        self.vocab_size = max(len(tokenizer), getattr(getattr(model, "config", None), "vocab_size", None) or 0)
         self.calls: list[dict] = []               # every request served: session, prompt, completion, log-probs
         self._sessions: dict[str, Conversation] = {}
         self._lock = threading.Lock()
@@ -279,6 +294,9 @@ class PolicyEndpoint:
         ids = body.get("token_ids", body.get("prompt_token_ids"))
         if not isinstance(ids, list) or not ids or not all(isinstance(t, int) and t >= 0 for t in ids):
             raise RequestError("token_ids must be the prompt as a non-empty list of token ids")
+        if bad := next((t for t in ids if t >= self.vocab_size), None):
+            raise RequestError(f"token_ids: {bad} is not a token of the policy (its ids are 0 to "
+                               f"{self.vocab_size - 1})")
         sp = body.get("sampling_params") or {}
         if not isinstance(sp, dict):
             raise RequestError("sampling_params must be an object")
@@ -314,6 +332,8 @@ class PolicyEndpoint:
 
     def chat(self, body: dict, session: str | None) -> dict:
         """POST /v1/chat/completions."""
+        if body.get("stream"):
+            raise RequestError("stream: this endpoint answers with the whole reply only; call it without stream=True")
         tools = check_tools(body.get("tools"))
         messages = template_messages(body.get("messages"), self.native_tools)
         self._ignore_run_settings(body)
@@ -331,6 +351,9 @@ class PolicyEndpoint:
             ids, lps = [t for t, _ in kept], [lp for _, lp in kept]
             self._log(session, prompt, ids, lps)
             choices.append(self._choice(i, ep, ids, lps))
+            if conv is not None:
+                with self._lock:
+                    conv.reply = reply_key(choices[-1]["message"])
         return {"id": f"chatcmpl-{len(self.calls)}", "object": "chat.completion", "created": int(time.time()),
                 "model": self.model_name, "prompt_token_ids": prompt, "choices": choices,
                 "usage": {"prompt_tokens": len(prompt), "completion_tokens": sum(len(c["token_ids"]) for c in choices),
@@ -348,6 +371,7 @@ class PolicyEndpoint:
             k = len(conv.messages)
             new = raw[k + 1:]
             if (raw[:k] == conv.messages and len(raw) > k + 1 and raw[k].get("role") == "assistant"
+                    and conv.reply is not None and reply_key(raw[k]) == conv.reply    # the endpoint's own reply
                     and tools == conv.tools and all(m.get("role") in ("user", "tool") for m in new)):
                 ep = conv.episode
                 if ep.truncated:                         # the model's turn never ended: its end-of-turn as context

@@ -1121,7 +1121,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
         try:
             data = yaml.safe_load(text) or {}
         except yaml.YAMLError as e:
-            raise ConfigError(f"config file {str(p)!r} is not valid YAML: {_yaml_problem(e)}; fix the syntax there "
+            raise ConfigError(f"config file {str(p)!r} is not valid YAML: {yaml_problem(e)}; fix the syntax there "
                               f"(indentation, a missing ':' or an unclosed quote or bracket)") from e
         if not isinstance(data, dict):
             raise ConfigError(f"config file {str(p)!r} must hold a mapping of field: value; write one `field: value` "
@@ -1141,7 +1141,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
         raise ConfigError(_format_errors(e, None if path is None else str(path), overridden)) from None
 
 
-def _yaml_problem(e: yaml.YAMLError) -> str:
+def yaml_problem(e: yaml.YAMLError) -> str:
     """Where and what: 'line 3, column 7: mapping values are not allowed here'."""
     mark = getattr(e, "problem_mark", None)
     problem = getattr(e, "problem", None) or str(e).splitlines()[0]

@@ -36,7 +36,7 @@ from typing import Any, Iterator
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from grpo_core.config import _yaml_problem
+from grpo_core.config import yaml_problem
 from grpo_core.data import curation
 from grpo_core.data.records import REASONS, Rejection
 from grpo_core.task import Task, read_tasks
@@ -122,7 +122,8 @@ def _check_options(i: int, name: str, options: dict[str, Any]) -> None:
         signature.bind(**options)
     except TypeError as e:
         raise ValueError(f"sources[{i}] ({name}): {e}; fix its options (`grpo data sources` lists them)") from None
-    named = [p for p in params if params[p].kind not in (inspect.Parameter.VAR_KEYWORD, inspect.Parameter.VAR_POSITIONAL)]
+    variadic = (inspect.Parameter.VAR_KEYWORD, inspect.Parameter.VAR_POSITIONAL)
+    named = [p for p in params if params[p].kind not in variadic]
     if "_" in params and (unknown := sorted(set(options) - set(named) - {"seed"})):
         raise ValueError(f"sources[{i}] ({name}): unknown option(s) {', '.join(unknown)}; it takes "
                          f"{', '.join(named) or 'none'}")
@@ -138,7 +139,7 @@ def load_build_config(path: str | Path, overrides: dict[str, Any] | None = None)
         raise ValueError(f"data config {str(p)!r} is not UTF-8 text ({e.object[e.start]:#04x} at byte {e.start}); "
                          f"save it as UTF-8") from None
     except yaml.YAMLError as e:
-        raise ValueError(f"data config {str(p)!r} is not valid YAML: {_yaml_problem(e)}; fix the syntax "
+        raise ValueError(f"data config {str(p)!r} is not valid YAML: {yaml_problem(e)}; fix the syntax "
                          f"there") from None
     if isinstance(raw, dict) and "curation" in raw:
         raw = raw["curation"]

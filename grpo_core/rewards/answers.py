@@ -259,18 +259,24 @@ def _normalised(text: str) -> str:
 
 NUMBER_TOKEN_RE = re.compile(r"\d+(?:\.\d+)?")
 # Every spelling of an operator, rewritten to one symbol before the answer is searched.
-OPERATOR_SPELLINGS = (
-    (re.compile(r"\\[dt]?frac\s*\{([^{}]*)\}\s*\{([^{}]*)\}"), r"(\1)/(\2)"),
-    (re.compile(r"\\[dt]?frac\s*(\d)(\d)"), r"\1/\2"),
-    (re.compile(r"\\operatorname\s*\{\s*([A-Za-z]+)\s*\}"), r"\1"),
-    (re.compile(r"\\times|\\cdot|\\ast|[×·⋅∗]|\bmultiplied\s+by\b|\btimes\b"), "*"),
-    (re.compile(r"\\div|÷|\\over\b|\bdivided\s+by\b|\bover\b"), "/"),
-    (re.compile(r"\\[bp]?mod\b|\bmod(?:ulo)?\b"), "%"),
-    (re.compile(r"\bplus\b"), "+"),
-    (re.compile(r"\bminus\b"), "-"),
-    (re.compile(r"\bto\s+the\s+power\s+of\b"), "^"),
-    (re.compile(r"\\([A-Za-z]+)"), r"\1"),       # any other LaTeX command reads as its name (\gcd, \max)
-)
+# Case-blind: 'Minus', 'TIMES'.
+OPERATOR_SPELLINGS = tuple((re.compile(pattern, re.IGNORECASE), symbol) for pattern, symbol in (
+    (r"\\[dt]?frac\s*\{([^{}]*)\}\s*\{([^{}]*)\}", r"(\1)/(\2)"),
+    (r"\\[dt]?frac\s*(\d)(\d)", r"\1/\2"),
+    (r"\\operatorname\s*\{\s*([A-Za-z]+)\s*\}", r"\1"),
+    (r"\\times|\\cdot|\\ast|[×·⋅∗]|\bmultiplied\s+by\b|\btimes\b", "*"),
+    (r"\\div|÷|\\over\b|\bdivided\s+by\b|\bover\b", "/"),
+    (r"\\[bp]?mod\b|\bmod(?:ulo)?\b", "%"),
+    (r"\bplus\b", "+"),
+    (r"\bminus\b", "-"),
+    (r"\bto\s+the\s+power\s+of\b", "^"),
+    (r"\\([A-Za-z]+)", r"\1"),       # any other LaTeX command reads as its name (\gcd, \max)
+))
+# Operator signs a writer may use for the ASCII ones: fullwidth forms, division and fraction slashes, crosses.
+OPERATOR_LOOKALIKES = str.maketrans({"\uff0b": "+", "\uff0a": "*", "\u2715": "*", "\u2a2f": "*",
+                                     "\u2215": "/", "\u2044": "/", "\uff0f": "/"})
+# LaTeX spaces _plain_characters leaves: negative thin space and quads.
+LATEX_SPACE_RE = re.compile(r"\\(?:!|q?quad\b)")
 OPERAND = r"(?<![\d.])(\d+(?:\.\d+)?)"
 # Two numbers joined by an operator, or the first two arguments of a function call ('lcm(4, 7)').
 JOINED_NUMBERS_RE = re.compile(rf"(?=(?:{OPERAND}\s*(?:\*\*|[-+*/^%xX])\s*{OPERAND}))")
@@ -298,7 +304,7 @@ def _token_value(token: str) -> Fraction | None:
 
 
 def _operators_as_symbols(answer: str) -> str:
-    text = answer.translate(MINUS_LOOKALIKES)
+    text = LATEX_SPACE_RE.sub(" ", _plain_characters(answer)).translate(OPERATOR_LOOKALIKES)
     for spelling, symbol in OPERATOR_SPELLINGS:
         text = spelling.sub(symbol, text)
     return text

@@ -147,7 +147,16 @@ def download_adapter(uri: str, dst: str | Path, tracking: str | None = None) -> 
         import mlflow
         mlflow.set_tracking_uri(tracking)
         mlflow.set_registry_uri(tracking)
-    local = Path(mlflow.artifacts.download_artifacts(artifact_uri=uri, dst_path=str(dst)))
+    from mlflow.exceptions import MlflowException
+    try:
+        local = Path(mlflow.artifacts.download_artifacts(artifact_uri=uri, dst_path=str(dst)))
+    except MlflowException as e:
+        if not not_found(e):
+            raise
+        from grpo_core.model.loading import ModelError
+        raise ModelError(f"{uri}: no such adapter in MLflow at {tracking or 'the default tracking URI'} ({e.message}). "
+                         f"Fix: name an existing registered version (models:/NAME/VERSION or models:/NAME@ALIAS) or "
+                         f"run artifact (runs:/ID/PATH), or pass the right tracking URI") from None
     if not (local / "adapter_config.json").exists():       # downloaded as dst/<last path part>/
         found = next(local.rglob("adapter_config.json"), None)
         if found is None:
@@ -160,20 +169,24 @@ def download_adapter(uri: str, dst: str | Path, tracking: str | None = None) -> 
 def previous_best_adapter(cfg: GRPOConfig, exclude_run_id: str | None = None) -> str | None:
     """What `init_adapter: previous` starts from, as 'runs:/.../adapters/iter-k': the champion's adapter when
     the gate is on and there is a champion (the best so far, not merely the latest), else that of the most
-    recent FINISHED run in the experiment that recorded one."""
+    recent FINISHED run in the experiment that recorded one for this task (its registered model) and this base
+    model: the experiment is shared by every task (tracking.experiment_name defaults to grpo-pipeline)."""
     c = client(cfg)
     name = registered_model_name(cfg)
     if cfg.gate.enabled and name and (mv := champion_version(c, name)) is not None:
         if mv.run_id and mv.tags.get("iteration") and mv.run_id != exclude_run_id:
             return f"runs:/{mv.run_id}/adapters/iter-{mv.tags['iteration']}"
     exp = c.get_experiment_by_name(cfg.tracking.experiment_name)
-    if exp is None:
+    if exp is None or not name:
         return None
-    runs = c.search_runs([exp.experiment_id], "attributes.status = 'FINISHED'", order_by=["attributes.end_time DESC"],
-                         max_results=50)
+    prefix = f"models:/{name}/"
+    runs = c.search_runs([exp.experiment_id], f"attributes.status = 'FINISHED' and tags.registered_model LIKE "
+                                              f"'{prefix}%'", order_by=["attributes.end_time DESC"], max_results=50)
     for r in runs:
-        if r.info.run_id != exclude_run_id and r.data.tags.get("best_adapter_uri"):
-            return r.data.tags["best_adapter_uri"]
+        tags = r.data.tags
+        if (r.info.run_id != exclude_run_id and tags.get("best_adapter_uri") and tags.get("base_model") == cfg.model
+                and tags.get("registered_model", "").startswith(prefix)):
+            return tags["best_adapter_uri"]
     return None
 
 

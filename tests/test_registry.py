@@ -25,9 +25,12 @@ def test_previous_skips_runs_of_another_task_or_base_model(tmp_path, mlflow_uri,
     assert registry.previous_best_adapter(fresh) is None   # a task's first run starts from the base model
 
 
-def test_fetching_an_adapter_that_does_not_exist_is_one_line(tmp_path, capsys):
+def test_fetching_an_adapter_that_does_not_exist_is_one_line(tmp_path, capsys, monkeypatch):
     """`grpo adapter fetch models:/nope/1` (and an init_adapter naming it): one error line and status 2."""
     from flows.cli.main import main
+    # the command sets MLflow's process-wide URIs (as a CLI may): put them back for the tests that follow
+    monkeypatch.setattr("mlflow.tracking._tracking_service.utils._tracking_uri", None)
+    monkeypatch.setattr("mlflow.tracking._model_registry.utils._registry_uri", None)
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     for missing in ("models:/nope/1", "models:/nope@champion"):
         assert main(["adapter", "fetch", missing, "--dest", str(tmp_path / "d"), "--tracking-uri", uri]) == 2

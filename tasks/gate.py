@@ -45,15 +45,10 @@ def _home_copy(name: str, digest: str) -> Path:
 
 def _model_tags(cfg: GRPOConfig) -> dict[str, str] | None:
     """The registered model's tags, or None when it does not exist yet."""
-    from mlflow.exceptions import MlflowException
-    try:
-        return tracking.client(cfg).get_registered_model(registered_model_name(cfg)).tags
-    except MlflowException as e:
-        if not registry.not_found(e):
-            e.add_note(f"reading the registered model {registered_model_name(cfg)}: the gate cannot tell its gate "
-                       f"set and champion; resume the run (`grpo resume`) once MLflow answers")
-            raise
-        return None
+    name = registered_model_name(cfg)
+    model = registry.read_or_none(lambda: tracking.client(cfg).get_registered_model(name),
+                                  f"the registered model {name}")
+    return None if model is None else model.tags
 
 
 def current_gate_set(cfg: GRPOConfig) -> dict | None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import re
 from pathlib import Path
+from typing import Any, Callable
 
 from grpo_core.config import GRPOConfig
 from grpo_core.evaluation.task_identity import registered_model_name
@@ -37,18 +38,23 @@ def not_found(e) -> bool:
     return e.error_code in ("RESOURCE_DOES_NOT_EXIST", "INVALID_PARAMETER_VALUE")
 
 
-def champion_version(c, name: str):
-    """The version `name`@champion, None when the model or the alias does not exist; any other MLflow error
-    is raised with a note saying to resume once MLflow answers."""
+def read_or_none(read: Callable[[], Any], what: str) -> Any:
+    """read(), or None where MLflow says the model or alias does not exist (`not_found`); any other MLflow error is
+    raised with a note naming `what` and saying to resume once MLflow answers."""
     from mlflow.exceptions import MlflowException
     try:
-        return c.get_model_version_by_alias(name, CHAMPION)
+        return read()
     except MlflowException as e:
         if not not_found(e):
-            e.add_note(f"reading {name}@{CHAMPION}: cannot tell whether there is a champion; resume the run "
-                       f"(`grpo resume`) once MLflow answers")
+            e.add_note(f"reading {what}: cannot tell whether it exists; resume the run (`grpo resume`) once MLflow "
+                       f"answers")
             raise
         return None
+
+
+def champion_version(c, name: str):
+    """The version `name`@champion, None when the model or the alias does not exist (read_or_none)."""
+    return read_or_none(lambda: c.get_model_version_by_alias(name, CHAMPION), f"{name}@{CHAMPION}")
 
 
 def _beats_champion(c, name: str, metric: str, value: float | None) -> bool:
@@ -63,13 +69,8 @@ def _beats_champion(c, name: str, metric: str, value: float | None) -> bool:
 def registered_version(c, name: str, run_id: str, iteration: int, run_name: str | None):
     """The version of `name` that run `run_id` (named `run_name`) already registered for `iteration`'s adapter, else
     None: a registration cut off (killed, MLflow gone) after it created its version is finished, not repeated."""
-    from mlflow.exceptions import MlflowException
-    try:
-        versions = c.search_model_versions(f"name='{name}' and run_id='{run_id}'")
-    except MlflowException as e:
-        if not not_found(e):
-            raise
-        return None
+    versions = read_or_none(lambda: c.search_model_versions(f"name='{name}' and run_id='{run_id}'"),
+                            f"the versions of {name} run {run_id} registered") or []
     return next((v for v in versions if v.source.endswith(f"/adapters/iter-{iteration}")
                  and v.tags.get("run_name") == (run_name or "")), None)
 

@@ -37,12 +37,7 @@ def test_clean_answers_do_not_trip(completion):
     ("<answer>45 \\times 98</answer>", "What is 45 * 98?"),
     ("I think <answer>{45 \\over 98}</answer>", "Evaluate 45 / 98."),
     ("<answer>45 minus 98</answer>", "Find the value of 45 - 98."),
-])
-def test_an_answer_that_restates_the_question_is_flagged(completion, question):
-    assert "restated_question" in completion_flags(completion, "math", question)
-
-
-@pytest.mark.parametrize("completion, question", [
+    # in other case, with LaTeX spacing, or with Unicode operator signs
     ("<answer>45 Minus 98</answer>", "What is 45 - 98?"),
     ("<answer>45 TIMES 98</answer>", "What is 45 * 98?"),
     ("<answer>45\\,-\\,98</answer>", "What is 45 - 98?"),
@@ -52,7 +47,7 @@ def test_an_answer_that_restates_the_question_is_flagged(completion, question):
     ("<answer>45 \u2215 98</answer>", "What is 45 / 98?"),
     ("<answer>45 \uff0b 98</answer>", "What is 45 + 98?"),
 ])
-def test_a_restatement_in_other_case_latex_spacing_or_unicode_signs_is_flagged(completion, question):
+def test_an_answer_that_restates_the_question_is_flagged(completion, question):
     assert "restated_question" in completion_flags(completion, "math", question)
 
 

@@ -165,10 +165,10 @@ def monitored_fractions(rows: Sequence[dict], with_tools: bool) -> dict[str, flo
     trained = [r for r in rows if not with_tools or r.get("tools")]
     out = flag_fractions(trained)
     if with_tools and (without := [r for r in rows if not r.get("tools")]):
+        alone = flag_fractions(without)
         key = "eval/monitor/fabricated_tool_output_frac"
-        out[key] = flag_fractions(without)[key]          # of the answers given with no tool to call
-        out.update({k.replace("eval/monitor/", "eval/monitor/without_tools/"): v
-                    for k, v in flag_fractions(without).items()})
+        out[key] = alone[key]                            # of the answers given with no tool to call
+        out.update({k.replace("eval/monitor/", "eval/monitor/without_tools/"): v for k, v in alone.items()})
     return out
 
 

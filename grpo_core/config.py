@@ -870,6 +870,11 @@ class GRPOConfig(_Section):
                           "reward (a number, {'reward': x, 'metrics': {...}}, or None to let reward_funcs judge the "
                           "model's last turn); the tokens the endpoint sampled are trained on (grpo_core/rollout/"
                           "agents.py). Not with tools or environment (the agent calls its own tools)")
+    rollout_timeout: float | None = Field(
+        3600.0, gt=0, description="seconds one rollout of rollout_func or of an \"openenv:\"/\"verifiers:\" "
+                                  "environment may run; past it the rollout is left out of its group as failed (like "
+                                  "one whose agent raises) and the stage goes on without waiting for it; null: no "
+                                  "limit (a stuck agent then holds the stage forever)")
 
     @field_validator("rollout_func")
     @classmethod

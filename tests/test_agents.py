@@ -10,7 +10,7 @@ from transformers import AutoModelForCausalLM
 
 from grpo_core.config import ConfigError, GRPOConfig
 from grpo_core.model.loading import load_tokenizer
-from grpo_core.rollout.agents import AgentLoop, agent_metrics, agent_rollout, read_outcome
+from grpo_core.rollout.agents import AgentLoop, agent_metrics, agent_rollout, read_outcome, run_with_deadlines
 from grpo_core.rollout.samplers import KVCacheSampler
 from grpo_core.rollout.sampling import SamplingParams
 from grpo_core.task import Task
@@ -109,6 +109,58 @@ def test_when_every_rollout_fails_the_stage_says_why(tiny):
     with pytest.raises(RuntimeError, match="every rollout failed.*KeyError"):
         agent_rollout(KVCacheSampler(model, tok, "cpu", progress=False), tok, TASKS[:1], 2,
                       SamplingParams(max_new_tokens=4), AgentLoop(broken, "broken"), group_ids=[0])
+
+
+def test_a_stuck_rollout_times_out_and_the_others_finish():
+    """Two slots, four jobs, one stuck forever: it is a TimeoutError after its own deadline, its slot is taken by a
+    fresh thread, and the others finish with their values."""
+    import threading
+    import time
+    stuck = threading.Event()
+
+    def job(k):
+        if k == 1:
+            stuck.wait()                       # never set: a loop that never returns
+        time.sleep(0.05)
+        return k * 10, None
+
+    t0 = time.monotonic()
+    outcomes = run_with_deadlines(job, 4, 2, timeout=0.5)
+    assert time.monotonic() - t0 < 5
+    assert [o[0] for o in outcomes] == [0, None, 20, 30]
+    assert outcomes[1][1].startswith("TimeoutError") and "rollout_timeout (0.5 s)" in outcomes[1][1]
+    stuck.set()
+    assert run_with_deadlines(job, 3, 8, timeout=None) == [(0, None), (10, None), (20, None)]   # no limit: all wait
+
+
+def test_an_agent_that_never_returns_is_left_out_of_its_group(tiny):
+    """A real agent loop through the real endpoint: one rollout hangs after its first request; with
+    rollout_timeout it is unscorable, the group's other rollout keeps its reward, and the stage returns."""
+    import threading
+    model, tok = tiny
+    hang = threading.Event()
+    calls = []
+
+    def agent(client, task):
+        client.chat.completions.create(model="policy", messages=[{"role": "user", "content": task.prompt}])
+        calls.append(task.id)
+        if len(calls) == 1:
+            hang.wait()
+        return 1.0
+
+    agent.__name__ = "sometimes_stuck"
+    sampler = KVCacheSampler(model, tok, "cpu", progress=False)
+    sampler.generate([tok("warm up").input_ids], 1, SamplingParams(max_new_tokens=2))  # first use compiles kernels
+    loop = AgentLoop(agent, "sometimes_stuck", concurrency=2, timeout=10.0)
+    groups = agent_rollout(sampler, tok, TASKS[:1], 2, SamplingParams(max_new_tokens=4, seed=1), loop, group_ids=[0])
+    hang.set()
+    errors = [s.extra.get("agent_error") for s in groups[0]]
+    assert sorted(map(bool, errors)) == [False, True]
+    assert "rollout_timeout (10 s)" in next(e for e in errors if e)
+    assert [s.extra["environment_reward"] for s in groups[0] if "agent_error" not in s.extra] == [{"sometimes_stuck": 1.0}]
+    assert GRPOConfig().rollout_timeout == 3600 and GRPOConfig(rollout_timeout=None).rollout_timeout is None
+    with pytest.raises((ConfigError, ValueError), match="rollout_timeout"):
+        GRPOConfig(rollout_timeout=0)
 
 
 @pytest.mark.slow

@@ -17,7 +17,8 @@ from __future__ import annotations
 
 import logging
 import math
-from concurrent.futures import ThreadPoolExecutor
+import threading
+import time
 from contextlib import nullcontext
 from dataclasses import dataclass, field
 from importlib import import_module
@@ -45,6 +46,7 @@ class AgentLoop:
     template_kwargs: dict = field(default_factory=dict)
     serving: Callable[[], ContextManager] = nullcontext     # alive around a stage's rollouts (a server, a loop)
     label: str = ""                                          # how errors name it: the config field and entry
+    timeout: float | None = None                             # seconds one rollout may run (None: no limit)
 
     def __post_init__(self) -> None:
         self.label = self.label or f"rollout_func {self.name!r}"
@@ -96,10 +98,56 @@ def _client(endpoint: PolicyEndpoint, session: str):
 def _run_one(agent: AgentLoop, endpoint: PolicyEndpoint, task: Task, session: str) -> tuple[Any, str | None]:
     try:
         return agent.run(_client(endpoint, session), task), None
-    except PluginError:
-        raise
+    except PluginError as e:
+        return None, e                   # raised by the caller: a missing package fails the stage, not one rollout
     except Exception as e:  # noqa: BLE001 - one rollout's failure is that rollout's, unless every one fails
         return None, f"{type(e).__name__}: {e}"
+
+
+def run_with_deadlines(job: Callable[[int], tuple[Any, Any]], count: int, workers: int,
+                       timeout: float | None) -> list[tuple[Any, Any]]:
+    """job(k) for k in range(count) on `workers` threads at once -> its (value, error) per k. A job still running
+    `timeout` seconds after it started is (None, "TimeoutError: ...") and its thread is abandoned (a daemon: it
+    cannot be stopped from outside, and it keeps neither the stage nor the process waiting); a fresh thread takes
+    its place, so a stuck job costs its own slot only."""
+    outcomes: list = [None] * count
+    started: dict[int, float] = {}
+    todo = iter(range(count))
+    changed = threading.Condition()
+
+    def worker() -> None:
+        while True:
+            with changed:
+                k = next(todo, None)
+                if k is None:
+                    return
+                started[k] = time.monotonic()
+            outcome = job(k)
+            with changed:
+                if outcomes[k] is None:            # not already timed out
+                    outcomes[k] = outcome
+                    started.pop(k, None)
+                    changed.notify_all()
+                else:
+                    return                         # this thread was replaced when its job timed out
+
+    def spawn() -> None:
+        threading.Thread(target=worker, name="agent", daemon=True).start()
+
+    for _ in range(max(1, min(count, workers))):
+        spawn()
+    with changed:
+        while any(o is None for o in outcomes):
+            now = time.monotonic()
+            for k, t0 in list(started.items()) if timeout is not None else ():
+                if now - t0 >= timeout:
+                    outcomes[k] = (None, f"TimeoutError: the rollout ran past rollout_timeout ({timeout:g} s); "
+                                         "it is left unfinished")
+                    del started[k]
+                    spawn()
+            waits = [t0 + timeout - now for t0 in started.values()] if timeout is not None else []
+            changed.wait(max(0.01, min(waits, default=1.0)))
+    return outcomes
 
 
 def agent_rollout(backend, tokenizer, tasks: Sequence[Task], n: int, params: SamplingParams, agent: AgentLoop,
@@ -108,10 +156,11 @@ def agent_rollout(backend, tokenizer, tasks: Sequence[Task], n: int, params: Sam
     jobs = [(g, j) for g in range(len(tasks)) for j in range(n)]
     sessions = [f"g{group_ids[g]}-r{j}" for g, j in jobs]
     with agent.serving(), PolicyEndpoint(backend, tokenizer, params, n, agent.template_kwargs) as endpoint:
-        with ThreadPoolExecutor(max_workers=max(1, min(len(jobs), agent.concurrency)), thread_name_prefix="agent") as pool:
-            outcomes = list(pool.map(lambda k: _run_one(agent, endpoint, tasks[jobs[k][0]], sessions[k]),
-                                     range(len(jobs))))
+        outcomes = run_with_deadlines(lambda k: _run_one(agent, endpoint, tasks[jobs[k][0]], sessions[k]),
+                                      len(jobs), agent.concurrency, agent.timeout)
         records = [endpoint.conversation(s) for s in sessions]
+    if missing := next((e for _, e in outcomes if isinstance(e, PluginError)), None):
+        raise missing
     errors = [e for _, e in outcomes if e is not None]
     if jobs and len(errors) == len(jobs):
         raise RuntimeError(f"{agent.label}: every rollout failed; the first: {errors[0]}")

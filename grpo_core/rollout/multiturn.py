@@ -51,6 +51,7 @@ class Toolbox:
     agent: str | None = None                   # config rollout_func, or an "openenv:"/"verifiers:" environment:
     agent_options: dict | None = None          # an agent loop drives every turn instead (its environment_config)
     agent_concurrency: int = 32                # agent loops run at once (grpo_core/rollout/agents.py)
+    agent_timeout: float | None = None         # seconds one agent rollout may run (None: no limit)
 
     @classmethod
     def from_config(cls, cfg, tools: Sequence[str] | None = None) -> "Toolbox | None":
@@ -58,7 +59,7 @@ class Toolbox:
         overrides the config's list (evaluation with and without tools)."""
         if tools is None and (cfg.rollout_func or standard(cfg.environment)):
             return cls([], agent=cfg.rollout_func or cfg.environment, agent_options=cfg.environment_config,
-                       agent_concurrency=cfg.generation_batch_size)
+                       agent_concurrency=cfg.generation_batch_size, agent_timeout=cfg.rollout_timeout)
         entries = list(cfg.tools if tools is None else tools)
         environment = cfg.environment if tools is None else None
         if not entries and environment is None:

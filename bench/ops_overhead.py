@@ -79,11 +79,11 @@ def plain_run(cfg, run_dir: Path) -> list[float]:
 def reuse_ab(config_path: str, iterations: int, out: Path, json_out: str | None) -> None:
     """Two runs of one config in lockstep, one with kernels.reuse_model false and one with true (taking turns at
     going first): the same seeds and checkpoints, so the same work; their iteration times are paired."""
-    import yaml
     from grpo_core.config import GRPOConfig
+    from grpo_core.io import load_yaml
     sys.path.insert(0, str(Path(__file__).parent))
     from learning import machine
-    raw = yaml.safe_load(Path(config_path).read_text())
+    raw = load_yaml(Path(config_path).read_text())
     raw.update(output_dir=str(out), pipeline_iterations=iterations, eval={**raw.get("eval", {}), "enabled": False},
                tracking={"register_adapter": "none"})
     runs = {reuse: (GRPOConfig.model_validate({**raw, "run_name": f"reuse-{reuse}", "kernels": {

@@ -18,6 +18,7 @@ from pydantic import (BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
 
 from grpo_core import stages as stage_registry
 from grpo_core.errors import ConfigError  # noqa: F401  (raised here; imported from here by callers)
+from grpo_core.io import DuplicateKeyError, load_yaml
 from grpo_core.stages import StageRetryConfig
 
 
@@ -1105,7 +1106,9 @@ def parse_override(item: str) -> tuple[list[str], Any]:
         raise ConfigError(f"override {item!r}: {key!r} has an empty part; write section.field=value with single "
                           f"dots, e.g. --set data.max_digits=2")
     try:
-        value = yaml.safe_load(raw) if raw.strip() else ""
+        value = load_yaml(raw) if raw.strip() else ""
+    except DuplicateKeyError as e:
+        raise ConfigError(f"override {item!r}: {e.problem}") from None
     except yaml.YAMLError:
         value = raw
     return key.split("."), value
@@ -1124,10 +1127,9 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
             raise ConfigError(f"config file {str(p)!r} is not UTF-8 text (byte {e.object[e.start]:#04x} at offset "
                               f"{e.start}); save it as UTF-8") from None
         try:
-            data = yaml.safe_load(text) or {}
+            data = load_yaml(text) or {}
         except yaml.YAMLError as e:
-            raise ConfigError(f"config file {str(p)!r} is not valid YAML: {yaml_problem(e)}; fix the syntax there "
-                              f"(indentation, a missing ':' or an unclosed quote or bracket)") from e
+            raise ConfigError(yaml_error_message(f"config file {str(p)!r}", e)) from e
         if not isinstance(data, dict):
             raise ConfigError(f"config file {str(p)!r} must hold a mapping of field: value; write one `field: value` "
                               f"per line (e.g. learning_rate: 1.0e-4), not a list or a single value")
@@ -1144,6 +1146,14 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
     except ValidationError as e:
         overridden = {".".join(parse_override(item)[0]) for item in overrides or []}
         raise ConfigError(_format_errors(e, None if path is None else str(path), overridden)) from None
+
+
+def yaml_error_message(what: str, e: yaml.YAMLError) -> str:
+    """One line for a YAML file that does not load: where, what, and the fix (`what` names the file)."""
+    if isinstance(e, DuplicateKeyError):
+        return f"{what}: {yaml_problem(e)}"
+    return (f"{what} is not valid YAML: {yaml_problem(e)}; fix the syntax there (indentation, a missing ':' or an "
+            f"unclosed quote or bracket)")
 
 
 def yaml_problem(e: yaml.YAMLError) -> str:

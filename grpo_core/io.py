@@ -24,6 +24,8 @@ import tempfile
 from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator
 
+import yaml
+
 
 class InputError(ValueError):
     """A file the user gave (or a stage wrote) is malformed; the message names the file, line and fix."""
@@ -202,10 +204,15 @@ _JSON_KINDS = {list: "an array", str: "a string", bool: "a boolean", int: "a num
 
 def read_jsonl(path: str | os.PathLike) -> Iterator[dict[str, Any]]:
     """The JSON objects of a JSONL file, one a line (blank lines skipped); an InputError names the line."""
+    return (row for _, row in numbered_jsonl(path))
+
+
+def numbered_jsonl(path: str | os.PathLike) -> Iterator[tuple[int, dict[str, Any]]]:
+    """(line number, JSON object) for each row of a JSONL file, as `read_jsonl` reads them."""
     with open(path, "rb") as f:
         for lineno, raw in enumerate(f, 1):
             try:
-                line = raw.decode("utf-8")
+                line = raw.decode("utf-8-sig" if lineno == 1 else "utf-8")    # a BOM some editors write
             except UnicodeDecodeError as e:
                 raise InputError(f"{path}:{lineno}: not UTF-8 text ({raw[e.start]:#04x} at byte {e.start + 1} "
                                  f"of the line); save the file as UTF-8") from None
@@ -218,7 +225,41 @@ def read_jsonl(path: str | os.PathLike) -> Iterator[dict[str, Any]]:
             if not isinstance(row, dict):
                 raise InputError(f"{path}:{lineno}: a row must be a JSON object ({{\"field\": value, ...}}), "
                                  f"got {_JSON_KINDS[type(row)]}; fix or remove the line")
-            yield row
+            yield lineno, row
+
+
+class DuplicateKeyError(yaml.constructor.ConstructorError):
+    """A YAML mapping gives one key twice; the message names the key and both lines."""
+
+
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """yaml.SafeLoader that refuses a mapping key given twice (plain YAML keeps the last value silently)."""
+
+    def construct_mapping(self, node, deep=False):
+        if isinstance(node, yaml.MappingNode):
+            self._check_unique_keys(node)
+        return super().construct_mapping(node, deep=deep)
+
+    def _check_unique_keys(self, node: yaml.MappingNode) -> None:
+        """The mapping's own keys, before `<<: *anchor` merges (which a key written beside them may override)."""
+        first_line: dict[Any, int] = {}
+        for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":
+                continue
+            key = self.construct_object(key_node, deep=True)
+            if isinstance(key, (list, dict)):
+                continue                        # unhashable: SafeLoader's own error says so
+            if key in first_line:
+                raise DuplicateKeyError(
+                    None, None, f"duplicate key {key!r} (first given at line {first_line[key]}); keep one of the "
+                                f"two", key_node.start_mark)
+            first_line[key] = key_node.start_mark.line + 1
+
+
+def load_yaml(text: str) -> Any:
+    """`yaml.safe_load`, except that a key given twice in one mapping is a yaml.YAMLError naming the key and
+    both lines (`grpo_core.config.yaml_problem` turns it into 'line N, column M: duplicate key ...')."""
+    return yaml.load(text, Loader=_UniqueKeyLoader)
 
 
 def stop_process_group(proc: subprocess.Popen, grace: float = 20.0, kill_wait: float = 10.0) -> None:

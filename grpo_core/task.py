@@ -6,13 +6,14 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import re
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Iterable
 
-from grpo_core.io import InputError, read_jsonl, write_jsonl
+from grpo_core.io import InputError, numbered_jsonl, write_jsonl
 
 KINDS = ("math", "python", "rust")
 
@@ -48,7 +49,20 @@ class Task:
             raise TaskValidationError(f"task {self.id!r}: math tasks need a non-empty 'answer'")
         if self.kind in ("python", "rust") and not self.tests:
             raise TaskValidationError(f"task {self.id!r}: {self.kind} tasks need hidden 'tests'")
+        self._check_types()
         return self
+
+    def _check_types(self) -> None:
+        """The structured fields hold what readers of a task expect: objects, and a finite difficulty."""
+        for name in ("tests", "meta"):
+            value = getattr(self, name)
+            if value is not None and not isinstance(value, dict):
+                raise TaskValidationError(f"task {self.id!r}: field {name!r} must be a JSON object "
+                                          f"({{\"key\": value, ...}}), got {type(value).__name__}")
+        d = self.difficulty
+        if d is not None and (isinstance(d, bool) or not isinstance(d, (int, float)) or not math.isfinite(d)):
+            raise TaskValidationError(f"task {self.id!r}: field 'difficulty' must be a finite number or null, "
+                                      f"got {d!r}")
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -91,12 +105,20 @@ def write_tasks(path: str | os.PathLike, tasks: Iterable[Task]) -> Path:
 
 
 def read_tasks(path: str | os.PathLike) -> list[Task]:
+    """The tasks of a JSONL file; a TaskValidationError names the file, the line and the field."""
     try:
-        return [Task.from_dict(r) for r in read_jsonl(path)]
+        return [_task_at(path, lineno, row) for lineno, row in numbered_jsonl(path)]
     except TaskValidationError:
         raise
     except InputError as e:
         raise TaskValidationError(str(e)) from e
+
+
+def _task_at(path: str | os.PathLike, lineno: int, row: dict[str, Any]) -> Task:
+    try:
+        return Task.from_dict(row)
+    except TaskValidationError as e:
+        raise TaskValidationError(f"{path}:{lineno}: {e}; fix or remove the line") from None
 
 
 _STD_USE_RE = re.compile(r"^use\s+(?:::)?(?:std|core|alloc)\b[^;]*;", re.M)

@@ -24,9 +24,9 @@ def check_same_config(cfg: GRPOConfig, run_dir: Path) -> None:
     prev_path = run_dir / "config.yaml"
     if not prev_path.exists():
         return
-    import yaml
+    from grpo_core.io import load_yaml
     try:
-        prev = GRPOConfig.model_validate(yaml.safe_load(prev_path.read_text()) or {}).model_dump(mode="json")
+        prev = GRPOConfig.model_validate(load_yaml(prev_path.read_text()) or {}).model_dump(mode="json")
     except ValueError:
         return        # an older, now-invalid config: the stage keys decide what re-runs
     a, b = flatten(semantic_config(prev)), flatten(semantic_config(cfg.model_dump(mode="json")))

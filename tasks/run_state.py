@@ -177,8 +177,8 @@ def run_status(run_dir: str | Path) -> dict:
     last = last_completed_stage(run_dir)
     total = None
     if (run_dir / "config.yaml").exists():
-        import yaml
-        total = (yaml.safe_load((run_dir / "config.yaml").read_text()) or {}).get("pipeline_iterations")
+        from grpo_core.io import load_yaml
+        total = (load_yaml((run_dir / "config.yaml").read_text()) or {}).get("pipeline_iterations")
     return {"run": run_dir.name, "status": status,
             "last_completed": f"iter-{last[0]}/{last[1]}" if last else "-",
             "iterations": f"{iterations_done(run_dir)}/{total if total is not None else '?'}",

@@ -151,8 +151,9 @@ def test_an_agent_that_never_returns_is_left_out_of_its_group(tiny):
     agent.__name__ = "sometimes_stuck"
     sampler = KVCacheSampler(model, tok, "cpu", progress=False)
     sampler.generate([tok("warm up").input_ids], 1, SamplingParams(max_new_tokens=2))  # first use compiles kernels
-    loop = AgentLoop(agent, "sometimes_stuck", concurrency=2, timeout=10.0)
-    groups = agent_rollout(sampler, tok, TASKS[:1], 2, SamplingParams(max_new_tokens=4, seed=1), loop, group_ids=[0])
+    loop = AgentLoop(agent, "sometimes_stuck", concurrency=2)
+    groups = agent_rollout(sampler, tok, TASKS[:1], 2, SamplingParams(max_new_tokens=4, seed=1), loop, group_ids=[0],
+                           timeout=10.0)
     hang.set()
     errors = [s.extra.get("agent_error") for s in groups[0]]
     assert sorted(map(bool, errors)) == [False, True]

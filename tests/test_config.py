@@ -254,3 +254,14 @@ def test_bad_kernel_choices_name_the_field(override, message):
     with pytest.raises(ConfigError) as e:
         load_config(None, [override])
     assert message in str(e.value)
+
+
+def test_a_key_given_twice_in_the_config_file_is_an_error_naming_it(tmp_path):
+    """YAML keeps the last of two equal keys silently: the first learning rate would be ignored."""
+    p = tmp_path / "dup.yaml"
+    p.write_text("learning_rate: 1.0e-4\nseed: 1\nlearning_rate: 2.0e-4\n")
+    with pytest.raises(ConfigError, match=r"dup.yaml': line 3, column 1: duplicate key 'learning_rate' \(first given "
+                                          r"at line 1\); keep one of the two"):
+        load_config(p)
+    with pytest.raises(ConfigError, match=r"override 'data.weights=\{a: 1, a: 2\}': duplicate key 'a'"):
+        load_config(None, ["data.weights={a: 1, a: 2}"])

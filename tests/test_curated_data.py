@@ -29,6 +29,12 @@ def keys(tasks) -> set[str]:
     ("What is 7 * 4?", "Find the value of 4 × 7."),
     ("What is 3 plus 5?", "Evaluate 3 + 5."),
     ("What is 1,000 - 2.50?", "Work out 1000 - 2.5."),
+    ("What is 5 \u2212 3?", "Compute 5 - 3."),                # the minus sign, not the hyphen
+    ("What is 6 \u00f7 3?", "Compute 6 / 3."),
+    ("Compute $5 \\times 3$.", "What is 3 * 5?"),             # LaTeX
+    ("Evaluate $6 \\div 3$", "What is 6 / 3?"),
+    ("What is 3 + 5?\u200b", "What is 3 + 5?"),               # an invisible character
+    ("What is 007 + 1?", "What is 1 + 7?"),                   # leading zeros
 ])
 def test_wordings_of_one_arithmetic_question_share_a_key(a, b):
     assert canonical_question(a) == canonical_question(b)
@@ -39,9 +45,19 @@ def test_wordings_of_one_arithmetic_question_share_a_key(a, b):
     ("What is 2 + 3 * 4?", "What is 3 + 2 * 4?"),           # the '+' is not alone
     ("What is 5 - 3?", "What is 5 - 3 modulo 2?"),          # a word that changes the question is kept
     ("Tom has 3 + 5 apples. How many?", "Tom has 5 + 3 pears. How many?"),
+    ("What is 3 div 4?", "What is 3 / 4?"),                   # 'div' in words may be integer division
+    ("Simplify $\\frac{4}{8}$", "Simplify 4/8"),
 ])
 def test_different_questions_keep_different_keys(a, b):
     assert canonical_question(a) != canonical_question(b)
+
+
+def test_an_eval_question_written_with_other_symbols_is_not_trained_on():
+    """'5 − 3' (U+2212) held out once let '5 - 3' train: decontamination compares content keys."""
+    ev = [Task(id="e", kind="math", source="mine", prompt="What is 15 \u2212 3?", answer="12")]
+    train = [Task(id="t", kind="math", source="mine", prompt="What is 15 - 3?", answer="12")]
+    kept, rejected = curation.decontaminate(train, ev)
+    assert kept == [] and [r.reason for r in rejected] == ["contaminated"]
 
 
 def test_templates_must_be_pure_wording():

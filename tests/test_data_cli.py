@@ -63,6 +63,19 @@ def test_build_errors_are_reported_not_raised(tmp_path, capsys):
     (b"sources: [{name: jsonl}]\n", "sources[0] (jsonl): missing a required argument: 'path'; fix its options"),
     (b"sources: [{name: jsonl, path: q.jsonl, limt: 5}]\n",
      "sources[0] (jsonl): unknown option(s) limt; it takes path, source, kind"),
+    (b"name: x\nsources: [{name: arithmetic, n: 5}]\nname: y\n",
+     "bad.yaml': line 3, column 1: duplicate key 'name' (first given at line 1); keep one of the two"),
+    (b"sources:\n  - {name: arithmetic, n: 5, n: 6}\n", "line 2, column 30: duplicate key 'n' (first given at line 2)"),
+    (b"sources: [{name: arithmetic, n: -5}]\n", "sources[0] (arithmetic): option 'n' must be a whole number >= 0, got -5"),
+    (b"sources: [{name: gen_python, n: 1.5}]\n", "sources[0] (gen_python): option 'n' must be a whole number >= 0"),
+    (b"sources: [{name: arithmetic, n: 5}]\nweights: {arithmetic: .nan}\n", "weights must be finite numbers >= 0"),
+    (b"sources: [{name: arithmetic, n: 5}]\nweights: {arithmetic: .inf}\n", "weights must be finite numbers >= 0"),
+    (b"sources: [{name: arithmetic, n: 5}]\nweights: {synthetc: 1}\n",
+     "weights: 'synthetc' names no group or loaded source; use one of arithmetic, community, synthetic, user"),
+    (b"sources: [{name: arithmetic, n: 5, operations: [/]}]\n", "arithmetic source: operations ['/'] are unknown"),
+    (b"sources: [{name: arithmetic, n: 5, max_digits: 0}]\n", "arithmetic source: min_digits=1, max_digits=0"),
+    (b"sources: [{name: arithmetic, n: 99999, max_digits: 1}]\n",
+     "arithmetic source: n=99999 exceeds the 55 distinct questions"),
 ])
 def test_a_bad_data_config_is_one_error_not_a_traceback(tmp_path, capsys, monkeypatch, content, says):
     monkeypatch.chdir(tmp_path)                                  # the default out_dir, data/built, is relative
@@ -138,3 +151,9 @@ def test_curation_is_logged_to_mlflow(tmp_path):
     assert run.inputs.dataset_inputs[0].dataset.digest == built.report["dataset_hash"][:36]
     paths = {f.path for f in c.list_artifacts(run_id, "data")}
     assert "data/report.json" in paths and "data/iter-1" in paths
+
+
+def test_an_arithmetic_source_asked_for_no_questions_loads_none(tmp_path):
+    """n: 0 once looped forever, waiting for the 0th distinct question."""
+    from grpo_core.data.sources import load_source
+    assert load_source("arithmetic", n=0) == []

@@ -195,6 +195,30 @@ def test_recalibrate_from_previous_rollouts(tmp_path):
         curation.pass_rates_from_rollouts(tmp_path / "scores.jsonl", id_field="prompt_id")
 
 
+def test_calibration_edge_cases_are_errors_not_silently_empty_sets():
+    """k=1 gives pass rates 0 and 1 only: with the band [0.1, 0.9] every task was dropped as out_of_band; a policy
+    answering nothing for a task made it 'too hard over 0 samples'."""
+    tasks = [math_task(i) for i in range(3)]
+    with pytest.raises(ValueError, match=r"calibration.k=1 gives pass rates \[0.0, 1.0\], none inside band"):
+        curation.calibrate(tasks, lambda batch, k: [[1.0] * k for _ in batch], k=1)
+    with pytest.raises(ValueError, match="policy returned no rewards for task 'm0'"):
+        curation.calibrate(tasks, lambda batch, k: [[] for _ in batch], k=4)
+    kept, _ = curation.calibrate(tasks, lambda batch, k: [[1.0] for _ in batch], k=1, band=(0.0, 1.0))
+    assert len(kept) == 3 and kept[0].meta["pass_rate"] == 1.0         # a band that holds 0 or 1 takes k=1
+    with pytest.raises(ValueError, match="calibration.k=1"):
+        BuildConfig.model_validate({"calibration": {"k": 1, "model": "tiny-random"}})
+    BuildConfig.model_validate({"calibration": {"k": 1}})               # k unused without a model
+
+
+def test_recalibration_rows_with_a_nan_score_are_unscored_and_a_text_score_names_its_line(tmp_path):
+    p = tmp_path / "scores.jsonl"
+    p.write_text('{"task_id": "m0", "correct": 1.0}\n{"task_id": "m0", "correct": NaN}\n{"task_id": "m0", "correct": 0}\n')
+    assert curation.pass_rates_from_rollouts(p) == {"m0": (0.5, 2)}   # NaN was counted as a failure
+    p.write_text('{"task_id": "m0", "correct": 1.0}\n{"task_id": "m0", "correct": "yes"}\n')
+    with pytest.raises(ValueError, match=r"scores.jsonl:2: 'correct' is 'yes', not a number"):
+        curation.pass_rates_from_rollouts(p)
+
+
 def test_old_pass_rates_expire_so_a_long_run_tries_its_too_hard_prompts_again(tmp_path):
     from grpo_core.data.iteration import draw_prompts, previous_pass_rates
     pool = [math_task(i) for i in range(4)]
@@ -320,3 +344,12 @@ def test_infrastructure_failures_are_retried_once(monkeypatch):
     monkeypatch.setattr(V, "_sandbox_checker", lambda workers: checker)
     kept, rejected = V.validate([py_task(1), py_task(2)], backend="sandbox")
     assert [t.id for t in kept] == ["p1", "p2"] and not rejected and calls == [["p1", "p2"], ["p1", "p2"]]
+
+
+def test_a_different_task_reusing_an_id_is_rejected_not_kept_beside_the_first():
+    """Rewards, pass rates and scores are looked up by task id: two tasks 'q1' would mix."""
+    a = Task(id="q1", kind="math", source="mine", prompt="What is 2 + 3?", answer="5")
+    b = Task(id="q1", kind="math", source="mine", prompt="How many legs do 3 spiders have?", answer="24")
+    kept, rejected = curation.dedupe([a, b])
+    assert kept == [a] and [(r.reason, r.id) for r in rejected] == [("invalid_schema", "q1")]
+    assert "field 'id'" in rejected[0].detail

@@ -215,3 +215,18 @@ def test_stackexchange_references_are_validated():
     kept, failed = validate([r for r in records if isinstance(r, Task)], backend="local")
     assert sorted(t.id.rsplit("/", 1)[1] for t in kept) == ["1", "13", "3"]
     assert [(r.id.rsplit("/", 1)[1], r.reason) for r in failed] == [("15", "reference_failed")]
+
+
+def test_a_csv_saved_with_a_bom_keeps_its_first_column(tmp_path):
+    """Spreadsheets write a BOM: read as plain UTF-8 it made the first column '\\ufeffquestion', so no row had one."""
+    p = tmp_path / "mine.csv"
+    p.write_bytes(b"\xef\xbb\xbfquestion,answer\r\nWhat is 2 + 3?,5\r\n")
+    [task] = load_source("csv", path=str(p))
+    assert isinstance(task, Task) and task.prompt == "What is 2 + 3?" and task.answer == "5"
+
+
+def test_a_csv_that_is_not_utf8_is_one_error_naming_it(tmp_path):
+    p = tmp_path / "latin1.csv"
+    p.write_bytes(b"question,answer\nWhat is 2 \xd7 3?,6\n")
+    with pytest.raises(ValueError, match=r"latin1.csv' is not UTF-8 text \(0xd7 at byte 26\); save it as UTF-8"):
+        load_source("csv", path=str(p))

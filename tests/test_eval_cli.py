@@ -122,3 +122,23 @@ def test_eval_command_with_tools(tmp_path, grpo_home, capsys):
         args = _parser().parse_args(["eval", "--model", "tiny-random", "--dataset", "arithmetic", "--tools",
                                      "calculater"])
         args.func(args)
+
+
+@pytest.mark.parametrize("row, says", [
+    ('{"id": "b", "kind": "math", "source": "s", "prompt": "", "answer": "2"}', "task 'b': field 'prompt'"),
+    ('{"id": "b", "kind": "maths", "source": "s", "prompt": "1+1", "answer": "2"}', "task 'b': field 'kind'"),
+    ('{"id": "b", "kind": "math", "source": "s", "prompt": "1+1", "answer": "2", "meta": [1]}', "field 'meta'"),
+    ('{"id": "b", "kind": "math", "source": "s", "prompt": "1+1", "answer": "2", "difficulty": NaN}',
+     "field 'difficulty' must be a finite number or null, got nan"),
+    ('{"id": "b", "kind": "math", "source": "s", "prompt": "1+1"}', "task 'b': math tasks need a non-empty 'answer'"),
+    ('["b", "math"]', "a row must be a JSON object"),
+])
+def test_a_bad_dataset_row_names_the_file_line_and_field(tmp_path, row, says):
+    from grpo_core.task import TaskValidationError
+    from flows.cli.eval import load_eval_tasks
+    good = '{"id": "a", "kind": "math", "source": "s", "prompt": "1+1", "answer": "2"}'
+    dataset = tmp_path / "held_out.jsonl"
+    dataset.write_text(f"{good}\n\n{row}\n")                  # the blank line counts: the row is line 3
+    with pytest.raises(TaskValidationError) as e:
+        load_eval_tasks(str(dataset), None)
+    assert str(e.value).startswith(f"{dataset}:3: ") and says in str(e.value)

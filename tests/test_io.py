@@ -95,3 +95,26 @@ def test_a_directory_is_on_disk_before_its_rename_and_the_rename_before_what_com
     synced.clear()
     atomic_write_text(out / "update.json", "{}")
     assert synced[-1] == str(out)
+
+
+def test_a_jsonl_file_saved_with_a_bom_reads(tmp_path):
+    p = tmp_path / "bom.jsonl"
+    p.write_bytes(b'\xef\xbb\xbf{"a": 1}\r\n{"a": 2}\r\n')
+    assert list(read_jsonl(p)) == [{"a": 1}, {"a": 2}]
+
+
+def test_yaml_with_a_key_given_twice_is_an_error_naming_key_and_lines():
+    import yaml
+    from grpo_core.config import yaml_problem
+    from grpo_core.io import load_yaml
+    with pytest.raises(yaml.YAMLError) as e:
+        load_yaml("learning_rate: 1.0e-4\nseed: 1\nlearning_rate: 2.0e-4\n")
+    assert yaml_problem(e.value) == ("line 3, column 1: duplicate key 'learning_rate' (first given at line 1); keep "
+                                     "one of the two")
+    with pytest.raises(yaml.YAMLError, match="duplicate key 'band'"):
+        load_yaml("calibration:\n  band: [0.1, 0.9]\n  band: [0.2, 0.8]\n")
+
+
+def test_yaml_merge_keys_may_still_be_overridden():
+    from grpo_core.io import load_yaml
+    assert load_yaml("base: &b {x: 1, y: 2}\nd:\n  <<: *b\n  x: 3\n")["d"] == {"x": 3, "y": 2}

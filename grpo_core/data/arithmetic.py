@@ -61,7 +61,7 @@ def check_template(template: str) -> str:
     return template
 
 
-def _question_space(min_digits: int, max_digits: int, ops: Iterable[str]) -> int:
+def question_space(min_digits: int, max_digits: int, ops: Iterable[str]) -> int:
     """Distinct questions by content: a + b and b + a (likewise *) count once."""
     total = 0
     for d in range(min_digits, max_digits + 1):
@@ -73,6 +73,8 @@ def _question_space(min_digits: int, max_digits: int, ops: Iterable[str]) -> int
 def _distinct(n: int, seed: int, min_digits: int, max_digits: int, ops: list[str], split: str,
               exclude: Iterable[Task] = ()) -> list[Task]:
     """The first n questions of the seeded stream that are distinct by content and ask nothing `exclude` asks."""
+    if n <= 0:
+        return []
     held_out = {canonical_question(t.prompt) for t in exclude}
     picked: dict[str, Task] = {}
     for t in _stream(seed, min_digits, max_digits, ops, split):
@@ -87,7 +89,7 @@ def _distinct(n: int, seed: int, min_digits: int, max_digits: int, ops: list[str
 def eval_tasks(n: int, min_digits: int, max_digits: int, ops: Iterable[str], seed: int = 10_007) -> list[Task]:
     """n held-out questions, distinct by content (the same for every run with the same settings)."""
     ops = list(ops)
-    space = _question_space(min_digits, max_digits, ops)
+    space = question_space(min_digits, max_digits, ops)
     if n > space // 2:
         raise ValueError(f"data.eval_size={n} is too large for this curriculum ({space} distinct questions); "
                          f"use at most {space // 2} or widen data.max_digits/data.operations")
@@ -99,7 +101,7 @@ def gate_tasks(n: int, min_digits: int, max_digits: int, ops: Iterable[str], see
     """The promotion gate's n questions: their own seeded draw, asking nothing a task in `exclude` (the eval
     split) asks, so that no run picks its registered iteration on the questions the gate then judges it on."""
     ops, exclude = list(ops), list(exclude)
-    space = _question_space(min_digits, max_digits, ops)
+    space = question_space(min_digits, max_digits, ops)
     if n + len(exclude) > space * 3 // 4:
         raise ValueError(f"gate.questions={n} with data.eval_size={len(exclude)} leaves too few of this "
                          f"curriculum's {space} distinct questions to train on; lower gate.questions or "
@@ -112,7 +114,7 @@ def train_tasks(n: int, min_digits: int, max_digits: int, ops: Iterable[str], se
     """n training questions, distinct by content, none asking what a task in `exclude` (the eval
     split, the gate set) asks."""
     ops, exclude = list(ops), list(exclude)
-    available = _question_space(min_digits, max_digits, ops) - len({canonical_question(t.prompt) for t in exclude})
+    available = question_space(min_digits, max_digits, ops) - len({canonical_question(t.prompt) for t in exclude})
     if n > available:
         raise ValueError(f"data.prompts_per_iteration={n} exceeds the {available} training questions left "
                          f"after the eval split; lower it or widen the curriculum")

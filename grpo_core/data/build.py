@@ -26,6 +26,7 @@ from __future__ import annotations
 import hashlib
 import inspect
 import json
+import math
 import time
 from collections import Counter, defaultdict
 from contextlib import contextmanager
@@ -34,14 +35,14 @@ from pathlib import Path
 from typing import Any, Iterator
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from grpo_core.config import yaml_problem
+from grpo_core.config import yaml_error_message
 from grpo_core.data import curation
 from grpo_core.data.records import REASONS, Rejection
 from grpo_core.task import Task, read_tasks
-from grpo_core.io import atomic_dir, atomic_write_text, write_jsonl
-from grpo_core.data.sources import SOURCE_NAMES, check_source, get_loader
+from grpo_core.io import atomic_dir, atomic_write_text, load_yaml, write_jsonl
+from grpo_core.data.sources import GROUPS, SOURCE_NAMES, check_source, get_loader
 from grpo_core.data.validate import validate
 
 # -- config ----------------------------------------------------------------------------------------------
@@ -86,6 +87,13 @@ class CalibrationSpec(_Strict):
             raise ValueError(f"calibration.band must be [low, high] with 0 <= low <= high <= 1, got {list(v)}")
         return v
 
+    @model_validator(mode="after")
+    def _k_can_land_in_band(self):
+        """k samples give pass rates 0, 1/k, ..., 1: with none inside the band every task would be dropped."""
+        if self.model:
+            curation.check_samples_fit_band(self.k, tuple(self.band))
+        return self
+
 
 class BuildConfig(_Strict):
     name: str = Field("dataset", pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
@@ -110,7 +118,42 @@ class BuildConfig(_Strict):
                 raise ValueError(f"sources[{i}] must be a mapping with a 'name' (one of {', '.join(SOURCE_NAMES)})")
             check_source(s["name"], f"sources[{i}].name")    # built in or a plugin; the error says the fix
             _check_options(i, s["name"], {"seed": 0, **{k: v for k, v in s.items() if k != "name"}})
+            if s["name"] in SOURCE_NAMES:
+                _check_counts(i, s["name"], s)
         return v
+
+    @field_validator("weights")
+    @classmethod
+    def _weights(cls, v):
+        bad = {k: w for k, w in v.items() if not math.isfinite(w) or w < 0}
+        if bad or (v and sum(v.values()) <= 0):
+            raise ValueError(f"weights must be finite numbers >= 0 with a positive sum, got {bad or v}; fix them or "
+                             f"remove weights (every task then counts alike)")
+        return v
+
+
+# the least value of a built-in source's count options: a negative count, or a fraction, is a typo
+_COUNT_MINIMUM = {"n": 0, "limit": 0, "n_cases": 2}
+
+
+def _check_counts(i: int, name: str, options: dict[str, Any]) -> None:
+    """The count options of built-in sources[i] are whole numbers at or above their minimum."""
+    for key, least in _COUNT_MINIMUM.items():
+        value = options.get(key)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < least):
+            raise ValueError(f"sources[{i}] ({name}): option {key!r} must be a whole number >= {least}, got "
+                             f"{value!r}")
+
+
+def check_weight_keys(cfg: BuildConfig, tasks: list[Task]) -> None:
+    """A `weights` key must name a group, a configured source, or the source or group of a loaded task: any other
+    key is a typo whose quota would silently go to the other keys."""
+    configured = {s["name"] for s in cfg.sources}
+    known = set(GROUPS) | configured | {get_loader(name)[1] for name in configured} | {
+        key for t in tasks for key in (curation.source_key(t), t.source, curation.group_of(t))}
+    if unknown := sorted(set(cfg.weights) - known):
+        raise ValueError(f"weights: {', '.join(map(repr, unknown))} names no group or loaded source; use one of "
+                         f"{', '.join(sorted(known))}")
 
 
 def _check_options(i: int, name: str, options: dict[str, Any]) -> None:
@@ -134,13 +177,12 @@ def load_build_config(path: str | Path, overrides: dict[str, Any] | None = None)
     if not p.is_file():
         raise FileNotFoundError(f"data config {str(p)!r} does not exist; pass an existing YAML file to --config")
     try:
-        raw = yaml.safe_load(p.read_text(encoding="utf-8")) or {}
+        raw = load_yaml(p.read_text(encoding="utf-8")) or {}
     except UnicodeDecodeError as e:
         raise ValueError(f"data config {str(p)!r} is not UTF-8 text ({e.object[e.start]:#04x} at byte {e.start}); "
                          f"save it as UTF-8") from None
     except yaml.YAMLError as e:
-        raise ValueError(f"data config {str(p)!r} is not valid YAML: {yaml_problem(e)}; fix the syntax "
-                         f"there") from None
+        raise ValueError(yaml_error_message(f"data config {str(p)!r}", e)) from None
     if isinstance(raw, dict) and "curation" in raw:
         raw = raw["curation"]
     if not isinstance(raw, dict):
@@ -208,6 +250,7 @@ def build(cfg: BuildConfig, policy: curation.PolicyFn | None = None, progress: b
     timings: dict[str, float] = {}
     t0 = time.monotonic()
     tasks, rejected, loaded = load_sources(cfg, progress)
+    check_weight_keys(cfg, tasks)
     timings["load"] = time.monotonic() - t0
 
     t0 = time.monotonic()

@@ -6,6 +6,7 @@ dropped item, so the report can say what happened to each task and why.
 from __future__ import annotations
 
 import hashlib
+import math
 import re
 import unicodedata
 from collections import defaultdict
@@ -16,7 +17,7 @@ import numpy as np
 
 from grpo_core.data.records import Rejection
 from grpo_core.task import Task
-from grpo_core.io import read_jsonl
+from grpo_core.io import numbered_jsonl
 
 # -- normalise ----------------------------------------------------------------------------------------
 
@@ -54,6 +55,36 @@ TEMPLATE_WORDS = frozenset("what is compute calculate evaluate find work out sol
                            "state final answer to following arithmetic problem expression please ? . : !".split())
 
 
+# How an expression may also be written: other operator symbols, LaTeX ($5 \\times 3$), invisible characters.
+# Read only where the question is then one expression, so no other question's key changes.
+_SYMBOL_OPERATORS = {"\u2212": "-", "\u2013": "-", "\u00f7": "/", "\u22c5": "*", "\u2217": "*",
+                     "\\times": "*", "\\cdot": "*", "\\div": "/"}
+_NOT_IN_AN_EXPRESSION = {"$", "\u200b", "\u200c", "\u200d", "\u2060", "\ufeff"}
+
+
+def _between_numbers(tokens: list[str], words: dict[str, str]) -> list[str]:
+    """Operator words between two numbers as their symbols: '3 plus 5' -> '3 + 5' (a lone 'plus' stays)."""
+    return [words[t] if t in words and 0 < i < len(tokens) - 1 and _NUMBER.match(tokens[i - 1])
+            and _NUMBER.match(tokens[i + 1]) else t for i, t in enumerate(tokens)]
+
+
+def _latex_commands(tokens: list[str]) -> list[str]:
+    """'\\' and the word after it as one token: ['\\', 'times'] -> ['\\times']."""
+    out: list[str] = []
+    for t in tokens:
+        if out and out[-1] == "\\" and t.isalpha():
+            out[-1] += t
+        else:
+            out.append(t)
+    return out
+
+
+def _as_expression(tokens: list[str]) -> list[str]:
+    """The tokens as an expression reads them: '5 − 3', '$5 \\times 3$' and '007 + 1' as '5 - 3', '5 * 3', '7 + 1'."""
+    return [re.sub(r"^0+(?=\d)", "", _SYMBOL_OPERATORS.get(t, t))
+            for t in _latex_commands(tokens) if t not in _NOT_IN_AN_EXPRESSION]
+
+
 def _expression(tokens: list[str]) -> list[str] | None:
     """The arithmetic expression a templated question asks, or None when it says more than that."""
     body = [t for t in tokens if t not in TEMPLATE_WORDS]
@@ -84,15 +115,13 @@ def canonical_question(text: str) -> str:
     written one way ('1,000' -> '1000', '2.50' -> '2.5', '×' -> '*', 'plus' -> '+'), the wording of a
     templated arithmetic question dropped ('What is 3 + 5?' and 'Compute 3 + 5.' both give '3 + 5'),
     and the operands of a lone commutative operation in order ('5 + 3' is '3 + 5'; '5 - 3' is not
-    '3 - 5', nor is '2 + 3 * 4' '3 + 2 * 4', where the '+' is not alone)."""
+    '3 - 5', nor is '2 + 3 * 4' '3 + 2 * 4', where the '+' is not alone). A question that is one expression
+    once written plainly ('What is 5 − 3?', 'Compute $5 \\times 3$.', 'What is 007 + 1?') is that expression."""
     text = unicodedata.normalize("NFKC", text).lower().replace("×", "*").replace("·", "*")
     text = re.sub(r"(?<=\d),(?=\d{3}\b)", "", text)
     text = re.sub(r"\b(\d+)\.(\d*[1-9])?0+\b", lambda m: m.group(1) + (f".{m.group(2)}" if m.group(2) else ""), text)
-    tokens = re.findall(r"\d+(?:\.\d+)?|\w+|[^\w\s]", text)
-    tokens = [_WORD_OPERATORS[t] if t in _WORD_OPERATORS and 0 < i < len(tokens) - 1
-              and _NUMBER.match(tokens[i - 1]) and _NUMBER.match(tokens[i + 1]) else t
-              for i, t in enumerate(tokens)]
-    return " ".join(_sort_commutative(_expression(tokens) or tokens))
+    tokens = _between_numbers(re.findall(r"\d+(?:\.\d+)?|\w+|[^\w\s]", text), _WORD_OPERATORS)
+    return " ".join(_sort_commutative(_expression(_as_expression(tokens)) or tokens))
 
 
 def stable_hash(*parts: str) -> int:
@@ -127,11 +156,13 @@ def minhash(sh: set[int], num_perm: int = 64, seed: int = 1) -> np.ndarray:
 def dedupe(tasks: Sequence[Task], near_threshold: float = 0.85, k: int = 5, num_perm: int = 64,
            bands: int = 16) -> tuple[list[Task], list[Rejection]]:
     """Drop exact duplicates (same content hash or same `canonical_question`) and near-duplicates
-    (MinHash LSH candidates confirmed by exact shingle Jaccard >= near_threshold). First seen wins."""
+    (MinHash LSH candidates confirmed by exact shingle Jaccard >= near_threshold), and a different task reusing
+    an id (`invalid_schema`). First seen wins."""
     kept: list[Task] = []
     rejected: list[Rejection] = []
     seen_content: dict[str, str] = {}
     seen_prompt: dict[str, str] = {}
+    seen_ids: set[str] = set()
     buckets: dict[tuple[int, bytes], list[int]] = defaultdict(list)
     kept_shingles: list[set[int]] = []
     rows = num_perm // bands
@@ -140,6 +171,10 @@ def dedupe(tasks: Sequence[Task], near_threshold: float = 0.85, k: int = 5, num_
         first = seen_content.get(ch) or seen_prompt.get(pk)
         if first:
             rejected.append(Rejection(t.id, t.source, "duplicate_exact", f"same as {first}"))
+            continue
+        if t.id in seen_ids:                    # rewards and pass rates are looked up by id
+            rejected.append(Rejection(t.id, t.source, "invalid_schema", f"field 'id': {t.id!r} is also the id of an "
+                                                                        f"earlier, different task; give each its own id"))
             continue
         sh = shingles(t.prompt, k)
         sig = minhash(sh, num_perm) if near_threshold < 1.0 else None
@@ -157,6 +192,7 @@ def dedupe(tasks: Sequence[Task], near_threshold: float = 0.85, k: int = 5, num_
                                       f"Jaccard {match[1]:.2f} with {kept[match[0]].id}"))
             continue
         seen_content[ch], seen_prompt[pk] = t.id, t.id
+        seen_ids.add(t.id)
         if sig is not None:
             for bnd in range(bands):
                 buckets[(bnd, sig[bnd * rows:(bnd + 1) * rows].tobytes())].append(len(kept))
@@ -253,10 +289,21 @@ def _band_check(task: Task, rate: float, n: int, band: tuple[float, float], how:
     return None
 
 
+def check_samples_fit_band(k: int, band: tuple[float, float]) -> None:
+    """k samples give pass rates 0, 1/k, ..., 1: a ValueError when none is inside `band` (every task would be
+    dropped as out of band), e.g. k=1 with the default band [0.1, 0.9]."""
+    lo, hi = band
+    rates = [j / k for j in range(k + 1)] if k >= 1 else []
+    if not any(lo <= r <= hi for r in rates):
+        raise ValueError(f"calibration.k={k} gives pass rates {[round(r, 3) for r in rates]}, none inside band "
+                         f"[{lo}, {hi}], so every task would be dropped; raise k or widen the band")
+
+
 def calibrate(tasks: Sequence[Task], policy: PolicyFn, k: int = 8, band: tuple[float, float] = (0.1, 0.9),
               batch_size: int = 16, correct_at: float = 1.0,
               progress: Callable[[int], None] | None = None) -> tuple[list[Task], list[Rejection]]:
     """Sample k answers per task from `policy`, record its pass rate, keep tasks inside `band`."""
+    check_samples_fit_band(k, band)
     kept, rejected = [], []
     for start in range(0, len(tasks), batch_size):
         chunk = list(tasks[start:start + batch_size])
@@ -264,7 +311,9 @@ def calibrate(tasks: Sequence[Task], policy: PolicyFn, k: int = 8, band: tuple[f
         if len(scores) != len(chunk):
             raise ValueError(f"policy returned {len(scores)} score lists for {len(chunk)} tasks; return one per task")
         for t, s in zip(chunk, scores):
-            rate = sum(1.0 for x in s if x is not None and x >= correct_at) / max(1, len(s))
+            if not len(s):
+                raise ValueError(f"policy returned no rewards for task {t.id!r}; return k={k} per task")
+            rate = sum(1.0 for x in s if x is not None and x >= correct_at) / len(s)
             bad = _band_check(t, rate, len(s), band, "policy")
             (rejected.append(bad) if bad else kept.append(t))
         if progress:
@@ -275,16 +324,26 @@ def calibrate(tasks: Sequence[Task], policy: PolicyFn, k: int = 8, band: tuple[f
 def pass_rates_from_rollouts(path: str | Path, id_field: str = "task_id", score_field: str = "correct",
                              correct_at: float = 1.0) -> dict[str, tuple[float, int]]:
     """{task id: (pass rate, samples)} from a rollouts+scores JSONL (e.g. iter-k/scores.jsonl).
-    Rows whose score is null (unscorable) are left out."""
+    Rows whose score is null or NaN (unscorable) are left out; an error names the line of any other bad row."""
     hits: dict[str, list[float]] = defaultdict(list)
-    for row in read_jsonl(path):
+    for lineno, row in numbered_jsonl(path):
         if id_field not in row:
-            raise ValueError(f"{path}: row without {id_field!r}; pass id_field= the column holding task ids")
-        v = row.get(score_field)
-        if v is None:
-            continue
-        hits[str(row[id_field])].append(1.0 if float(v) >= correct_at else 0.0)
+            raise ValueError(f"{path}:{lineno}: row without {id_field!r}; pass id_field= the column holding task ids")
+        score = _score_at(row.get(score_field), f"{path}:{lineno}: {score_field!r}")
+        if score is not None:
+            hits[str(row[id_field])].append(1.0 if score >= correct_at else 0.0)
     return {tid: (sum(v) / len(v), len(v)) for tid, v in hits.items() if v}
+
+
+def _score_at(value: object, where: str) -> float | None:
+    """A row's score as a number; None for null or NaN (not scored)."""
+    if value is None:
+        return None
+    try:
+        score = float(value)        # type: ignore[arg-type]
+    except (TypeError, ValueError):
+        raise ValueError(f"{where} is {value!r}, not a number (or null when unscored); fix the row") from None
+    return None if math.isnan(score) else score
 
 
 def recalibrate(tasks: Sequence[Task], rollouts: str | Path | dict[str, tuple[float, int]],

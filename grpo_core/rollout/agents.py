@@ -46,7 +46,6 @@ class AgentLoop:
     template_kwargs: dict = field(default_factory=dict)
     serving: Callable[[], ContextManager] = nullcontext     # alive around a stage's rollouts (a server, a loop)
     label: str = ""                                          # how errors name it: the config field and entry
-    timeout: float | None = None                             # seconds one rollout may run (None: no limit)
 
     def __post_init__(self) -> None:
         self.label = self.label or f"rollout_func {self.name!r}"
@@ -151,13 +150,14 @@ def run_with_deadlines(job: Callable[[int], tuple[Any, Any]], count: int, worker
 
 
 def agent_rollout(backend, tokenizer, tasks: Sequence[Task], n: int, params: SamplingParams, agent: AgentLoop,
-                  group_ids: Sequence[int]) -> list[list[Sample]]:
-    """n runs of the agent loop per task, concurrently, through one endpoint -> one group of Samples per task."""
+                  group_ids: Sequence[int], timeout: float | None = None) -> list[list[Sample]]:
+    """n runs of the agent loop per task, concurrently, through one endpoint -> one group of Samples per task;
+    a run past `timeout` seconds (config rollout_timeout) is a failed one."""
     jobs = [(g, j) for g in range(len(tasks)) for j in range(n)]
     sessions = [f"g{group_ids[g]}-r{j}" for g, j in jobs]
     with agent.serving(), PolicyEndpoint(backend, tokenizer, params, n, agent.template_kwargs) as endpoint:
         outcomes = run_with_deadlines(lambda k: _run_one(agent, endpoint, tasks[jobs[k][0]], sessions[k]),
-                                      len(jobs), agent.concurrency, agent.timeout)
+                                      len(jobs), agent.concurrency, timeout)
         records = [endpoint.conversation(s) for s in sessions]
     if missing := next((e for _, e in outcomes if isinstance(e, PluginError)), None):
         raise missing

@@ -595,8 +595,7 @@ def rollout(backend: RolloutBackend, tokenizer, tasks: Sequence[Task], n: int, p
             from grpo_core.rollout.agents import AgentLoop, agent_rollout
             agent = AgentLoop.resolve(toolbox.agent, toolbox.agent_concurrency, dict(fmt.template_kwargs),
                                       options=toolbox.agent_options)
-            agent.timeout = toolbox.agent_timeout
-            groups = agent_rollout(backend, tokenizer, tasks, n, params, agent, ids)
+            groups = agent_rollout(backend, tokenizer, tasks, n, params, agent, ids, toolbox.agent_timeout)
         else:
             groups = tool_rollout(backend, tokenizer, tasks, n, params, fmt, max_prompt_length, toolbox, ids)
         for group in groups if on_group is not None else ():

@@ -42,6 +42,7 @@ _REGISTRY: dict[str, tuple[str, str, str]] = {
     "verifiers": ("grpo_core.data.sources.verifiers_tasks", "load", "user"),
 }
 SOURCE_NAMES = tuple(_REGISTRY)   # the built-in names; plugins come on top
+GROUPS = tuple(dict.fromkeys(group for _, _, group in _REGISTRY.values()))   # synthetic, community, user
 
 
 class UnknownSourceError(PluginError, KeyError):

@@ -98,8 +98,12 @@ def load_jsonl(path: str, source: str = "jsonl", kind: str | None = None, **_: A
 
 def load_csv(path: str, source: str = "csv", kind: str | None = None, **_: Any) -> Iterable[Task | Rejection]:
     p = _check(path)
-    with open(p, newline="", encoding="utf-8") as f:
-        rows = list(csv.DictReader(f))
+    try:
+        with open(p, newline="", encoding="utf-8-sig") as f:     # -sig: the BOM spreadsheets write is no column name
+            rows = list(csv.DictReader(f))
+    except UnicodeDecodeError as e:
+        raise ValueError(f"data file {str(p)!r} is not UTF-8 text ({e.object[e.start]:#04x} at byte {e.start}); "
+                         f"save it as UTF-8 (CSV UTF-8 in a spreadsheet)") from None
     return _rows_to_tasks(rows, source, str(p), default_kind=kind)
 
 

@@ -35,6 +35,7 @@ def keys(tasks) -> set[str]:
     ("Evaluate $6 \\div 3$", "What is 6 / 3?"),
     ("What is 3 + 5?\u200b", "What is 3 + 5?"),               # an invisible character
     ("What is 007 + 1?", "What is 1 + 7?"),                   # leading zeros
+    ("What is 1 + .5?", "What is 0.5 + 1?"),                  # a bare decimal point
 ])
 def test_wordings_of_one_arithmetic_question_share_a_key(a, b):
     assert canonical_question(a) == canonical_question(b)
@@ -47,6 +48,8 @@ def test_wordings_of_one_arithmetic_question_share_a_key(a, b):
     ("Tom has 3 + 5 apples. How many?", "Tom has 5 + 3 pears. How many?"),
     ("What is 3 div 4?", "What is 3 / 4?"),                   # 'div' in words may be integer division
     ("Simplify $\\frac{4}{8}$", "Simplify 4/8"),
+    ("What is 1 + .5?", "What is 1 + 5?"),                    # '.5' is not 5
+    ("let a = (x, y).1;", "let a = (x, y)0.1;"),              # a tuple's field stays a field
 ])
 def test_different_questions_keep_different_keys(a, b):
     assert canonical_question(a) != canonical_question(b)

@@ -112,13 +112,14 @@ def _sort_commutative(tokens: list[str]) -> list[str]:
 
 def canonical_question(text: str) -> str:
     """What a question asks, for telling questions apart by content: `text_key` tokens with numbers
-    written one way ('1,000' -> '1000', '2.50' -> '2.5', '×' -> '*', 'plus' -> '+'), the wording of a
+    written one way ('1,000' -> '1000', '2.50' -> '2.5', '.5' -> '0.5', '×' -> '*', 'plus' -> '+'), the wording of a
     templated arithmetic question dropped ('What is 3 + 5?' and 'Compute 3 + 5.' both give '3 + 5'),
     and the operands of a lone commutative operation in order ('5 + 3' is '3 + 5'; '5 - 3' is not
     '3 - 5', nor is '2 + 3 * 4' '3 + 2 * 4', where the '+' is not alone). A question that is one expression
     once written plainly ('What is 5 − 3?', 'Compute $5 \\times 3$.', 'What is 007 + 1?') is that expression."""
     text = unicodedata.normalize("NFKC", text).lower().replace("×", "*").replace("·", "*")
     text = re.sub(r"(?<=\d),(?=\d{3}\b)", "", text)
+    text = re.sub(r"(?<![\w.)\]}])\.(?=\d)", "0.", text)     # '.5' is '0.5' (not 5); a tuple's `t.1` stays
     text = re.sub(r"\b(\d+)\.(\d*[1-9])?0+\b", lambda m: m.group(1) + (f".{m.group(2)}" if m.group(2) else ""), text)
     tokens = _between_numbers(re.findall(r"\d+(?:\.\d+)?|\w+|[^\w\s]", text), _WORD_OPERATORS)
     return " ".join(_sort_commutative(_expression(_as_expression(tokens)) or tokens))

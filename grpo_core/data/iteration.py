@@ -31,7 +31,8 @@ from grpo_core.io import InputError, atomic_write_text, read_json
 FILE_EVAL_FRACTION = 0.1  # held-out share of a user's file
 FILE_LOADERS = {".jsonl": "jsonl", ".csv": "csv", ".parquet": "parquet"}
 HF_DISK_MARKERS = ("dataset_info.json", "dataset_dict.json", "state.json")
-FILE_BUILD_VERSION = "user-file-v1"  # part of the cache key: bump when the file pipeline changes
+FILE_BUILD_VERSION = "user-file-v2"  # part of the cache key: bump when the file pipeline changes (v2: content keys read
+                                     # '.5' as 0.5, '5 − 3', '$5 \times 3$' as 5 - 3, 5 * 3)
 
 
 # -- resolving data.curated ------------------------------------------------------------------------------

@@ -230,3 +230,15 @@ def test_a_csv_that_is_not_utf8_is_one_error_naming_it(tmp_path):
     p.write_bytes(b"question,answer\nWhat is 2 \xd7 3?,6\n")
     with pytest.raises(ValueError, match=r"latin1.csv' is not UTF-8 text \(0xd7 at byte 26\); save it as UTF-8"):
         load_source("csv", path=str(p))
+
+
+def test_a_rejected_row_is_named_by_its_line_in_the_file(tmp_path):
+    """Rejections point at the line to fix: blank JSONL lines and the CSV header (and a quoted field spanning lines)
+    do not shift it, as a count of rows would."""
+    jsonl = tmp_path / "t.jsonl"
+    jsonl.write_text('{"prompt": "What is 1+1?", "answer": "2"}\n\n{"prompt": "no answer"}\n')
+    table = tmp_path / "t.csv"
+    table.write_text('prompt,answer\n"What is\n2+2?",4\n,5\n')
+    for path, line in ((jsonl, 3), (table, 4)):
+        rejected = [r for r in load_source(path.suffix[1:], path=str(path)) if isinstance(r, Rejection)]
+        assert [r.detail.split(": ")[0] for r in rejected] == [f"{path}:{line}"]

@@ -19,7 +19,7 @@ from typing import Any, Iterable, Iterator
 
 from grpo_core.data.records import Rejection
 from grpo_core.task import Task, TaskValidationError
-from grpo_core.io import read_jsonl
+from grpo_core.io import numbered_jsonl
 
 ALIASES = {
     "prompt": ("prompt", "question", "problem", "instruction"),
@@ -46,8 +46,11 @@ def _maybe_json(v: Any) -> Any:
 
 
 def row_to_task(row: dict[str, Any], source: str, origin: str, index: int,
-                default_kind: str | None = None, license: str = "user-provided") -> Task | Rejection:
-    """Map one user row onto the schema, or say why it cannot be used."""
+                default_kind: str | None = None, license: str = "user-provided", place: str | None = None
+                ) -> Task | Rejection:
+    """Map one user row onto the schema, or say why it cannot be used (`place`: where a rejection says the row
+    is, e.g. 'line 12' of a file; default 'row <index>')."""
+    where = place or f"row {index}"
     prompt = _first(row, ALIASES["prompt"])
     tid = str(row.get("id") or f"{source}/{hashlib.sha256(str(prompt).encode()).hexdigest()[:12]}")
     answer = _first(row, ALIASES["answer"])
@@ -55,14 +58,14 @@ def row_to_task(row: dict[str, Any], source: str, origin: str, index: int,
     if tests in ("", None) or tests == {}:
         tests = None
     if not prompt:
-        return Rejection(tid, source, "invalid_schema", f"row {index}: no prompt column "
+        return Rejection(tid, source, "invalid_schema", f"{where}: no prompt column "
                          f"({'/'.join(ALIASES['prompt'])}) among its columns {sorted(row)}")
     if answer is None and tests is None:
         return Rejection(tid, source, "not_verifiable",
-                         f"row {index}: no answer and no tests, so a reward cannot be computed by rule")
+                         f"{where}: no answer and no tests, so a reward cannot be computed by rule")
     kind = row.get("kind") or default_kind or ("math" if tests is None else None)
     if kind is None:
-        return Rejection(tid, source, "invalid_schema", f"row {index}: code row needs a 'kind' column (python|rust)")
+        return Rejection(tid, source, "invalid_schema", f"{where}: code row needs a 'kind' column (python|rust)")
     meta = _maybe_json(row.get("meta")) or {}
     try:
         difficulty = None if row.get("difficulty") in (None, "") else float(row["difficulty"])
@@ -76,12 +79,16 @@ def row_to_task(row: dict[str, Any], source: str, origin: str, index: int,
             raise TaskValidationError(f"task {tid!r}: field 'tests' must be a JSON object with a 'format' key")
         return task.validate()
     except (TaskValidationError, ValueError, TypeError) as e:
-        return Rejection(tid, source, "invalid_schema", f"row {index}: {e}")
+        return Rejection(tid, source, "invalid_schema", f"{where}: {e}")
 
 
-def _rows_to_tasks(rows: Iterable[dict[str, Any]], source: str, origin: str, **kw: Any) -> Iterator[Task | Rejection]:
+def _rows_to_tasks(rows: Iterable[dict[str, Any]], source: str, origin: str, lines: Iterable[int] | None = None,
+                   **kw: Any) -> Iterator[Task | Rejection]:
+    """Each row as a Task or a Rejection; `lines`: each row's line in its file, for the rejections to name."""
+    lines = iter(lines) if lines is not None else None
     for i, row in enumerate(rows):
-        yield row_to_task(dict(row), source, origin, i, **kw)
+        place = f"{origin}:{next(lines)}" if lines is not None else None
+        yield row_to_task(dict(row), source, origin, i, place=place, **kw)
 
 
 def _check(path: str | Path) -> Path:
@@ -93,18 +100,23 @@ def _check(path: str | Path) -> Path:
 
 def load_jsonl(path: str, source: str = "jsonl", kind: str | None = None, **_: Any) -> Iterable[Task | Rejection]:
     p = _check(path)
-    return _rows_to_tasks(read_jsonl(p), source, str(p), default_kind=kind)
+    return (row_to_task(row, source, str(p), i, default_kind=kind, place=f"{p}:{line}")
+            for i, (line, row) in enumerate(numbered_jsonl(p)))
 
 
 def load_csv(path: str, source: str = "csv", kind: str | None = None, **_: Any) -> Iterable[Task | Rejection]:
     p = _check(path)
     try:
         with open(p, newline="", encoding="utf-8-sig") as f:     # -sig: the BOM spreadsheets write is no column name
-            rows = list(csv.DictReader(f))
+            reader = csv.DictReader(f)
+            rows, lines = [], []
+            for row in reader:
+                rows.append(row)
+                lines.append(reader.line_num)            # the line its record ends on (a quoted field may span lines)
     except UnicodeDecodeError as e:
         raise ValueError(f"data file {str(p)!r} is not UTF-8 text ({e.object[e.start]:#04x} at byte {e.start}); "
                          f"save it as UTF-8 (CSV UTF-8 in a spreadsheet)") from None
-    return _rows_to_tasks(rows, source, str(p), default_kind=kind)
+    return _rows_to_tasks(rows, source, str(p), lines, default_kind=kind)
 
 
 def load_parquet(path: str, source: str = "parquet", kind: str | None = None, **_: Any) -> Iterable[Task | Rejection]:

@@ -56,6 +56,19 @@ def test_build_errors_are_reported_not_raised(tmp_path, capsys):
     assert "unknown" in capsys.readouterr().err
 
 
+def test_a_build_that_leaves_no_training_task_fails_and_says_why(tmp_path, capsys):
+    """Every row rejected: the report is written for reading, but the command fails (a scheduled build is not
+    handed an empty dataset as a success)."""
+    rows = tmp_path / "rows.jsonl"
+    write_jsonl(rows, [{"prompt": "no answer here"}, {"prompt": "nor here"}])
+    cfg = tmp_path / "empty.yaml"
+    cfg.write_text(yaml.safe_dump({"out_dir": str(tmp_path / "built"), "sources": [{"name": "jsonl", "path": str(rows)}]}))
+    assert run(["data", "build", "--config", str(cfg), "--no-progress"]) == 1
+    out, err = capsys.readouterr()
+    assert "train 0" in out and "not_verifiable=2" in out
+    assert err.startswith("error: no training task is left") and "rejections.jsonl" in err
+
+
 @pytest.mark.parametrize("content, says", [
     (b"name: x\n  sources: [\n", "bad.yaml' is not valid YAML: line 2, column 10: mapping values are not allowed here"),
     (b"- {name: jsonl}\n", "bad.yaml' must hold a mapping (name:, sources:, ...)"),

@@ -76,6 +76,10 @@ def cmd_build(args) -> int:
     print(format_source_counts(rep["sources"]))
     print("  rejections: " + (", ".join(f"{k}={v}" for k, v in rep["rejections"].items()) or "none"))
     print(f"  report: {result.path / 'report.json'}")
+    if not result.train:
+        print("error: no training task is left (every task was rejected or held out); the rejections above and "
+              f"{result.path / 'rejections.jsonl'} say why; fix the sources or their options", file=sys.stderr)
+        return 1
     return 0
 
 

@@ -30,7 +30,7 @@ def parse_interval(text: str) -> timedelta:
     """'90s', '15m', '1h30m', '2d' -> a timedelta of at least one second."""
     parts = re.fullmatch(r"(?:\d+[smhd])+", text.strip().lower() or "-")
     seconds = sum(int(n) * _UNITS[u] for n, u in re.findall(r"(\d+)([smhd])", text.lower())) if parts else 0
-    if seconds < 1:
+    if not 1 <= seconds <= timedelta.max.total_seconds():
         raise ConfigError(f"--interval {text!r} is not a duration; write it as a number with a unit, e.g. 90s, "
                           "15m, 6h, 1d or 1h30m")
     return timedelta(seconds=seconds)
@@ -49,6 +49,8 @@ def make_schedule(cron: str | None = None, interval: str | None = None, timezone
                           f"or America/New_York") from None
     if cron:
         try:
+            if len(cron.split()) != 5 and not cron.strip().startswith("@"):   # a 6th field is seconds to croniter:
+                raise ValueError(cron)                                     # "0 3 * * * *" fires 60 runs at 03:00
             return Cron(cron, timezone=timezone or "UTC")
         except ValueError:
             raise ConfigError(f"--cron {cron!r} is not a cron expression; write five fields, minute hour "
@@ -89,6 +91,27 @@ def to_deployment(cfg: GRPOConfig, schedule, name: str = "nightly", init_from_pr
         name=name, schedule=schedule, parameters=scheduled_config(cfg, init_from_previous),
         tags=["grpo", "scheduled"], description=f"GRPO training run, {describe(schedule)}",
         concurrency_limit=1)   # a run still going when the next is due: the next waits
+
+
+def check_name_free(cfg: GRPOConfig, schedule, name: str, init_from_previous: bool = False,
+                    work_pool: str | None = None) -> None:
+    """A schedule `name` already on the server with another config, schedule or work pool is not replaced in
+    silence (a process serving it would run the new config from then on): ConfigError naming it and the fix. The
+    same command again is fine."""
+    from prefect.client.orchestration import get_client
+    from prefect.exceptions import ObjectNotFound
+    with get_client(sync_client=True) as client:
+        try:
+            there = client.read_deployment_by_name(f"{FLOW_NAME}/{name}")
+        except ObjectNotFound:
+            return
+    theirs = (there.parameters, [describe(s.schedule) for s in there.schedules], there.work_pool_name or None)
+    ours = (scheduled_config(cfg, init_from_previous), [describe(schedule)], work_pool or None)
+    if theirs != ours:
+        what = [w for w, a, b in zip(("config", "schedule", "work pool"), theirs, ours) if a != b]
+        raise ConfigError(f"a schedule named {name!r} is already on the server with another {' and '.join(what)} "
+                          f"({', '.join(theirs[1]) or '-'}, {theirs[2] or '(served)'}); give this one another --name, "
+                          f"or replace it: grpo schedule delete {name}, then this command again")
 
 
 def serve(cfg: GRPOConfig, schedule, name: str = "nightly", init_from_previous: bool = False) -> None:

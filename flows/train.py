@@ -132,7 +132,8 @@ def _default_run_name() -> str:
 def preflight(cfg: GRPOConfig) -> None:
     """What can be checked before the flow starts, checked now (fail in seconds, before the engine starts or
     anything is written under output_dir), each check owned by its module: an existing run of the same name
-    has the same config; the device exists; the tracking server answers; the model directory is complete and
+    has the same config; the device exists; the tracking server answers (and, for an existing run, holds its
+    MLflow run); the model directory is complete and
     has the LoRA target modules; a local init_adapter fits it; data.curated yields training and held-out tasks;
     the sandbox has its images when code tasks run on backend docker; stages sent to work pools have a Prefect
     server with those pools; the task's stored gate set shares no question with the eval split. Reward plugins are imported when the config is validated. Each failure is a
@@ -144,6 +145,8 @@ def preflight(cfg: GRPOConfig) -> None:
         check_not_running(run_dir_of(cfg))
     models.select_device(cfg.device)
     tracking.check_reachable(cfg)
+    if cfg.run_name:            # a resume reopens the MLflow run that run.json names: it is in this store
+        tracking.check_run_in_store(cfg, run_dir_of(cfg))
     model_dir = models.check_model(cfg.model, cfg.lora_target_modules if cfg.use_peft else [])
     models.check_router_aux(cfg.router_aux_loss_coef, model_dir)
     if cfg.init_adapter and cfg.init_adapter != "previous" and ":/" not in cfg.init_adapter:
@@ -189,6 +192,7 @@ def training_run(config: dict) -> dict:
 def _training_run(cfg: GRPOConfig, config: dict, run_dir: Path) -> dict:
     atomic_write_text(run_dir / "config.yaml", cfg.to_yaml())
     mark_running(run_dir, flow_run.get_id())
+    run_steps.remember_started_config(config, run_dir)
     if (schedule := deployment.get_name()):            # started by a schedule (grpo schedule): `grpo runs` shows it
         update_run_state(run_dir, schedule=schedule)
     try:

@@ -44,7 +44,9 @@ def _home_copy(name: str, digest: str) -> Path:
 
 
 def _model_tags(cfg: GRPOConfig) -> dict[str, str] | None:
-    """The registered model's tags, or None when it does not exist yet."""
+    """The registered model's tags, or None when it does not exist yet (nor its store: reading would create it)."""
+    if not tracking.store_exists(cfg):
+        return None
     name = registered_model_name(cfg)
     model = registry.read_or_none(lambda: tracking.client(cfg).get_registered_model(name),
                                   f"the registered model {name}")

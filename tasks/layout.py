@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -71,13 +72,20 @@ def input_key(**inputs: Any) -> str:
 
 
 def completed_record(run_dir: str | Path, k: int, stage: str, key: str) -> dict | None:
-    """The stage's record if it already completed with the same inputs (resume), else None."""
+    """The stage's record if it already completed with the same inputs (resume), else None. A record that is not
+    a JSON object (cut short or edited by hand; records are written atomically) marks nothing done: the stage runs
+    again and writes it afresh."""
     p = record_path(run_dir, k, stage)
-    if p.exists():
+    if not p.exists():
+        return None
+    try:
         rec = read_json(p)
-        if rec.get("key") == key:
-            return rec
-    return None
+    except (ValueError, UnicodeDecodeError) as e:
+        rec = e
+    if not isinstance(rec, dict):
+        warnings.warn(f"{p}: unreadable stage record ({rec}); {stage} of iteration {k} runs again", stacklevel=2)
+        return None
+    return rec if rec.get("key") == key else None
 
 
 def finish_stage(run_dir: str | Path, k: int, stage: str, key: str, record: dict) -> dict:

@@ -3,14 +3,13 @@ and `run-<run name>`, and loading an adapter back (by alias, version, run artifa
 Run metrics, params and artifacts are tasks/tracking.py's."""
 from __future__ import annotations
 
-import os
 import re
 from pathlib import Path
 from typing import Any, Callable
 
 from grpo_core.config import GRPOConfig
 from grpo_core.evaluation.task_identity import registered_model_name
-from tasks.tracking import client, log_artifacts, set_tags
+from tasks.tracking import client, default_tracking_uri, log_artifacts, require_store, set_tags
 
 # Versions are addressed by alias, never by "latest": `champion` is the best adapter registered so far
 # (by tracking.best_metric), `run-<run name>` the one each run registered at its end.
@@ -143,6 +142,7 @@ def download_adapter(uri: str, dst: str | Path, tracking: str | None = None) -> 
         return p
     import mlflow.artifacts
     dst = Path(dst)
+    made = not dst.exists()
     dst.mkdir(parents=True, exist_ok=True)
     if tracking:
         import mlflow
@@ -154,6 +154,8 @@ def download_adapter(uri: str, dst: str | Path, tracking: str | None = None) -> 
     except MlflowException as e:
         if not not_found(e):
             raise
+        if made and not any(dst.iterdir()):         # nothing fetched: leave no empty directory behind
+            dst.rmdir()
         from grpo_core.model.loading import ModelError
         raise ModelError(f"{uri}: no such adapter in MLflow at {tracking or 'the default tracking URI'} ({e.message}). "
                          f"Fix: name an existing registered version (models:/NAME/VERSION or models:/NAME@ALIAS) or "
@@ -240,7 +242,9 @@ def load_adapter(model_uri: str, tracking: str | None = None, base_model: str | 
     from mlflow.tracking import MlflowClient
     from peft import PeftModel
     from grpo_core.model.loading import load_base_model, load_tokenizer, resolve_model, select_device, select_dtype
-    tracking = tracking or os.environ.get("MLFLOW_TRACKING_URI")
+    tracking = tracking or default_tracking_uri()
+    if ":/" in model_uri:                                   # an MLflow URI, not a local directory
+        require_store(tracking, f"no adapter {model_uri}")
     c = MlflowClient(tracking_uri=tracking, registry_uri=tracking)
     if base_model is None and model_uri.startswith("models:/"):
         mv = model_version(c, model_uri)

@@ -15,11 +15,30 @@ from grpo_core.model.loading import check_adapter, resolve_model
 from tasks import gate, registry, tracking
 from tasks.data_logging import curation_metrics, dataset_hash  # noqa: F401 - dataset_hash: the flow's tag
 from tasks.layout import semantic_config
-from tasks.run_state import mlflow_run_id, update_run_state
+from tasks.run_state import mlflow_run_id, read_run_state, update_run_state
+
+
+def semantic_fields(config: dict) -> dict:
+    """The fields of a config (a GRPOConfig as a dict) that decide what a run computes, flattened."""
+    return flatten(semantic_config(config))
+
+
+def remember_started_config(config: dict, run_dir: Path) -> None:
+    """Keep in run.json the fields that decide what the run computes, as it first started: its config.yaml, which
+    `grpo resume` reads, may be edited afterwards (check_same_config)."""
+    if "started_config" not in read_run_state(run_dir):
+        update_run_state(run_dir, started_config=semantic_fields(config))
+
+
+def _differences(a: dict, b: dict, keys) -> str:
+    diff = sorted(k for k in keys if a.get(k) != b.get(k))
+    return (", ".join(f"{k}: {a.get(k)!r} -> {b.get(k)!r}" for k in diff[:6]) + (" ..." if len(diff) > 6 else "")
+            if diff else "")
 
 
 def check_same_config(cfg: GRPOConfig, run_dir: Path) -> None:
-    """Resuming with a config that changes what is computed would mix two runs in one: refuse.
+    """Resuming with a config that changes what is computed would mix two runs in one: refuse, whether the
+    change comes with the command or was made in the run's config.yaml since the run started.
     Operational fields (retries, tracking, paths) may change."""
     prev_path = run_dir / "config.yaml"
     if not prev_path.exists():
@@ -29,13 +48,17 @@ def check_same_config(cfg: GRPOConfig, run_dir: Path) -> None:
         prev = GRPOConfig.model_validate(load_yaml(prev_path.read_text()) or {}).model_dump(mode="json")
     except ValueError:
         return        # an older, now-invalid config: the stage keys decide what re-runs
-    a, b = flatten(semantic_config(prev)), flatten(semantic_config(cfg.model_dump(mode="json")))
-    diff = sorted(k for k in a.keys() | b.keys() if a.get(k) != b.get(k))
-    if diff:
+    a, ours = semantic_fields(prev), semantic_fields(cfg.model_dump(mode="json"))
+    if (changed := _differences(a, ours, a.keys() | ours.keys())):
         raise ConfigError(
-            f"run {run_dir.name!r} already exists with a different config ({', '.join(f'{k}: {a.get(k)!r} -> {b.get(k)!r}' for k in diff[:6])}"
-            f"{' ...' if len(diff) > 6 else ''}); resume it unchanged with `grpo resume {run_dir.name}` "
-            f"or start a new run with another --run-name")
+            f"run {run_dir.name!r} already exists with a different config ({changed}); resume it unchanged with "
+            f"`grpo resume {run_dir.name}` or start a new run with another --run-name")
+    started = read_run_state(run_dir).get("started_config") or {}
+    if (edited := _differences(started, a, started.keys() & a.keys())):     # the fields both code versions have
+        raise ConfigError(
+            f"{prev_path} was edited since run {run_dir.name!r} started ({edited}): resuming would compute "
+            f"something else under the same run. Fix: put those fields back (the MLflow run keeps the config it "
+            f"started with as its artifact config.yaml), or start a new run with another --run-name")
 
 
 def init_checkpoint(cfg: GRPOConfig, run_dir: Path, run_id: str) -> str | None:

@@ -12,7 +12,7 @@ from typing import Any
 
 from grpo_core import stages
 from grpo_core.errors import ConfigError
-from grpo_core.io import pid_alive, read_json, write_json
+from grpo_core.io import InputError, pid_alive, read_json, write_json
 
 LOCK_FILE = ".run.lock"
 _claimed: dict[str, Any] = {}          # run dir -> the open lock file of the run this process is running
@@ -33,9 +33,19 @@ def _run_fact(run_dir: str | Path, name: str):
 
 
 def read_run_state(run_dir: str | Path) -> dict:
-    """run.json as a dict ({} before the run starts)."""
+    """run.json as a dict ({} before the run starts); InputError, naming the file and the fix, where it is not a
+    JSON object (cut short or edited by hand: it is written atomically)."""
     p = run_state_path(run_dir)
-    return read_json(p) if p.exists() else {}
+    if not p.exists():
+        return {}
+    try:
+        state = read_json(p)
+    except (ValueError, UnicodeDecodeError) as e:
+        state = e
+    if not isinstance(state, dict):
+        raise InputError(f"{p}: not a JSON object ({state}). Fix: restore it from a backup, or move it aside to "
+                         f"resume under a new MLflow run (the stage records under iter-<k>/ are kept)")
+    return state
 
 
 def run_state_path(run_dir: str | Path) -> Path:
@@ -167,18 +177,30 @@ def iterations_done(run_dir: str | Path) -> int:
     return max(done, default=0)
 
 
+def planned_iterations(run_dir: str | Path):
+    """pipeline_iterations of the run's config.yaml; None where it has none or cannot be read (a listing goes on:
+    a resume names the problem)."""
+    import yaml
+    from grpo_core.io import load_yaml
+    try:
+        config = load_yaml((Path(run_dir) / "config.yaml").read_text())
+    except (OSError, ValueError, yaml.YAMLError):
+        return None
+    return config.get("pipeline_iterations") if isinstance(config, dict) else None
+
+
 def run_status(run_dir: str | Path) -> dict:
     """What `grpo runs` shows for one run directory."""
     run_dir = Path(run_dir)
-    state = read_run_state(run_dir)
+    try:
+        state = read_run_state(run_dir)
+    except InputError as e:                 # one unreadable run.json does not hide the other runs
+        state = {"status": "unreadable", "error": str(e)}
     status = state.get("status", "created")
     if status == "running" and _alive(state.get("pid"), state.get("host")) is False:
         status = "killed"        # the process died without saying so (SIGKILL, OOM, power)
     last = last_completed_stage(run_dir)
-    total = None
-    if (run_dir / "config.yaml").exists():
-        from grpo_core.io import load_yaml
-        total = (load_yaml((run_dir / "config.yaml").read_text()) or {}).get("pipeline_iterations")
+    total = planned_iterations(run_dir)
     return {"run": run_dir.name, "status": status,
             "last_completed": f"iter-{last[0]}/{last[1]}" if last else "-",
             "iterations": f"{iterations_done(run_dir)}/{total if total is not None else '?'}",

@@ -23,29 +23,70 @@ from tasks.run_state import mlflow_run_id
 
 
 def tracking_uri(cfg: GRPOConfig) -> str:
-    if cfg.tracking.tracking_uri:
-        return cfg.tracking.tracking_uri
-    if os.environ.get("MLFLOW_TRACKING_URI"):
-        return os.environ["MLFLOW_TRACKING_URI"]
-    return f"sqlite:///{Path(cfg.output_dir).resolve() / 'mlflow.db'}"
+    return cfg.tracking.tracking_uri or default_tracking_uri(cfg.output_dir)
+
+
+def default_tracking_uri(output_dir: str | Path = "runs") -> str:
+    """Where runs under `output_dir` log when their config names no store: $MLFLOW_TRACKING_URI, else SQLite
+    `<output_dir>/mlflow.db`."""
+    return os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{Path(output_dir).resolve() / 'mlflow.db'}"
 
 
 def store_exists(cfg: GRPOConfig) -> bool:
-    """Whether the tracking store is there to read: a SQLite file that does not exist yet is not (reading it
-    would create it); a server is."""
-    uri = tracking_uri(cfg)
+    """Whether the run's tracking store is there to read (store_exists_at)."""
+    return store_exists_at(tracking_uri(cfg))
+
+
+def store_exists_at(uri: str) -> bool:
+    """Whether the tracking store at `uri` is there to read: a SQLite file that does not exist yet is not (reading
+    it would create it); a server is."""
     return not uri.startswith("sqlite:///") or Path(uri[len("sqlite:///"):]).is_file()
+
+
+def require_store(uri: str, looking_for: str) -> None:
+    """For a command that only reads: refuse, naming `looking_for` and the fix, where the store at `uri` does not
+    exist (MLflow would create an empty one only to answer "not found"). Raises ConfigError."""
+    if not store_exists_at(uri):
+        raise ConfigError(f"{looking_for}: there is no MLflow tracking store at {uri} (nothing has logged there yet). "
+                          f"Fix: `grpo runs --output-dir DIR` lists the runs of a directory; pass the store that "
+                          f"holds it with --tracking-uri (or MLFLOW_TRACKING_URI)")
+
+
+def check_run_in_store(cfg: GRPOConfig, run_dir: Path) -> None:
+    """Before a resume or an export of a run that logged to MLflow: its MLflow run (run.json) is in the store this
+    config points at (another store is an allowed change of tracking.*, a store may move). ConfigError naming the
+    run, the store and the fix; a SQLite store that is not there is not created."""
+    run_id = mlflow_run_id(run_dir)
+    if not run_id:
+        return
+    uri = tracking_uri(cfg)
+    if store_exists_at(uri):
+        from mlflow.exceptions import MlflowException
+        try:
+            client(cfg).get_run(run_id)
+            return
+        except MlflowException as e:
+            if e.error_code != "RESOURCE_DOES_NOT_EXIST":
+                raise
+    raise ConfigError(f"run {Path(run_dir).name!r} logged to MLflow run {run_id}, which is not in {uri} (the store "
+                      f"moved, or tracking.tracking_uri / MLFLOW_TRACKING_URI now name another). Fix: point them at "
+                      f"the store the run logged to")
 
 
 def check_reachable(cfg: GRPOConfig, timeout: float = 3.0) -> None:
     """Before a run: an http(s) tracking server accepts a connection within `timeout` seconds, so that a
-    server that is down fails now, not after MLflow's minutes of retries. Raises ConfigError."""
+    server that is down fails now, not after MLflow's minutes of retries (ConfigError); a SQLite store's folder
+    can be written (InputError: a file in the way, a read-only filesystem), before the run starts."""
     import socket
     from urllib.parse import urlsplit
+    from grpo_core.io import check_writable
     uri = tracking_uri(cfg)
+    field = "tracking.tracking_uri" if cfg.tracking.tracking_uri else \
+        "MLFLOW_TRACKING_URI" if os.environ.get("MLFLOW_TRACKING_URI") else "output_dir"
+    if uri.startswith("sqlite:///"):
+        check_writable(Path(uri[len("sqlite:///"):]).parent, f"{field} ({uri})")
     if not uri.startswith(("http://", "https://")):
         return
-    field = "tracking.tracking_uri" if cfg.tracking.tracking_uri else "MLFLOW_TRACKING_URI"
     try:
         u = urlsplit(uri)
         with socket.create_connection((u.hostname, u.port or (443 if u.scheme == "https" else 80)), timeout=timeout):

@@ -241,6 +241,12 @@ CASES = [
                                                                      "--set", "learning_rate=0.5"])[1],
          ["run 't' already exists with a different config (learning_rate: 0.01 -> 0.5)",
           "resume it unchanged with `grpo resume t`"]),
+    Case("resume_in_another_tracking_store",     # tracking.* may change on a resume, but the MLflow run must be there
+         lambda w: (w.existing_run(), w.write("runs/t/run.json", json.dumps({"mlflow_run_id": "0123abcd"})),
+                    ["resume", "t", "--output-dir", str(w.out),
+                     "--set", f"tracking.tracking_uri=sqlite:///{w.out / 'other.db'}"])[2],
+         ["run 't' logged to MLflow run 0123abcd, which is not in sqlite:///", "Fix: point them at the store the run "
+          "logged to"]),
     Case("output_dir_not_writable", lambda w: w.train("--output-dir", str(w.write("plain.txt", "x"))),
          ["output_dir: cannot write", "plain.txt is not a directory", "Fix: give output_dir a directory you can write"]),
     Case("rerun_with_changed_config", lambda w: (w.existing_run(), w.train("--set", "learning_rate=0.5"))[1],
@@ -249,6 +255,9 @@ CASES = [
     # -- services --------------------------------------------------------------------------------------------
     Case("tracking_uri_unreachable", lambda w: w.train("--set", "tracking.tracking_uri=http://127.0.0.1:9"),
          ["tracking.tracking_uri: the MLflow server http://127.0.0.1:9 does not answer", "Fix: start it"]),
+    Case("tracking_uri_unwritable", lambda w: w.train("--set", f"tracking.tracking_uri=sqlite:///"
+                                                      f"{w.write('plain.txt', 'x')}/mlflow.db"),
+         ["tracking.tracking_uri (sqlite:///", "plain.txt is not a directory", "Fix:"]),
     Case("sandbox_image_missing", lambda w: w.train("--data", _code_dataset(w), "--set", "sandbox.backend=docker",
                                                     "--set", "sandbox.images.python=grpo-sandbox-python:no-such-tag"),
          ["sandbox.", "Fix:", "sandbox.backend: local"]),

@@ -71,8 +71,13 @@ def test_eval_command_explains_bad_arguments(tmp_path, grpo_home, mlflow_uri):
     with pytest.raises(ConfigError, match="neither 'arithmetic' nor an existing JSONL"):
         args = p.parse_args(["eval", "--model", "tiny-random", "--dataset", str(tmp_path / "missing.jsonl")])
         args.func(args)
-    with pytest.raises(ModelError, match="check the run id"):
+    with pytest.raises(ConfigError, match="no MLflow run '0123456789abcdef0123456789abcdef': there is no MLflow "
+                                          "tracking store at"):      # and none is created to say so
         args = p.parse_args(["eval", "--run", "0123456789abcdef0123456789abcdef"])
+        args.func(args)
+    from mlflow.tracking import MlflowClient
+    MlflowClient(tracking_uri=mlflow_uri).search_experiments()          # the store, without that run
+    with pytest.raises(ModelError, match="check the run id"):
         args.func(args)
     with pytest.raises(SystemExit):
         p.parse_args(["eval", "--adapter", "x", "--run", "y"])

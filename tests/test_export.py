@@ -122,6 +122,31 @@ def test_export_of_a_directory_without_adapter_fails_and_leaves_nothing(tmp_path
     assert not (tmp_path / "x").exists() and sorted(p.name for p in tmp_path.iterdir()) == ["empty"]
 
 
+def test_export_of_a_run_whose_mlflow_run_is_not_in_the_store_writes_nothing(tmp_path, grpo_home, monkeypatch,
+                                                                              capsys):
+    """A run that logged to MLflow, exported where its store is not (moved, or another MLFLOW_TRACKING_URI): the
+    export was written, then registering it died on a traceback ("Run with id=... not found") after creating an
+    empty store. Now one line before anything is written, naming the run, its MLflow run, the store and the fix."""
+    from flows.cli.main import main
+    from grpo_core.io import write_json
+    from tasks.layout import finish_stage
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path / 'elsewhere' / 'mlflow.db'}")
+    run_dir = tmp_path / "runs" / "r"
+    checkpoint = run_dir / "iter-1" / "update" / "checkpoint"
+    checkpoint.mkdir(parents=True)
+    (checkpoint / "adapter_config.json").write_text("{}")
+    (run_dir / "config.yaml").write_text(GRPOConfig(model="tiny-random", run_name="r").to_yaml())
+    finish_stage(run_dir, 1, "update", "k", {"checkpoint": str(checkpoint)})
+    write_json(run_dir / "run.json", {"mlflow_run_id": "0123abcd", "status": "finished"})
+    (tmp_path / "elsewhere").mkdir()
+    assert main(["export", str(run_dir), "--out", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"error: run 'r' logged to MLflow run 0123abcd, which is not in sqlite:///{tmp_path / 'elsewhere'}"
+                   f"/mlflow.db (the store moved, or tracking.tracking_uri / MLFLOW_TRACKING_URI now name another). "
+                   f"Fix: point them at the store the run logged to"], err
+    assert not (tmp_path / "out").exists() and list((tmp_path / "elsewhere").iterdir()) == []
+
+
 # -- `grpo export` on a real run ----------------------------------------------------------------------
 
 @pytest.fixture(scope="module")

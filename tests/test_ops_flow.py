@@ -61,7 +61,9 @@ def test_transient_failure_is_retried_and_run_completes(prefect_engine, grpo_hom
     assert json.loads(rules.read_text())[0]["times"] == 0           # the first attempt did fail ...
     run_dir = Path(summary["run_dir"])
     assert (run_dir / "iter-1" / "rollout.json").exists()            # ... and the retry completed the run
-    assert json.loads((run_dir / "run.json").read_text())["status"] == "finished"
+    state = json.loads((run_dir / "run.json").read_text())
+    assert state["status"] == "finished"
+    assert state["started_config"]["learning_rate"] == cfg["learning_rate"]   # what an edited config.yaml is held to
     _, run = _mlflow_run(mlflow_uri, summary["mlflow_run_id"])
     assert run.info.status == "FINISHED"
     assert {"git_commit", "config_hash", "dataset_hash", "prefect_flow_run_id"} <= set(run.data.tags)

@@ -126,6 +126,52 @@ def test_stage_decorator_skips_completed_work_and_fault_points_fire_where_named(
     assert not layout.record_path(run, 3, "toy").exists()                      # ... but left no record
 
 
+def test_an_unreadable_stage_record_is_run_again_not_a_crash(tmp_path):
+    """A record cut short or edited by hand (not JSON, or not an object) marks nothing done: the stage runs again
+    and writes it afresh, where the resume died on a JSONDecodeError naming no file, every time."""
+    from tasks.stage import stage
+    calls = []
+
+    @stage("toy", key=lambda config, **_: {"config": config})
+    def toy(config: dict, run_dir: str, iteration: int) -> dict:
+        calls.append(iteration)
+        return {"out": 1}
+
+    config, run = GRPOConfig(model="tiny-random").model_dump(mode="json"), str(tmp_path / "r")
+    rec = toy.fn(config, run, 1)
+    path = layout.record_path(run, 1, "toy")
+    for broken in (path.read_text()[:20], "[1, 2]"):
+        path.write_text(broken)
+        with pytest.warns(UserWarning, match=f"{path}: unreadable stage record"):
+            assert toy.fn(config, run, 1) == rec
+        assert json.loads(path.read_text()) == rec
+    assert calls == [1, 1, 1]
+
+
+def test_an_unreadable_run_json_is_named_and_hides_no_other_run(tmp_path):
+    """`grpo runs` lists every run when one run.json is cut short (it crashed on it); reading that run's state
+    (a resume) is one InputError naming the file and the fix."""
+    from flows.cli.ops import list_runs
+    from grpo_core.io import InputError
+    for name in ("good", "cut"):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "config.yaml").write_text("pipeline_iterations: 1\n")
+        run_state.update_run_state(tmp_path / name, status="finished", mlflow_run_id="abc")
+    (tmp_path / "cut" / "run.json").write_text('{"status": "fini')
+    for name, text in (("yaml-cut", "pipeline_iterations: [2\n"), ("yaml-list", "- a\n")):   # config.yaml too
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "config.yaml").write_text(text)
+    rows = {r["run"]: r for r in list_runs(tmp_path)}
+    assert rows["yaml-cut"]["iterations"] == rows["yaml-list"]["iterations"] == "0/?"
+    assert rows["good"]["status"] == "finished"
+    assert rows["cut"]["status"] == "unreadable" and str(tmp_path / "cut" / "run.json") in rows["cut"]["error"]
+    with pytest.raises(InputError, match="run.json: not a JSON object .*Fix:"):
+        run_state.read_run_state(tmp_path / "cut")
+    from flows.cli.ops import compare_runs
+    with pytest.raises(InputError, match="cut/run.json: not a JSON object"):      # was a JSONDecodeError
+        compare_runs([str(tmp_path / "cut")])
+
+
 def test_run_status_and_last_stage(tmp_path):
     run = tmp_path / "r"
     (run / "iter-0").mkdir(parents=True)
@@ -154,6 +200,28 @@ def test_same_config_check(tmp_path):
     with pytest.raises(ConfigError, match="learning_rate"):
         check_same_config(GRPOConfig(model="tiny-random", run_name="r", output_dir=str(tmp_path),
                                       learning_rate=1.0), run)
+
+
+def test_a_run_config_edited_after_the_start_is_refused_on_resume(tmp_path, capsys):
+    """`grpo resume` reads the run's own config.yaml: edited by hand (learning_rate) after the run started, the
+    resume re-ran every stage with the new value under the same run name and MLflow run (whose params still said
+    the old one). It is refused now, naming the field and the fix; an operational edit still resumes."""
+    from flows.cli.main import main
+    from tasks.run import check_same_config, remember_started_config
+    cfg = GRPOConfig(model="tiny-random", run_name="r", output_dir=str(tmp_path))
+    run = tmp_path / "r"
+    run.mkdir()
+    (run / "config.yaml").write_text(cfg.to_yaml())
+    remember_started_config(cfg.model_dump(mode="json"), run)
+    ops_edit = GRPOConfig(model="tiny-random", run_name="r", output_dir=str(tmp_path),
+                          stages={"rollout": {"retries": 4}})
+    (run / "config.yaml").write_text(ops_edit.to_yaml())
+    check_same_config(ops_edit, run)                                    # operational: fine
+    (run / "config.yaml").write_text(cfg.to_yaml().replace("learning_rate: 0.0002", "learning_rate: 0.5"))
+    assert main(["resume", "r", "--output-dir", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert f"error: {run / 'config.yaml'} was edited since run 'r' started (learning_rate: 0.0002 -> 0.5)" in err
+    assert "Fix:" in err
 
 
 def test_invalid_config_fails_fast_with_nothing_written(tmp_path):
@@ -214,7 +282,7 @@ def test_interval_durations(text, seconds):
     assert parse_interval(text).total_seconds() == seconds
 
 
-@pytest.mark.parametrize("text", ["", "90", "1.5h", "h", "0s", "1w", "every hour"])
+@pytest.mark.parametrize("text", ["", "90", "1.5h", "h", "0s", "1w", "every hour", "99999999999d"])
 def test_a_bad_interval_names_the_option_and_the_form(text):
     from flows.schedule import parse_interval
     with pytest.raises(ConfigError, match=r"--interval .* e\.g\. 90s"):
@@ -224,6 +292,7 @@ def test_a_bad_interval_names_the_option_and_the_form(text):
 @pytest.mark.parametrize("kwargs, says", [
     ({"cron": "0 3 * *"}, r"--cron '0 3 \* \*' is not a cron expression; write five fields"),
     ({"cron": "61 * * * *"}, r"--cron '61 \* \* \* \*' is not a cron expression"),
+    ({"cron": "0 3 * * * *"}, r"--cron '0 3 \* \* \* \*' is not a cron expression; write five fields"),  # 6th: seconds
     ({"interval": "6h", "timezone": "Mars/Olympus"}, r"--timezone 'Mars/Olympus' is not a time zone; use an IANA"),
 ])
 def test_a_bad_cron_or_timezone_names_the_option_and_the_form(kwargs, says):
@@ -271,6 +340,93 @@ def test_compare_prints_the_differences_of_two_runs_as_table_csv_and_json(tmp_pa
     assert rows[0] == ["section", "name", "lr-low", "lr-high"]
     assert ["config", "learning_rate", "1e-05", "0.0002"] in rows
     assert ["metric", "eval/greedy/pass_at_1", "0.25", "0.5"] in rows
+
+
+def test_read_only_commands_create_no_tracking_store(tmp_path, monkeypatch, capsys):
+    """compare, eval --run, adapter fetch and gate show where nothing has logged yet: each created the SQLite store
+    (runs/mlflow.db, or MLflow's own ./mlflow.db) to answer "not found"; now the error names what is missing and how
+    to list the runs, and nothing is written (gate show: no gate set)."""
+    from flows.cli.main import main
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    for argv, missing in ((["compare", "nosuch", "other"], "no run directory or MLflow run 'nosuch'"),
+                          (["eval", "--run", "abc123"], "no MLflow run 'abc123'"),
+                          (["adapter", "fetch", "models:/foo@champion", "--dest", "d"],
+                           "no adapter models:/foo@champion")):
+        assert main(argv) == 2, argv
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and err[0].startswith(f"error: {missing}: there is no MLflow tracking store at "
+                                                   f"sqlite:///{tmp_path / 'runs' / 'mlflow.db'}"), err
+        assert "grpo runs --output-dir DIR" in err[0] and "--tracking-uri" in err[0]
+    assert main(["gate", "show", "--config", str(REPO / "configs" / "tiny.yaml")]) == 0
+    assert "no gate set yet" in capsys.readouterr().out
+    assert sorted(p.name for p in tmp_path.rglob("*")) == [], "a read-only command wrote here"
+
+
+def test_compare_names_a_missing_run_in_an_existing_store(tmp_path, capsys):
+    """A store that exists but holds no such run: the run is named, with how to list runs."""
+    from flows.cli.main import main
+    from mlflow.tracking import MlflowClient
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    MlflowClient(tracking_uri=uri).search_experiments()          # creates the store
+    assert main(["compare", "nosuch", "--tracking-uri", uri]) == 2
+    err = capsys.readouterr().err
+    assert "error: no run directory or MLflow run 'nosuch' (no run with that id or name in" in err
+    assert "grpo runs --output-dir DIR" in err
+
+
+def test_adapter_fetch_defaults_to_the_store_grpo_train_logs_to(tmp_path, monkeypatch, capsys):
+    """`grpo adapter fetch` with neither --tracking-uri nor MLFLOW_TRACKING_URI reads runs/mlflow.db, where a
+    `grpo train` with defaults logs (it read MLflow's own default, ./mlflow.db, and never found the adapter); a
+    fetch that finds nothing leaves no --dest directory."""
+    from flows.cli.main import main
+    monkeypatch.setattr("mlflow.tracking._tracking_service.utils._tracking_uri", None)
+    monkeypatch.setattr("mlflow.tracking._model_registry.utils._registry_uri", None)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    (tmp_path / "runs").mkdir()
+    from mlflow.tracking import MlflowClient
+    MlflowClient(tracking_uri=f"sqlite:///{tmp_path / 'runs' / 'mlflow.db'}").search_experiments()
+    assert main(["adapter", "fetch", "models:/nope@champion", "--dest", "d"]) == 2
+    err = capsys.readouterr().err
+    assert f"no such adapter in MLflow at sqlite:///{tmp_path / 'runs' / 'mlflow.db'}" in err
+    assert not (tmp_path / "d").exists() and not (tmp_path / "mlflow.db").exists()
+
+
+def test_load_adapter_reads_the_store_grpo_train_logs_to(tmp_path, monkeypatch):
+    """The call `grpo train` prints (`Load it with: load_adapter(...)`), made without tracking= and without
+    MLFLOW_TRACKING_URI, reads runs/mlflow.db as the run logged (it read MLflow's default ./mlflow.db, creating it
+    to say "not found"); where that store is missing it says so and writes nothing."""
+    from tasks.registry import load_adapter
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    with pytest.raises(ConfigError, match=f"no adapter models:/m@champion: there is no MLflow tracking store at "
+                                          f"sqlite:///{tmp_path / 'runs' / 'mlflow.db'}"):
+        load_adapter("models:/m@champion")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_schedule_name_taken_by_another_config_is_not_replaced_in_silence(prefect_engine, tmp_path, capsys):
+    """`grpo schedule --name NAME` where NAME is already on the server with another config or schedule replaced it
+    without a word (a process serving NAME then ran the new config); now refused naming it and the fix. The same
+    command again still goes through."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.actions import WorkPoolCreate
+    from flows.cli.main import main
+    with get_client(sync_client=True) as client:
+        client.create_work_pool(WorkPoolCreate(name="clash-pool", type="process"))
+    start = ["schedule", "--config", str(REPO / "configs" / "tiny.yaml"), "--set", f"output_dir={tmp_path}",
+             "--work-pool", "clash-pool", "--name", "clash"]
+    assert main([*start, "--interval", "6h"]) == 0
+    assert main([*start, "--interval", "6h"]) == 0                               # the same: fine
+    capsys.readouterr()
+    for other, what in ((["--interval", "6h", "--set", "learning_rate=0.5"], "config"),
+                        (["--interval", "1h"], "schedule")):
+        assert main([*start, *other]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert err == [f"error: a schedule named 'clash' is already on the server with another {what} (every 6:00:00, "
+                       f"clash-pool); give this one another --name, or replace it: grpo schedule delete clash, then "
+                       f"this command again"], err
 
 
 def test_schedule_refuses_without_server(monkeypatch):
@@ -323,5 +479,7 @@ def test_registered_adapter_line_names_aliases_and_the_call_that_loads_it():
            "aliases": ["run-exp1", "champion"]}
     assert format_registered(reg) == ('models:/grpo-adapter/3 (aliases: run-exp1, champion)\n'
                                       'Load it with:    load_adapter("models:/grpo-adapter@champion")')
+    assert format_registered(reg, "sqlite:////w/runs/mlflow.db").endswith(   # the run's store: the call's default
+        'load_adapter("models:/grpo-adapter@champion", tracking="sqlite:////w/runs/mlflow.db")')   # may be another
     assert format_registered({**reg, "aliases": []}) == "models:/grpo-adapter/3"
     assert format_registered(None) is None

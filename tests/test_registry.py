@@ -32,6 +32,8 @@ def test_fetching_an_adapter_that_does_not_exist_is_one_line(tmp_path, capsys, m
     monkeypatch.setattr("mlflow.tracking._tracking_service.utils._tracking_uri", None)
     monkeypatch.setattr("mlflow.tracking._model_registry.utils._registry_uri", None)
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    from mlflow.tracking import MlflowClient
+    MlflowClient(tracking_uri=uri).search_experiments()     # a store that exists (without one: the store is named)
     for missing in ("models:/nope/1", "models:/nope@champion"):
         assert main(["adapter", "fetch", missing, "--dest", str(tmp_path / "d"), "--tracking-uri", uri]) == 2
         err = [line for line in capsys.readouterr().err.splitlines() if "mlflow.store.db" not in line]  # DB setup log

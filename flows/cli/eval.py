@@ -83,6 +83,7 @@ def _from_run(args, tmp: Path) -> tuple[Path, Path | None, str | None]:
     from grpo_core.model.loading import ModelError
     from tasks import tracking
     cfg = _base_config(args)
+    tracking.require_store(tracking.tracking_uri(cfg), f"no MLflow run {args.run!r}")
     try:
         config_path = tracking.download_artifacts(cfg, args.run, "config.yaml", tmp)
     except Exception as e:  # noqa: BLE001 - MLflow raises several types for a missing run/artifact

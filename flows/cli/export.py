@@ -63,7 +63,7 @@ def export_run(run: str, out: str | Path, iteration: int | None = None, best: bo
     from grpo_core.model.loading import resolve_model
     from grpo_core.rollout.sampling import sampling_options
     from grpo_core.rollout.tools import resolve_tools
-    from tasks import registry
+    from tasks import registry, tracking
     from tasks.evaluate import eval_history
     from tasks.run_state import mlflow_run_id
     # 1) the run, its config and evaluations, and the iteration to export
@@ -72,6 +72,7 @@ def export_run(run: str, out: str | Path, iteration: int | None = None, best: bo
     evals = eval_history(run_dir)
     k = pick_iteration(cfg, run_dir, evals, iteration, best)
     run_id = mlflow_run_id(run_dir)
+    tracking.check_run_in_store(cfg, run_dir)      # before anything is written: the export is logged there
 
     # 2) the model directory, with the card and sampling settings of training
     card = ModelCard(base_model=cfg.model, run_name=run_dir.name, mlflow_run_id=run_id, iteration=k,

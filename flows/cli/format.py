@@ -133,12 +133,14 @@ def format_source_counts(sources: dict) -> str:
     return "\n".join(lines)
 
 
-def format_registered(reg: dict | None) -> str | None:
-    """The registered adapter as the line a user copies: version URI, its aliases, the alias URI to load."""
+def format_registered(reg: dict | None, tracking_uri: str | None = None) -> str | None:
+    """The registered adapter as the line a user copies: version URI, its aliases, the call that loads it (from
+    the run's store `tracking_uri`: the call's default may be another)."""
     if not reg:
         return None
     aliases = reg.get("aliases") or []
     line = reg["uri"] + (f" (aliases: {', '.join(aliases)})" if aliases else "")
     if aliases:
-        line += f"\nLoad it with:    load_adapter(\"models:/{reg['name']}@{aliases[-1]}\")"
+        store = f', tracking="{tracking_uri}"' if tracking_uri else ""
+        line += f"\nLoad it with:    load_adapter(\"models:/{reg['name']}@{aliases[-1]}\"{store})"
     return line

@@ -110,6 +110,7 @@ def cmd_schedule(args) -> int:
     if cfg.run_name:
         print(f"note: run_name {cfg.run_name!r} is ignored; each scheduled run gets its own name", file=sys.stderr)
     schedule.check_server()
+    schedule.check_name_free(cfg, when, name, args.init_from_previous, args.work_pool)
     if args.work_pool:
         dep_id = schedule.deploy(cfg, args.work_pool, when, name, args.init_from_previous, image=args.image)
         print(f"deployment grpo-training-run/{name} ({dep_id}) on pool {args.work_pool!r}, {schedule.describe(when)}.\n"
@@ -135,27 +136,28 @@ def _print_schedules(rows: list[dict], as_json: bool) -> int:
 
 def resolve_runs(runs: list[str], output_dir: str | None, tracking_uri: str | None):
     """(label, tracking uri, mlflow run id) for run dirs / run names / MLflow run ids."""
-    import os
-    from grpo_core.io import read_json
-    from tasks.tracking import tracking_uri as uri_of
+    from tasks.run_state import mlflow_run_id
+    from tasks.tracking import default_tracking_uri, tracking_uri as uri_of
     out = []
     for r in runs:
         try:
             d = find_run_dir(r, output_dir)
         except ConfigError:
             d = None
-        if d is not None and (d / "run.json").exists() and read_json(d / "run.json").get("mlflow_run_id"):
-            cfg = run_config(d)
-            out.append((d.name, tracking_uri or uri_of(cfg), read_json(d / "run.json")["mlflow_run_id"]))
+        if d is not None and (run_id := mlflow_run_id(d)):
+            out.append((d.name, tracking_uri or uri_of(run_config(d)), run_id))
             continue
-        uri = tracking_uri or os.environ.get("MLFLOW_TRACKING_URI") or \
-            f"sqlite:///{(Path(output_dir or 'runs')).resolve() / 'mlflow.db'}"
+        uri = tracking_uri or default_tracking_uri(output_dir or "runs")
         out.append((r, uri, r))     # an MLflow run id (or a run name, looked up below)
     return out
 
 
 def _fetch(uri: str, run_ref: str):
+    """(client, run) of an MLflow run id or run name in the store at `uri`; a store that is not there is not
+    created (ConfigError naming the run)."""
     from mlflow.tracking import MlflowClient
+    from tasks.tracking import require_store
+    require_store(uri, f"no run directory or MLflow run {run_ref!r}")
     c = MlflowClient(tracking_uri=uri)
     try:
         return c, c.get_run(run_ref)
@@ -164,7 +166,8 @@ def _fetch(uri: str, run_ref: str):
                               f"attributes.run_name = '{run_ref}'", order_by=["attributes.start_time DESC"],
                               max_results=1)
         if not found:
-            raise ConfigError(f"no MLflow run with id or name {run_ref!r} in {uri}") from None
+            raise ConfigError(f"no run directory or MLflow run {run_ref!r} (no run with that id or name in {uri}); "
+                              f"`grpo runs --output-dir DIR` lists the runs of a directory") from None
         return c, found[0]
 
 
@@ -249,7 +252,11 @@ def comparison_csv(res: dict, out) -> None:
 
 def cmd_adapter_fetch(args) -> int:
     from tasks.registry import download_adapter
-    print(download_adapter(args.uri, args.dest, args.tracking_uri))
+    from tasks.tracking import default_tracking_uri, require_store
+    uri = args.tracking_uri or default_tracking_uri(args.output_dir)
+    if ":/" in args.uri:                # an MLflow URI, not a local directory
+        require_store(uri, f"no adapter {args.uri}")
+    print(download_adapter(args.uri, args.dest, uri))
     return 0
 
 
@@ -298,7 +305,10 @@ def register(sub) -> None:
                         "runs:/ID/PATH) to a directory")
     f.add_argument("uri", help="models:/NAME@ALIAS, models:/NAME/VERSION or runs:/ID/PATH")
     f.add_argument("--dest", default=".", help="directory to download into (default: the current one)")
-    f.add_argument("--tracking-uri", help="MLflow tracking and registry URI (default: $MLFLOW_TRACKING_URI)")
+    f.add_argument("--tracking-uri", help="MLflow tracking and registry URI (default: $MLFLOW_TRACKING_URI, else "
+                   "the SQLite store of --output-dir, where `grpo train` logs)")
+    f.add_argument("--output-dir", default="runs", help="where the run directories and their SQLite store live "
+                   "(default: runs)")
     f.set_defaults(func=cmd_adapter_fetch)
 
 

@@ -81,7 +81,7 @@ def report(cfg, summary: dict, minutes: float) -> int:
     print(f"Final adapter:   {summary['final_checkpoint']}")
     print(f"MLflow run id:   {summary['mlflow_run_id']}")
     if summary.get("registered_model"):
-        print(f"Registered as:   {format_registered(summary['registered_model'])}")
+        print(f"Registered as:   {format_registered(summary['registered_model'], summary.get('tracking_uri'))}")
     print(f"Open the UI:     {ui_command(cfg)}")
     if (summary.get("registered_model") or {}).get("gate_summary"):
         print(summary["registered_model"]["gate_summary"])        # the run ends with the gate's one line

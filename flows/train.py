@@ -84,7 +84,7 @@ def _dynamic_sampling(cfg: GRPOConfig, config: dict, run_dir: str, iteration: in
     from grpo_core.io import read_jsonl
     target = cfg.data.prompts_per_iteration
     rounds = [(list(read_jsonl(upstream["rollout"]["samples"])), list(read_jsonl(upstream["score"]["scores"])))]
-    informative = dsamp.count_informative(*rounds[0])
+    informative = dsamp.count_informative(rounds)
     it_dir = Path(run_dir) / f"iter-{iteration}"
     for r in range(1, cfg.max_extra_rollouts + 1):
         if informative >= target:
@@ -98,7 +98,7 @@ def _dynamic_sampling(cfg: GRPOConfig, config: dict, run_dir: str, iteration: in
         for name in DYNAMIC_ROUND:
             done[name] = _run_stage(stages.named(name), cfg, round_config, str(round_dir), iteration, done)
         rounds.append((list(read_jsonl(done["rollout"]["samples"])), list(read_jsonl(done["score"]["scores"]))))
-        informative += dsamp.count_informative(*rounds[-1])
+        informative = dsamp.count_informative(rounds)           # each task once, as the merge keeps them
     return run_steps.merge_dynamic_rounds(cfg, run_dir, iteration, rounds)
 
 

@@ -506,6 +506,48 @@ def _check_structured_regex(regex: str, backend: str, generation_kwargs: dict) -
                          f"pattern") from None
 
 
+_UNCLIPPED_LOSS_TYPES = ("sapo", "vespo")          # no clip range at all (a soft gate, a smooth weight)
+
+# Fields that act only in one mode: (fields, the mode in the words of the fix, does the config have it). Outside
+# it, `GRPOConfig._no_option_without_its_mode` refuses a value other than the field's default.
+_MODE_ONLY_FIELDS = (
+    (("epsilon",), "a loss_type with a lower clip (grpo, bnpo, dr_grpo, dapo or luspo)",
+     lambda c: c.loss_type not in ("cispo", *_UNCLIPPED_LOSS_TYPES)),
+    (("epsilon_high",), "a loss_type with an upper clip or cap (grpo, bnpo, dr_grpo, dapo, luspo or cispo)",
+     lambda c: c.loss_type not in _UNCLIPPED_LOSS_TYPES),
+    (("sapo_temperature_pos", "sapo_temperature_neg"), "loss_type: sapo", lambda c: c.loss_type == "sapo"),
+    (("vespo_k_pos", "vespo_lambda_pos", "vespo_k_neg", "vespo_lambda_neg"), "loss_type: vespo",
+     lambda c: c.loss_type == "vespo"),
+    (("use_bias_correction_kl", "reference"), "beta > 0", lambda c: c.beta > 0),
+    (("vllm_importance_sampling_mode", "vllm_importance_sampling_cap", "vllm_importance_sampling_clip_min"),
+     "vllm_importance_sampling_correction: true", lambda c: c.vllm_importance_sampling_correction),
+    (("ref_model_mixup_alpha", "ref_model_sync_steps"), "sync_ref_model: true", lambda c: c.sync_ref_model),
+    (("entropy_coef_min", "entropy_coef_max", "entropy_coef_delta", "entropy_target"), "use_adaptive_entropy: true",
+     lambda c: c.use_adaptive_entropy),
+    (("vllm_gpu_memory_utilization", "vllm_model_impl"), "rollout_backend: vllm",
+     lambda c: c.rollout_backend == "vllm"),
+    (("max_extra_rollouts",), "dynamic_sampling: true", lambda c: c.dynamic_sampling),
+    (("max_tool_calling_iterations", "tool_timeout", "tool_calls_overlap"),
+     "tools or an environment class (an agent loop, rollout_func or an \"openenv:\"/\"verifiers:\" environment, "
+     "calls its tools itself)", lambda c: bool(c.tools) or (c.environment is not None and not _agent_loop(c))),
+    (("rollout_timeout",), "rollout_func or an \"openenv:\"/\"verifiers:\" environment", lambda c: _agent_loop(c)),
+)
+
+
+def _agent_loop(cfg: "GRPOConfig") -> bool:
+    """Whether an agent loop drives the rollouts (grpo_core/rollout/agents.py): rollout_func, or an environment
+    of another standard."""
+    from grpo_core.rollout.tools import standard
+    return bool(cfg.rollout_func or standard(cfg.environment))
+
+
+def _unset_values(cfg: "GRPOConfig", name: str) -> tuple[Any, ...]:
+    """What field `name` holds when nobody set it: its default (first), and for epsilon_high also the epsilon
+    that default resolves to when the config loads (what a dumped config holds)."""
+    default = type(cfg).model_fields[name].get_default(call_default_factory=True)
+    return (default, cfg.epsilon) if name == "epsilon_high" else (default,)
+
+
 class GRPOConfig(_Section):
     # -- run --------------------------------------------------------------------------------
     run_name: str | None = Field(None, pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$",
@@ -636,7 +678,9 @@ class GRPOConfig(_Section):
     adam_beta1: float = Field(0.9, ge=0, lt=1)
     adam_beta2: float = Field(0.99, ge=0, lt=1)
     max_grad_norm: float = Field(1.0, ge=0, description="0 disables clipping")
-    steps_per_iteration: int = Field(1, ge=1, description="optimizer steps per iteration (the rollout batch is split)")
+    steps_per_iteration: int = Field(1, ge=1, description="optimizer steps per iteration (the rollout batch is split "
+                                     "into whole groups: steps_per_iteration x gradient_accumulation_steps <= "
+                                     "data.prompts_per_iteration)")
     gradient_accumulation_steps: int = Field(1, ge=1)
     lr_scheduler_type: Literal["constant", "linear", "cosine"] = "constant"
     warmup_ratio: float = Field(0.0, ge=0, le=1)
@@ -754,9 +798,6 @@ class GRPOConfig(_Section):
                              f"[entropy_coef_min, entropy_coef_max] = [{self.entropy_coef_min}, "
                              f"{self.entropy_coef_max}]; set entropy_coef_min <= entropy_coef <= entropy_coef_max")
         clip_min = self.vllm_importance_sampling_clip_min
-        if clip_min is not None and not self.vllm_importance_sampling_correction:
-            raise ValueError("vllm_importance_sampling_clip_min bounds the sampler correction, which is off; set "
-                             "vllm_importance_sampling_correction: true or unset vllm_importance_sampling_clip_min")
         if clip_min is not None and clip_min >= self.vllm_importance_sampling_cap:
             raise ValueError(f"vllm_importance_sampling_clip_min ({clip_min}) must be < vllm_importance_sampling_cap "
                              f"({self.vllm_importance_sampling_cap}); lower it or raise the cap")
@@ -775,6 +816,21 @@ class GRPOConfig(_Section):
         if self.log_unique_prompts and not self.tracking.log_completions:
             raise ValueError("log_unique_prompts shapes the completion table, but tracking.log_completions is false; "
                              "set tracking.log_completions: true or log_unique_prompts: false")
+        return self
+
+    @model_validator(mode="after")
+    def _no_option_without_its_mode(self):
+        """A field that acts only in one mode (`_MODE_ONLY_FIELDS`), set away from its default outside that mode,
+        would change nothing: refused, naming the mode (a value equal to the default passes, so a dumped config
+        loads again)."""
+        for fields, mode, applies in _MODE_ONLY_FIELDS:
+            if applies(self):
+                continue
+            for name in fields:
+                value, unset = getattr(self, name), _unset_values(self, name)
+                if value not in unset:
+                    raise ValueError(f"{name} ({value!r}) acts only with {mode}, so here it would change nothing; "
+                                     f"set {mode}, or remove {name} (its default is {unset[0]!r})")
         return self
 
     @property
@@ -975,6 +1031,20 @@ class GRPOConfig(_Section):
         if len(self.reward_weights) != len(self.reward_funcs):
             raise ValueError(f"reward_weights has {len(self.reward_weights)} entries but reward_funcs has "
                              f"{len(self.reward_funcs)}; give one weight per reward function")
+        return self
+
+    @model_validator(mode="after")
+    def _whole_groups_per_micro_batch(self):
+        """The update cuts an iteration's groups into steps_per_iteration x gradient_accumulation_steps micro-batches
+        of whole groups (grpo_core/update/step.py: plan_steps); with fewer groups some would be empty, and the steps
+        the schedule counts on (warmup, decay, ref_model_sync_steps) would silently not run."""
+        micro_batches = self.steps_per_iteration * self.gradient_accumulation_steps
+        if micro_batches > self.data.prompts_per_iteration:
+            raise ValueError(f"steps_per_iteration x gradient_accumulation_steps ({self.steps_per_iteration} x "
+                             f"{self.gradient_accumulation_steps}) is above data.prompts_per_iteration "
+                             f"({self.data.prompts_per_iteration}): each micro-batch trains on whole groups, one per "
+                             f"prompt, so some would be empty; lower steps_per_iteration or "
+                             f"gradient_accumulation_steps, or raise data.prompts_per_iteration")
         return self
 
     @model_validator(mode="after")

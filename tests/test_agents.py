@@ -49,6 +49,12 @@ def test_the_config_resolves_the_agent_and_refuses_a_second_turn_driver(monkeypa
         GRPOConfig(rollout_func="no_such_agent_module:run")
     with pytest.raises((ConfigError, ValueError), match="tools cannot be set"):
         GRPOConfig(rollout_func="calculator_agent:run", tools=["calculator"])
+    assert GRPOConfig(rollout_func="calculator_agent:run").rollout_timeout == 3600
+    assert GRPOConfig(rollout_func="calculator_agent:run", rollout_timeout=None).rollout_timeout is None
+    with pytest.raises((ConfigError, ValueError), match="rollout_timeout"):
+        GRPOConfig(rollout_func="calculator_agent:run", rollout_timeout=0)
+    with pytest.raises((ConfigError, ValueError), match="tool_timeout .* acts only with tools or an environment class"):
+        GRPOConfig(rollout_func="calculator_agent:run", tool_timeout=5)     # the agent calls its tools itself
 
 
 def test_each_rollout_trains_on_the_tokens_its_agent_was_sent(tiny):
@@ -159,9 +165,6 @@ def test_an_agent_that_never_returns_is_left_out_of_its_group(tiny):
     assert sorted(map(bool, errors)) == [False, True]
     assert "rollout_timeout (10 s)" in next(e for e in errors if e)
     assert [s.extra["environment_reward"] for s in groups[0] if "agent_error" not in s.extra] == [{"sometimes_stuck": 1.0}]
-    assert GRPOConfig().rollout_timeout == 3600 and GRPOConfig(rollout_timeout=None).rollout_timeout is None
-    with pytest.raises((ConfigError, ValueError), match="rollout_timeout"):
-        GRPOConfig(rollout_timeout=0)
 
 
 @pytest.mark.slow

@@ -160,6 +160,68 @@ def test_variant_options_bad_values_name_the_fields(overrides, fields):
         assert field in str(e.value), (field, str(e.value))
 
 
+@pytest.mark.parametrize("overrides, fields", [
+    (["sapo_temperature_pos=2"], ["sapo_temperature_pos", "loss_type: sapo"]),
+    (["loss_type=dapo", "vespo_k_neg=2"], ["vespo_k_neg", "loss_type: vespo"]),
+    (["loss_type=sapo", "epsilon=0.1"], ["epsilon", "loss_type"]),
+    (["loss_type=vespo", "epsilon_high=0.28"], ["epsilon_high", "loss_type"]),
+    (["loss_type=cispo", "epsilon_high=5", "epsilon=0.1"], ["epsilon", "loss_type"]),     # cispo: no lower bound
+    (["beta=0", "use_bias_correction_kl=false"], ["use_bias_correction_kl", "beta > 0"]),
+    (["beta=0", "reference=base"], ["reference", "beta > 0"]),                        # no KL: no reference
+    (["vllm_importance_sampling_mode=token_mask"], ["vllm_importance_sampling_mode",
+                                                    "vllm_importance_sampling_correction: true"]),
+    (["vllm_importance_sampling_cap=5"], ["vllm_importance_sampling_cap", "vllm_importance_sampling_correction: true"]),
+    (["ref_model_sync_steps=4"], ["ref_model_sync_steps", "sync_ref_model: true"]),
+    (["ref_model_mixup_alpha=0.9"], ["ref_model_mixup_alpha", "sync_ref_model: true"]),
+    (["entropy_target=1.5"], ["entropy_target", "use_adaptive_entropy: true"]),
+    (["entropy_coef_delta=0.01"], ["entropy_coef_delta", "use_adaptive_entropy: true"]),
+    (["vllm_gpu_memory_utilization=0.5"], ["vllm_gpu_memory_utilization", "rollout_backend: vllm"]),
+    (["vllm_model_impl=transformers"], ["vllm_model_impl", "rollout_backend: vllm"]),
+    (["max_extra_rollouts=5"], ["max_extra_rollouts", "dynamic_sampling: true"]),
+    (["max_tool_calling_iterations=2"], ["max_tool_calling_iterations", "tools"]),       # one turn: no calls
+    (["tool_calls_overlap=true"], ["tool_calls_overlap", "tools"]),
+    (["rollout_timeout=60"], ["rollout_timeout", "rollout_func"]),                     # no agent loop
+    (["rollout_timeout=null"], ["rollout_timeout", "rollout_func"]),
+])
+def test_an_option_outside_the_mode_it_acts_in_is_refused(overrides, fields):
+    """Set outside its mode, an option would silently change nothing (TRL ignores it): refused, naming the mode."""
+    with pytest.raises(ConfigError) as e:
+        load_config(None, overrides)
+    for field in fields:
+        assert field in str(e.value), (field, str(e.value))
+
+
+@pytest.mark.parametrize("overrides, fields", [
+    (["steps_per_iteration=9"], ["steps_per_iteration", "data.prompts_per_iteration (8)"]),
+    (["data.prompts_per_iteration=4", "steps_per_iteration=2", "gradient_accumulation_steps=3"],
+     ["gradient_accumulation_steps", "data.prompts_per_iteration (4)"]),
+])
+def test_more_micro_batches_than_groups_is_refused(overrides, fields):
+    """Micro-batches are whole groups: with more steps x accumulation than prompts some steps would silently not
+    run (and the learning-rate schedule, sized by steps_per_iteration, would never finish)."""
+    with pytest.raises(ConfigError) as e:
+        load_config(None, overrides)
+    for field in fields:
+        assert field in str(e.value), (field, str(e.value))
+    assert load_config(None, ["steps_per_iteration=4", "gradient_accumulation_steps=2"]).steps_per_iteration == 4
+
+
+@pytest.mark.parametrize("overrides", [
+    [], ["loss_type=sapo"], ["loss_type=vespo"], ["loss_type=cispo", "epsilon_high=5"], ["beta=0"],
+    ["loss_type=sapo", "sapo_temperature_pos=2", "beta=0"], ["epsilon=0.1", "entropy_coef=0.01"],
+    ["dynamic_sampling=true", "max_extra_rollouts=5"], ["sync_ref_model=true", "ref_model_sync_steps=4"],
+    ["use_adaptive_entropy=true", "entropy_target=1.5"],
+    ["tools=[calculator]", "max_tool_calling_iterations=2", "tool_timeout=5"],
+])
+def test_an_option_in_its_mode_or_at_its_default_loads_and_round_trips(tmp_path, overrides):
+    """In its mode an option loads; outside it, its default (epsilon_high: the epsilon it resolves to) loads, so a
+    dumped config loads again, unchanged."""
+    cfg = load_config(None, overrides)
+    path = tmp_path / "config.yaml"
+    path.write_text(cfg.to_yaml())
+    assert load_config(path).model_dump() == cfg.model_dump()
+
+
 def test_variant_options_defaults_are_plain_grpo_and_good_values_load():
     cfg = GRPOConfig()
     assert (cfg.importance_sampling_level, cfg.loss_type, cfg.delta, cfg.top_entropy_quantile, cfg.entropy_coef,

@@ -73,10 +73,11 @@ def write_batch(directory: Path) -> tuple[str, str]:
 def case_config(tmp: Path, loss_type: str, level: str, **overrides) -> dict:
     """An off-policy update that moves: mu = 2 (ratios leave 1, clipping or CISPO's cap acts), a KL to the
     reference, 2 micro-batches, truncated answers masked."""
+    clip = ({} if loss_type in ("sapo", "vespo") else {"epsilon_high": 1.0} if loss_type == "cispo"   # no clip range / its cap
+            else {"epsilon": CLIP_EPSILON, "epsilon_high": CLIP_EPSILON})
     return tiny_config(tmp, loss_type=loss_type, importance_sampling_level=level, beta=0.04, num_iterations=2,
                        gradient_accumulation_steps=2, learning_rate=LEARNING_RATE, mask_truncated_completions=True,
-                       epsilon=CLIP_EPSILON, epsilon_high=1.0 if loss_type == "cispo" else CLIP_EPSILON,
-                       device="cpu", **overrides)
+                       device="cpu", **clip, **overrides)
 
 
 def case_kwargs(tmp: Path, batch: tuple[str, str], loss_type: str, level: str, run_dir: Path) -> dict:

@@ -25,7 +25,18 @@ def test_filter_uses_raw_correctness_not_shaped_reward():
     assert is_informative([0.0, 1.0, 0.0]) and is_informative([0.25, 0.5, 0.5])   # code pass fractions
     assert not is_informative([1.0, None, 1.0]) and not is_informative([None, None])
     s, c = round_rows("a", [([0, 0, 0], [0, 1, 0.5]), ([1, 0, 1], [2, 0, 2]), ([1, 1, 1], [2, 2, 1])])
-    assert count_informative(s, c) == 1
+    assert count_informative([(s, c)]) == 1
+
+
+def test_a_task_drawn_again_counts_once_toward_the_refill_target():
+    """A refill round may draw a task an earlier round already has; the merge keeps it once, so the refill loop
+    (flows/train.py) counts it once and goes on sampling instead of stopping short of the target."""
+    r0 = round_rows("a", [([0, 1], [0, 1]), ([1, 1], [1, 1])])
+    r1 = round_rows("a", [([1, 0], [1, 0])])                              # task a0 again, informative again
+    assert count_informative([r0, r1]) == 1
+    assert merge_rounds([r0, r1], target_groups=2)[2]["groups_kept"] == 1
+    r2 = round_rows("b", [([1, 0], [1, 0])])
+    assert count_informative([r0, r1, r2]) == 2 == merge_rounds([r0, r1, r2], target_groups=2)[2]["groups_kept"]
 
 
 def test_merge_refills_up_to_target_and_counts_drops():

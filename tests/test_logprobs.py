@@ -183,6 +183,19 @@ def test_shared_prompt_path_equals_full_pass_value_and_gradient(tiny_model_dir, 
         assert torch.allclose(a, b, atol=1e-5)
 
 
+@pytest.mark.parametrize("group_size", [1, 3])
+def test_rows_without_a_completion_token_give_zeros_and_a_gradient(tiny_model_dir, group_size):
+    """A micro-batch whose completions are all empty (an agent loop that never asked the model: rollout_func)
+    has no token for the LM head: log-probs and entropy are zeros [B, Lc], and backward runs (a zero loss)."""
+    with torch.random.fork_rng():             # LoRA's init draws from the global stream: later tests' draws unchanged
+        model = _lora_model(tiny_model_dir)
+    ids = torch.tensor([[0, 5, 6, 7, 0]] * 3)                          # [B, P + Lc]: Lc = 1, padding only
+    attn = torch.tensor([[0, 1, 1, 1, 0]] * 3)
+    lp, ent = completion_logprobs(model, ids, attn, 1, with_entropy=True, group_size=group_size, entropy_grad=True)
+    assert lp.shape == ent.shape == (3, 1) and not lp.any() and not ent.any()
+    (lp.sum() + ent.sum()).backward()
+
+
 @pytest.mark.parametrize("device", ["cpu"] + (["cuda"] if torch.cuda.is_available() else []))
 def test_the_packed_lean_path_in_bf16_on_the_device(tiny_model_dir, device):
     """The update's bf16 forward takes the packed-lean path on every device (on CUDA, through SDPA: part of

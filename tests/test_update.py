@@ -213,6 +213,30 @@ def test_metrics_clipping_and_masking(grpo_home):
     assert batch["completion_length_max"] == max(len(s.completion_ids) for s in samples)
 
 
+def test_a_micro_batch_without_loss_tokens_leaves_the_step_statistics_alone():
+    """A micro-batch whose answers are all masked (every one truncated, mask_truncated_completions) measured no
+    token: the step's KL, entropy and clip ratios are the means over the micro-batches that have tokens (TRL's
+    nanmean), not halved by a zero from the empty one."""
+    from grpo_core.parallel import DataParallel
+    from grpo_core.update.step import step_statistics
+    m = step_statistics([({"kl": 0.5, "entropy": 2.0}, 10.0), ({"kl": 0.0, "entropy": 0.0}, 0.0)], 1.0, DataParallel())
+    assert (m["kl"], m["entropy"], m["loss"], m["step_tokens"]) == (0.5, 2.0, 1.0, 10.0)
+    assert step_statistics([({"kl": 0.0}, 0.0)], 0.0, DataParallel())["kl"] == 0.0          # no token at all: 0
+
+
+def test_empty_completions_train_as_a_zero_loss(grpo_home):
+    """Completions of no token (an agent loop that never asked the model) in a micro-batch of their own: the
+    update runs (log-probs of no token are zeros), their loss is 0 and the other micro-batch trains as usual."""
+    cfg, policy = tiny_policy(gradient_accumulation_steps=2)
+    empty = [ScoredSample(group=9, prompt_ids=[11, 12, 13], completion_ids=[], reward=float(i % 2), truncated=False)
+             for i in range(G)]
+    opt = make_optimizer(policy, cfg)
+    metrics, batch, advantages = grpo_update(policy, opt, make_scheduler(opt, cfg), make_samples(1, 1) + empty, cfg,
+                                             seed=0)
+    assert len(metrics) == 1 and math.isfinite(metrics[0]["loss"]) and metrics[0]["skipped_nonfinite"] == 0.0
+    assert all(a is not None for a in advantages)
+
+
 def test_a_step_with_a_gradient_that_is_not_finite_is_skipped(grpo_home):
     """A NaN in one LoRA gradient (a real hook on the backward pass) would make every weight NaN after the step,
     and the adapter would be saved that way: the step is skipped and says so; the next finite step moves."""
@@ -265,6 +289,19 @@ def test_lr_schedule_with_warmup():
         sched.step()
     assert lrs[0] == pytest.approx(1 / 3) and lrs[1] == pytest.approx(2 / 3)   # warmup 2 steps
     assert lrs[2] == pytest.approx(1.0) and lrs[-1] < lrs[3] and all(a >= b for a, b in zip(lrs[2:], lrs[3:]))
+
+
+def test_the_logged_learning_rate_is_the_one_the_step_used(grpo_home):
+    """Warmup over 2 of 4 steps: the steps use lr/3, 2lr/3, lr, lr/2 (linear decay), and each step's metrics
+    log its own rate (transformers' Trainer reads it before the scheduler moves), not the next step's."""
+    cfg, policy = tiny_policy(learning_rate=0.3, pipeline_iterations=1, steps_per_iteration=4, warmup_ratio=0.5,
+                              lr_scheduler_type="linear")
+    opt = torch.optim.SGD(policy.trainable_parameters(), lr=cfg.learning_rate)
+    used = []
+    opt.register_step_pre_hook(lambda o, args, kwargs: used.append(o.param_groups[0]["lr"]))
+    metrics, _, _ = grpo_update(policy, opt, make_scheduler(opt, cfg), make_samples(4, 5), cfg, seed=0)
+    assert [m["learning_rate"] for m in metrics] == pytest.approx(used)
+    assert used == pytest.approx([0.1, 0.2, 0.3, 0.15])
 
 
 def test_plan_steps_covers_each_group_once():

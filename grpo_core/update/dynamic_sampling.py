@@ -34,8 +34,12 @@ def groups_of(samples: Sequence[dict], scores: Sequence[dict]) -> "OrderedDict[i
     return out
 
 
-def count_informative(samples: Sequence[dict], scores: Sequence[dict]) -> int:
-    return sum(is_informative([scores[i]["correct"] for i in idx]) for idx in groups_of(samples, scores).values())
+def count_informative(rounds: Sequence[tuple[Sequence[dict], Sequence[dict]]]) -> int:
+    """The informative groups `merge_rounds` would keep of these rounds, before its cap: one per task with an
+    informative group (a refill round may draw a task again; the merge keeps each task once)."""
+    return len({samples[idx[0]]["task_id"] for samples, scores in rounds
+                for idx in groups_of(samples, scores).values()
+                if is_informative([scores[i]["correct"] for i in idx])})
 
 
 def merge_rounds(rounds: Sequence[tuple[Sequence[dict], Sequence[dict]]], target_groups: int

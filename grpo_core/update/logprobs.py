@@ -148,7 +148,7 @@ def head_logprobs(hidden: torch.Tensor, head: torch.nn.Linear, ids: torch.Tensor
     limit = KEEP_LOGITS_BYTES if keep_logits_bytes is None else keep_logits_bytes
     big = hidden.numel() // hidden.size(-1) * head.weight.size(0) * 4 > limit
     lps, ents = [], []
-    for s in range(0, hidden.size(0), chunk):
+    for s in range(0, max(hidden.size(0), 1), chunk):          # once at least: no tokens give empty tensors
         args = (hidden[s:s + chunk], head, ids[s:s + chunk], temperature, with_entropy, entropy_grad, fp32_head)
         if big and torch.is_grad_enabled() and (hidden.requires_grad or head.weight.requires_grad):
             lp, ent = checkpoint(_head_chunk, *args, use_reentrant=False)

@@ -370,7 +370,7 @@ def micro_batch_loss(logp: torch.Tensor, entropy: torch.Tensor, mb: MicroBatch, 
 def step_statistics(per_micro_batch: Sequence[tuple[dict[str, float], float]], step_loss: float,
                     data_parallel: DataParallel) -> dict[str, float]:
     """A step's metrics over all processes: `loss` (the sum of the processes' parts), `step_tokens`, and each
-    statistic as the mean over the micro-batches of its token mean over the whole micro-batch.
+    statistic as the mean over the micro-batches that have loss tokens of its token mean over the whole micro-batch.
     `per_micro_batch`: (this process's token-mean statistics, the loss tokens they weigh) per micro-batch."""
     names = list(per_micro_batch[0][0])
     table = torch.tensor([[stats[k] * tokens for k in names] + [tokens] for stats, tokens in per_micro_batch],
@@ -378,7 +378,9 @@ def step_statistics(per_micro_batch: Sequence[tuple[dict[str, float], float]], s
     loss = torch.tensor([step_loss], dtype=torch.float64)
     data_parallel.sum_across([table, loss])
     tokens = table[:, -1]                                                                    # [n_mb]
-    means = (table[:, :-1] / tokens.clamp(min=1).unsqueeze(1)).mean(0)                       # [K]
+    measured = tokens > 0           # a micro-batch without a loss token (all masked) has no token mean (TRL: nanmean)
+    means = ((table[measured, :-1] / tokens[measured].unsqueeze(1)).mean(0) if measured.any()
+             else torch.zeros(len(names), dtype=torch.float64))                              # [K]
     return {**dict(zip(names, means.tolist())), "loss": loss.item(), "step_tokens": tokens.sum().item()}
 
 
@@ -446,9 +448,9 @@ def optimizer_step(policy: Policy, optimizer, scheduler, micro_batches: Sequence
         optimizer.step()
     else:                    # a NaN/inf gradient would write NaN into the adapter for good: skip (GradScaler's rule)
         optimizer.zero_grad(set_to_none=True)
+    learning_rate = optimizer.param_groups[0]["lr"]     # the rate this step used (transformers' Trainer logs it)
     scheduler.step()
-    metrics.update({"grad_norm": grad_norm, "skipped_nonfinite": float(not finite),
-                    "learning_rate": scheduler.get_last_lr()[0],
+    metrics.update({"grad_norm": grad_norm, "skipped_nonfinite": float(not finite), "learning_rate": learning_rate,
                     "step_seconds": time.perf_counter() - t0, "peak_memory_gib": peak_memory_gib(policy.device)})
     return metrics
 

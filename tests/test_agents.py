@@ -138,6 +138,10 @@ def test_a_stuck_rollout_times_out_and_the_others_finish():
     stuck.set()
     assert run_with_deadlines(job, 3, 8, timeout=None) == [(0, None), (10, None), (20, None)]   # no limit: all wait
 
+    def exits(k):
+        raise SystemExit(3)                    # an agent calling sys.exit: that job fails, the loop does not wait on
+    assert run_with_deadlines(exits, 2, 2, timeout=None) == [(None, "SystemExit: 3")] * 2
+
 
 def test_an_agent_that_never_returns_is_left_out_of_its_group(tiny):
     """A real agent loop through the real endpoint: one rollout hangs after its first request; with

@@ -121,7 +121,11 @@ def run_with_deadlines(job: Callable[[int], tuple[Any, Any]], count: int, worker
                 if k is None:
                     return
                 started[k] = time.monotonic()
-            outcome = job(k)
+            try:
+                outcome = job(k)
+            # SystemExit from an agent fails its job; a thread dying of it would leave the loop waiting forever
+            except BaseException as e:  # noqa: BLE001
+                outcome = (None, f"{type(e).__name__}: {e}")
             with changed:
                 if outcomes[k] is None:            # not already timed out
                     outcomes[k] = outcome

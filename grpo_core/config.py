@@ -552,7 +552,7 @@ class GRPOConfig(_Section):
     # -- run --------------------------------------------------------------------------------
     run_name: str | None = Field(None, pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$",
                                  description="directory name under output_dir; default: generated")
-    output_dir: str = Field("runs", description="where runs/<run_name>/iter-<k>/ live")
+    output_dir: str = Field("runs", min_length=1, description="where runs/<run_name>/iter-<k>/ live")
     keep_trainer_states: int | None = Field(
         2, ge=1, description="keep the optimizer, scheduler and RNG state (iter-<k>/update/trainer_state.pt, about "
                              "twice the adapter's size) of the newest N iterations; older ones are deleted once a "
@@ -1141,25 +1141,27 @@ _MSG_WORDS = (("Input should be ", "must be "), ("String should ", "must "), ("L
               ("less than ", "< "))
 
 
-def _one_error(e: dict, path: str | None, overridden: set[str]) -> str:
-    """One pydantic error as `config field 'a.b': <what is wrong>, got <value> (fix the value in <where>)`."""
+def _one_error(e: dict, path: str | None, overridden: dict[str, str]) -> str:
+    """One pydantic error as `config field 'a.b': <what is wrong>, got <value> (fix the value in <where>)`;
+    `overridden`: each key given on the command line -> the option that gave it ('--set a.b=...', '--run-name')."""
     field = ".".join(str(p) for p in e["loc"] if p != "[key]")
     key = ".".join(str(p) for p in e["loc"] if not isinstance(p, int) and p != "[key]")    # what --set takes
     msg = e["msg"].removeprefix("Value error, ")
     if e["type"] == "value_error":           # our validators' messages name their fields and the fix
         return msg if not field or msg.startswith(field.split(".")[0]) else f"config field '{field}': {msg}"
     from_file = bool(path) and key not in overridden
+    given = overridden.get(key, f"--set {key}=...")
     if e["type"] == "extra_forbidden":
         return (f"config field '{field}': unknown field; check the spelling (`grpo train --help` lists the "
-                f"fields) and fix or remove it {f'in {path}' if from_file else f'from --set {key}=...'}")
-    where = f"in {path} or --set {key}=..." if from_file else f"given with --set {key}=..."
+                f"fields) and fix or remove it {f'in {path}' if from_file else f'from {given}'}")
+    where = f"in {path} or {given}" if from_file else f"given with {given}"
     for a, b in _MSG_WORDS:
         msg = msg.replace(a, b)
     got = repr(e.get("input"))
     return f"config field '{field}': {msg}, got {got[:60] + '...' if len(got) > 60 else got} (fix the value {where})"
 
 
-def _format_errors(err: ValidationError, path: str | None, overridden: set[str]) -> str:
+def _format_errors(err: ValidationError, path: str | None, overridden: dict[str, str]) -> str:
     """The validation errors as one line: each names its field, the bad value and where to fix it."""
     return "; ".join(dict.fromkeys(_one_error(e, path or "", overridden) for e in err.errors()))
 
@@ -1184,8 +1186,10 @@ def parse_override(item: str) -> tuple[list[str], Any]:
     return key.split("."), value
 
 
-def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> GRPOConfig:
-    """Load YAML (optional), apply `key=value` overrides, validate. Raises ConfigError naming the field."""
+def load_config(path: str | Path | None = None, overrides: list[str] | None = None,
+                flags: dict[str, str] | None = None) -> GRPOConfig:
+    """Load YAML (optional), apply `key=value` overrides, validate. Raises ConfigError naming the field and where
+    to fix it: the file, `--set key=...`, or the option `flags` says set that key (e.g. {'run_name': '--run-name'})."""
     data: dict[str, Any] = {}
     if path is not None:
         p = Path(path)
@@ -1214,7 +1218,8 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
     try:
         return GRPOConfig.model_validate(data)
     except ValidationError as e:
-        overridden = {".".join(parse_override(item)[0]) for item in overrides or []}
+        keys = [".".join(parse_override(item)[0]) for item in overrides or []]
+        overridden = {key: (flags or {}).get(key) or f"--set {key}=..." for key in keys}
         raise ConfigError(_format_errors(e, None if path is None else str(path), overridden)) from None
 
 

@@ -159,7 +159,12 @@ CASES = [
          ["'data.max_digits': must be <= 9, got 12"]),
     Case("not_a_choice", lambda w: w.train("--set", "loss_type=ppo"),
          ["'loss_type': must be 'grpo', 'bnpo', 'dr_grpo', 'dapo', 'cispo', 'sapo', 'luspo' or 'vespo', got 'ppo'"]),
-    Case("bad_run_name", lambda w: w.train("--run-name", "my run!"), ["'run_name': must match pattern", "'my run!'"]),
+    Case("bad_run_name", lambda w: w.train("--run-name", "my run!"), ["'run_name': must match pattern", "'my run!'",
+                                                                      "fix the value given with --run-name)"]),
+    Case("bad_run_name_set", lambda w: ["train", "--config", str(w.base), "--output-dir", str(w.out), "--set",
+                                        "run_name=a/b"], ["'a/b'", "given with --set run_name=...)"]),
+    Case("empty_output_dir", lambda w: ["train", "--config", str(w.base), "--run-name", "t", "--set", "output_dir="],
+         ["'output_dir': must have at least 1 character", "given with --set output_dir=...)"]),
     # -- incompatible combinations ---------------------------------------------------------------------------
     Case("sync_ref_model_without_kl", lambda w: w.train("--set", "sync_ref_model=true", "--set", "beta=0"),
          ["sync_ref_model", "beta = 0", "set beta > 0 or sync_ref_model: false"]),

@@ -31,16 +31,19 @@ def default_run_name() -> str:
 
 
 def _load(args):
-    overrides = list(args.set or [])
-    if getattr(args, "run_name", None):
-        overrides.append(f"run_name={args.run_name}")
-    if getattr(args, "output_dir", None):
-        overrides.append(f"output_dir={args.output_dir}")
-    if getattr(args, "force_promote", False):
-        overrides.append("gate.force_promote=true")
-    if getattr(args, "data", None):     # --data FILE: the shortcut for --set data.curated=FILE
-        overrides.append(f"data.curated={json.dumps(str(Path(args.data).resolve()))}")
-    return load_config(args.config, overrides)
+    """The run's config: the file, then --set, then the options that stand for a field (a bad value given with one
+    of those is named by its option: `fix the value given with --run-name`)."""
+    overrides, flags = list(args.set or []), {}
+    options = (("run_name", "--run-name", getattr(args, "run_name", None)),
+               ("output_dir", "--output-dir", getattr(args, "output_dir", None)),
+               ("gate.force_promote", "--force-promote", True if getattr(args, "force_promote", False) else None),
+               ("data.curated", "--data", json.dumps(str(Path(args.data).resolve())) if getattr(args, "data", None)
+                else None))                  # --data FILE: the shortcut for --set data.curated=FILE
+    for key, option, value in options:
+        if value is not None and value != "":
+            overrides.append(f"{key}={'true' if value is True else value}")
+            flags[key] = option
+    return load_config(args.config, overrides, flags=flags)
 
 
 def cmd_train(args) -> int:

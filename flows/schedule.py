@@ -93,6 +93,20 @@ def to_deployment(cfg: GRPOConfig, schedule, name: str = "nightly", init_from_pr
         concurrency_limit=1)   # a run still going when the next is due: the next waits
 
 
+def _as_loaded(parameters: dict) -> dict | None:
+    """A deployment's parameters as this code loads them (a config stored by an older version gains the fields
+    added since, at their defaults), or None where they no longer load."""
+    try:
+        return {"config": GRPOConfig.model_validate(parameters["config"]).model_dump(mode="json")}
+    except (KeyError, TypeError, ValueError):
+        return None
+
+
+def _when(schedule) -> tuple[str, str]:
+    """What decides when a schedule fires: its cron or interval, and its time zone."""
+    return describe(schedule), str(getattr(schedule, "timezone", None) or "UTC")
+
+
 def check_name_free(cfg: GRPOConfig, schedule, name: str, init_from_previous: bool = False,
                     work_pool: str | None = None) -> None:
     """A schedule `name` already on the server with another config, schedule or work pool is not replaced in
@@ -105,12 +119,13 @@ def check_name_free(cfg: GRPOConfig, schedule, name: str, init_from_previous: bo
             there = client.read_deployment_by_name(f"{FLOW_NAME}/{name}")
         except ObjectNotFound:
             return
-    theirs = (there.parameters, [describe(s.schedule) for s in there.schedules], there.work_pool_name or None)
-    ours = (scheduled_config(cfg, init_from_previous), [describe(schedule)], work_pool or None)
+    theirs = (_as_loaded(there.parameters), [_when(s.schedule) for s in there.schedules], there.work_pool_name or None)
+    ours = (scheduled_config(cfg, init_from_previous), [_when(schedule)], work_pool or None)
     if theirs != ours:
         what = [w for w, a, b in zip(("config", "schedule", "work pool"), theirs, ours) if a != b]
         raise ConfigError(f"a schedule named {name!r} is already on the server with another {' and '.join(what)} "
-                          f"({', '.join(theirs[1]) or '-'}, {theirs[2] or '(served)'}); give this one another --name, "
+                          f"({', '.join(' '.join(w) for w in theirs[1]) or '-'}, {theirs[2] or '(served)'}); give this "
+                          f"one another --name, "
                           f"or replace it: grpo schedule delete {name}, then this command again")
 
 

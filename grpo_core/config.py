@@ -527,9 +527,8 @@ _MODE_ONLY_FIELDS = (
     (("vllm_gpu_memory_utilization", "vllm_model_impl"), "rollout_backend: vllm",
      lambda c: c.rollout_backend == "vllm"),
     (("max_extra_rollouts",), "dynamic_sampling: true", lambda c: c.dynamic_sampling),
-    (("max_tool_calling_iterations", "tool_timeout", "tool_calls_overlap"),
-     "tools or an environment class (an agent loop, rollout_func or an \"openenv:\"/\"verifiers:\" environment, "
-     "calls its tools itself)", lambda c: bool(c.tools) or (c.environment is not None and not _agent_loop(c))),
+    (("max_tool_calling_iterations", "tool_timeout", "tool_calls_overlap"), "tools, an environment or rollout_func",
+     lambda c: bool(c.tools or c.environment or c.rollout_func)),
     (("rollout_timeout",), "rollout_func or an \"openenv:\"/\"verifiers:\" environment", lambda c: _agent_loop(c)),
 )
 
@@ -679,8 +678,7 @@ class GRPOConfig(_Section):
     adam_beta2: float = Field(0.99, ge=0, lt=1)
     max_grad_norm: float = Field(1.0, ge=0, description="0 disables clipping")
     steps_per_iteration: int = Field(1, ge=1, description="optimizer steps per iteration (the rollout batch is split "
-                                     "into whole groups: steps_per_iteration x gradient_accumulation_steps <= "
-                                     "data.prompts_per_iteration)")
+                                     "into whole groups: steps_per_iteration <= data.prompts_per_iteration)")
     gradient_accumulation_steps: int = Field(1, ge=1)
     lr_scheduler_type: Literal["constant", "linear", "cosine"] = "constant"
     warmup_ratio: float = Field(0.0, ge=0, le=1)
@@ -830,7 +828,8 @@ class GRPOConfig(_Section):
                 value, unset = getattr(self, name), _unset_values(self, name)
                 if value not in unset:
                     raise ValueError(f"{name} ({value!r}) acts only with {mode}, so here it would change nothing; "
-                                     f"set {mode}, or remove {name} (its default is {unset[0]!r})")
+                                     f"set {mode}, or remove {name} (over a config file that sets it: --set "
+                                     f"{name}={json.dumps(unset[0])})")
         return self
 
     @property
@@ -1034,17 +1033,16 @@ class GRPOConfig(_Section):
         return self
 
     @model_validator(mode="after")
-    def _whole_groups_per_micro_batch(self):
-        """The update cuts an iteration's groups into steps_per_iteration x gradient_accumulation_steps micro-batches
-        of whole groups (grpo_core/update/step.py: plan_steps); with fewer groups some would be empty, and the steps
-        the schedule counts on (warmup, decay, ref_model_sync_steps) would silently not run."""
-        micro_batches = self.steps_per_iteration * self.gradient_accumulation_steps
-        if micro_batches > self.data.prompts_per_iteration:
-            raise ValueError(f"steps_per_iteration x gradient_accumulation_steps ({self.steps_per_iteration} x "
-                             f"{self.gradient_accumulation_steps}) is above data.prompts_per_iteration "
-                             f"({self.data.prompts_per_iteration}): each micro-batch trains on whole groups, one per "
-                             f"prompt, so some would be empty; lower steps_per_iteration or "
-                             f"gradient_accumulation_steps, or raise data.prompts_per_iteration")
+    def _a_group_for_every_step(self):
+        """The update deals an iteration's groups, whole, to steps_per_iteration optimizer steps (grpo_core/update/
+        step.py: plan_steps); with fewer groups than steps some steps would not run, and the schedule counting on
+        them (warmup, decay, ref_model_sync_steps) would silently not finish. (Accumulation past the groups of a
+        step only leaves fewer micro-batches: the loss is averaged over those there are.)"""
+        if self.steps_per_iteration > self.data.prompts_per_iteration:
+            raise ValueError(f"steps_per_iteration ({self.steps_per_iteration}) is above data.prompts_per_iteration "
+                             f"({self.data.prompts_per_iteration}): each optimizer step trains on whole groups, one per "
+                             f"prompt, so some steps would not run; lower steps_per_iteration or raise "
+                             f"data.prompts_per_iteration")
         return self
 
     @model_validator(mode="after")

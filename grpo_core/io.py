@@ -190,6 +190,18 @@ def read_json(path: str | os.PathLike) -> Any:
     return json.loads(Path(path).read_text())
 
 
+def read_json_object(path: str | os.PathLike) -> dict[str, Any]:
+    """A JSON file that holds an object (a record, a state file); InputError naming the file where it does not
+    (cut short, or edited by hand into something else)."""
+    try:
+        value = read_json(path)
+    except (ValueError, UnicodeDecodeError) as e:
+        raise InputError(f"{path}: not a JSON object ({e})") from None
+    if not isinstance(value, dict):
+        raise InputError(f"{path}: not a JSON object (it holds {_JSON_KINDS[type(value)]})")
+    return value
+
+
 def write_json(path: str | os.PathLike, obj: Any) -> Path:
     return atomic_write_text(path, json.dumps(obj, indent=2, sort_keys=True, default=str))
 
@@ -233,27 +245,35 @@ class DuplicateKeyError(yaml.constructor.ConstructorError):
 
 
 class _UniqueKeyLoader(yaml.SafeLoader):
-    """yaml.SafeLoader that refuses a mapping key given twice (plain YAML keeps the last value silently)."""
+    """yaml.SafeLoader that refuses a mapping key given twice (plain YAML keeps the last value silently). The keys
+    are checked on the document as written, before any `<<: *anchor` merge is flattened into a mapping (a key
+    written beside a merge may override what it merges)."""
 
-    def construct_mapping(self, node, deep=False):
-        if isinstance(node, yaml.MappingNode):
-            self._check_unique_keys(node)
-        return super().construct_mapping(node, deep=deep)
+    def construct_document(self, node):
+        self._check_unique_keys(node)
+        return super().construct_document(node)
 
-    def _check_unique_keys(self, node: yaml.MappingNode) -> None:
-        """The mapping's own keys, before `<<: *anchor` merges (which a key written beside them may override)."""
-        first_line: dict[Any, int] = {}
-        for key_node, _ in node.value:
-            if key_node.tag == "tag:yaml.org,2002:merge":
+    def _check_unique_keys(self, root: yaml.Node) -> None:
+        todo, seen = [root], set()
+        while todo:
+            node = todo.pop()
+            if id(node) in seen:                      # an alias is the node of its anchor: checked once
                 continue
-            key = self.construct_object(key_node, deep=True)
-            if isinstance(key, (list, dict)):
-                continue                        # unhashable: SafeLoader's own error says so
-            if key in first_line:
-                raise DuplicateKeyError(
-                    None, None, f"duplicate key {key!r} (first given at line {first_line[key]}); keep one of the "
-                                f"two", key_node.start_mark)
-            first_line[key] = key_node.start_mark.line + 1
+            seen.add(id(node))
+            if isinstance(node, yaml.MappingNode):
+                first_line: dict[Any, int] = {}
+                for key_node, value_node in node.value:
+                    todo += [key_node, value_node]
+                    if key_node.tag == "tag:yaml.org,2002:merge" or not isinstance(key_node, yaml.ScalarNode):
+                        continue
+                    key = self.construct_object(key_node)
+                    if key in first_line:
+                        raise DuplicateKeyError(
+                            None, None, f"duplicate key {key!r} (first given at line {first_line[key]}); keep one of "
+                                        f"the two", key_node.start_mark)
+                    first_line[key] = key_node.start_mark.line + 1
+            elif isinstance(node, yaml.SequenceNode):
+                todo += node.value
 
 
 def load_yaml(text: str) -> Any:

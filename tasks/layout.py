@@ -22,7 +22,7 @@ from typing import Any
 
 from grpo_core import stages
 from grpo_core.config import GRPOConfig
-from grpo_core.io import read_json, write_json
+from grpo_core.io import InputError, read_json_object, write_json
 
 STAGES = stages.names()          # the registered stages' names, in order (grpo_core/stages.py)
 
@@ -79,11 +79,9 @@ def completed_record(run_dir: str | Path, k: int, stage: str, key: str) -> dict 
     if not p.exists():
         return None
     try:
-        rec = read_json(p)
-    except (ValueError, UnicodeDecodeError) as e:
-        rec = e
-    if not isinstance(rec, dict):
-        warnings.warn(f"{p}: unreadable stage record ({rec}); {stage} of iteration {k} runs again", stacklevel=2)
+        rec = read_json_object(p)
+    except InputError as e:
+        warnings.warn(f"{p}: unreadable stage record ({e}); {stage} of iteration {k} runs again", stacklevel=2)
         return None
     return rec if rec.get("key") == key else None
 

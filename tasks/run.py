@@ -43,9 +43,13 @@ def check_same_config(cfg: GRPOConfig, run_dir: Path) -> None:
     prev_path = run_dir / "config.yaml"
     if not prev_path.exists():
         return
+    import yaml
+    from grpo_core.config import yaml_error_message
     from grpo_core.io import load_yaml
     try:
         prev = GRPOConfig.model_validate(load_yaml(prev_path.read_text()) or {}).model_dump(mode="json")
+    except yaml.YAMLError as e:          # edited by hand into something that does not load
+        raise ConfigError(yaml_error_message(f"the run's config {str(prev_path)!r}", e)) from None
     except ValueError:
         return        # an older, now-invalid config: the stage keys decide what re-runs
     a, ours = semantic_fields(prev), semantic_fields(cfg.model_dump(mode="json"))

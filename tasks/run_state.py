@@ -12,7 +12,7 @@ from typing import Any
 
 from grpo_core import stages
 from grpo_core.errors import ConfigError
-from grpo_core.io import InputError, pid_alive, read_json, write_json
+from grpo_core.io import InputError, pid_alive, read_json_object, write_json
 
 LOCK_FILE = ".run.lock"
 _claimed: dict[str, Any] = {}          # run dir -> the open lock file of the run this process is running
@@ -39,13 +39,10 @@ def read_run_state(run_dir: str | Path) -> dict:
     if not p.exists():
         return {}
     try:
-        state = read_json(p)
-    except (ValueError, UnicodeDecodeError) as e:
-        state = e
-    if not isinstance(state, dict):
-        raise InputError(f"{p}: not a JSON object ({state}). Fix: restore it from a backup, or move it aside to "
-                         f"resume under a new MLflow run (the stage records under iter-<k>/ are kept)")
-    return state
+        return read_json_object(p)
+    except InputError as e:
+        raise InputError(f"{e}. Fix: restore it from a backup, or move it aside to resume under a new MLflow run "
+                         f"(the stage records under iter-<k>/ are kept)") from None
 
 
 def run_state_path(run_dir: str | Path) -> Path:

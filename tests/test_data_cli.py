@@ -81,6 +81,8 @@ def test_a_build_that_leaves_no_training_task_fails_and_says_why(tmp_path, capsy
     (b"sources:\n  - {name: arithmetic, n: 5, n: 6}\n", "line 2, column 30: duplicate key 'n' (first given at line 2)"),
     (b"sources: [{name: arithmetic, n: -5}]\n", "sources[0] (arithmetic): option 'n' must be a whole number >= 0, got -5"),
     (b"sources: [{name: gen_python, n: 1.5}]\n", "sources[0] (gen_python): option 'n' must be a whole number >= 0"),
+    (b"sources: [{name: tool_problems, n: {product: -1}}]\n",
+     "sources[0] (tool_problems): option 'n' must be a whole number >= 0 for each kind"),
     (b"sources: [{name: arithmetic, n: 5}]\nweights: {arithmetic: .nan}\n", "weights must be finite numbers >= 0"),
     (b"sources: [{name: arithmetic, n: 5}]\nweights: {arithmetic: .inf}\n", "weights must be finite numbers >= 0"),
     (b"sources: [{name: arithmetic, n: 5}]\nweights: {synthetc: 1}\n",
@@ -170,3 +172,11 @@ def test_an_arithmetic_source_asked_for_no_questions_loads_none(tmp_path):
     """n: 0 once looped forever, waiting for the 0th distinct question."""
     from grpo_core.data.sources import load_source
     assert load_source("arithmetic", n=0) == []
+
+
+def test_a_count_per_kind_is_a_count(tmp_path):
+    """tool_problems takes `n` as one count or a count per kind; both pass the count check."""
+    from grpo_core.data.build import load_build_config
+    cfg = tmp_path / "per_kind.yaml"
+    cfg.write_text("sources: [{name: tool_problems, n: {product: 5, two_step: 2}}]\n")
+    assert load_build_config(cfg).sources[0]["n"] == {"product": 5, "two_step": 2}

@@ -207,3 +207,20 @@ def test_what_the_endpoint_cannot_serve_is_refused_by_name(tiny, route, body, na
     with PolicyEndpoint(ScriptedEngine(tok, ["unused"]), tok, PARAMS, group_size=2) as ep:
         status, out = post(ep.base_url + route, body)
     assert status in (400, 404) and names in out["error"]["message"]
+
+
+def test_a_request_after_the_endpoint_closed_fails_at_once(tiny):
+    """An abandoned agent (past rollout_timeout) asking again on its kept-alive connection after the stage's
+    endpoint closed: an error at once, not a request queued behind the batcher's stop, waiting for ever (and
+    holding the model) in a handler thread."""
+    import time
+    model, tok = tiny
+    backend = KVCacheSampler(model, tok, CPU, progress=False)
+    ask = {"model": "policy", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    with PolicyEndpoint(backend, tok, PARAMS, group_size=1) as ep:
+        client = openai.OpenAI(base_url=ep.session_url("late") + "/v1", api_key="x", max_retries=0, timeout=60)
+        client.chat.completions.create(**ask)
+    t0 = time.monotonic()
+    with pytest.raises(openai.APIError):
+        client.chat.completions.create(**ask)
+    assert time.monotonic() - t0 < 20

@@ -116,5 +116,11 @@ def test_yaml_with_a_key_given_twice_is_an_error_naming_key_and_lines():
 
 
 def test_yaml_merge_keys_may_still_be_overridden():
+    import yaml
     from grpo_core.io import load_yaml
     assert load_yaml("base: &b {x: 1, y: 2}\nd:\n  <<: *b\n  x: 3\n")["d"] == {"x": 3, "y": 2}
+    # an anchored mapping that merges and overrides, merged again elsewhere: what safe_load gives, no false duplicate
+    nested = "base: &base {x: 1}\ntop: {inner: &mid {<<: *base, x: 2}}\nother: {<<: *mid, y: 3}\n"
+    assert load_yaml(nested) == yaml.safe_load(nested)
+    with pytest.raises(yaml.YAMLError, match="duplicate key 'a'"):       # inside a list, beside a merge
+        load_yaml("items:\n  - {<<: {a: 1}, a: 2, a: 3}\n")

@@ -222,6 +222,9 @@ def test_a_run_config_edited_after_the_start_is_refused_on_resume(tmp_path, caps
     err = capsys.readouterr().err
     assert f"error: {run / 'config.yaml'} was edited since run 'r' started (learning_rate: 0.0002 -> 0.5)" in err
     assert "Fix:" in err
+    (run / "config.yaml").write_text(cfg.to_yaml() + "seed: 7\n")             # a key given twice: one clear line
+    with pytest.raises(ConfigError, match=r"the run's config .*config.yaml': line \d+, column 1: duplicate key 'seed'"):
+        check_same_config(cfg, run)
 
 
 def test_invalid_config_fails_fast_with_nothing_written(tmp_path):
@@ -419,14 +422,21 @@ def test_a_schedule_name_taken_by_another_config_is_not_replaced_in_silence(pref
              "--work-pool", "clash-pool", "--name", "clash"]
     assert main([*start, "--interval", "6h"]) == 0
     assert main([*start, "--interval", "6h"]) == 0                               # the same: fine
+    with get_client(sync_client=True) as client:      # stored by an older version: without a field added since
+        from prefect.client.schemas.actions import DeploymentUpdate
+        there = client.read_deployment_by_name("grpo-training-run/clash")
+        older = {"config": {k: v for k, v in there.parameters["config"].items() if k != "rollout_timeout"}}
+        client.update_deployment(there.id, DeploymentUpdate(parameters=older))
+    assert main([*start, "--interval", "6h"]) == 0                               # still the same command
     capsys.readouterr()
     for other, what in ((["--interval", "6h", "--set", "learning_rate=0.5"], "config"),
-                        (["--interval", "1h"], "schedule")):
+                        (["--interval", "1h"], "schedule"),
+                        (["--interval", "6h", "--timezone", "America/New_York"], "schedule")):
         assert main([*start, *other]) == 2
         err = capsys.readouterr().err.strip().splitlines()
-        assert err == [f"error: a schedule named 'clash' is already on the server with another {what} (every 6:00:00, "
-                       f"clash-pool); give this one another --name, or replace it: grpo schedule delete clash, then "
-                       f"this command again"], err
+        assert err == [f"error: a schedule named 'clash' is already on the server with another {what} (every 6:00:00 "
+                       f"UTC, clash-pool); give this one another --name, or replace it: grpo schedule delete clash, "
+                       f"then this command again"], err
 
 
 def test_schedule_refuses_without_server(monkeypatch):

@@ -26,7 +26,6 @@ from __future__ import annotations
 import hashlib
 import inspect
 import json
-import math
 import time
 from collections import Counter, defaultdict
 from contextlib import contextmanager
@@ -125,10 +124,7 @@ class BuildConfig(_Strict):
     @field_validator("weights")
     @classmethod
     def _weights(cls, v):
-        bad = {k: w for k, w in v.items() if not math.isfinite(w) or w < 0}
-        if bad or (v and sum(v.values()) <= 0):
-            raise ValueError(f"weights must be finite numbers >= 0 with a positive sum, got {bad or v}; fix them or "
-                             f"remove weights (every task then counts alike)")
+        curation.check_weights(v)
         return v
 
 
@@ -137,12 +133,14 @@ _COUNT_MINIMUM = {"n": 0, "limit": 0, "n_cases": 2}
 
 
 def _check_counts(i: int, name: str, options: dict[str, Any]) -> None:
-    """The count options of built-in sources[i] are whole numbers at or above their minimum."""
+    """The count options of built-in sources[i] are whole numbers at or above their minimum (a count per kind,
+    as tool_problems' `n: {product: 50}`, each)."""
     for key, least in _COUNT_MINIMUM.items():
         value = options.get(key)
-        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < least):
-            raise ValueError(f"sources[{i}] ({name}): option {key!r} must be a whole number >= {least}, got "
-                             f"{value!r}")
+        for count in (value.values() if isinstance(value, dict) else () if value is None else (value,)):
+            if isinstance(count, bool) or not isinstance(count, int) or count < least:
+                raise ValueError(f"sources[{i}] ({name}): option {key!r} must be a whole number >= {least}"
+                                 f"{' for each kind' if isinstance(value, dict) else ''}, got {value!r}")
 
 
 def check_weight_keys(cfg: BuildConfig, tasks: list[Task]) -> None:
@@ -150,7 +148,7 @@ def check_weight_keys(cfg: BuildConfig, tasks: list[Task]) -> None:
     key is a typo whose quota would silently go to the other keys."""
     configured = {s["name"] for s in cfg.sources}
     known = set(GROUPS) | configured | {get_loader(name)[1] for name in configured} | {
-        key for t in tasks for key in (curation.source_key(t), t.source, curation.group_of(t))}
+        key for t in tasks for key in curation.mix_keys(t)}
     if unknown := sorted(set(cfg.weights) - known):
         raise ValueError(f"weights: {', '.join(map(repr, unknown))} names no group or loaded source; use one of "
                          f"{', '.join(sorted(known))}")

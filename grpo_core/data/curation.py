@@ -385,6 +385,20 @@ def source_key(task: Task) -> str:
     return task.meta.get("source_name") or task.source.split("/")[0]
 
 
+def check_weights(weights: dict[str, float]) -> None:
+    """Mix weights are finite numbers >= 0 with a positive sum (NaN or inf would give no task a quota)."""
+    bad = {k: w for k, w in weights.items() if not math.isfinite(w) or w < 0}
+    if bad or (weights and sum(weights.values()) <= 0):
+        raise ValueError(f"weights must be finite numbers >= 0 with a positive sum, got {bad or weights}; fix them "
+                         f"or remove weights (every task then counts alike)")
+
+
+def mix_keys(task: Task) -> tuple[str, str, str]:
+    """The weight keys a task may be drawn under, the first that has a weight winning: its source key, its source
+    name, its group."""
+    return source_key(task), task.source, group_of(task)
+
+
 def mix(tasks: Sequence[Task], weights: dict[str, float], total: int | None, seed: int = 0
         ) -> tuple[list[Task], list[Rejection]]:
     """Draw `total` tasks with shares given per source name or group ('synthetic', 'community', 'user').
@@ -396,12 +410,10 @@ def mix(tasks: Sequence[Task], weights: dict[str, float], total: int | None, see
     if not weights:
         chosen = order if total is None else order[:total]
     else:
-        bad = [k for k, w in weights.items() if w < 0]
-        if bad or sum(weights.values()) <= 0:
-            raise ValueError(f"mix weights must be >= 0 with a positive sum; got {weights}")
+        check_weights(weights)
         pools: dict[str, list[Task]] = {k: [] for k in weights}
         for t in order:
-            for key in (source_key(t), t.source, group_of(t)):
+            for key in mix_keys(t):
                 if key in pools:
                     pools[key].append(t)
                     break

@@ -60,6 +60,9 @@ class Conversation:
                 "branches": self.branches, "conversation": list(ep.conversation)}
 
 
+CLOSED = "the policy endpoint has closed: its stage's rollouts are over"
+
+
 class Batcher:
     """Samples the requests that arrive together in one engine call (each request one or `n` rows)."""
 
@@ -67,17 +70,27 @@ class Batcher:
         self.backend, self.params, self.window_s, self.max_rows = backend, params, window_s, max_rows
         self.calls = 0                                         # engine calls so far (each gets its own seed)
         self._queue: queue.Queue = queue.Queue()
+        self._lock = threading.Lock()
+        self._closed = False
         self._thread = threading.Thread(target=self._loop, name="endpoint-batcher", daemon=True)
         self._thread.start()
 
     def submit(self, prompt_ids: list[int], n: int, max_new_tokens: int) -> Future:
-        """-> a Future of n completions (token id lists with `.logprobs`)."""
+        """-> a Future of n completions (token id lists with `.logprobs`); after close, one that failed."""
         done: Future = Future()
-        self._queue.put((prompt_ids, n, max_new_tokens, done))
+        with self._lock:
+            if self._closed:
+                done.set_exception(RuntimeError(CLOSED))
+            else:
+                self._queue.put((prompt_ids, n, max_new_tokens, done))
         return done
 
     def close(self) -> None:
-        self._queue.put(None)
+        """Sample what was submitted, then stop; a request that comes later (an abandoned agent's) fails at once
+        instead of waiting for an engine that is gone."""
+        with self._lock:
+            self._closed = True
+            self._queue.put(None)
         self._thread.join(timeout=30)
 
     def _take(self) -> list | None:

@@ -529,15 +529,9 @@ _MODE_ONLY_FIELDS = (
     (("max_extra_rollouts",), "dynamic_sampling: true", lambda c: c.dynamic_sampling),
     (("max_tool_calling_iterations", "tool_timeout", "tool_calls_overlap"), "tools, an environment or rollout_func",
      lambda c: bool(c.tools or c.environment or c.rollout_func)),
-    (("rollout_timeout",), "rollout_func or an \"openenv:\"/\"verifiers:\" environment", lambda c: _agent_loop(c)),
+    (("rollout_timeout",), "rollout_func or an \"openenv:\"/\"verifiers:\" environment",
+     lambda c: c.agent_loop is not None),
 )
-
-
-def _agent_loop(cfg: "GRPOConfig") -> bool:
-    """Whether an agent loop drives the rollouts (grpo_core/rollout/agents.py): rollout_func, or an environment
-    of another standard."""
-    from grpo_core.rollout.tools import standard
-    return bool(cfg.rollout_func or standard(cfg.environment))
 
 
 def _unset_values(cfg: "GRPOConfig", name: str) -> tuple[Any, ...]:
@@ -831,6 +825,14 @@ class GRPOConfig(_Section):
                                      f"set {mode}, or remove {name} (over a config file that sets it: --set "
                                      f"{name}={json.dumps(unset[0])})")
         return self
+
+    @property
+    def agent_loop(self) -> str | None:
+        """The entry of the agent loop that drives every rollout (grpo_core/rollout/agents.py): rollout_func, or an
+        environment of another standard ("openenv:...", "verifiers:..."); None where the run samples the model's
+        turns itself."""
+        from grpo_core.rollout.tools import standard
+        return self.rollout_func or (self.environment if standard(self.environment) else None)
 
     @property
     def needs_sampler_logprobs(self) -> bool:

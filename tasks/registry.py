@@ -140,6 +140,8 @@ def download_adapter(uri: str, dst: str | Path, tracking: str | None = None) -> 
             from grpo_core.model.loading import ModelError
             raise ModelError(f"init_adapter {uri!r} is not a LoRA adapter dir (adapter_config.json missing)")
         return p
+    if tracking:
+        require_store(tracking, f"no adapter {uri}")      # reading would create an empty store
     import mlflow.artifacts
     dst = Path(dst)
     made = not dst.exists()

@@ -35,7 +35,7 @@ from typing import Callable, Sequence
 from grpo_core.rollout.sampling import PromptFormat, Sample, SamplingParams, prompt_messages, prompt_text_ids, render_chat
 from grpo_core.task import Task
 from grpo_core.rollout.tools import (Tool, ToolResult, check_environment, environment_tools, fallback_system_prompt,
-                                     parse_tool_calls, resolve_environments, resolve_tools, run_tool_calls, standard)
+                                     parse_tool_calls, resolve_environments, resolve_tools, run_tool_calls)
 
 log = logging.getLogger(__name__)
 
@@ -57,8 +57,8 @@ class Toolbox:
     def from_config(cls, cfg, tools: Sequence[str] | None = None) -> "Toolbox | None":
         """The run's toolbox (`tools`, `environment`), or None when the model may call nothing. `tools`
         overrides the config's list (evaluation with and without tools)."""
-        if tools is None and (cfg.rollout_func or standard(cfg.environment)):
-            return cls([], agent=cfg.rollout_func or cfg.environment, agent_options=cfg.environment_config,
+        if tools is None and cfg.agent_loop:
+            return cls([], agent=cfg.agent_loop, agent_options=cfg.environment_config,
                        agent_concurrency=cfg.generation_batch_size, agent_timeout=cfg.rollout_timeout)
         entries = list(cfg.tools if tools is None else tools)
         environment = cfg.environment if tools is None else None
